@@ -1,0 +1,333 @@
+//! The control socket between an engine and the daemon: length-prefixed
+//! frames (`len: u32 | kind: u16 | version: u16` then an rkyv archive),
+//! file-descriptor passing with SCM_RIGHTS, peer credentials, and both ends of
+//! the registration handshake (Hello -> Welcome + ring fds, or Reject).
+//!
+//! The connection stays open for the life of the registration: its closing
+//! (engine exit or SIGKILL) is the daemon's liveness signal, and the daemon
+//! sends resync requests over it.
+
+use std::io::{self, IoSlice, IoSliceMut, Read, Write};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::Duration;
+
+use rkyv::api::low::LowSerializer;
+use rkyv::rancor;
+use rkyv::ser::allocator::{Arena, ArenaHandle};
+use rkyv::util::AlignedVec;
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
+    SendAncillaryMessage, SendFlags,
+};
+
+use crate::error::ControlError;
+use crate::messages::control::{self, Hello, Reject, ResyncRequest, Welcome};
+use crate::ring::{Consumer, Producer};
+use crate::segment::Segment;
+
+/// Control protocol version carried in every frame.
+pub const CONTROL_VERSION: u16 = 1;
+/// Largest control frame payload either side accepts.
+pub const MAX_CONTROL_FRAME: u32 = 64 * 1024;
+const FRAME_HEADER: usize = 8;
+
+/// Serializer strategy used for every archive this crate writes.
+pub type Ser<'a> = LowSerializer<&'a mut AlignedVec, ArenaHandle<'a>, rancor::Error>;
+
+/// Serializes `value` into `buf` (cleared first) using `arena` as scratch.
+/// Allocates nothing once `buf` and `arena` have grown to the largest value.
+pub fn encode<T>(value: &T, buf: &mut AlignedVec, arena: &mut Arena) -> Result<(), rancor::Error>
+where
+    T: for<'a> rkyv::Serialize<Ser<'a>>,
+{
+    buf.clear();
+    rkyv::api::low::to_bytes_in_with_alloc::<_, _, rancor::Error>(value, buf, arena.acquire())?;
+    Ok(())
+}
+
+/// One received control frame.
+#[derive(Debug)]
+pub struct Frame {
+    pub kind: u16,
+    payload: AlignedVec,
+    /// Descriptors that arrived with the frame.
+    pub fds: Vec<OwnedFd>,
+}
+
+impl Frame {
+    /// Validated archived view of the payload.
+    pub fn access<T>(&self) -> Result<&T, ControlError>
+    where
+        T: rkyv::Portable
+            + for<'b> rkyv::bytecheck::CheckBytes<rkyv::api::low::LowValidator<'b, rancor::Error>>,
+    {
+        rkyv::api::low::access::<T, rancor::Error>(&self.payload).map_err(|e| {
+            ControlError::Invalid {
+                kind: self.kind,
+                message: e.to_string(),
+            }
+        })
+    }
+
+    /// Validates and deserializes the payload.
+    pub fn decode<T>(&self) -> Result<T, ControlError>
+    where
+        T: rkyv::Archive,
+        T::Archived: for<'b> rkyv::bytecheck::CheckBytes<rkyv::api::low::LowValidator<'b, rancor::Error>>
+            + rkyv::Deserialize<T, rkyv::api::low::LowDeserializer<rancor::Error>>,
+    {
+        let archived = self.access::<T::Archived>()?;
+        rkyv::api::low::deserialize::<T, rancor::Error>(archived).map_err(|e| {
+            ControlError::Invalid {
+                kind: self.kind,
+                message: e.to_string(),
+            }
+        })
+    }
+}
+
+/// Writes one frame carrying `value`, with `fds` attached to its first byte.
+pub fn write_frame<T>(
+    stream: &UnixStream,
+    kind: u16,
+    value: &T,
+    fds: &[BorrowedFd<'_>],
+) -> Result<(), ControlError>
+where
+    T: for<'a> rkyv::Serialize<Ser<'a>>,
+{
+    let mut payload = AlignedVec::new();
+    encode(value, &mut payload, &mut Arena::new()).map_err(|e| ControlError::Invalid {
+        kind,
+        message: e.to_string(),
+    })?;
+    let len = payload.len() as u32;
+    if len > MAX_CONTROL_FRAME {
+        return Err(ControlError::FrameTooLarge {
+            len,
+            limit: MAX_CONTROL_FRAME,
+        });
+    }
+    let mut header = [0u8; FRAME_HEADER];
+    header[..4].copy_from_slice(&len.to_le_bytes());
+    header[4..6].copy_from_slice(&kind.to_le_bytes());
+    header[6..].copy_from_slice(&CONTROL_VERSION.to_le_bytes());
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut anc = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() && !anc.push(SendAncillaryMessage::ScmRights(fds)) {
+        return Err(ControlError::Io(io::Error::other("too many descriptors")));
+    }
+    let iov = [IoSlice::new(&header), IoSlice::new(&payload)];
+    let total = header.len() + payload.len();
+    let sent = rustix::net::sendmsg(stream, &iov, &mut anc, SendFlags::NOSIGNAL)
+        .map_err(io::Error::from)?;
+    if sent < total {
+        // The descriptors went with the first byte; finish the rest plainly.
+        let mut rest = Vec::with_capacity(total - sent);
+        rest.extend_from_slice(&header);
+        rest.extend_from_slice(&payload);
+        (&*stream).write_all(&rest[sent..])?;
+    }
+    Ok(())
+}
+
+/// Reads one frame, collecting any descriptors sent with it. Rejects
+/// oversized frames and other protocol versions before reading the payload.
+pub fn read_frame(stream: &UnixStream) -> Result<Frame, ControlError> {
+    let mut header = [0u8; FRAME_HEADER];
+    let mut got = 0;
+    let mut fds = Vec::new();
+    while got < FRAME_HEADER {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(4))];
+        let mut anc = RecvAncillaryBuffer::new(&mut space);
+        let mut iov = [IoSliceMut::new(&mut header[got..])];
+        let msg = rustix::net::recvmsg(stream, &mut iov, &mut anc, RecvFlags::CMSG_CLOEXEC)
+            .map_err(io::Error::from)?;
+        for m in anc.drain() {
+            if let RecvAncillaryMessage::ScmRights(rights) = m {
+                fds.extend(rights);
+            }
+        }
+        if msg.bytes == 0 {
+            return Err(ControlError::Closed);
+        }
+        got += msg.bytes;
+    }
+    let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
+    let kind = u16::from_le_bytes(header[4..6].try_into().expect("2 bytes"));
+    let version = u16::from_le_bytes(header[6..].try_into().expect("2 bytes"));
+    if version != CONTROL_VERSION {
+        return Err(ControlError::Version {
+            found: version,
+            supported: CONTROL_VERSION,
+        });
+    }
+    if len > MAX_CONTROL_FRAME {
+        return Err(ControlError::FrameTooLarge {
+            len,
+            limit: MAX_CONTROL_FRAME,
+        });
+    }
+    let mut payload = AlignedVec::with_capacity(len as usize);
+    payload.resize(len as usize, 0);
+    (&*stream).read_exact(&mut payload).map_err(|e| {
+        if e.kind() == io::ErrorKind::UnexpectedEof {
+            ControlError::Closed
+        } else {
+            ControlError::Io(e)
+        }
+    })?;
+    Ok(Frame { kind, payload, fds })
+}
+
+/// Kernel-reported identity of the process at the other end.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerCred {
+    pub pid: u32,
+    pub uid: u32,
+    pub gid: u32,
+}
+
+/// SO_PEERCRED of a connected Unix socket.
+pub fn peer_credentials(stream: &impl AsFd) -> io::Result<PeerCred> {
+    let c = rustix::net::sockopt::socket_peercred(stream)?;
+    Ok(PeerCred {
+        pid: c.pid.as_raw_nonzero().get() as u32,
+        uid: c.uid.as_raw(),
+        gid: c.gid.as_raw(),
+    })
+}
+
+// ---------------------------------------------------------------- daemon side
+
+/// Reads the Hello an engine must send first.
+pub fn read_hello(stream: &UnixStream) -> Result<Hello, ControlError> {
+    let frame = read_frame(stream)?;
+    if frame.kind != control::kind::HELLO {
+        return Err(ControlError::Unexpected {
+            found: frame.kind,
+            expected: "Hello",
+        });
+    }
+    frame.decode::<Hello>()
+}
+
+/// Accepts a registration: sends Welcome with the ring memfd and wake fd.
+pub fn send_welcome(
+    stream: &UnixStream,
+    welcome: &Welcome,
+    ring: &Consumer,
+) -> Result<(), ControlError> {
+    write_frame(
+        stream,
+        control::kind::WELCOME,
+        welcome,
+        &[ring.segment_fd(), ring.wake_fd()],
+    )
+}
+
+/// Refuses a registration with a code and a message for the engine's logs.
+pub fn send_reject(stream: &UnixStream, code: u32, message: &str) -> Result<(), ControlError> {
+    let reject = Reject {
+        code,
+        message: message.to_owned(),
+    };
+    write_frame(stream, control::kind::REJECT, &reject, &[])
+}
+
+/// Asks the engine for a full snapshot.
+pub fn send_resync(stream: &UnixStream, request: &ResyncRequest) -> Result<(), ControlError> {
+    write_frame(stream, control::kind::RESYNC_REQUEST, request, &[])
+}
+
+// ---------------------------------------------------------------- engine side
+
+/// The engine's end of a registration: the open control connection.
+#[derive(Debug)]
+pub struct ProducerSession {
+    stream: UnixStream,
+    welcome: Welcome,
+}
+
+impl ProducerSession {
+    /// Connects to the daemon's control socket, registers with `hello`, and
+    /// returns the session and the ring producer. Blocks at most `timeout`
+    /// for each step.
+    pub fn connect(
+        path: impl AsRef<Path>,
+        hello: &Hello,
+        timeout: Duration,
+    ) -> Result<(ProducerSession, Producer), ControlError> {
+        let stream = UnixStream::connect(path)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        write_frame(&stream, control::kind::HELLO, hello, &[])?;
+        let mut frame = read_frame(&stream)?;
+        match frame.kind {
+            control::kind::WELCOME => {}
+            control::kind::REJECT => {
+                let r = frame.decode::<Reject>()?;
+                return Err(ControlError::Rejected {
+                    code: r.code,
+                    message: r.message,
+                });
+            }
+            other => {
+                return Err(ControlError::Unexpected {
+                    found: other,
+                    expected: "Welcome or Reject",
+                });
+            }
+        }
+        let welcome = frame.decode::<Welcome>()?;
+        if frame.fds.len() != 2 {
+            return Err(ControlError::MissingFds {
+                expected: 2,
+                got: frame.fds.len(),
+            });
+        }
+        let wake = frame.fds.pop().expect("two fds");
+        let memfd = frame.fds.pop().expect("two fds");
+        let producer = Producer::new(Segment::open(memfd)?, Some(wake))?;
+        stream.set_nonblocking(true)?;
+        Ok((ProducerSession { stream, welcome }, producer))
+    }
+
+    /// What the daemon accepted.
+    pub fn welcome(&self) -> &Welcome {
+        &self.welcome
+    }
+
+    /// Non-blocking check for a daemon request. `Ok(None)` when nothing is
+    /// pending; [`ControlError::Closed`] when the daemon went away.
+    pub fn poll(&mut self) -> Result<Option<ResyncRequest>, ControlError> {
+        let mut probe = [0u8; 1];
+        match rustix::net::recv(&self.stream, &mut probe, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+            Ok((0, _)) => return Err(ControlError::Closed),
+            Ok(_) => {}
+            Err(rustix::io::Errno::AGAIN) => return Ok(None),
+            Err(e) => return Err(io::Error::from(e).into()),
+        }
+        // A frame has started: read it whole (the daemon writes frames in one
+        // call, so this does not wait on a slow peer in practice).
+        self.stream.set_nonblocking(false)?;
+        let frame = read_frame(&self.stream);
+        self.stream.set_nonblocking(true)?;
+        let frame = frame?;
+        if frame.kind != control::kind::RESYNC_REQUEST {
+            return Err(ControlError::Unexpected {
+                found: frame.kind,
+                expected: "ResyncRequest",
+            });
+        }
+        frame.decode::<ResyncRequest>().map(Some)
+    }
+
+    /// The raw connection (for an engine that polls it with its own loop).
+    pub fn stream(&self) -> &UnixStream {
+        &self.stream
+    }
+}

@@ -1,0 +1,27 @@
+//! `kvedge-shm`: the contract between GPU inference engines and the kvedge
+//! daemon.
+//!
+//! Engines hand KV-cache block events and load to the daemon through a
+//! single-producer single-consumer shared-memory [`ring`] of rkyv
+//! [`messages`], created by the daemon as a sealed memfd ([`segment`]) and
+//! passed over the [`control`] socket. The producer never blocks and never
+//! allocates after warm-up ([`publisher`]); the consumer treats every byte in
+//! shared memory as hostile. Block identity comes from one [`hash`]
+//! implementation shared by engines, daemon, CLI and C library.
+//!
+//! This crate has no async runtime: the daemon drives the consumer from its
+//! own loop, engines call the publisher from theirs.
+
+pub mod control;
+pub mod error;
+pub mod hash;
+pub mod layout;
+pub mod messages;
+pub mod publisher;
+pub mod ring;
+pub mod segment;
+
+pub use error::{ControlError, DecodeError, RingError, SegmentError};
+pub use messages::{Event, EventRef, Tier, decode};
+pub use publisher::{PublishError, Publisher};
+pub use ring::{Consumer, Producer, Push, PushError, Record};

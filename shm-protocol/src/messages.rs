@@ -1,0 +1,301 @@
+//! Message schema v1: the rkyv types carried in ring records (KV events,
+//! load, heartbeats, snapshot brackets) and on the control socket (Hello,
+//! Welcome, Reject, ResyncRequest), their record-type numbers, and the
+//! checked decoding of a record payload into an archived view.
+//!
+//! Decoding never deserializes into owned values: the daemon reads the
+//! archived view in place, so consuming a record allocates nothing.
+
+use rkyv::{Archive, Deserialize, Serialize};
+
+use crate::error::DecodeError;
+
+/// KV cache tier of a block.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[rkyv(derive(Debug, PartialEq, Eq, Clone, Copy))]
+#[repr(u8)]
+pub enum Tier {
+    Device = 0,
+    Host = 1,
+    Disk = 2,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Host, Tier::Disk];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Host => "host",
+            Tier::Disk => "disk",
+        }
+    }
+}
+
+impl ArchivedTier {
+    pub fn to_native(self) -> Tier {
+        match self {
+            ArchivedTier::Device => Tier::Device,
+            ArchivedTier::Host => Tier::Host,
+            ArchivedTier::Disk => Tier::Disk,
+        }
+    }
+}
+
+/// Role of a worker in (dis)aggregated serving.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[rkyv(derive(Debug, PartialEq, Eq, Clone, Copy))]
+#[repr(u8)]
+pub enum Role {
+    Aggregated = 0,
+    Prefill = 1,
+    Decode = 2,
+    Encode = 3,
+}
+
+impl ArchivedRole {
+    pub fn to_native(self) -> Role {
+        match self {
+            ArchivedRole::Aggregated => Role::Aggregated,
+            ArchivedRole::Prefill => Role::Prefill,
+            ArchivedRole::Decode => Role::Decode,
+            ArchivedRole::Encode => Role::Encode,
+        }
+    }
+}
+
+/// One stored block: its chained sequence hash and its own local hash.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct StoredBlock {
+    pub sequence_hash: u64,
+    pub local_hash: u64,
+}
+
+/// Blocks became resident in `tier`, extending the chain after `parent`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct KvStored {
+    pub parent: Option<u64>,
+    pub blocks: Vec<StoredBlock>,
+    pub tier: Tier,
+    /// Block seed when hashed with a LoRA name or cache namespace (see
+    /// [`crate::hash::block_seed`]); `None` for the plain seed 1337.
+    pub salt: Option<u64>,
+}
+
+/// Blocks left `tier`.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct KvRemoved {
+    pub tier: Tier,
+    pub hashes: Vec<u64>,
+}
+
+/// Every block of one tier (or of all tiers) is gone.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct KvCleared {
+    /// `None` clears every tier.
+    pub tier: Option<Tier>,
+}
+
+/// The engine's own view of its load: the truth the daemon projects from.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[rkyv(derive(Debug))]
+pub struct Load {
+    pub active_requests: u32,
+    pub waiting_requests: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+    /// CLOCK_MONOTONIC nanoseconds at the engine when measured.
+    pub timestamp_ns: u64,
+}
+
+/// Liveness beat (the open control connection is the primary signal; this
+/// catches a hung engine).
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[rkyv(derive(Debug))]
+pub struct Heartbeat {
+    pub timestamp_ns: u64,
+}
+
+/// Starts a full snapshot: the consumer discards its view of this worker;
+/// a Cleared(all) and Stored events for every held block follow.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[rkyv(derive(Debug))]
+pub struct SnapshotBegin {
+    pub snapshot_id: u64,
+}
+
+/// Ends the snapshot begun with the same id.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[rkyv(derive(Debug))]
+pub struct SnapshotEnd {
+    pub snapshot_id: u64,
+    /// Blocks the producer published inside the bracket (a cross-check).
+    pub blocks: u64,
+}
+
+/// Record type numbers of ring messages.
+pub mod kind {
+    pub const KV_STORED: u16 = 1;
+    pub const KV_REMOVED: u16 = 2;
+    pub const KV_CLEARED: u16 = 3;
+    pub const LOAD: u16 = 4;
+    pub const HEARTBEAT: u16 = 5;
+    pub const SNAPSHOT_BEGIN: u16 = 6;
+    pub const SNAPSHOT_END: u16 = 7;
+}
+
+/// A ring message by value (what a producer publishes).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Event {
+    Stored(KvStored),
+    Removed(KvRemoved),
+    Cleared(KvCleared),
+    Load(Load),
+    Heartbeat(Heartbeat),
+    SnapshotBegin(SnapshotBegin),
+    SnapshotEnd(SnapshotEnd),
+}
+
+/// A validated archived view of one ring record's payload.
+#[derive(Debug, Clone, Copy)]
+pub enum EventRef<'a> {
+    Stored(&'a ArchivedKvStored),
+    Removed(&'a ArchivedKvRemoved),
+    Cleared(&'a ArchivedKvCleared),
+    Load(&'a ArchivedLoad),
+    Heartbeat(&'a ArchivedHeartbeat),
+    SnapshotBegin(&'a ArchivedSnapshotBegin),
+    SnapshotEnd(&'a ArchivedSnapshotEnd),
+}
+
+fn access<'a, T>(kind: u16, payload: &'a [u8]) -> Result<&'a T, DecodeError>
+where
+    T: rkyv::Portable
+        + for<'b> rkyv::bytecheck::CheckBytes<rkyv::api::low::LowValidator<'b, rkyv::rancor::Error>>,
+{
+    rkyv::api::low::access::<T, rkyv::rancor::Error>(payload).map_err(|e| DecodeError::Invalid {
+        kind,
+        message: e.to_string(),
+    })
+}
+
+/// Validates `payload` (which must be 16-byte aligned, as the consumer's
+/// buffer is) as the archive of record type `kind`.
+pub fn decode(kind: u16, payload: &[u8]) -> Result<EventRef<'_>, DecodeError> {
+    Ok(match kind {
+        kind::KV_STORED => EventRef::Stored(access(kind, payload)?),
+        kind::KV_REMOVED => EventRef::Removed(access(kind, payload)?),
+        kind::KV_CLEARED => EventRef::Cleared(access(kind, payload)?),
+        kind::LOAD => EventRef::Load(access(kind, payload)?),
+        kind::HEARTBEAT => EventRef::Heartbeat(access(kind, payload)?),
+        kind::SNAPSHOT_BEGIN => EventRef::SnapshotBegin(access(kind, payload)?),
+        kind::SNAPSHOT_END => EventRef::SnapshotEnd(access(kind, payload)?),
+        other => return Err(DecodeError::UnknownType(other)),
+    })
+}
+
+/// Control-socket messages.
+pub mod control {
+    use super::*;
+
+    /// Control frame kinds.
+    pub mod kind {
+        pub const HELLO: u16 = 1;
+        pub const WELCOME: u16 = 2;
+        pub const REJECT: u16 = 3;
+        pub const RESYNC_REQUEST: u16 = 4;
+    }
+
+    /// A free-form label attached to a worker (`key=value`).
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+    #[rkyv(derive(Debug))]
+    pub struct Label {
+        pub key: String,
+        pub value: String,
+    }
+
+    /// Sent by an engine (one per data-parallel rank) to register.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+    #[rkyv(derive(Debug))]
+    pub struct Hello {
+        pub worker_id: u64,
+        pub dp_rank: u32,
+        pub model: String,
+        pub role: Role,
+        pub block_size: u32,
+        /// Total KV blocks per tier: device, host, disk.
+        pub kv_blocks: [u64; 3],
+        pub labels: Vec<Label>,
+        pub taints: Vec<String>,
+        /// Where frontends send requests for this worker (URL or socket path).
+        pub endpoint: String,
+        /// Ring capacity the engine asks for (0 = daemon default).
+        pub ring_capacity: u64,
+    }
+
+    /// The daemon accepted the registration; the ring memfd and its wake
+    /// eventfd ride along as SCM_RIGHTS.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+    #[rkyv(derive(Debug))]
+    pub struct Welcome {
+        pub worker_id: u64,
+        pub dp_rank: u32,
+        pub attach_epoch: u64,
+        pub ring_capacity: u64,
+        /// The engine must send a Heartbeat or any record at least this often.
+        pub heartbeat_interval_ms: u32,
+    }
+
+    /// The daemon refused the registration.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+    #[rkyv(derive(Debug))]
+    pub struct Reject {
+        pub code: u32,
+        pub message: String,
+    }
+
+    /// The daemon lost events (a ring gap) and asks for a full snapshot.
+    #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+    #[rkyv(derive(Debug))]
+    pub struct ResyncRequest {
+        pub snapshot_id: u64,
+        /// First sequence number the daemon is missing.
+        pub missing_from_seq: u64,
+    }
+
+    /// Reject codes.
+    pub mod reject {
+        pub const DUPLICATE_WORKER: u32 = 1;
+        pub const NOT_PERMITTED: u32 = 2;
+        pub const INVALID_HELLO: u32 = 3;
+        pub const TOO_MANY_WORKERS: u32 = 4;
+        pub const INTERNAL: u32 = 5;
+    }
+}
+
+const fn fold(h: u64, v: usize) -> u64 {
+    (h ^ v as u64).wrapping_mul(0x100_0000_01b3)
+}
+
+/// Folds the archived size and alignment of every ring message into the
+/// layout hash, so a schema change that moves bytes changes the fingerprint.
+pub const SCHEMA_FINGERPRINT: u64 = {
+    use std::mem::{align_of, size_of};
+    let mut h = 0xcbf2_9ce4_8422_2325u64;
+    h = fold(h, size_of::<ArchivedKvStored>());
+    h = fold(h, align_of::<ArchivedKvStored>());
+    h = fold(h, size_of::<ArchivedStoredBlock>());
+    h = fold(h, size_of::<ArchivedKvRemoved>());
+    h = fold(h, size_of::<ArchivedKvCleared>());
+    h = fold(h, size_of::<ArchivedLoad>());
+    h = fold(h, size_of::<ArchivedHeartbeat>());
+    h = fold(h, size_of::<ArchivedSnapshotBegin>());
+    h = fold(h, size_of::<ArchivedSnapshotEnd>());
+    fold(h, size_of::<control::ArchivedHello>())
+};

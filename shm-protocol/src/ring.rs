@@ -1,0 +1,484 @@
+//! The single-producer single-consumer byte ring over a [`Segment`].
+//!
+//! Positions are monotonically increasing byte counters; a record lives at
+//! `pos & (capacity - 1)`. A record is a 16-byte header (`len | type | flags |
+//! seq`) and its payload, padded to 16 bytes, and is never split: when it
+//! would cross the end, the producer first writes a padding record up to the
+//! end. The producer commits by a release store of `tail` after writing the
+//! bytes, so a producer killed mid-write leaves nothing visible.
+//!
+//! The producer never blocks: on a full ring it drops the record, counts it in
+//! the header's `dropped` line and still consumes a sequence number, so the
+//! consumer sees a gap of exactly the dropped records.
+//!
+//! The consumer treats the whole segment as hostile. It keeps its own head,
+//! validates every tail it loads and every record header it reads, copies a
+//! record out of shared memory (with atomic word loads, never through a
+//! reference to shared bytes) into an aligned buffer it owns, and only then
+//! hands it on. Any framing violation poisons the ring with a [`RingError`];
+//! it never reads outside the data area, panics or loops unboundedly.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::time::Duration;
+
+use rustix::event::{EventfdFlags, PollFd, PollFlags};
+
+use crate::error::{RingError, SegmentError};
+use crate::layout::{
+    PADDING_TYPE, RECORD_HEADER_SIZE, RecordHeader, max_payload, record_footprint,
+};
+use crate::segment::Segment;
+
+/// What happened to one pushed record.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Push {
+    /// The record is visible to the consumer.
+    Committed { seq: u64 },
+    /// The ring was full: the record was dropped and `seq` is a gap.
+    Dropped { seq: u64 },
+}
+
+/// A push the producer refused outright (caller bug); no sequence number used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PushError {
+    #[error("payload of {len} bytes exceeds the ring's record limit of {limit}")]
+    TooLarge { len: usize, limit: usize },
+    #[error("record type {0:#x} is reserved for ring padding")]
+    ReservedType(u16),
+}
+
+/// The writing end. Owned by exactly one thread of the engine process.
+#[derive(Debug)]
+pub struct Producer {
+    seg: Segment,
+    wake: Option<OwnedFd>,
+    capacity: u64,
+    tail: u64,
+    head_cache: u64,
+    next_seq: u64,
+    dropped: u64,
+    max_payload: usize,
+    /// Set when the consumer published an impossible head; from then on every
+    /// record is dropped (the daemon will notice the silence or the gap).
+    consumer_broken: bool,
+}
+
+impl Producer {
+    /// Takes the producer side of a validated segment. `wake` is the eventfd
+    /// the consumer sleeps on, if any.
+    pub fn new(seg: Segment, wake: Option<OwnedFd>) -> Result<Self, SegmentError> {
+        let h = seg.header();
+        let tail = h.tail.0.load(Ordering::Acquire);
+        let head = h.head.0.load(Ordering::Acquire);
+        if tail != 0 || head != 0 {
+            return Err(SegmentError::NotFresh { tail, head });
+        }
+        h.identity
+            .0
+            .producer_pid
+            .store(std::process::id(), Ordering::Relaxed);
+        let capacity = seg.capacity();
+        Ok(Producer {
+            max_payload: max_payload(capacity),
+            seg,
+            wake,
+            capacity,
+            tail: 0,
+            head_cache: 0,
+            next_seq: 0,
+            dropped: 0,
+            consumer_broken: false,
+        })
+    }
+
+    /// Largest payload this ring accepts.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
+    /// Sequence number the next push will carry.
+    pub fn next_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// Records dropped so far because the ring was full.
+    pub fn dropped(&self) -> u64 {
+        self.dropped
+    }
+
+    /// The attach epoch the daemon wrote into the segment.
+    pub fn attach_epoch(&self) -> u64 {
+        self.seg.attach_epoch()
+    }
+
+    /// Appends one record, never blocking. Wakes the consumer only when it
+    /// announced it is going to sleep.
+    pub fn try_push(&mut self, kind: u16, flags: u16, payload: &[u8]) -> Result<Push, PushError> {
+        if kind == PADDING_TYPE {
+            return Err(PushError::ReservedType(kind));
+        }
+        if payload.len() > self.max_payload {
+            return Err(PushError::TooLarge {
+                len: payload.len(),
+                limit: self.max_payload,
+            });
+        }
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        let total = record_footprint(payload.len()) as u64;
+        let idx = self.tail & (self.capacity - 1);
+        let to_end = self.capacity - idx;
+        let needed = if total <= to_end { total } else { to_end + total };
+        if !self.has_room(needed) {
+            self.dropped += 1;
+            self.seg.header().dropped.0.store(self.dropped, Ordering::Relaxed);
+            return Ok(Push::Dropped { seq });
+        }
+        let mut idx = idx;
+        if total > to_end {
+            let pad = RecordHeader {
+                len: (to_end - RECORD_HEADER_SIZE as u64) as u32,
+                kind: PADDING_TYPE,
+                flags: 0,
+                seq: 0,
+            };
+            self.write_header(idx, pad);
+            self.tail += to_end;
+            idx = 0;
+        }
+        let header = RecordHeader {
+            len: payload.len() as u32,
+            kind,
+            flags,
+            seq,
+        };
+        self.write_header(idx, header);
+        // SAFETY: idx + total <= capacity was established above (the record
+        // fits before the end), so the payload lies inside the data area; the
+        // region [tail, tail + needed) is not readable by the consumer until
+        // the tail store below, and `payload` is a separate heap/stack slice.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                payload.as_ptr(),
+                self.seg
+                    .data_ptr()
+                    .add(idx as usize + RECORD_HEADER_SIZE),
+                payload.len(),
+            );
+        }
+        self.tail += total;
+        let h = self.seg.header();
+        h.tail.0.store(self.tail, Ordering::Release);
+        // Pairs with the consumer's fence in `prepare_sleep`: either it sees
+        // our tail, or we see its sleeping flag.
+        fence(Ordering::SeqCst);
+        if h.consumer_sleeping.0.load(Ordering::Relaxed) != 0 {
+            self.wake();
+        }
+        Ok(Push::Committed { seq })
+    }
+
+    fn has_room(&mut self, needed: u64) -> bool {
+        if self.consumer_broken {
+            return false;
+        }
+        if self.capacity - (self.tail - self.head_cache) >= needed {
+            return true;
+        }
+        let head = self.seg.header().head.0.load(Ordering::Acquire);
+        if head < self.head_cache || head > self.tail {
+            self.consumer_broken = true;
+            return false;
+        }
+        self.head_cache = head;
+        self.capacity - (self.tail - head) >= needed
+    }
+
+    fn write_header(&mut self, idx: u64, h: RecordHeader) {
+        // SAFETY: idx is 16-aligned and idx + 16 <= capacity (records and
+        // padding always start on 16-byte boundaries of a power-of-two area of
+        // at least 4096 bytes), so both words are inside the data area and
+        // 8-aligned; the consumer does not read them before the tail store.
+        unsafe {
+            let p = self.seg.data_ptr().add(idx as usize).cast::<u64>();
+            p.write(h.word0().to_le());
+            p.add(1).write(h.seq.to_le());
+        }
+    }
+
+    fn wake(&self) {
+        if let Some(fd) = &self.wake {
+            // A full eventfd counter (EAGAIN) already means "wake up"; any
+            // other error cannot be acted on without blocking the engine.
+            let _ = rustix::io::write(fd, &1u64.to_ne_bytes());
+        }
+    }
+}
+
+/// One record handed out by [`Consumer::poll`], borrowed from the consumer's
+/// private buffer (not from shared memory).
+#[derive(Debug, Clone, Copy)]
+pub struct Record<'a> {
+    pub kind: u16,
+    pub flags: u16,
+    pub seq: u64,
+    /// Records the producer dropped between the previous record and this one.
+    pub missing_before: u64,
+    pub payload: &'a [u8],
+}
+
+/// The reading end, owned by the daemon.
+#[derive(Debug)]
+pub struct Consumer {
+    seg: Segment,
+    wake: OwnedFd,
+    capacity: u64,
+    head: u64,
+    tail_cache: u64,
+    expected_seq: u64,
+    missing_total: u64,
+    max_payload: usize,
+    buf: Vec<u128>,
+    poisoned: Option<RingError>,
+}
+
+impl Consumer {
+    /// Creates a fresh segment and its wake eventfd.
+    pub fn create(capacity: u64, attach_epoch: u64) -> Result<Self, SegmentError> {
+        let seg = Segment::create(capacity, attach_epoch)?;
+        let wake = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+            .map_err(|e| SegmentError::os("eventfd", e))?;
+        let max_payload = max_payload(capacity);
+        Ok(Consumer {
+            seg,
+            wake,
+            capacity,
+            head: 0,
+            tail_cache: 0,
+            expected_seq: 0,
+            missing_total: 0,
+            max_payload,
+            buf: vec![0; max_payload.div_ceil(16)],
+            poisoned: None,
+        })
+    }
+
+    /// The segment's memfd, to hand to the producer.
+    pub fn segment_fd(&self) -> BorrowedFd<'_> {
+        self.seg.fd()
+    }
+
+    /// The eventfd the producer signals; register it with epoll to sleep.
+    pub fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.wake.as_fd()
+    }
+
+    /// The segment itself (tests and tools inspect its header).
+    pub fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
+    /// Total records reported missing in gaps so far.
+    pub fn missing_total(&self) -> u64 {
+        self.missing_total
+    }
+
+    /// The dropped count the producer claims in the header (untrusted; for
+    /// reporting only).
+    pub fn producer_dropped(&self) -> u64 {
+        self.seg.header().dropped.0.load(Ordering::Relaxed)
+    }
+
+    /// The producer's pid as written at attach (untrusted).
+    pub fn producer_pid(&self) -> u32 {
+        self.seg
+            .header()
+            .identity
+            .0
+            .producer_pid
+            .load(Ordering::Relaxed)
+    }
+
+    /// The error that poisoned this ring, if any.
+    pub fn poisoned(&self) -> Option<&RingError> {
+        self.poisoned.as_ref()
+    }
+
+    /// True when committed records are waiting (one acquire load).
+    pub fn has_pending(&self) -> bool {
+        self.head != self.seg.header().tail.0.load(Ordering::Acquire)
+    }
+
+    /// Returns the next record, `Ok(None)` when the ring is empty, or the
+    /// error that makes this ring unusable (sticky).
+    pub fn poll(&mut self) -> Result<Option<Record<'_>>, RingError> {
+        if let Some(e) = &self.poisoned {
+            return Err(e.clone());
+        }
+        match self.next_record() {
+            Ok(Some((kind, flags, seq, missing, len))) => Ok(Some(Record {
+                kind,
+                flags,
+                seq,
+                missing_before: missing,
+                payload: &bytemuck::cast_slice::<u128, u8>(&self.buf)[..len],
+            })),
+            Ok(None) => Ok(None),
+            Err(e) => {
+                self.poisoned = Some(e.clone());
+                Err(e)
+            }
+        }
+    }
+
+    #[allow(clippy::type_complexity)]
+    fn next_record(&mut self) -> Result<Option<(u16, u16, u64, u64, usize)>, RingError> {
+        // At most one padding record can precede a real one, so this loop
+        // runs at most twice per call.
+        for _ in 0..2 {
+            if self.head == self.tail_cache && !self.refresh_tail()? {
+                return Ok(None);
+            }
+            let available = self.tail_cache - self.head;
+            let idx = self.head & (self.capacity - 1);
+            let base = self.seg.data_ptr();
+            // SAFETY: idx is 16-aligned (head only advances by multiples of
+            // 16) and idx + 16 <= capacity, so both words are in the data area
+            // and 8-aligned; AtomicU64 accepts any bits the producer wrote.
+            let (w0, seq) = unsafe {
+                let p = base.add(idx as usize).cast::<u64>();
+                (
+                    AtomicU64::from_ptr(p).load(Ordering::Relaxed),
+                    AtomicU64::from_ptr(p.add(1)).load(Ordering::Relaxed),
+                )
+            };
+            let h = RecordHeader::from_words(u64::from_le(w0), u64::from_le(seq));
+            let len = u64::from(h.len);
+            let pos = self.head;
+            let to_end = self.capacity - idx;
+            if h.kind == PADDING_TYPE {
+                if len + RECORD_HEADER_SIZE as u64 != to_end || to_end > available {
+                    return Err(RingError::BadPadding { pos });
+                }
+                self.advance(to_end);
+                continue;
+            }
+            if len > self.max_payload as u64 {
+                return Err(RingError::RecordTooLarge {
+                    pos,
+                    len,
+                    limit: self.max_payload as u64,
+                });
+            }
+            let total = record_footprint(len as usize) as u64;
+            if total > to_end {
+                return Err(RingError::RecordSplit { pos, len });
+            }
+            if total > available {
+                return Err(RingError::RecordOverrun {
+                    pos,
+                    len,
+                    available: available - RECORD_HEADER_SIZE as u64,
+                });
+            }
+            if h.seq < self.expected_seq {
+                return Err(RingError::SequenceRegression {
+                    expected: self.expected_seq,
+                    found: h.seq,
+                });
+            }
+            let missing = h.seq - self.expected_seq;
+            self.expected_seq = h.seq + 1;
+            self.missing_total += missing;
+            let words = (len as usize).div_ceil(8);
+            let dst = bytemuck::cast_slice_mut::<u128, u64>(&mut self.buf);
+            // SAFETY: the payload starts 16 bytes after idx and `words * 8 <=
+            // total - 16`, so every word read lies inside this record, which
+            // lies inside the data area (checked above); `words <=
+            // max_payload / 8 + 1 <= dst.len()` since buf holds
+            // max_payload rounded up to 16. Reads are atomic, so concurrent
+            // rewrites by a hostile producer only change the values we copy.
+            unsafe {
+                let src = base.add(idx as usize + RECORD_HEADER_SIZE).cast::<u64>();
+                for (i, d) in dst[..words].iter_mut().enumerate() {
+                    *d = AtomicU64::from_ptr(src.add(i)).load(Ordering::Relaxed);
+                }
+            }
+            self.advance(total);
+            return Ok(Some((h.kind, h.flags, h.seq, missing, len as usize)));
+        }
+        Ok(None)
+    }
+
+    fn refresh_tail(&mut self) -> Result<bool, RingError> {
+        let tail = self.seg.header().tail.0.load(Ordering::Acquire);
+        if tail % 16 != 0 {
+            return Err(RingError::TailMisaligned(tail));
+        }
+        if tail < self.head || tail - self.head > self.capacity {
+            return Err(RingError::TailOutOfRange {
+                tail,
+                head: self.head,
+                capacity: self.capacity,
+            });
+        }
+        self.tail_cache = tail;
+        Ok(tail != self.head)
+    }
+
+    fn advance(&mut self, by: u64) {
+        self.head += by;
+        self.seg.header().head.0.store(self.head, Ordering::Release);
+    }
+
+    /// Announces that the consumer is about to sleep. Returns `false` (and
+    /// clears the flag) when records arrived meanwhile, so the caller must
+    /// not sleep. After sleeping, call [`Consumer::end_sleep`].
+    pub fn prepare_sleep(&mut self) -> bool {
+        let h = self.seg.header();
+        h.consumer_sleeping.0.store(1, Ordering::Relaxed);
+        fence(Ordering::SeqCst);
+        if self.has_pending() {
+            h.consumer_sleeping.0.store(0, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
+    /// Clears the sleeping flag and drains the eventfd counter.
+    pub fn end_sleep(&mut self) {
+        self.seg
+            .header()
+            .consumer_sleeping
+            .0
+            .store(0, Ordering::Relaxed);
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(&self.wake, &mut buf);
+    }
+
+    /// Waits until records are pending or `timeout` passes: spins for
+    /// `spin` first (cheap when the producer is busy), then sleeps on the
+    /// eventfd. Returns whether records are pending.
+    pub fn wait(&mut self, spin: Duration, timeout: Duration) -> bool {
+        let start = std::time::Instant::now();
+        while start.elapsed() < spin {
+            if self.has_pending() {
+                return true;
+            }
+            std::hint::spin_loop();
+        }
+        if !self.prepare_sleep() {
+            return true;
+        }
+        let remaining = timeout.saturating_sub(start.elapsed());
+        let ts = rustix::time::Timespec::try_from(remaining).unwrap_or(rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        });
+        let mut fds = [PollFd::new(&self.wake, PollFlags::IN)];
+        let _ = rustix::event::poll(&mut fds, Some(&ts));
+        self.end_sleep();
+        self.has_pending()
+    }
+}
