@@ -243,6 +243,18 @@ pub fn send_resync(stream: &UnixStream, request: &ResyncRequest) -> Result<(), C
     write_frame(stream, control::kind::RESYNC_REQUEST, request, &[])
 }
 
+/// Whether the engine closed its end (non-blocking). Pending unread bytes
+/// count as open.
+pub fn connection_closed(stream: &UnixStream) -> io::Result<bool> {
+    let mut probe = [0u8; 1];
+    match rustix::net::recv(stream, &mut probe, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        Ok((0, _)) => Ok(true),
+        Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(false),
+        Err(rustix::io::Errno::CONNRESET) => Ok(true),
+        Err(e) => Err(e.into()),
+    }
+}
+
 // ---------------------------------------------------------------- engine side
 
 /// The engine's end of a registration: the open control connection.

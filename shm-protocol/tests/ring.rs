@@ -1,0 +1,282 @@
+//! Single-process behaviour of the ring: framing, wrap and padding, drops and
+//! gaps, invisibility of uncommitted writes, message round trips, wake-ups,
+//! and a consumer that survives whatever a hostile producer writes.
+
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use kvedge_shm::layout::{HEADER_SIZE, PADDING_TYPE, RecordHeader};
+use kvedge_shm::messages::{EventRef, Load, StoredBlock, Tier, kind};
+use kvedge_shm::segment::Segment;
+use kvedge_shm::{Consumer, DecodeError, Producer, Publisher, Push, PushError, RingError};
+use proptest::prelude::*;
+
+fn pair(capacity: u64) -> (Producer, Consumer) {
+    let consumer = Consumer::create(capacity, 3).unwrap();
+    let seg = Segment::open(consumer.segment_fd().try_clone_to_owned().unwrap()).unwrap();
+    let wake = consumer.wake_fd().try_clone_to_owned().unwrap();
+    (Producer::new(seg, Some(wake)).unwrap(), consumer)
+}
+
+fn pattern(seq: u64, len: usize) -> Vec<u8> {
+    (0..len).map(|i| (seq as usize * 31 + i) as u8).collect()
+}
+
+#[test]
+fn records_round_trip_across_many_wraps() {
+    let (mut p, mut c) = pair(4096);
+    let mut rng = 0x9e3779b97f4a7c15u64;
+    for seq in 0..20_000u64 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let len = (rng % 700) as usize;
+        let payload = pattern(seq, len);
+        assert_eq!(
+            p.try_push(9, (seq % 3) as u16, &payload).unwrap(),
+            Push::Committed { seq }
+        );
+        let r = c.poll().unwrap().expect("record");
+        assert_eq!((r.kind, r.flags, r.seq, r.missing_before), (9, (seq % 3) as u16, seq, 0));
+        assert_eq!(r.payload, &payload[..]);
+        assert_eq!(r.payload.as_ptr() as usize % 16, 0, "payload is 16-aligned");
+        assert!(c.poll().unwrap().is_none());
+    }
+}
+
+#[test]
+fn full_ring_drops_and_consumer_sees_exact_gap() {
+    let (mut p, mut c) = pair(4096);
+    let payload = [7u8; 200];
+    let mut committed = 0;
+    let mut dropped = 0;
+    for _ in 0..40 {
+        match p.try_push(1, 0, &payload).unwrap() {
+            Push::Committed { .. } => committed += 1,
+            Push::Dropped { .. } => dropped += 1,
+        }
+    }
+    assert!(dropped > 0 && committed > 0);
+    assert_eq!(p.dropped(), dropped);
+    assert_eq!(c.producer_dropped(), dropped);
+    let mut seen = 0;
+    while let Some(r) = c.poll().unwrap() {
+        assert_eq!(r.missing_before, 0, "drops come after the committed run");
+        seen += 1;
+    }
+    assert_eq!(seen, committed);
+    // After draining, the next record reports the whole gap.
+    assert!(matches!(p.try_push(1, 0, &payload).unwrap(), Push::Committed { seq } if seq == 40));
+    let r = c.poll().unwrap().unwrap();
+    assert_eq!(r.missing_before, dropped);
+    assert_eq!(c.missing_total(), dropped);
+}
+
+#[test]
+fn oversized_and_reserved_pushes_are_refused_without_using_a_sequence() {
+    let (mut p, _c) = pair(4096);
+    let limit = p.max_payload();
+    assert_eq!(
+        p.try_push(1, 0, &vec![0; limit + 1]),
+        Err(PushError::TooLarge { len: limit + 1, limit })
+    );
+    assert_eq!(p.try_push(PADDING_TYPE, 0, &[]), Err(PushError::ReservedType(PADDING_TYPE)));
+    assert_eq!(p.next_seq(), 0);
+    assert!(matches!(p.try_push(1, 0, &vec![0; limit]), Ok(Push::Committed { seq: 0 })));
+}
+
+#[test]
+fn uncommitted_bytes_are_invisible() {
+    // What a producer killed between writing and committing leaves behind.
+    let (mut p, mut c) = pair(4096);
+    p.try_push(1, 0, b"whole").unwrap();
+    let data = c.segment().data_ptr();
+    let h = RecordHeader { len: 8, kind: 1, flags: 0, seq: 1 };
+    // SAFETY: offset 32 is inside the 4096-byte data area and 8-aligned.
+    unsafe {
+        let w = data.add(32).cast::<u64>();
+        w.write(h.word0());
+        w.add(1).write(1);
+        w.add(2).write(0xdead);
+    }
+    assert_eq!(c.poll().unwrap().unwrap().payload, b"whole");
+    assert!(c.poll().unwrap().is_none());
+    assert!(c.poll().unwrap().is_none());
+}
+
+#[test]
+fn attaching_twice_or_to_a_used_ring_is_refused() {
+    let (mut p, c) = pair(4096);
+    p.try_push(1, 0, b"x").unwrap();
+    let seg = Segment::open(c.segment_fd().try_clone_to_owned().unwrap()).unwrap();
+    assert!(matches!(
+        Producer::new(seg, None),
+        Err(kvedge_shm::SegmentError::NotFresh { tail: 32, head: 0 })
+    ));
+}
+
+#[test]
+fn publisher_messages_decode_to_what_was_sent() {
+    let (p, mut c) = pair(1 << 16);
+    let mut publisher = Publisher::new(None, p);
+    let blocks: Vec<StoredBlock> = (0..16)
+        .map(|i| StoredBlock { sequence_hash: 1000 + i, local_hash: 2000 + i })
+        .collect();
+    publisher.publish_stored(Tier::Host, Some(99), &blocks, Some(5)).unwrap();
+    publisher.publish_removed(Tier::Disk, &[1, 2, 3]).unwrap();
+    publisher.publish_cleared(Some(Tier::Device)).unwrap();
+    let load = Load { active_requests: 3, waiting_requests: 1, active_prefill_tokens: 4096, active_decode_blocks: 77, kv_used_blocks: 10, kv_total_blocks: 100, timestamp_ns: 123 };
+    publisher.publish_load(&load).unwrap();
+    publisher.heartbeat(456).unwrap();
+    publisher.begin_snapshot(8).unwrap();
+    publisher.publish_stored_tokens(Tier::Device, None, &(0..40).collect::<Vec<u32>>(), 16, kvedge_shm::hash::SEED).unwrap();
+    publisher.end_snapshot().unwrap();
+
+    let mut seen = Vec::new();
+    while let Some(r) = c.poll().unwrap() {
+        match kvedge_shm::decode(r.kind, r.payload).unwrap() {
+            EventRef::Stored(s) => {
+                let hashes: Vec<u64> = s.blocks.iter().map(|b| b.sequence_hash.to_native()).collect();
+                seen.push(format!("stored {:?} {:?} {:?} {:?}", s.tier.to_native(), s.parent.as_ref().map(|p| p.to_native()), s.salt.as_ref().map(|p| p.to_native()), hashes.len()));
+                if hashes.len() == 16 {
+                    assert_eq!(hashes, (1000..1016).collect::<Vec<u64>>());
+                    assert_eq!(s.blocks[3].local_hash, 2003);
+                } else {
+                    let want = kvedge_shm::hash::sequence_hashes(&(0..40).collect::<Vec<u32>>(), 16, None, None);
+                    assert_eq!(hashes, want);
+                }
+            }
+            EventRef::Removed(r) => seen.push(format!("removed {:?} {:?}", r.tier.to_native(), r.hashes.iter().map(|h| h.to_native()).collect::<Vec<_>>())),
+            EventRef::Cleared(cl) => seen.push(format!("cleared {:?}", cl.tier.as_ref().map(|t| t.to_native()))),
+            EventRef::Load(l) => {
+                assert_eq!(l.active_prefill_tokens, 4096);
+                seen.push(format!("load {} {}", l.active_requests, l.kv_total_blocks));
+            }
+            EventRef::Heartbeat(h) => seen.push(format!("heartbeat {}", h.timestamp_ns)),
+            EventRef::SnapshotBegin(b) => seen.push(format!("begin {}", b.snapshot_id)),
+            EventRef::SnapshotEnd(e) => seen.push(format!("end {} {}", e.snapshot_id, e.blocks)),
+        }
+    }
+    assert_eq!(
+        seen,
+        [
+            "stored Host Some(99) Some(5) 16",
+            "removed Disk [1, 2, 3]",
+            "cleared Some(Device)",
+            "load 3 100",
+            "heartbeat 456",
+            "begin 8",
+            "cleared None",
+            "stored Device None None 2",
+            "end 8 2",
+        ]
+    );
+}
+
+#[test]
+fn bad_payloads_are_per_record_errors() {
+    let (mut p, mut c) = pair(4096);
+    p.try_push(kind::KV_STORED, 0, &[0xff; 40]).unwrap();
+    p.try_push(999, 0, b"future record type").unwrap();
+    p.try_push(kind::LOAD, 0, &[]).unwrap();
+    let r = c.poll().unwrap().unwrap();
+    assert!(matches!(kvedge_shm::decode(r.kind, r.payload), Err(DecodeError::Invalid { kind: 1, .. })));
+    let r = c.poll().unwrap().unwrap();
+    assert!(matches!(kvedge_shm::decode(r.kind, r.payload), Err(DecodeError::UnknownType(999))));
+    let r = c.poll().unwrap().unwrap();
+    assert!(kvedge_shm::decode(r.kind, r.payload).is_err());
+    assert!(c.poll().unwrap().is_none());
+}
+
+#[test]
+fn sleeping_consumer_is_woken_by_a_push() {
+    let (mut p, mut c) = pair(4096);
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        p.try_push(1, 0, b"wake").unwrap();
+        p
+    });
+    // Must return because of the push, long before the 30 s timeout.
+    let start = std::time::Instant::now();
+    assert!(c.wait(Duration::ZERO, Duration::from_secs(30)));
+    assert!(start.elapsed() < Duration::from_secs(20));
+    assert_eq!(c.poll().unwrap().unwrap().payload, b"wake");
+    let _p = t.join().unwrap();
+    assert_eq!(c.segment().header().consumer_sleeping.0.load(Ordering::Relaxed), 0);
+}
+
+#[test]
+fn producer_does_not_signal_an_awake_consumer() {
+    let (mut p, c) = pair(4096);
+    p.try_push(1, 0, b"x").unwrap();
+    let mut buf = [0u8; 8];
+    // No wake-up was written: the eventfd is empty (non-blocking read fails).
+    assert!(rustix::io::read(c.wake_fd(), &mut buf).is_err());
+}
+
+#[test]
+fn tail_corruptions_poison_the_ring() {
+    // Misaligned, beyond capacity, and wrapped around.
+    for tail in [8, 1 << 20, u64::MAX - 15] {
+        let (_p, mut c) = pair(4096);
+        c.segment().header().tail.0.store(tail, Ordering::Release);
+        let e = c.poll().unwrap_err();
+        assert!(matches!(e, RingError::TailMisaligned(_) | RingError::TailOutOfRange { .. }), "{e}");
+        assert_eq!(c.poll().unwrap_err(), e, "poison is sticky");
+    }
+}
+
+fn hostile_write(c: &Consumer, offset: usize, bytes: &[u8]) {
+    let total = HEADER_SIZE + c.segment().capacity() as usize;
+    let base = c.segment().header() as *const _ as *mut u8;
+    for (i, b) in bytes.iter().enumerate() {
+        let at = (offset + i) % total;
+        // SAFETY: `at` < mapping length; a byte store into the shared mapping
+        // stands in for another process writing arbitrary bytes.
+        unsafe { base.add(at).write_volatile(*b) };
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+    /// Whatever bytes land in the header and data area (and whatever tail is
+    /// claimed), polling terminates with records, `None` or a typed error.
+    #[test]
+    fn hostile_producer_cannot_crash_or_hang_the_consumer(
+        valid_prefix in 0usize..20,
+        writes in proptest::collection::vec((0usize..(HEADER_SIZE + 4096), proptest::collection::vec(any::<u8>(), 1..64)), 0..24),
+        tail in prop_oneof![any::<u64>(), (0u64..512).prop_map(|t| t * 16)],
+    ) {
+        let (mut p, mut c) = pair(4096);
+        for i in 0..valid_prefix {
+            let _ = p.try_push(kind::HEARTBEAT, 0, &pattern(i as u64, i * 7));
+        }
+        for (offset, bytes) in &writes {
+            hostile_write(&c, *offset, bytes);
+        }
+        c.segment().header().tail.0.store(tail, Ordering::Release);
+        let mut polls = 0;
+        loop {
+            polls += 1;
+            prop_assert!(polls <= 4096 / 16 + 2, "consumer made no progress");
+            match c.poll() {
+                Ok(Some(r)) => { let _ = kvedge_shm::decode(r.kind, r.payload); }
+                Ok(None) => break,
+                Err(e) => {
+                    prop_assert_eq!(c.poll().unwrap_err(), e);
+                    break;
+                }
+            }
+        }
+    }
+
+    /// Garbage payloads under every record type decode to a typed error or
+    /// a valid view, never a panic.
+    #[test]
+    fn decode_never_panics(kind in 0u16..10, words in proptest::collection::vec(any::<u128>(), 0..32), len_cut in 0usize..16) {
+        let bytes: &[u8] = bytemuck::cast_slice(&words);
+        let n = bytes.len().saturating_sub(len_cut);
+        let _ = kvedge_shm::decode(kind, &bytes[..n]);
+    }
+}

@@ -1,0 +1,85 @@
+//! Helpers shared by the end-to-end tests: a minimal daemon side of the
+//! control handshake, and the deterministic record stream the child producer
+//! writes so the parent can verify every byte it receives.
+
+#![forbid(unsafe_code)]
+
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+
+use kvedge_shm::Consumer;
+use kvedge_shm::control::{read_hello, send_welcome};
+use kvedge_shm::messages::control::{Hello, Welcome};
+
+/// A listening control socket in a private temporary directory.
+#[derive(Debug)]
+pub struct ControlListener {
+    pub listener: UnixListener,
+    pub path: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl ControlListener {
+    pub fn bind() -> Self {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let path = dir.path().join("control.sock");
+        let listener = UnixListener::bind(&path).expect("bind control socket");
+        ControlListener {
+            listener,
+            path,
+            _dir: dir,
+        }
+    }
+
+    /// Accepts one engine, reads its Hello and hands it a fresh ring.
+    pub fn accept(&self, capacity: u64) -> (UnixStream, Hello, Consumer) {
+        let (stream, _) = self.listener.accept().expect("accept");
+        let hello = read_hello(&stream).expect("hello");
+        let ring = Consumer::create(capacity, 1).expect("ring");
+        let welcome = Welcome {
+            worker_id: hello.worker_id,
+            dp_rank: hello.dp_rank,
+            attach_epoch: 1,
+            ring_capacity: capacity,
+            heartbeat_interval_ms: 1000,
+        };
+        send_welcome(&stream, &welcome, &ring).expect("welcome");
+        (stream, hello, ring)
+    }
+}
+
+/// Payload length of record `seq` in the stress stream: 0..=256 bytes,
+/// pseudo-random but reproducible on both sides.
+pub fn stress_len(seq: u64) -> usize {
+    let mut z = seq.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    ((z ^ (z >> 31)) % 257) as usize
+}
+
+/// Fills `buf` with record `seq`'s payload.
+pub fn stress_payload(seq: u64, buf: &mut Vec<u8>) {
+    buf.clear();
+    buf.resize(stress_len(seq), seq as u8 ^ 0x5a);
+}
+
+/// Whether `payload` is exactly what the producer wrote for `seq`.
+pub fn stress_payload_ok(seq: u64, payload: &[u8]) -> bool {
+    payload.len() == stress_len(seq) && payload.iter().all(|&b| b == seq as u8 ^ 0x5a)
+}
+
+/// A Hello for test engines.
+pub fn test_hello(worker_id: u64) -> Hello {
+    Hello {
+        worker_id,
+        dp_rank: 0,
+        model: "test-model".into(),
+        role: kvedge_shm::messages::Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [1024, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: "unix:///tmp/none".into(),
+        ring_capacity: 0,
+    }
+}
