@@ -317,7 +317,11 @@ impl ProducerSession {
     /// pending; [`ControlError::Closed`] when the daemon went away.
     pub fn poll(&mut self) -> Result<Option<ResyncRequest>, ControlError> {
         let mut probe = [0u8; 1];
-        match rustix::net::recv(&self.stream, &mut probe, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        match rustix::net::recv(
+            &self.stream,
+            &mut probe,
+            RecvFlags::PEEK | RecvFlags::DONTWAIT,
+        ) {
             Ok((0, _)) => return Err(ControlError::Closed),
             Ok(_) => {}
             Err(rustix::io::Errno::AGAIN) => return Ok(None),

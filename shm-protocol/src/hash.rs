@@ -132,8 +132,14 @@ mod tests {
         let tokens: Vec<u32> = (0..10).collect();
         let plain = sequence_hashes(&tokens, 4, None, None);
         assert_eq!(plain, VECTOR_PLAIN);
-        assert_eq!(sequence_hashes(&tokens, 4, Some("sql-lora"), None), VECTOR_LORA);
-        assert_eq!(sequence_hashes(&tokens, 4, None, Some("tenant-a")), VECTOR_NS);
+        assert_eq!(
+            sequence_hashes(&tokens, 4, Some("sql-lora"), None),
+            VECTOR_LORA
+        );
+        assert_eq!(
+            sequence_hashes(&tokens, 4, None, Some("tenant-a")),
+            VECTOR_NS
+        );
         assert_eq!(
             sequence_hashes(&tokens, 4, Some("sql-lora"), Some("tenant-a")),
             VECTOR_BOTH
@@ -165,7 +171,10 @@ mod tests {
     #[test]
     fn partial_block_is_not_hashed() {
         let tokens: Vec<u32> = (0..10).collect();
-        assert_eq!(sequence_hashes(&tokens[..3], 4, None, None), Vec::<u64>::new());
+        assert_eq!(
+            sequence_hashes(&tokens[..3], 4, None, None),
+            Vec::<u64>::new()
+        );
         assert_eq!(
             sequence_hashes(&tokens[..7], 4, None, None),
             sequence_hashes(&tokens[..4], 4, None, None)

@@ -159,7 +159,12 @@ mod tests {
 
     #[test]
     fn record_header_round_trips() {
-        let h = RecordHeader { len: 0xdead_beef, kind: 7, flags: 0x8001, seq: 42 };
+        let h = RecordHeader {
+            len: 0xdead_beef,
+            kind: 7,
+            flags: 0x8001,
+            seq: 42,
+        };
         assert_eq!(RecordHeader::from_words(h.word0(), 42), h);
     }
 

@@ -14,6 +14,8 @@
 
 pub mod control;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hash;
 pub mod layout;
 pub mod messages;

@@ -15,8 +15,8 @@ use crate::error::ControlError;
 use crate::hash;
 use crate::messages::control::{Hello, ResyncRequest};
 use crate::messages::{
-    Heartbeat, KvCleared, KvRemoved, KvStored, Load, SnapshotBegin, SnapshotEnd, StoredBlock,
-    Tier, kind,
+    Heartbeat, KvCleared, KvRemoved, KvStored, Load, SnapshotBegin, SnapshotEnd, StoredBlock, Tier,
+    kind,
 };
 use crate::ring::{Producer, Push, PushError};
 
@@ -180,10 +180,14 @@ impl Publisher {
         self.stored.blocks.clear();
         self.stored
             .blocks
-            .extend(self.hashes.iter().map(|&(sequence_hash, local_hash)| StoredBlock {
-                sequence_hash,
-                local_hash,
-            }));
+            .extend(
+                self.hashes
+                    .iter()
+                    .map(|&(sequence_hash, local_hash)| StoredBlock {
+                        sequence_hash,
+                        local_hash,
+                    }),
+            );
         self.push_stored()
     }
 
@@ -227,7 +231,13 @@ impl Publisher {
     /// Closes the open snapshot.
     pub fn end_snapshot(&mut self) -> Result<Push, PublishError> {
         let (snapshot_id, blocks) = self.snapshot.take().ok_or(PublishError::NoSnapshot)?;
-        self.push(kind::SNAPSHOT_END, &SnapshotEnd { snapshot_id, blocks })
+        self.push(
+            kind::SNAPSHOT_END,
+            &SnapshotEnd {
+                snapshot_id,
+                blocks,
+            },
+        )
     }
 
     /// Checks the control connection for a resync request (non-blocking).

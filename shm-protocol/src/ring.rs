@@ -129,10 +129,18 @@ impl Producer {
         let total = record_footprint(payload.len()) as u64;
         let idx = self.tail & (self.capacity - 1);
         let to_end = self.capacity - idx;
-        let needed = if total <= to_end { total } else { to_end + total };
+        let needed = if total <= to_end {
+            total
+        } else {
+            to_end + total
+        };
         if !self.has_room(needed) {
             self.dropped += 1;
-            self.seg.header().dropped.0.store(self.dropped, Ordering::Relaxed);
+            self.seg
+                .header()
+                .dropped
+                .0
+                .store(self.dropped, Ordering::Relaxed);
             return Ok(Push::Dropped { seq });
         }
         let mut idx = idx;
@@ -161,9 +169,7 @@ impl Producer {
         unsafe {
             std::ptr::copy_nonoverlapping(
                 payload.as_ptr(),
-                self.seg
-                    .data_ptr()
-                    .add(idx as usize + RECORD_HEADER_SIZE),
+                self.seg.data_ptr().add(idx as usize + RECORD_HEADER_SIZE),
                 payload.len(),
             );
         }
@@ -290,6 +296,14 @@ impl Consumer {
         self.seg.header().dropped.0.load(Ordering::Relaxed)
     }
 
+    /// Drops the producer has counted that no received record has reported
+    /// as a gap yet: records dropped at the end of a burst, with nothing
+    /// committed after them. Check it when the ring goes idle and resync if
+    /// non-zero. Untrusted: a lying producer only earns itself a resync.
+    pub fn unreported_drops(&self) -> u64 {
+        self.producer_dropped().saturating_sub(self.missing_total)
+    }
+
     /// The producer's pid as written at attach (untrusted).
     pub fn producer_pid(&self) -> u32 {
         self.seg
@@ -413,7 +427,7 @@ impl Consumer {
 
     fn refresh_tail(&mut self) -> Result<bool, RingError> {
         let tail = self.seg.header().tail.0.load(Ordering::Acquire);
-        if tail % 16 != 0 {
+        if !tail.is_multiple_of(16) {
             return Err(RingError::TailMisaligned(tail));
         }
         if tail < self.head || tail - self.head > self.capacity {

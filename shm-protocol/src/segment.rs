@@ -42,8 +42,10 @@ impl Segment {
             .map_err(|e| SegmentError::os("fcntl(F_ADD_SEALS)", e))?;
         let segment = Self::map(fd, capacity)?;
         let id = &segment.header().identity.0;
-        id.version_major.store(VERSION_MAJOR.into(), Ordering::Relaxed);
-        id.version_minor.store(VERSION_MINOR.into(), Ordering::Relaxed);
+        id.version_major
+            .store(VERSION_MAJOR.into(), Ordering::Relaxed);
+        id.version_minor
+            .store(VERSION_MINOR.into(), Ordering::Relaxed);
         id.layout_hash.store(layout_hash(), Ordering::Relaxed);
         id.capacity.store(capacity, Ordering::Relaxed);
         id.attach_epoch.store(attach_epoch, Ordering::Relaxed);
@@ -148,7 +150,11 @@ impl Segment {
 
     /// The attach epoch written at creation.
     pub fn attach_epoch(&self) -> u64 {
-        self.header().identity.0.attach_epoch.load(Ordering::Relaxed)
+        self.header()
+            .identity
+            .0
+            .attach_epoch
+            .load(Ordering::Relaxed)
     }
 }
 
@@ -192,15 +198,22 @@ mod tests {
         let id = &seg.header().identity.0;
         id.magic.store(0x1234, Ordering::Relaxed);
         let err = reopen(&seg).unwrap_err();
-        assert!(matches!(err, SegmentError::BadMagic { found: 0x1234, .. }), "{err}");
+        assert!(
+            matches!(err, SegmentError::BadMagic { found: 0x1234, .. }),
+            "{err}"
+        );
         assert!(err.to_string().contains("not a kvedge ring"));
         id.magic.store(MAGIC, Ordering::Relaxed);
 
         id.version_major.store(2, Ordering::Relaxed);
         let err = reopen(&seg).unwrap_err();
-        assert!(matches!(err, SegmentError::IncompatibleVersion { found_major: 2, .. }));
+        assert!(matches!(
+            err,
+            SegmentError::IncompatibleVersion { found_major: 2, .. }
+        ));
         assert!(err.to_string().contains("2.0 is incompatible"), "{err}");
-        id.version_major.store(VERSION_MAJOR.into(), Ordering::Relaxed);
+        id.version_major
+            .store(VERSION_MAJOR.into(), Ordering::Relaxed);
 
         id.layout_hash.store(1, Ordering::Relaxed);
         let err = reopen(&seg).unwrap_err();

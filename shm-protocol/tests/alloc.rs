@@ -33,12 +33,25 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static GLOBAL: Counting = Counting;
 
-fn round(publisher: &mut Publisher, consumer: &mut Consumer, blocks: &[StoredBlock], tokens: &[u32]) -> u64 {
+fn round(
+    publisher: &mut Publisher,
+    consumer: &mut Consumer,
+    blocks: &[StoredBlock],
+    tokens: &[u32],
+) -> u64 {
     let mut seen = 0;
-    publisher.publish_stored(Tier::Device, Some(1), blocks, None).unwrap();
-    publisher.publish_stored_hashes(Tier::Host, None, &[1, 2, 3]).unwrap();
-    publisher.publish_stored_tokens(Tier::Device, None, tokens, 16, kvedge_shm::hash::SEED).unwrap();
-    publisher.publish_removed(Tier::Device, &[1, 2, 3, 4]).unwrap();
+    publisher
+        .publish_stored(Tier::Device, Some(1), blocks, None)
+        .unwrap();
+    publisher
+        .publish_stored_hashes(Tier::Host, None, &[1, 2, 3])
+        .unwrap();
+    publisher
+        .publish_stored_tokens(Tier::Device, None, tokens, 16, kvedge_shm::hash::SEED)
+        .unwrap();
+    publisher
+        .publish_removed(Tier::Device, &[1, 2, 3, 4])
+        .unwrap();
     publisher.publish_cleared(None).unwrap();
     publisher.publish_load(&Load::default()).unwrap();
     publisher.heartbeat(5).unwrap();
@@ -59,7 +72,10 @@ fn warm_publish_and_consume_allocate_nothing() {
     let seg = Segment::open(consumer.segment_fd().try_clone_to_owned().unwrap()).unwrap();
     let mut publisher = Publisher::new(None, Producer::new(seg, None).unwrap());
     let blocks: Vec<StoredBlock> = (0..16)
-        .map(|i| StoredBlock { sequence_hash: i, local_hash: i })
+        .map(|i| StoredBlock {
+            sequence_hash: i,
+            local_hash: i,
+        })
         .collect();
     let tokens: Vec<u32> = (0..2048).collect();
     for _ in 0..10 {

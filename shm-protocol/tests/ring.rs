@@ -37,7 +37,10 @@ fn records_round_trip_across_many_wraps() {
             Push::Committed { seq }
         );
         let r = c.poll().unwrap().expect("record");
-        assert_eq!((r.kind, r.flags, r.seq, r.missing_before), (9, (seq % 3) as u16, seq, 0));
+        assert_eq!(
+            (r.kind, r.flags, r.seq, r.missing_before),
+            (9, (seq % 3) as u16, seq, 0)
+        );
         assert_eq!(r.payload, &payload[..]);
         assert_eq!(r.payload.as_ptr() as usize % 16, 0, "payload is 16-aligned");
         assert!(c.poll().unwrap().is_none());
@@ -78,11 +81,20 @@ fn oversized_and_reserved_pushes_are_refused_without_using_a_sequence() {
     let limit = p.max_payload();
     assert_eq!(
         p.try_push(1, 0, &vec![0; limit + 1]),
-        Err(PushError::TooLarge { len: limit + 1, limit })
+        Err(PushError::TooLarge {
+            len: limit + 1,
+            limit
+        })
     );
-    assert_eq!(p.try_push(PADDING_TYPE, 0, &[]), Err(PushError::ReservedType(PADDING_TYPE)));
+    assert_eq!(
+        p.try_push(PADDING_TYPE, 0, &[]),
+        Err(PushError::ReservedType(PADDING_TYPE))
+    );
     assert_eq!(p.next_seq(), 0);
-    assert!(matches!(p.try_push(1, 0, &vec![0; limit]), Ok(Push::Committed { seq: 0 })));
+    assert!(matches!(
+        p.try_push(1, 0, &vec![0; limit]),
+        Ok(Push::Committed { seq: 0 })
+    ));
 }
 
 #[test]
@@ -91,7 +103,12 @@ fn uncommitted_bytes_are_invisible() {
     let (mut p, mut c) = pair(4096);
     p.try_push(1, 0, b"whole").unwrap();
     let data = c.segment().data_ptr();
-    let h = RecordHeader { len: 8, kind: 1, flags: 0, seq: 1 };
+    let h = RecordHeader {
+        len: 8,
+        kind: 1,
+        flags: 0,
+        seq: 1,
+    };
     // SAFETY: offset 32 is inside the 4096-byte data area and 8-aligned.
     unsafe {
         let w = data.add(32).cast::<u64>();
@@ -120,34 +137,77 @@ fn publisher_messages_decode_to_what_was_sent() {
     let (p, mut c) = pair(1 << 16);
     let mut publisher = Publisher::new(None, p);
     let blocks: Vec<StoredBlock> = (0..16)
-        .map(|i| StoredBlock { sequence_hash: 1000 + i, local_hash: 2000 + i })
+        .map(|i| StoredBlock {
+            sequence_hash: 1000 + i,
+            local_hash: 2000 + i,
+        })
         .collect();
-    publisher.publish_stored(Tier::Host, Some(99), &blocks, Some(5)).unwrap();
+    publisher
+        .publish_stored(Tier::Host, Some(99), &blocks, Some(5))
+        .unwrap();
     publisher.publish_removed(Tier::Disk, &[1, 2, 3]).unwrap();
     publisher.publish_cleared(Some(Tier::Device)).unwrap();
-    let load = Load { active_requests: 3, waiting_requests: 1, active_prefill_tokens: 4096, active_decode_blocks: 77, kv_used_blocks: 10, kv_total_blocks: 100, timestamp_ns: 123 };
+    let load = Load {
+        active_requests: 3,
+        waiting_requests: 1,
+        active_prefill_tokens: 4096,
+        active_decode_blocks: 77,
+        kv_used_blocks: 10,
+        kv_total_blocks: 100,
+        timestamp_ns: 123,
+    };
     publisher.publish_load(&load).unwrap();
     publisher.heartbeat(456).unwrap();
     publisher.begin_snapshot(8).unwrap();
-    publisher.publish_stored_tokens(Tier::Device, None, &(0..40).collect::<Vec<u32>>(), 16, kvedge_shm::hash::SEED).unwrap();
+    publisher
+        .publish_stored_tokens(
+            Tier::Device,
+            None,
+            &(0..40).collect::<Vec<u32>>(),
+            16,
+            kvedge_shm::hash::SEED,
+        )
+        .unwrap();
     publisher.end_snapshot().unwrap();
 
     let mut seen = Vec::new();
     while let Some(r) = c.poll().unwrap() {
         match kvedge_shm::decode(r.kind, r.payload).unwrap() {
             EventRef::Stored(s) => {
-                let hashes: Vec<u64> = s.blocks.iter().map(|b| b.sequence_hash.to_native()).collect();
-                seen.push(format!("stored {:?} {:?} {:?} {:?}", s.tier.to_native(), s.parent.as_ref().map(|p| p.to_native()), s.salt.as_ref().map(|p| p.to_native()), hashes.len()));
+                let hashes: Vec<u64> = s
+                    .blocks
+                    .iter()
+                    .map(|b| b.sequence_hash.to_native())
+                    .collect();
+                seen.push(format!(
+                    "stored {:?} {:?} {:?} {:?}",
+                    s.tier.to_native(),
+                    s.parent.as_ref().map(|p| p.to_native()),
+                    s.salt.as_ref().map(|p| p.to_native()),
+                    hashes.len()
+                ));
                 if hashes.len() == 16 {
                     assert_eq!(hashes, (1000..1016).collect::<Vec<u64>>());
                     assert_eq!(s.blocks[3].local_hash, 2003);
                 } else {
-                    let want = kvedge_shm::hash::sequence_hashes(&(0..40).collect::<Vec<u32>>(), 16, None, None);
+                    let want = kvedge_shm::hash::sequence_hashes(
+                        &(0..40).collect::<Vec<u32>>(),
+                        16,
+                        None,
+                        None,
+                    );
                     assert_eq!(hashes, want);
                 }
             }
-            EventRef::Removed(r) => seen.push(format!("removed {:?} {:?}", r.tier.to_native(), r.hashes.iter().map(|h| h.to_native()).collect::<Vec<_>>())),
-            EventRef::Cleared(cl) => seen.push(format!("cleared {:?}", cl.tier.as_ref().map(|t| t.to_native()))),
+            EventRef::Removed(r) => seen.push(format!(
+                "removed {:?} {:?}",
+                r.tier.to_native(),
+                r.hashes.iter().map(|h| h.to_native()).collect::<Vec<_>>()
+            )),
+            EventRef::Cleared(cl) => seen.push(format!(
+                "cleared {:?}",
+                cl.tier.as_ref().map(|t| t.to_native())
+            )),
             EventRef::Load(l) => {
                 assert_eq!(l.active_prefill_tokens, 4096);
                 seen.push(format!("load {} {}", l.active_requests, l.kv_total_blocks));
@@ -180,9 +240,15 @@ fn bad_payloads_are_per_record_errors() {
     p.try_push(999, 0, b"future record type").unwrap();
     p.try_push(kind::LOAD, 0, &[]).unwrap();
     let r = c.poll().unwrap().unwrap();
-    assert!(matches!(kvedge_shm::decode(r.kind, r.payload), Err(DecodeError::Invalid { kind: 1, .. })));
+    assert!(matches!(
+        kvedge_shm::decode(r.kind, r.payload),
+        Err(DecodeError::Invalid { kind: 1, .. })
+    ));
     let r = c.poll().unwrap().unwrap();
-    assert!(matches!(kvedge_shm::decode(r.kind, r.payload), Err(DecodeError::UnknownType(999))));
+    assert!(matches!(
+        kvedge_shm::decode(r.kind, r.payload),
+        Err(DecodeError::UnknownType(999))
+    ));
     let r = c.poll().unwrap().unwrap();
     assert!(kvedge_shm::decode(r.kind, r.payload).is_err());
     assert!(c.poll().unwrap().is_none());
@@ -202,7 +268,14 @@ fn sleeping_consumer_is_woken_by_a_push() {
     assert!(start.elapsed() < Duration::from_secs(20));
     assert_eq!(c.poll().unwrap().unwrap().payload, b"wake");
     let _p = t.join().unwrap();
-    assert_eq!(c.segment().header().consumer_sleeping.0.load(Ordering::Relaxed), 0);
+    assert_eq!(
+        c.segment()
+            .header()
+            .consumer_sleeping
+            .0
+            .load(Ordering::Relaxed),
+        0
+    );
 }
 
 #[test]
@@ -221,7 +294,13 @@ fn tail_corruptions_poison_the_ring() {
         let (_p, mut c) = pair(4096);
         c.segment().header().tail.0.store(tail, Ordering::Release);
         let e = c.poll().unwrap_err();
-        assert!(matches!(e, RingError::TailMisaligned(_) | RingError::TailOutOfRange { .. }), "{e}");
+        assert!(
+            matches!(
+                e,
+                RingError::TailMisaligned(_) | RingError::TailOutOfRange { .. }
+            ),
+            "{e}"
+        );
         assert_eq!(c.poll().unwrap_err(), e, "poison is sticky");
     }
 }
@@ -279,4 +358,38 @@ proptest! {
         let n = bytes.len().saturating_sub(len_cut);
         let _ = kvedge_shm::decode(kind, &bytes[..n]);
     }
+}
+
+proptest! {
+    /// The fuzz target's entry point, driven by proptest in every CI run.
+    #[test]
+    fn fuzz_entry_point_terminates(input in proptest::collection::vec(any::<u8>(), 0..4200)) {
+        let out = kvedge_shm::fuzzing::consume_hostile_bytes(&input);
+        prop_assert!(out.decoded <= out.records);
+    }
+}
+
+#[test]
+fn fuzz_entry_point_reads_a_valid_stream() {
+    // A real record stream laid down by a producer parses fully.
+    let (p, c) = pair(4096);
+    let mut publisher = Publisher::new(None, p);
+    publisher.heartbeat(1).unwrap();
+    publisher.publish_removed(Tier::Host, &[1, 2]).unwrap();
+    let tail = c.segment().header().tail.0.load(Ordering::Acquire);
+    let mut input = tail.to_le_bytes().to_vec();
+    let data = c.segment().data_ptr();
+    for i in 0..tail as usize {
+        // SAFETY: i < tail <= capacity: inside the data area.
+        input.push(unsafe { data.add(i).read_volatile() });
+    }
+    let out = kvedge_shm::fuzzing::consume_hostile_bytes(&input);
+    assert_eq!(
+        out,
+        kvedge_shm::fuzzing::Outcome {
+            records: 2,
+            decoded: 2,
+            poisoned: false
+        }
+    );
 }

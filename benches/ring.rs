@@ -1,0 +1,247 @@
+//! Ring benchmarks: publishing a 16-block Stored event, consuming it (copy +
+//! validate + decode), cross-process sustained throughput against a child
+//! producer registered through the real handshake, commit-to-consume latency
+//! with both sides spinning, and block hashing.
+//!
+//! `cargo bench --bench ring`. The child producer is this same binary,
+//! re-executed with `KVEDGE_BENCH_CHILD=<control socket>`.
+
+#![forbid(unsafe_code)]
+
+use std::hint::black_box;
+use std::os::unix::net::UnixListener;
+use std::process::Command;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput, criterion_group};
+use kvedge_shm::control::{read_hello, send_welcome};
+use kvedge_shm::messages::control::{Hello, Welcome};
+use kvedge_shm::messages::{EventRef, Role, StoredBlock, Tier};
+use kvedge_shm::segment::Segment;
+use kvedge_shm::{Consumer, Producer, Publisher, Push};
+
+const CHILD_ENV: &str = "KVEDGE_BENCH_CHILD";
+
+fn blocks16() -> Vec<StoredBlock> {
+    (0..16)
+        .map(|i| StoredBlock {
+            sequence_hash: 0x1000 + i,
+            local_hash: 0x2000 + i,
+        })
+        .collect()
+}
+
+fn local_pair(capacity: u64) -> (Publisher, Consumer) {
+    let consumer = Consumer::create(capacity, 1).unwrap();
+    let seg = Segment::open(consumer.segment_fd().try_clone_to_owned().unwrap()).unwrap();
+    let wake = consumer.wake_fd().try_clone_to_owned().unwrap();
+    (
+        Publisher::new(None, Producer::new(seg, Some(wake)).unwrap()),
+        consumer,
+    )
+}
+
+fn consume_one(consumer: &mut Consumer) -> Option<usize> {
+    let r = consumer.poll().unwrap()?;
+    match kvedge_shm::decode(r.kind, r.payload).unwrap() {
+        EventRef::Stored(s) => Some(s.blocks.len()),
+        _ => Some(0),
+    }
+}
+
+const BATCH: u64 = 2048;
+
+fn publish_and_consume(c: &mut Criterion) {
+    let blocks = blocks16();
+    let mut g = c.benchmark_group("ring");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("publish_stored_16", |b| {
+        let (mut publisher, mut consumer) = local_pair(1 << 20);
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(BATCH);
+                let start = Instant::now();
+                for _ in 0..n {
+                    black_box(
+                        publisher
+                            .publish_stored(Tier::Device, Some(7), black_box(&blocks), None)
+                            .unwrap(),
+                    );
+                }
+                total += start.elapsed();
+                assert_eq!(publisher.dropped(), 0, "bench must not measure drops");
+                while consume_one(&mut consumer).is_some() {}
+                left -= n;
+            }
+            total
+        })
+    });
+    g.bench_function("consume_stored_16", |b| {
+        let (mut publisher, mut consumer) = local_pair(1 << 20);
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            let mut left = iters;
+            while left > 0 {
+                let n = left.min(BATCH);
+                for _ in 0..n {
+                    publisher
+                        .publish_stored(Tier::Device, Some(7), &blocks, None)
+                        .unwrap();
+                }
+                assert_eq!(publisher.dropped(), 0);
+                let start = Instant::now();
+                for _ in 0..n {
+                    assert_eq!(black_box(consume_one(&mut consumer)), Some(16));
+                }
+                total += start.elapsed();
+                left -= n;
+            }
+            total
+        })
+    });
+    g.finish();
+}
+
+fn cross_process(c: &mut Criterion) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("control.sock");
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .env(CHILD_ENV, &path)
+        .spawn()
+        .unwrap();
+    let (stream, _) = listener.accept().unwrap();
+    let hello = read_hello(&stream).unwrap();
+    let mut consumer = Consumer::create(1 << 20, 1).unwrap();
+    let welcome = Welcome {
+        worker_id: hello.worker_id,
+        dp_rank: 0,
+        attach_epoch: 1,
+        ring_capacity: 1 << 20,
+        heartbeat_interval_ms: 1000,
+    };
+    send_welcome(&stream, &welcome, &consumer).unwrap();
+    let mut g = c.benchmark_group("ring");
+    g.throughput(Throughput::Elements(1));
+    g.bench_function("cross_process_stored_16_throughput", |b| {
+        b.iter_custom(|iters| {
+            let start = Instant::now();
+            let mut got = 0;
+            while got < iters {
+                if consume_one(&mut consumer).is_some() {
+                    got += 1;
+                }
+            }
+            start.elapsed()
+        })
+    });
+    g.finish();
+    drop(stream);
+    child.wait().unwrap();
+    eprintln!(
+        "cross-process: producer dropped {} records while the consumer was busy elsewhere",
+        consumer.producer_dropped()
+    );
+}
+
+/// The child side of `cross_process`: publish Stored(16) as fast as possible
+/// until the parent closes the control connection.
+fn child(path: &str) {
+    let hello = Hello {
+        worker_id: 1,
+        dp_rank: 0,
+        model: "bench".into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [0; 3],
+        labels: vec![],
+        taints: vec![],
+        endpoint: String::new(),
+        ring_capacity: 0,
+    };
+    let mut publisher = Publisher::connect(path, &hello, Duration::from_secs(10)).unwrap();
+    let blocks = blocks16();
+    loop {
+        for _ in 0..4096 {
+            publisher
+                .publish_stored(Tier::Device, None, &blocks, None)
+                .unwrap();
+        }
+        if publisher.poll().is_err() {
+            return;
+        }
+    }
+}
+
+fn latency(c: &mut Criterion) {
+    let (mut ping, mut ping_rx) = local_pair(1 << 16);
+    let (mut pong, mut pong_rx) = local_pair(1 << 16);
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = stop.clone();
+    let echo = std::thread::spawn(move || {
+        while !stop2.load(Ordering::Relaxed) {
+            if let Some(r) = ping_rx.poll().unwrap() {
+                let seq = r.seq;
+                assert!(matches!(
+                    pong.heartbeat(seq).unwrap(),
+                    Push::Committed { .. }
+                ));
+            }
+        }
+    });
+    let mut g = c.benchmark_group("ring");
+    g.bench_function("round_trip_spinning", |b| {
+        b.iter(|| {
+            ping.heartbeat(0).unwrap();
+            loop {
+                if let Some(r) = pong_rx.poll().unwrap() {
+                    break black_box(r.seq);
+                }
+                std::hint::spin_loop();
+            }
+        })
+    });
+    g.finish();
+    stop.store(true, Ordering::Relaxed);
+    echo.join().unwrap();
+}
+
+fn hashing(c: &mut Criterion) {
+    let tokens: Vec<u32> = (0..2048).map(|i| i * 7919).collect();
+    let mut out = vec![(0u64, 0u64); 128];
+    let mut g = c.benchmark_group("hash");
+    g.throughput(Throughput::Bytes(2048 * 4));
+    g.bench_function("hash_blocks_2048_tokens_bs16", |b| {
+        b.iter(|| {
+            kvedge_shm::hash::hash_blocks_into(
+                black_box(&tokens),
+                16,
+                kvedge_shm::hash::SEED,
+                None,
+                &mut out,
+            )
+        })
+    });
+    g.finish();
+}
+
+criterion_group!(
+    benches,
+    publish_and_consume,
+    cross_process,
+    latency,
+    hashing
+);
+
+fn main() {
+    if let Ok(path) = std::env::var(CHILD_ENV) {
+        child(&path);
+        return;
+    }
+    benches();
+    Criterion::default().configure_from_args().final_summary();
+}
