@@ -40,7 +40,7 @@ fn engine(socket: &str, worker_id: u64) {
     let prefix: Vec<u32> = (0..1024).map(|i| i + worker_id as u32 * 100_000).collect();
     while start.elapsed() < RUN {
         // About 20,000 prompts a second: a busy engine's pace, in bursts.
-        if request % 20 == 0 {
+        if request.is_multiple_of(20) {
             std::thread::sleep(Duration::from_millis(1));
         }
         // A prompt: a shared 1024-token system prefix (per engine) plus a
