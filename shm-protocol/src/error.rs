@@ -63,6 +63,8 @@ pub enum RingError {
     RecordSplit { pos: u64, len: u64 },
     #[error("padding record at {pos} does not reach the end of the ring")]
     BadPadding { pos: u64 },
+    #[error("record carries sequence number u64::MAX, which no producer can reach")]
+    SequenceExhausted,
     #[error("sequence number went backwards: expected at least {expected}, got {found}")]
     SequenceRegression { expected: u64, found: u64 },
 }

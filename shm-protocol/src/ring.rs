@@ -402,9 +402,12 @@ impl Consumer {
                     found: h.seq,
                 });
             }
+            // u64::MAX can never be a real sequence number (2^64 records),
+            // and accepting it would overflow the next expected one.
+            let next = h.seq.checked_add(1).ok_or(RingError::SequenceExhausted)?;
             let missing = h.seq - self.expected_seq;
-            self.expected_seq = h.seq + 1;
-            self.missing_total += missing;
+            self.expected_seq = next;
+            self.missing_total = self.missing_total.saturating_add(missing);
             let words = (len as usize).div_ceil(8);
             let dst = bytemuck::cast_slice_mut::<u128, u64>(&mut self.buf);
             // SAFETY: the payload starts 16 bytes after idx and `words * 8 <=

@@ -393,3 +393,44 @@ fn fuzz_entry_point_reads_a_valid_stream() {
         }
     );
 }
+
+#[test]
+fn hostile_sequence_numbers_do_not_overflow() {
+    // Found by the fuzzer: seq = u64::MAX used to overflow `seq + 1`.
+    let (_p, mut c) = pair(4096);
+    let data = c.segment().data_ptr();
+    let h = RecordHeader {
+        len: 0,
+        kind: 1,
+        flags: 0,
+        seq: u64::MAX,
+    };
+    // SAFETY: offset 0 of the data area, 8-aligned, 16 bytes.
+    unsafe {
+        data.cast::<u64>().write(h.word0());
+        data.cast::<u64>().add(1).write(u64::MAX);
+    }
+    c.segment().header().tail.0.store(16, Ordering::Release);
+    assert_eq!(c.poll().unwrap_err(), RingError::SequenceExhausted);
+
+    // Two huge forward jumps: the gap total saturates instead of wrapping.
+    let (_p, mut c) = pair(4096);
+    let data = c.segment().data_ptr();
+    for (i, seq) in [u64::MAX - 2, u64::MAX - 1].into_iter().enumerate() {
+        let h = RecordHeader {
+            len: 0,
+            kind: 1,
+            flags: 0,
+            seq,
+        };
+        // SAFETY: offsets 0 and 16 of the data area, 8-aligned.
+        unsafe {
+            data.add(i * 16).cast::<u64>().write(h.word0());
+            data.add(i * 16).cast::<u64>().add(1).write(seq);
+        }
+    }
+    c.segment().header().tail.0.store(32, Ordering::Release);
+    assert_eq!(c.poll().unwrap().unwrap().missing_before, u64::MAX - 2);
+    assert_eq!(c.poll().unwrap().unwrap().missing_before, 0);
+    assert_eq!(c.missing_total(), u64::MAX - 2);
+}
