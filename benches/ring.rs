@@ -53,59 +53,82 @@ fn consume_one(consumer: &mut Consumer) -> Option<usize> {
 
 const BATCH: u64 = 2048;
 
+/// Runs `iters` operations on `state` in batches that fit the ring:
+/// `before(n)` runs untimed (to fill the ring), `timed(n)` is measured,
+/// `after(n)` runs untimed (to drain it).
+fn batched<S>(
+    iters: u64,
+    state: &mut S,
+    before: impl Fn(&mut S, u64),
+    timed: impl Fn(&mut S, u64),
+    after: impl Fn(&mut S, u64),
+) -> Duration {
+    let mut total = Duration::ZERO;
+    let mut left = iters;
+    while left > 0 {
+        let n = left.min(BATCH);
+        before(state, n);
+        let start = Instant::now();
+        timed(state, n);
+        total += start.elapsed();
+        after(state, n);
+        left -= n;
+    }
+    total
+}
+
+fn publish_n(publisher: &mut Publisher, blocks: &[StoredBlock], n: u64) {
+    for _ in 0..n {
+        black_box(
+            publisher
+                .publish_stored(Tier::Device, Some(7), black_box(blocks), None)
+                .unwrap(),
+        );
+    }
+}
+
+fn consume_n(consumer: &mut Consumer, n: u64) {
+    for _ in 0..n {
+        assert_eq!(black_box(consume_one(consumer)), Some(16));
+    }
+}
+
 fn publish_and_consume(c: &mut Criterion) {
     let blocks = blocks16();
     let mut g = c.benchmark_group("ring");
     g.throughput(Throughput::Elements(1));
     g.bench_function("publish_stored_16", |b| {
-        let (mut publisher, mut consumer) = local_pair(1 << 20);
+        let mut rings = local_pair(1 << 20);
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let n = left.min(BATCH);
-                let start = Instant::now();
-                for _ in 0..n {
-                    black_box(
-                        publisher
-                            .publish_stored(Tier::Device, Some(7), black_box(&blocks), None)
-                            .unwrap(),
-                    );
-                }
-                total += start.elapsed();
-                assert_eq!(publisher.dropped(), 0, "bench must not measure drops");
-                while consume_one(&mut consumer).is_some() {}
-                left -= n;
-            }
-            total
+            batched(
+                iters,
+                &mut rings,
+                |_, _| {},
+                |(p, _), n| publish_n(p, &blocks, n),
+                |(p, c), n| {
+                    assert_eq!(p.dropped(), 0, "bench must not measure drops");
+                    consume_n(c, n);
+                },
+            )
         })
     });
     g.bench_function("consume_stored_16", |b| {
-        let (mut publisher, mut consumer) = local_pair(1 << 20);
+        let mut rings = local_pair(1 << 20);
         b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            let mut left = iters;
-            while left > 0 {
-                let n = left.min(BATCH);
-                for _ in 0..n {
-                    publisher
-                        .publish_stored(Tier::Device, Some(7), &blocks, None)
-                        .unwrap();
-                }
-                assert_eq!(publisher.dropped(), 0);
-                let start = Instant::now();
-                for _ in 0..n {
-                    assert_eq!(black_box(consume_one(&mut consumer)), Some(16));
-                }
-                total += start.elapsed();
-                left -= n;
-            }
-            total
+            batched(
+                iters,
+                &mut rings,
+                |(p, _), n| {
+                    publish_n(p, &blocks, n);
+                    assert_eq!(p.dropped(), 0);
+                },
+                |(_, c), n| consume_n(c, n),
+                |_, _| {},
+            )
         })
     });
     g.finish();
 }
-
 fn cross_process(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("control.sock");
