@@ -2,6 +2,8 @@
 //! the real control handshake pushes a verifiable stream through a small ring
 //! while this process consumes it.
 
+#![forbid(unsafe_code)]
+
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -100,7 +102,12 @@ fn sigkilled_producer_leaves_only_whole_records_then_a_clean_end() {
     let (stream, _hello, mut ring) = control.accept(1 << 14);
     let mut t = Tally::default();
     // Let it run hot for a while, then kill it mid-stream.
+    let warmup = Instant::now() + Duration::from_secs(60);
     while t.received < 200_000 {
+        assert!(
+            Instant::now() < warmup,
+            "child producer stalled before the kill"
+        );
         if drain(&mut ring, &mut t) == 0 {
             ring.wait(Duration::from_micros(50), Duration::from_millis(10));
         }
