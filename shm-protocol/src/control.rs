@@ -243,16 +243,31 @@ pub fn send_resync(stream: &UnixStream, request: &ResyncRequest) -> Result<(), C
     write_frame(stream, control::kind::RESYNC_REQUEST, request, &[])
 }
 
+/// What a non-blocking peek at a control connection found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum PeerState {
+    /// The peer closed (orderly or by reset).
+    Closed,
+    /// Bytes are waiting.
+    Readable,
+    /// Open, nothing to read.
+    Idle,
+}
+
+fn peek(stream: &UnixStream) -> io::Result<PeerState> {
+    let mut probe = [0u8; 1];
+    match rustix::net::recv(stream, &mut probe, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        Ok((0, _)) | Err(rustix::io::Errno::CONNRESET) => Ok(PeerState::Closed),
+        Ok(_) => Ok(PeerState::Readable),
+        Err(rustix::io::Errno::AGAIN) => Ok(PeerState::Idle),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Whether the engine closed its end (non-blocking). Pending unread bytes
 /// count as open.
 pub fn connection_closed(stream: &UnixStream) -> io::Result<bool> {
-    let mut probe = [0u8; 1];
-    match rustix::net::recv(stream, &mut probe, RecvFlags::PEEK | RecvFlags::DONTWAIT) {
-        Ok((0, _)) => Ok(true),
-        Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(false),
-        Err(rustix::io::Errno::CONNRESET) => Ok(true),
-        Err(e) => Err(e.into()),
-    }
+    Ok(peek(stream)? == PeerState::Closed)
 }
 
 // ---------------------------------------------------------------- engine side
@@ -316,16 +331,10 @@ impl ProducerSession {
     /// Non-blocking check for a daemon request. `Ok(None)` when nothing is
     /// pending; [`ControlError::Closed`] when the daemon went away.
     pub fn poll(&mut self) -> Result<Option<ResyncRequest>, ControlError> {
-        let mut probe = [0u8; 1];
-        match rustix::net::recv(
-            &self.stream,
-            &mut probe,
-            RecvFlags::PEEK | RecvFlags::DONTWAIT,
-        ) {
-            Ok((0, _)) => return Err(ControlError::Closed),
-            Ok(_) => {}
-            Err(rustix::io::Errno::AGAIN) => return Ok(None),
-            Err(e) => return Err(io::Error::from(e).into()),
+        match peek(&self.stream)? {
+            PeerState::Closed => return Err(ControlError::Closed),
+            PeerState::Idle => return Ok(None),
+            PeerState::Readable => {}
         }
         // A frame has started: read it whole (the daemon writes frames in one
         // call, so this does not wait on a slow peer in practice).
