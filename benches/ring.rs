@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
-use kvedge_shm::control::{read_hello, send_welcome};
-use kvedge_shm::messages::control::{Hello, Welcome};
+use kvedge_shm::control::accept_registration;
+use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{EventRef, Role, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher, Push};
@@ -138,16 +138,7 @@ fn cross_process(c: &mut Criterion) {
         .spawn()
         .unwrap();
     let (stream, _) = listener.accept().unwrap();
-    let hello = read_hello(&stream).unwrap();
-    let mut consumer = Consumer::create(1 << 20, 1).unwrap();
-    let welcome = Welcome {
-        worker_id: hello.worker_id,
-        dp_rank: 0,
-        attach_epoch: 1,
-        ring_capacity: 1 << 20,
-        heartbeat_interval_ms: 1000,
-    };
-    send_welcome(&stream, &welcome, &consumer).unwrap();
+    let (_, mut consumer) = accept_registration(&stream, 1 << 20, 1, 1000).unwrap();
     let mut g = c.benchmark_group("ring");
     g.throughput(Throughput::Elements(1));
     g.bench_function("cross_process_stored_16_throughput", |b| {

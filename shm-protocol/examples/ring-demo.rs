@@ -12,10 +12,10 @@ use std::os::unix::net::UnixListener;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-use kvedge_shm::control::{connection_closed, read_hello, send_resync, send_welcome};
-use kvedge_shm::messages::control::{Hello, ResyncRequest, Welcome};
+use kvedge_shm::control::{accept_registration, connection_closed, send_resync};
+use kvedge_shm::messages::control::{Hello, ResyncRequest};
 use kvedge_shm::messages::{EventRef, Load, Role, Tier};
-use kvedge_shm::{Consumer, Publisher, hash};
+use kvedge_shm::{Publisher, hash};
 
 const ENGINES: u64 = 2;
 const RUN: Duration = Duration::from_secs(3);
@@ -93,16 +93,7 @@ fn main() {
     let mut engines = Vec::new();
     for _ in 0..ENGINES {
         let (stream, _) = listener.accept().unwrap();
-        let hello = read_hello(&stream).unwrap();
-        let ring = Consumer::create(1 << 20, 1).unwrap();
-        let welcome = Welcome {
-            worker_id: hello.worker_id,
-            dp_rank: hello.dp_rank,
-            attach_epoch: 1,
-            ring_capacity: 1 << 20,
-            heartbeat_interval_ms: 1000,
-        };
-        send_welcome(&stream, &welcome, &ring).unwrap();
+        let (hello, ring) = accept_registration(&stream, 1 << 20, 1, 1000).unwrap();
         println!(
             "registered worker {} ({}) at {}",
             hello.worker_id, hello.model, hello.endpoint

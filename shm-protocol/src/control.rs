@@ -229,6 +229,29 @@ pub fn send_welcome(
     )
 }
 
+/// Registers an engine with no admission policy: reads its Hello, creates a
+/// ring of `capacity` bytes and sends Welcome. A daemon that must check the
+/// Hello first (duplicates, credentials) calls [`read_hello`] and
+/// [`send_welcome`] itself.
+pub fn accept_registration(
+    stream: &UnixStream,
+    capacity: u64,
+    attach_epoch: u64,
+    heartbeat_interval_ms: u32,
+) -> Result<(Hello, Consumer), ControlError> {
+    let hello = read_hello(stream)?;
+    let ring = Consumer::create(capacity, attach_epoch)?;
+    let welcome = Welcome {
+        worker_id: hello.worker_id,
+        dp_rank: hello.dp_rank,
+        attach_epoch,
+        ring_capacity: capacity,
+        heartbeat_interval_ms,
+    };
+    send_welcome(stream, &welcome, &ring)?;
+    Ok((hello, ring))
+}
+
 /// Refuses a registration with a code and a message for the engine's logs.
 pub fn send_reject(stream: &UnixStream, code: u32, message: &str) -> Result<(), ControlError> {
     let reject = Reject {

@@ -8,8 +8,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 
 use kvedge_shm::Consumer;
-use kvedge_shm::control::{read_hello, send_welcome};
-use kvedge_shm::messages::control::{Hello, Welcome};
+use kvedge_shm::control::accept_registration;
+use kvedge_shm::messages::control::Hello;
 
 /// A listening control socket in a private temporary directory.
 #[derive(Debug)]
@@ -34,16 +34,7 @@ impl ControlListener {
     /// Accepts one engine, reads its Hello and hands it a fresh ring.
     pub fn accept(&self, capacity: u64) -> (UnixStream, Hello, Consumer) {
         let (stream, _) = self.listener.accept().expect("accept");
-        let hello = read_hello(&stream).expect("hello");
-        let ring = Consumer::create(capacity, 1).expect("ring");
-        let welcome = Welcome {
-            worker_id: hello.worker_id,
-            dp_rank: hello.dp_rank,
-            attach_epoch: 1,
-            ring_capacity: capacity,
-            heartbeat_interval_ms: 1000,
-        };
-        send_welcome(&stream, &welcome, &ring).expect("welcome");
+        let (hello, ring) = accept_registration(&stream, capacity, 1, 1000).expect("register");
         (stream, hello, ring)
     }
 }
