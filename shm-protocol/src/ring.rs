@@ -241,6 +241,13 @@ pub struct Consumer {
     wake: OwnedFd,
     capacity: u64,
     head: u64,
+    /// The head value last stored in the shared header. The consumer
+    /// publishes its head once per `publish_stride` bytes (and whenever it
+    /// runs dry), not once per record: each store pulls the head's cache line
+    /// away from a producer that is polling it for room, and across cores that
+    /// transfer costs more than the record itself.
+    head_published: u64,
+    publish_stride: u64,
     tail_cache: u64,
     expected_seq: u64,
     missing_total: u64,
@@ -261,6 +268,8 @@ impl Consumer {
             wake,
             capacity,
             head: 0,
+            head_published: 0,
+            publish_stride: capacity / 8,
             tail_cache: 0,
             expected_seq: 0,
             missing_total: 0,
@@ -352,6 +361,7 @@ impl Consumer {
         // runs at most twice per call.
         for _ in 0..2 {
             if self.head == self.tail_cache && !self.refresh_tail()? {
+                self.publish_head();
                 return Ok(None);
             }
             let available = self.tail_cache - self.head;
@@ -446,13 +456,24 @@ impl Consumer {
 
     fn advance(&mut self, by: u64) {
         self.head += by;
-        self.seg.header().head.0.store(self.head, Ordering::Release);
+        if self.head - self.head_published >= self.publish_stride {
+            self.publish_head();
+        }
+    }
+
+    /// Hands the space consumed so far back to the producer.
+    fn publish_head(&mut self) {
+        if self.head != self.head_published {
+            self.head_published = self.head;
+            self.seg.header().head.0.store(self.head, Ordering::Release);
+        }
     }
 
     /// Announces that the consumer is about to sleep. Returns `false` (and
     /// clears the flag) when records arrived meanwhile, so the caller must
     /// not sleep. After sleeping, call [`Consumer::end_sleep`].
     pub fn prepare_sleep(&mut self) -> bool {
+        self.publish_head();
         let h = self.seg.header();
         h.consumer_sleeping.0.store(1, Ordering::Relaxed);
         fence(Ordering::SeqCst);
