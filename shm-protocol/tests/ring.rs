@@ -76,6 +76,43 @@ fn full_ring_drops_and_consumer_sees_exact_gap() {
 }
 
 #[test]
+fn head_is_handed_back_in_batches_and_whenever_the_ring_runs_dry() {
+    // 4096-byte ring: the consumer publishes its head every 512 bytes.
+    let (mut p, mut c) = pair(4096);
+    let head = |c: &Consumer| c.segment().header().head.0.load(Ordering::Acquire);
+    let payload = [1u8; 48]; // 64-byte footprint
+    for _ in 0..20 {
+        assert!(matches!(
+            p.try_push(1, 0, &payload).unwrap(),
+            Push::Committed { .. }
+        ));
+    }
+    for i in 1..=7u64 {
+        c.poll().unwrap().expect("record");
+        assert_eq!(head(&c), 0, "record {i}: below the stride, head stays put");
+    }
+    c.poll().unwrap().expect("record");
+    assert_eq!(head(&c), 512, "eighth record crosses the stride");
+    for _ in 8..20 {
+        c.poll().unwrap().expect("record");
+    }
+    assert_eq!(head(&c), 1024);
+    assert!(c.poll().unwrap().is_none());
+    assert_eq!(head(&c), 20 * 64, "an empty ring shows all its space free");
+    // The producer can now fill the whole ring again.
+    for _ in 0..64 {
+        assert!(matches!(
+            p.try_push(1, 0, &payload).unwrap(),
+            Push::Committed { .. }
+        ));
+    }
+    assert!(matches!(
+        p.try_push(1, 0, &payload).unwrap(),
+        Push::Dropped { .. }
+    ));
+}
+
+#[test]
 fn oversized_and_reserved_pushes_are_refused_without_using_a_sequence() {
     let (mut p, _c) = pair(4096);
     let limit = p.max_payload();
