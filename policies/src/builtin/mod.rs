@@ -1,0 +1,237 @@
+//! The shipped policy types, each registered under a stable type name with
+//! parameters validated once at startup (finite and non-negative where
+//! numeric, unknown fields rejected).
+//!
+//! | type | components |
+//! |---|---|
+//! | `dynamo-default-cost-fn` | default cost scorer + argmin/softmax picker |
+//! | `least-busy` | min-device-overlap filter + active-requests scorer + lowest-cost picker |
+//! | `round-robin` | next worker in identity order |
+//! | `random` | uniform, seeded |
+//! | `power-of-two` | two random candidates, fewer requests wins |
+//! | `least-kv-usage` | KV usage scorer + lowest cost (seeded ties) |
+//! | `cache-aware` | least loaded when imbalanced, else best overlap above a threshold |
+//! | `soft-pin` | keep the soft-affinity target until overloaded |
+//! | `tool-result-cache-local` | default cost, but tool-result turns go to the most device overlap |
+
+pub mod default_cost;
+pub mod simple;
+
+use std::sync::Arc;
+
+use serde::Deserialize;
+
+use crate::config::check_non_negative;
+use crate::error::{WorkerSelectionPolicyProviderError, WorkerSelectionPolicyRegistryError};
+use crate::policy::{WorkerFilter, WorkerPicker, WorkerScorer, WorkerSelectionPolicy};
+use crate::registry::{
+    RouterPluginRegistry, WorkerSelectionPolicyFactory, WorkerSelectionPolicyParameters,
+};
+use crate::rng::PolicyRng;
+
+use default_cost::{
+    DefaultCostParameters, DefaultCostScorer, DefaultPicker, ToolResultCacheLocalPicker,
+};
+use simple::*;
+
+/// Type name of the default cost policy.
+pub const DEFAULT_COST_FN: &str = "dynamo-default-cost-fn";
+
+/// Registers every shipped type.
+pub fn register_builtins(
+    registry: &mut RouterPluginRegistry,
+) -> Result<(), WorkerSelectionPolicyRegistryError> {
+    registry.register_worker_selection(DEFAULT_COST_FN, Arc::new(default_cost_provider))?;
+    registry.register_worker_selection("least-busy", Arc::new(least_busy_provider))?;
+    registry.register_worker_selection("round-robin", Arc::new(round_robin_provider))?;
+    registry.register_worker_selection("random", Arc::new(random_provider))?;
+    registry.register_worker_selection("power-of-two", Arc::new(power_of_two_provider))?;
+    registry.register_worker_selection("least-kv-usage", Arc::new(least_kv_usage_provider))?;
+    registry.register_worker_selection("cache-aware", Arc::new(cache_aware_provider))?;
+    registry.register_worker_selection("soft-pin", Arc::new(soft_pin_provider))?;
+    registry
+        .register_worker_selection("tool-result-cache-local", Arc::new(tool_result_provider))?;
+    Ok(())
+}
+
+type ProviderResult = Result<WorkerSelectionPolicyFactory, WorkerSelectionPolicyProviderError>;
+
+fn non_negative(name: &str, value: f64) -> Result<(), WorkerSelectionPolicyProviderError> {
+    check_non_negative(name, value).map_err(WorkerSelectionPolicyProviderError::new)
+}
+
+fn default_cost_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let p: DefaultCostParameters = parameters.deserialize()?;
+    p.validate()?;
+    Ok(Arc::new(move |config, _worker_type, partition| {
+        default_cost::default_cost_policy(config, &p, partition)
+    }))
+}
+
+fn tool_result_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let p: DefaultCostParameters = parameters.deserialize()?;
+    p.validate()?;
+    Ok(Arc::new(move |config, worker_type, partition| {
+        let w = p.resolve(config);
+        let rng = PolicyRng::for_partition(w.seed, partition);
+        WorkerSelectionPolicy::new(
+            config.clone(),
+            worker_type.as_str(),
+            vec![Box::new(DefaultCostScorer::new(w, worker_type))],
+            Box::new(ToolResultCacheLocalPicker::new(DefaultPicker::new(
+                w.router_temperature,
+                rng,
+            ))),
+        )
+    }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeastBusyParameters {
+    min_device_overlap_blocks: f64,
+}
+
+fn least_busy_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let p: LeastBusyParameters = parameters.deserialize()?;
+    non_negative("min_device_overlap_blocks", p.min_device_overlap_blocks)?;
+    let minimum_blocks = p.min_device_overlap_blocks;
+    Ok(Arc::new(move |config, worker_type, _partition| {
+        let filters: Vec<Box<dyn WorkerFilter>> =
+            vec![Box::new(MinimumDeviceOverlapFilter { minimum_blocks })];
+        let scorers: Vec<Box<dyn WorkerScorer>> = vec![Box::new(ActiveRequestsScorer)];
+        WorkerSelectionPolicy::new_with_filters(
+            config.clone(),
+            worker_type.as_str(),
+            filters,
+            scorers,
+            Box::new(LowestCostPicker),
+        )
+    }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct NoParameters {}
+
+fn round_robin_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let NoParameters {} = parameters.deserialize()?;
+    Ok(Arc::new(|config, worker_type, _partition| {
+        WorkerSelectionPolicy::new(
+            config.clone(),
+            worker_type.as_str(),
+            Vec::new(),
+            Box::new(RoundRobinPicker::default()),
+        )
+    }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SeedParameters {
+    seed: Option<u64>,
+}
+
+/// The scorers and picker of a seeded policy.
+type SeededParts = (Vec<Box<dyn WorkerScorer>>, Box<dyn WorkerPicker>);
+
+/// A provider whose only parameter is the RNG seed and whose policy is
+/// `scorers` + a picker built from the partition's RNG.
+fn seeded(
+    parameters: &WorkerSelectionPolicyParameters,
+    build: fn(PolicyRng) -> SeededParts,
+) -> ProviderResult {
+    let p: SeedParameters = parameters.deserialize()?;
+    Ok(Arc::new(move |config, worker_type, partition| {
+        let rng = PolicyRng::for_partition(p.seed.unwrap_or(config.seed), partition);
+        let (scorers, picker) = build(rng);
+        WorkerSelectionPolicy::new(config.clone(), worker_type.as_str(), scorers, picker)
+    }))
+}
+
+fn random_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    seeded(parameters, |rng| {
+        (Vec::new(), Box::new(RandomPicker::new(rng)))
+    })
+}
+
+fn power_of_two_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    seeded(parameters, |rng| {
+        (Vec::new(), Box::new(PowerOfTwoPicker::new(rng)))
+    })
+}
+
+fn least_kv_usage_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    seeded(parameters, |rng| {
+        (
+            vec![Box::new(KvUsageScorer)],
+            Box::new(LowestCostRandomTiesPicker::new(rng)),
+        )
+    })
+}
+
+fn default_abs_threshold() -> f64 {
+    32.0
+}
+fn default_rel_threshold() -> f64 {
+    1.5
+}
+fn default_cache_threshold() -> f64 {
+    0.5
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct CacheAwareParameters {
+    #[serde(default = "default_abs_threshold")]
+    balance_abs_threshold: f64,
+    #[serde(default = "default_rel_threshold")]
+    balance_rel_threshold: f64,
+    #[serde(default = "default_cache_threshold")]
+    cache_threshold: f64,
+}
+
+fn cache_aware_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let p: CacheAwareParameters = parameters.deserialize()?;
+    non_negative("balance_abs_threshold", p.balance_abs_threshold)?;
+    non_negative("balance_rel_threshold", p.balance_rel_threshold)?;
+    non_negative("cache_threshold", p.cache_threshold)?;
+    if p.cache_threshold > 1.0 {
+        return Err(WorkerSelectionPolicyProviderError::new(format!(
+            "cache_threshold is a fraction of the request's blocks and must be at most 1, got {}",
+            p.cache_threshold
+        )));
+    }
+    Ok(Arc::new(move |config, worker_type, _partition| {
+        WorkerSelectionPolicy::new(
+            config.clone(),
+            worker_type.as_str(),
+            Vec::new(),
+            Box::new(CacheAwarePicker {
+                balance_abs_threshold: p.balance_abs_threshold,
+                balance_rel_threshold: p.balance_rel_threshold,
+                cache_threshold: p.cache_threshold,
+            }),
+        )
+    }))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SoftPinParameters {
+    max_active_requests: u32,
+    seed: Option<u64>,
+}
+
+fn soft_pin_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let p: SoftPinParameters = parameters.deserialize()?;
+    Ok(Arc::new(move |config, worker_type, partition| {
+        let rng = PolicyRng::for_partition(p.seed.unwrap_or(config.seed), partition);
+        WorkerSelectionPolicy::new(
+            config.clone(),
+            worker_type.as_str(),
+            Vec::new(),
+            Box::new(SoftPinPicker::new(p.max_active_requests, rng)),
+        )
+    }))
+}

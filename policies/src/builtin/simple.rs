@@ -1,0 +1,369 @@
+//! The small built-ins: `least-busy` (seed 000's walkthrough policy),
+//! `round-robin`, `random`, `power-of-two`, `least-kv-usage`, the two-tier
+//! `cache-aware` policy and overload-aware `soft-pin`.
+
+use crate::context::WorkerSelectionContext;
+use crate::error::WorkerSelectionPolicyError;
+use crate::inputs::WorkerInputs;
+use crate::policy::{WorkerFilter, WorkerPicker, WorkerScorer};
+use crate::rng::PolicyRng;
+use crate::table::WorkerWithDpRank;
+use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView, kv_usage};
+
+use super::default_cost::argmin_random_ties;
+
+fn load_unavailable() -> WorkerSelectionPolicyError {
+    WorkerSelectionPolicyError::Failed("load input unavailable".into())
+}
+
+fn cache_unavailable() -> WorkerSelectionPolicyError {
+    WorkerSelectionPolicyError::Failed("cache input unavailable".into())
+}
+
+/// Keeps workers with at least `minimum_blocks` device-resident overlap blocks.
+#[derive(Clone, Debug)]
+pub struct MinimumDeviceOverlapFilter {
+    pub minimum_blocks: f64,
+}
+
+impl WorkerFilter for MinimumDeviceOverlapFilter {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::CACHE
+    }
+
+    fn keep(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        candidate: WorkerCandidate<'_>,
+    ) -> Result<bool, WorkerSelectionPolicyError> {
+        let cache = candidate.cache().ok_or_else(cache_unavailable)?;
+        Ok(cache.device_overlap_blocks() >= self.minimum_blocks)
+    }
+}
+
+/// Cost = active requests above the batch minimum.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct ActiveRequestsScorer;
+
+impl WorkerScorer for ActiveRequestsScorer {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::LOAD
+    }
+
+    fn score(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        let mut minimum = usize::MAX;
+        for candidate in candidates.iter() {
+            let load = candidate.load().ok_or_else(load_unavailable)?;
+            minimum = minimum.min(load.active_requests());
+        }
+        for (candidate, cost) in candidates.iter().zip(costs) {
+            let load = candidate.load().ok_or_else(load_unavailable)?;
+            *cost = (load.active_requests() - minimum) as f64;
+        }
+        Ok(())
+    }
+}
+
+/// The first row of lowest cost.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct LowestCostPicker;
+
+impl WorkerPicker for LowestCostPicker {
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        input
+            .candidates()
+            .iter()
+            .enumerate()
+            .min_by(|(_, a), (_, b)| a.cost().total_cmp(&b.cost()))
+            .map(|(row, _)| row)
+            .ok_or(WorkerSelectionPolicyError::NoCandidates)
+    }
+}
+
+/// Lowest cost, exact ties broken by the instance's seeded RNG.
+#[derive(Clone, Debug)]
+pub struct LowestCostRandomTiesPicker {
+    rng: PolicyRng,
+}
+
+impl LowestCostRandomTiesPicker {
+    pub fn new(rng: PolicyRng) -> Self {
+        LowestCostRandomTiesPicker { rng }
+    }
+}
+
+impl WorkerPicker for LowestCostRandomTiesPicker {
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        if input.is_empty() {
+            return Err(WorkerSelectionPolicyError::NoCandidates);
+        }
+        Ok(argmin_random_ties(input.costs(), &mut self.rng))
+    }
+}
+
+/// Cycles through workers in identity order, whatever order the candidates
+/// come in: the next worker after the last one picked, wrapping around.
+#[derive(Clone, Debug, Default)]
+pub struct RoundRobinPicker {
+    last: Option<WorkerWithDpRank>,
+}
+
+impl WorkerPicker for RoundRobinPicker {
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        let workers = input.as_candidates().workers();
+        let mut next: Option<usize> = None;
+        let mut lowest: Option<usize> = None;
+        for (row, w) in workers.iter().enumerate() {
+            if lowest.is_none_or(|l| *w < workers[l]) {
+                lowest = Some(row);
+            }
+            if self.last.is_none_or(|last| *w > last) && next.is_none_or(|n| *w < workers[n]) {
+                next = Some(row);
+            }
+        }
+        let row = next
+            .or(lowest)
+            .ok_or(WorkerSelectionPolicyError::NoCandidates)?;
+        self.last = Some(workers[row]);
+        Ok(row)
+    }
+}
+
+/// A uniformly random candidate.
+#[derive(Clone, Debug)]
+pub struct RandomPicker {
+    rng: PolicyRng,
+}
+
+impl RandomPicker {
+    pub fn new(rng: PolicyRng) -> Self {
+        RandomPicker { rng }
+    }
+}
+
+impl WorkerPicker for RandomPicker {
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        if input.is_empty() {
+            return Err(WorkerSelectionPolicyError::NoCandidates);
+        }
+        Ok(self.rng.below(input.len()))
+    }
+}
+
+/// Two distinct random candidates; the one with fewer active plus waiting
+/// requests wins (the first drawn on a tie).
+#[derive(Clone, Debug)]
+pub struct PowerOfTwoPicker {
+    rng: PolicyRng,
+}
+
+impl PowerOfTwoPicker {
+    pub fn new(rng: PolicyRng) -> Self {
+        PowerOfTwoPicker { rng }
+    }
+}
+
+impl WorkerPicker for PowerOfTwoPicker {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::LOAD
+    }
+
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        let n = input.len();
+        if n == 0 {
+            return Err(WorkerSelectionPolicyError::NoCandidates);
+        }
+        if n == 1 {
+            return Ok(0);
+        }
+        let load = input
+            .as_candidates()
+            .load_columns()
+            .ok_or_else(load_unavailable)?;
+        let a = self.rng.below(n);
+        let b = (a + 1 + self.rng.below(n - 1)) % n;
+        let busy =
+            |r: usize| u64::from(load.active_requests[r]) + u64::from(load.waiting_requests[r]);
+        Ok(if busy(b) < busy(a) { b } else { a })
+    }
+}
+
+/// Cost = KV usage (used / total blocks; a worker reporting no capacity
+/// counts as full).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KvUsageScorer;
+
+impl WorkerScorer for KvUsageScorer {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::OCCUPANCY
+    }
+
+    fn score(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        let occ = candidates
+            .occupancy_columns()
+            .ok_or(WorkerSelectionPolicyError::Failed(
+                "occupancy input unavailable".into(),
+            ))?;
+        for ((cost, &used), &total) in costs
+            .iter_mut()
+            .zip(occ.kv_used_blocks)
+            .zip(occ.kv_total_blocks)
+        {
+            *cost = kv_usage(used, total);
+        }
+        Ok(())
+    }
+}
+
+/// Two-tier cache-aware choice. Load is active plus waiting requests. When
+/// the load is imbalanced (max - min > `balance_abs_threshold` and max >
+/// `balance_rel_threshold` * min) the least-loaded worker wins. Otherwise the
+/// worker with the most device overlap wins if that overlap covers at least
+/// `cache_threshold` of the request's blocks, else the least-loaded one.
+/// Ties: least loaded goes to more overlap, most overlap goes to less load.
+#[derive(Clone, Debug)]
+pub struct CacheAwarePicker {
+    pub balance_abs_threshold: f64,
+    pub balance_rel_threshold: f64,
+    pub cache_threshold: f64,
+}
+
+impl WorkerPicker for CacheAwarePicker {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::CACHE | WorkerInputs::LOAD
+    }
+
+    fn pick(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        let c = input.as_candidates();
+        let load = c.load_columns().ok_or_else(load_unavailable)?;
+        let cache = c.cache_columns().ok_or_else(cache_unavailable)?;
+        let n = input.len();
+        if n == 0 {
+            return Err(WorkerSelectionPolicyError::NoCandidates);
+        }
+        let busy =
+            |r: usize| u64::from(load.active_requests[r]) + u64::from(load.waiting_requests[r]);
+        let (mut least, mut most_cached) = (0, 0);
+        let (mut min_load, mut max_load) = (u64::MAX, 0);
+        for r in 0..n {
+            let (l, d) = (busy(r), cache.device_blocks[r]);
+            min_load = min_load.min(l);
+            max_load = max_load.max(l);
+            let (ll, ld) = (busy(least), cache.device_blocks[least]);
+            if l < ll || (l == ll && d > ld) {
+                least = r;
+            }
+            let (ml, md) = (busy(most_cached), cache.device_blocks[most_cached]);
+            if d > md || (d == md && l < ml) {
+                most_cached = r;
+            }
+        }
+        let imbalanced = (max_load - min_load) as f64 > self.balance_abs_threshold
+            && max_load as f64 > self.balance_rel_threshold * min_load as f64;
+        if imbalanced {
+            return Ok(least);
+        }
+        let blocks = context.request_blocks();
+        let match_rate = if blocks == 0 {
+            0.0
+        } else {
+            f64::from(cache.device_blocks[most_cached]) / blocks as f64
+        };
+        Ok(if blocks > 0 && match_rate >= self.cache_threshold {
+            most_cached
+        } else {
+            least
+        })
+    }
+}
+
+/// Overload-aware soft affinity: keeps the session's affinity target while
+/// its active requests stay at or below `max_active_requests`; otherwise (or
+/// without a target among the candidates) the candidate with the fewest
+/// active requests, exact ties broken by the seeded RNG. A target without a
+/// rank matches its least-loaded rank.
+#[derive(Clone, Debug)]
+pub struct SoftPinPicker {
+    pub max_active_requests: u32,
+    rng: PolicyRng,
+    scratch: Vec<f64>,
+}
+
+impl SoftPinPicker {
+    pub fn new(max_active_requests: u32, rng: PolicyRng) -> Self {
+        SoftPinPicker {
+            max_active_requests,
+            rng,
+            scratch: Vec::new(),
+        }
+    }
+}
+
+impl WorkerPicker for SoftPinPicker {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::LOAD
+    }
+
+    fn pick(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        let c = input.as_candidates();
+        let load = c.load_columns().ok_or_else(load_unavailable)?;
+        if input.is_empty() {
+            return Err(WorkerSelectionPolicyError::NoCandidates);
+        }
+        if let Some(target) = context.affinity_target() {
+            let pinned = c
+                .workers()
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| target.matches(**w))
+                .min_by_key(|(r, _)| load.active_requests[*r]);
+            if let Some((row, _)) = pinned
+                && load.active_requests[row] <= self.max_active_requests
+            {
+                return Ok(row);
+            }
+        }
+        self.scratch.clear();
+        self.scratch
+            .extend(load.active_requests.iter().map(|&a| f64::from(a)));
+        Ok(argmin_random_ties(&self.scratch, &mut self.rng))
+    }
+}

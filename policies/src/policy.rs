@@ -1,0 +1,311 @@
+//! The plugin traits (filter, scorer, picker) and the executor that runs
+//! them under the host contract.
+//!
+//! The contract, enforced here rather than trusted: filters run in
+//! declaration order and rejecting every worker is an error; each scorer gets
+//! a cost slice pre-filled with NaN and must write every entry with a finite
+//! value; totals must stay finite; the picker's row is range-checked. A
+//! component sees only the signal groups it declared. After warm-up (the
+//! largest table seen so far) a selection allocates nothing.
+
+use std::fmt;
+
+use crate::config::RouterConfig;
+use crate::context::WorkerSelectionContext;
+use crate::error::WorkerSelectionPolicyError;
+use crate::inputs::WorkerInputs;
+use crate::table::{CandidateTable, WorkerWithDpRank};
+use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView};
+
+/// A hard yes/no on one worker. Keep preferences in scorers.
+pub trait WorkerFilter: Send {
+    /// The signal groups `keep` reads. Read once, when the policy is built.
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::NONE
+    }
+
+    /// `true` keeps the worker.
+    fn keep(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        candidate: WorkerCandidate<'_>,
+    ) -> Result<bool, WorkerSelectionPolicyError>;
+}
+
+/// A preference: one finite cost per candidate, lower is better. Costs of
+/// all scorers are added.
+pub trait WorkerScorer: Send {
+    /// The signal groups `score` reads. Read once, when the policy is built.
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::NONE
+    }
+
+    /// Writes `costs[i]` for candidate `i`; `costs` is pre-filled with NaN and
+    /// has exactly one entry per candidate.
+    fn score(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError>;
+}
+
+/// The final choice among the scored candidates.
+pub trait WorkerPicker: Send {
+    /// The signal groups `pick` reads. Read once, when the policy is built.
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::NONE
+    }
+
+    /// Returns a row of `input`.
+    fn pick(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError>;
+}
+
+/// The outcome of one selection.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Selection {
+    pub worker: WorkerWithDpRank,
+    /// Row of the host's candidate table.
+    pub row: usize,
+    /// Total cost of the chosen row (NaN on the exact-target path, which
+    /// does not score).
+    pub cost: f64,
+    /// Candidates that survived the filters.
+    pub candidates: usize,
+}
+
+/// A built policy: filters, scorers and a picker, plus the buffers they run
+/// in. One instance per routing partition; its state is its own.
+pub struct WorkerSelectionPolicy {
+    config: RouterConfig,
+    worker_type: &'static str,
+    filters: Vec<(Box<dyn WorkerFilter>, WorkerInputs)>,
+    scorers: Vec<(Box<dyn WorkerScorer>, WorkerInputs)>,
+    picker: (Box<dyn WorkerPicker>, WorkerInputs),
+    required: WorkerInputs,
+    rows: Vec<u32>,
+    compacted: CandidateTable,
+    totals: Vec<f64>,
+    contribution: Vec<f64>,
+}
+
+impl fmt::Debug for WorkerSelectionPolicy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("WorkerSelectionPolicy")
+            .field("worker_type", &self.worker_type)
+            .field("filters", &self.filters.len())
+            .field("scorers", &self.scorers.len())
+            .field("required_worker_inputs", &self.required)
+            .finish_non_exhaustive()
+    }
+}
+
+impl WorkerSelectionPolicy {
+    /// A policy without filters.
+    pub fn new(
+        config: RouterConfig,
+        worker_type: &'static str,
+        scorers: Vec<Box<dyn WorkerScorer>>,
+        picker: Box<dyn WorkerPicker>,
+    ) -> Self {
+        Self::new_with_filters(config, worker_type, Vec::new(), scorers, picker)
+    }
+
+    /// A policy whose filters run, in this order, before scoring.
+    pub fn new_with_filters(
+        config: RouterConfig,
+        worker_type: &'static str,
+        filters: Vec<Box<dyn WorkerFilter>>,
+        scorers: Vec<Box<dyn WorkerScorer>>,
+        picker: Box<dyn WorkerPicker>,
+    ) -> Self {
+        let filters: Vec<_> = filters
+            .into_iter()
+            .map(|f| {
+                let inputs = f.required_worker_inputs();
+                (f, inputs)
+            })
+            .collect();
+        let scorers: Vec<_> = scorers
+            .into_iter()
+            .map(|s| {
+                let inputs = s.required_worker_inputs();
+                (s, inputs)
+            })
+            .collect();
+        let picker_inputs = picker.required_worker_inputs();
+        let mut required = picker_inputs;
+        for (_, i) in &filters {
+            required |= *i;
+        }
+        for (_, i) in &scorers {
+            required |= *i;
+        }
+        WorkerSelectionPolicy {
+            config,
+            worker_type,
+            filters,
+            scorers,
+            picker: (picker, picker_inputs),
+            required,
+            rows: Vec::new(),
+            compacted: CandidateTable::new(),
+            totals: Vec::new(),
+            contribution: Vec::new(),
+        }
+    }
+
+    /// The union of every component's declaration: the groups the host must
+    /// compute for this policy (and need not compute otherwise).
+    pub fn required_worker_inputs(&self) -> WorkerInputs {
+        self.required
+    }
+
+    pub fn config(&self) -> &RouterConfig {
+        &self.config
+    }
+
+    pub fn worker_type(&self) -> &'static str {
+        self.worker_type
+    }
+
+    /// Runs filter -> score -> pick over `table`.
+    pub fn select(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        table: &CandidateTable,
+    ) -> Result<Selection, WorkerSelectionPolicyError> {
+        if context.block_size() == 0 {
+            return Err(WorkerSelectionPolicyError::InvalidContext(
+                "block_size must be positive",
+            ));
+        }
+        if table.is_empty() {
+            return Err(WorkerSelectionPolicyError::NoCandidates);
+        }
+        if let Some(worker) = context.pinned_worker() {
+            // The exact-target path: no filters, scorers or picker.
+            return match table.position(worker) {
+                Some(row) => Ok(Selection {
+                    worker,
+                    row,
+                    cost: f64::NAN,
+                    candidates: 1,
+                }),
+                None => Err(WorkerSelectionPolicyError::PinnedUnavailable { worker }),
+            };
+        }
+        let missing = self.required.difference(table.present());
+        if !missing.is_empty() {
+            return Err(WorkerSelectionPolicyError::MissingInputs { missing });
+        }
+
+        let filtered = self.run_filters(context, table)?;
+        let view: &CandidateTable = if filtered { &self.compacted } else { table };
+        let n = view.len();
+
+        let totals = &mut self.totals;
+        totals.clear();
+        totals.resize(n, f64::NAN);
+        if self.scorers.is_empty() {
+            totals.fill(0.0);
+        }
+        for (index, (scorer, grant)) in self.scorers.iter_mut().enumerate() {
+            let out: &mut [f64] = if index == 0 {
+                totals
+            } else {
+                self.contribution.clear();
+                self.contribution.resize(n, f64::NAN);
+                &mut self.contribution
+            };
+            scorer.score(context, WorkerCandidates::new(view, *grant), out)?;
+            if let Some(row) = out.iter().position(|c| !c.is_finite()) {
+                return Err(WorkerSelectionPolicyError::InvalidCost {
+                    scorer_index: index,
+                    row,
+                    value: out[row],
+                });
+            }
+            if index > 0 {
+                let mut bad = false;
+                for (t, c) in totals.iter_mut().zip(&self.contribution) {
+                    *t += *c;
+                    bad |= !t.is_finite();
+                }
+                if bad {
+                    let row = totals.iter().position(|t| !t.is_finite()).unwrap_or(0);
+                    return Err(WorkerSelectionPolicyError::NonFiniteTotal {
+                        scorer_index: index,
+                        row,
+                        value: totals[row],
+                    });
+                }
+            }
+        }
+
+        let (picker, grant) = &mut self.picker;
+        let row = picker.pick(context, WorkerInputView::new(view, totals, *grant))?;
+        if row >= n {
+            return Err(WorkerSelectionPolicyError::RowOutOfRange { row, len: n });
+        }
+        let table_row = if filtered {
+            self.rows[row] as usize
+        } else {
+            row
+        };
+        Ok(Selection {
+            worker: view.worker(row),
+            row: table_row,
+            cost: totals[row],
+            candidates: n,
+        })
+    }
+
+    /// Runs the filters in declaration order. Returns whether any row was
+    /// removed, in which case the survivors are in `self.compacted` and their
+    /// table rows in `self.rows`.
+    fn run_filters(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        table: &CandidateTable,
+    ) -> Result<bool, WorkerSelectionPolicyError> {
+        if self.filters.is_empty() {
+            return Ok(false);
+        }
+        let rows = &mut self.rows;
+        rows.clear();
+        rows.extend(0..table.len() as u32);
+        for (index, (filter, grant)) in self.filters.iter_mut().enumerate() {
+            let mut err = None;
+            rows.retain(|&row| {
+                if err.is_some() {
+                    return false;
+                }
+                match filter.keep(context, WorkerCandidate::new(table, row as usize, *grant)) {
+                    Ok(keep) => keep,
+                    Err(e) => {
+                        err = Some(e);
+                        false
+                    }
+                }
+            });
+            if let Some(e) = err {
+                return Err(e);
+            }
+            if rows.is_empty() {
+                return Err(WorkerSelectionPolicyError::AllRejected {
+                    filter_index: index,
+                });
+            }
+        }
+        if rows.len() == table.len() {
+            return Ok(false);
+        }
+        self.compacted.gather(table, rows);
+        Ok(true)
+    }
+}

@@ -1,0 +1,337 @@
+//! The plugin registry: type names to providers, and resolution of the YAML
+//! configuration into one factory per role.
+//!
+//! A provider runs once at startup for each configured instance of its type:
+//! it parses and validates the parameters and returns a factory. The factory
+//! runs once per routing partition (role, model) and returns a fresh policy
+//! that owns its state. Nothing here runs per request.
+//!
+//! Which instance serves a role, first match wins:
+//! - prefill and decode: the role-specific override, then the all-roles
+//!   override (`--worker-selection-policy` or
+//!   `KVEDGE_ROUTER_WORKER_SELECTION_POLICY`), then the YAML role key, then
+//!   the built-in policy;
+//! - aggregated and encode: the all-roles override, then YAML, then built-in.
+//!
+//! `default` anywhere selects the built-in. A role never falls back to
+//! another role's selection.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::sync::Arc;
+
+use serde::de::DeserializeOwned;
+
+use crate::builtin::default_cost::{DefaultCostParameters, default_cost_policy};
+use crate::builtin::register_builtins;
+use crate::config::RouterConfig;
+use crate::context::{RoutingPartition, WorkerType};
+use crate::error::{
+    PolicyConfigError, WorkerSelectionPolicyProviderError, WorkerSelectionPolicyRegistryError,
+};
+use crate::policy::WorkerSelectionPolicy;
+use crate::yaml::WorkerSelectionConfig;
+
+/// Builds a policy for one partition.
+pub type WorkerSelectionPolicyFactory = Arc<
+    dyn Fn(&RouterConfig, WorkerType, &RoutingPartition) -> WorkerSelectionPolicy + Send + Sync,
+>;
+
+/// Validates an instance's parameters and returns its factory.
+pub type WorkerSelectionPolicyProvider = Arc<
+    dyn Fn(
+            &WorkerSelectionPolicyParameters,
+        ) -> Result<WorkerSelectionPolicyFactory, WorkerSelectionPolicyProviderError>
+        + Send
+        + Sync,
+>;
+
+/// The environment variable naming one instance for every role.
+pub const WORKER_SELECTION_POLICY_ENV: &str = "KVEDGE_ROUTER_WORKER_SELECTION_POLICY";
+
+/// The selection that means "the built-in policy".
+pub const DEFAULT_SELECTION: &str = "default";
+
+/// An instance's `parameters`, handed to its provider.
+#[derive(Clone, Debug)]
+pub struct WorkerSelectionPolicyParameters {
+    instance: String,
+    value: serde_yaml::Value,
+}
+
+impl WorkerSelectionPolicyParameters {
+    pub fn new(instance: impl Into<String>, value: serde_yaml::Value) -> Self {
+        WorkerSelectionPolicyParameters {
+            instance: instance.into(),
+            value,
+        }
+    }
+
+    /// Deserializes into the provider's parameter type (use
+    /// `#[serde(deny_unknown_fields)]` so typos are errors).
+    pub fn deserialize<T: DeserializeOwned>(
+        &self,
+    ) -> Result<T, WorkerSelectionPolicyProviderError> {
+        Ok(serde_yaml::from_value(self.value.clone())?)
+    }
+
+    /// The configured instance name.
+    pub fn instance_name(&self) -> &str {
+        &self.instance
+    }
+
+    pub fn raw(&self) -> &serde_yaml::Value {
+        &self.value
+    }
+}
+
+/// Selections given outside the YAML (command line, environment).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SelectionOverrides {
+    /// All roles: the command-line option, else the environment variable.
+    pub all_roles: Option<String>,
+    pub prefill: Option<String>,
+    pub decode: Option<String>,
+}
+
+impl SelectionOverrides {
+    /// Fills `all_roles` from [`WORKER_SELECTION_POLICY_ENV`] when no option
+    /// set it (an empty value counts as unset).
+    pub fn with_env_fallback(mut self) -> Self {
+        if self.all_roles.is_none() {
+            self.all_roles = std::env::var(WORKER_SELECTION_POLICY_ENV)
+                .ok()
+                .filter(|v| !v.is_empty());
+        }
+        self
+    }
+}
+
+/// Type names to providers.
+#[derive(Clone, Default)]
+pub struct RouterPluginRegistry {
+    providers: BTreeMap<String, WorkerSelectionPolicyProvider>,
+}
+
+impl fmt::Debug for RouterPluginRegistry {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RouterPluginRegistry")
+            .field("types", &self.providers.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// The host registry: every shipped type registered.
+pub fn router_plugin_registry() -> RouterPluginRegistry {
+    let mut r = RouterPluginRegistry::empty();
+    register_builtins(&mut r).expect("built-in type names are valid and distinct");
+    r
+}
+
+fn valid_name(name: &str, allow_upper: bool) -> bool {
+    (1..=64).contains(&name.len())
+        && name != DEFAULT_SELECTION
+        && name.bytes().all(|b| {
+            b.is_ascii_lowercase()
+                || b.is_ascii_digit()
+                || matches!(b, b'-' | b'_' | b'.')
+                || (allow_upper && b.is_ascii_uppercase())
+        })
+}
+
+impl RouterPluginRegistry {
+    /// A registry with nothing registered (tests, custom hosts).
+    pub fn empty() -> Self {
+        RouterPluginRegistry::default()
+    }
+
+    /// Registers `type_name`. Names are 1-64 characters of `a-z 0-9 - _ .`,
+    /// not `default`, and registered once.
+    pub fn register_worker_selection(
+        &mut self,
+        type_name: &str,
+        provider: WorkerSelectionPolicyProvider,
+    ) -> Result<(), WorkerSelectionPolicyRegistryError> {
+        if !valid_name(type_name, false) {
+            return Err(WorkerSelectionPolicyRegistryError::InvalidTypeName(
+                type_name.to_owned(),
+            ));
+        }
+        if self.providers.contains_key(type_name) {
+            return Err(WorkerSelectionPolicyRegistryError::DuplicateType(
+                type_name.to_owned(),
+            ));
+        }
+        self.providers.insert(type_name.to_owned(), provider);
+        Ok(())
+    }
+
+    pub fn contains(&self, type_name: &str) -> bool {
+        self.providers.contains_key(type_name)
+    }
+
+    pub fn type_names(&self) -> impl Iterator<Item = &str> {
+        self.providers.keys().map(String::as_str)
+    }
+
+    /// Validates the configuration: every instance's type exists and its
+    /// provider accepts the parameters, names are unique, and every selection
+    /// names `default` or an instance. Returns the factory per role.
+    pub fn resolve_plugins(
+        &self,
+        config: &WorkerSelectionConfig,
+        overrides: &SelectionOverrides,
+        router: &RouterConfig,
+    ) -> Result<RouterPlugins, PolicyConfigError> {
+        router
+            .validate()
+            .map_err(|message| PolicyConfigError::Yaml {
+                line: None,
+                message: format!("router configuration: {message}"),
+            })?;
+        let mut built: BTreeMap<&str, (Arc<ResolvedInstance>, Option<usize>)> = BTreeMap::new();
+        for inst in config.instances() {
+            if !valid_name(&inst.name, true) {
+                return Err(PolicyConfigError::InvalidInstanceName {
+                    instance: inst.name.clone(),
+                    line: inst.line,
+                });
+            }
+            if let Some((_, first_line)) = built.get(inst.name.as_str()) {
+                return Err(PolicyConfigError::DuplicateInstance {
+                    instance: inst.name.clone(),
+                    line: inst.line,
+                    first_line: *first_line,
+                });
+            }
+            let provider = self.providers.get(&inst.type_name).ok_or_else(|| {
+                PolicyConfigError::UnknownType {
+                    instance: inst.name.clone(),
+                    type_name: inst.type_name.clone(),
+                    line: inst.line,
+                    known: self.type_names().collect::<Vec<_>>().join(", "),
+                }
+            })?;
+            let params = WorkerSelectionPolicyParameters::new(&inst.name, inst.parameters.clone());
+            let factory = provider(&params).map_err(|e| PolicyConfigError::InvalidParameters {
+                instance: inst.name.clone(),
+                type_name: inst.type_name.clone(),
+                line: inst.line,
+                message: e.message().to_owned(),
+            })?;
+            let resolved = ResolvedInstance {
+                name: inst.name.clone(),
+                type_name: inst.type_name.clone(),
+                factory,
+            };
+            built.insert(inst.name.as_str(), (Arc::new(resolved), inst.line));
+        }
+        let configured = || {
+            let names: Vec<&str> = built.keys().copied().collect();
+            if names.is_empty() {
+                "none".to_owned()
+            } else {
+                names.join(", ")
+            }
+        };
+        let lookup = |name: &str, scope: String, line: Option<usize>| {
+            if name == DEFAULT_SELECTION {
+                return Ok(None);
+            }
+            built
+                .get(name)
+                .map(|(r, _)| Some(Arc::clone(r)))
+                .ok_or_else(|| PolicyConfigError::UnknownSelection {
+                    scope,
+                    name: name.to_owned(),
+                    line,
+                    configured: configured(),
+                })
+        };
+        let mut roles: [Option<Arc<ResolvedInstance>>; 4] = Default::default();
+        for role in WorkerType::ALL {
+            let specific = match role {
+                WorkerType::Prefill => overrides
+                    .prefill
+                    .as_deref()
+                    .map(|n| (n, "--prefill-policy")),
+                WorkerType::Decode => overrides.decode.as_deref().map(|n| (n, "--decode-policy")),
+                _ => None,
+            };
+            let chosen = if let Some((name, option)) = specific {
+                lookup(name, format!("{role} override {option}"), None)?
+            } else if let Some(name) = overrides.all_roles.as_deref() {
+                lookup(
+                    name,
+                    format!(
+                        "all-roles override (--worker-selection-policy / {WORKER_SELECTION_POLICY_ENV})"
+                    ),
+                    None,
+                )?
+            } else if let Some((name, line)) = config.role(role) {
+                lookup(name, format!("worker_selection.{role}"), line)?
+            } else {
+                None
+            };
+            roles[role as usize] = chosen;
+        }
+        Ok(RouterPlugins {
+            router: router.clone(),
+            roles,
+        })
+    }
+}
+
+struct ResolvedInstance {
+    name: String,
+    type_name: String,
+    factory: WorkerSelectionPolicyFactory,
+}
+
+/// The resolved configuration: what to build for each role.
+#[derive(Clone)]
+pub struct RouterPlugins {
+    router: RouterConfig,
+    roles: [Option<Arc<ResolvedInstance>>; 4],
+}
+
+impl fmt::Debug for RouterPlugins {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut d = f.debug_struct("RouterPlugins");
+        for role in WorkerType::ALL {
+            d.field(role.as_str(), &self.selection(role));
+        }
+        d.finish()
+    }
+}
+
+impl RouterPlugins {
+    /// Every role on the built-in policy.
+    pub fn builtin_only(router: RouterConfig) -> Self {
+        RouterPlugins {
+            router,
+            roles: Default::default(),
+        }
+    }
+
+    /// `(instance name, type name)` serving `role`, or `("default",
+    /// "dynamo-default-cost-fn")`.
+    pub fn selection(&self, role: WorkerType) -> (&str, &str) {
+        match &self.roles[role as usize] {
+            Some(r) => (&r.name, &r.type_name),
+            None => (DEFAULT_SELECTION, crate::builtin::DEFAULT_COST_FN),
+        }
+    }
+
+    pub fn router_config(&self) -> &RouterConfig {
+        &self.router
+    }
+
+    /// A fresh policy instance for `partition`.
+    pub fn build(&self, partition: &RoutingPartition) -> WorkerSelectionPolicy {
+        match &self.roles[partition.worker_type as usize] {
+            Some(r) => (r.factory)(&self.router, partition.worker_type, partition),
+            None => default_cost_policy(&self.router, &DefaultCostParameters::default(), partition),
+        }
+    }
+}

@@ -1,0 +1,232 @@
+//! The host-owned, columnar candidate table a selection runs over.
+//!
+//! One row per eligible (worker, data-parallel rank). The host fills the
+//! identity column and the columns of the signal groups some component
+//! declared; the table records which groups are present. Columns are plain
+//! vectors kept across requests, so refilling a table of the same size does
+//! not allocate.
+
+use std::fmt;
+
+use crate::inputs::WorkerInputs;
+
+/// A worker and its data-parallel rank: one routable target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+pub struct WorkerWithDpRank {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+}
+
+impl WorkerWithDpRank {
+    pub const fn new(worker_id: u64, dp_rank: u32) -> Self {
+        WorkerWithDpRank { worker_id, dp_rank }
+    }
+}
+
+impl fmt::Display for WorkerWithDpRank {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}/{}", self.worker_id, self.dp_rank)
+    }
+}
+
+/// `CACHE`: raw prefix-overlap counts per tier, in blocks. Missing is zero.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct CacheRow {
+    pub device_blocks: u32,
+    pub host_blocks: u32,
+    pub disk_blocks: u32,
+    /// Blocks found in a node-shared cache beyond the worker's device prefix.
+    pub shared_beyond_blocks: u32,
+}
+
+/// `LOAD`: what the worker is already doing.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct LoadRow {
+    pub active_requests: u32,
+    pub waiting_requests: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+}
+
+/// `OCCUPANCY`: KV-cache blocks in use and in total.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct OccupancyRow {
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+}
+
+/// Everything the host may know about one candidate.
+#[derive(Clone, Copy, Debug, PartialEq, Default)]
+pub struct CandidateRow {
+    pub worker: WorkerWithDpRank,
+    pub cache: CacheRow,
+    pub load: LoadRow,
+    pub occupancy: OccupancyRow,
+    /// `PREFERRED_TAINT`: cost multiplier from preferred routing constraints.
+    pub preferred_taint_multiplier: Option<f64>,
+}
+
+/// Columnar candidates. Row order is unspecified to policies.
+#[derive(Clone, Debug, Default)]
+pub struct CandidateTable {
+    present: WorkerInputs,
+    pub(crate) workers: Vec<WorkerWithDpRank>,
+    pub(crate) device: Vec<u32>,
+    pub(crate) host: Vec<u32>,
+    pub(crate) disk: Vec<u32>,
+    pub(crate) shared_beyond: Vec<u32>,
+    pub(crate) active_requests: Vec<u32>,
+    pub(crate) waiting_requests: Vec<u32>,
+    pub(crate) active_prefill_tokens: Vec<u64>,
+    pub(crate) active_decode_blocks: Vec<u64>,
+    pub(crate) kv_used: Vec<u64>,
+    pub(crate) kv_total: Vec<u64>,
+    /// NaN where the candidate has no multiplier.
+    pub(crate) taint: Vec<f64>,
+}
+
+impl CandidateTable {
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Empties the table (keeping its buffers) and declares which signal
+    /// groups the rows about to be pushed carry.
+    pub fn reset(&mut self, present: WorkerInputs) {
+        self.present = present;
+        self.workers.clear();
+        self.device.clear();
+        self.host.clear();
+        self.disk.clear();
+        self.shared_beyond.clear();
+        self.active_requests.clear();
+        self.waiting_requests.clear();
+        self.active_prefill_tokens.clear();
+        self.active_decode_blocks.clear();
+        self.kv_used.clear();
+        self.kv_total.clear();
+        self.taint.clear();
+    }
+
+    /// Appends a row. Columns of groups not present are filled but never
+    /// shown to a policy.
+    pub fn push(&mut self, row: CandidateRow) {
+        self.workers.push(row.worker);
+        self.device.push(row.cache.device_blocks);
+        self.host.push(row.cache.host_blocks);
+        self.disk.push(row.cache.disk_blocks);
+        self.shared_beyond.push(row.cache.shared_beyond_blocks);
+        self.active_requests.push(row.load.active_requests);
+        self.waiting_requests.push(row.load.waiting_requests);
+        self.active_prefill_tokens
+            .push(row.load.active_prefill_tokens);
+        self.active_decode_blocks
+            .push(row.load.active_decode_blocks);
+        self.kv_used.push(row.occupancy.kv_used_blocks);
+        self.kv_total.push(row.occupancy.kv_total_blocks);
+        self.taint
+            .push(row.preferred_taint_multiplier.unwrap_or(f64::NAN));
+    }
+
+    /// Overwrites the `CACHE` columns of one row (the host fills overlaps per
+    /// request into a table whose load columns it keeps up to date).
+    pub fn set_cache(&mut self, row: usize, cache: CacheRow) {
+        self.device[row] = cache.device_blocks;
+        self.host[row] = cache.host_blocks;
+        self.disk[row] = cache.disk_blocks;
+        self.shared_beyond[row] = cache.shared_beyond_blocks;
+    }
+
+    /// Overwrites the `LOAD` columns of one row.
+    pub fn set_load(&mut self, row: usize, load: LoadRow) {
+        self.active_requests[row] = load.active_requests;
+        self.waiting_requests[row] = load.waiting_requests;
+        self.active_prefill_tokens[row] = load.active_prefill_tokens;
+        self.active_decode_blocks[row] = load.active_decode_blocks;
+    }
+
+    /// Declares the groups present (after in-place updates).
+    pub fn set_present(&mut self, present: WorkerInputs) {
+        self.present = present;
+    }
+
+    pub fn present(&self) -> WorkerInputs {
+        self.present
+    }
+
+    pub fn len(&self) -> usize {
+        self.workers.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.workers.is_empty()
+    }
+
+    pub fn worker(&self, row: usize) -> WorkerWithDpRank {
+        self.workers[row]
+    }
+
+    pub fn workers(&self) -> &[WorkerWithDpRank] {
+        &self.workers
+    }
+
+    /// The row of `worker`, if it is a candidate.
+    pub fn position(&self, worker: WorkerWithDpRank) -> Option<usize> {
+        self.workers.iter().position(|w| *w == worker)
+    }
+
+    /// Reads one row back.
+    pub fn row(&self, row: usize) -> CandidateRow {
+        let taint = self.taint[row];
+        CandidateRow {
+            worker: self.workers[row],
+            cache: CacheRow {
+                device_blocks: self.device[row],
+                host_blocks: self.host[row],
+                disk_blocks: self.disk[row],
+                shared_beyond_blocks: self.shared_beyond[row],
+            },
+            load: LoadRow {
+                active_requests: self.active_requests[row],
+                waiting_requests: self.waiting_requests[row],
+                active_prefill_tokens: self.active_prefill_tokens[row],
+                active_decode_blocks: self.active_decode_blocks[row],
+            },
+            occupancy: OccupancyRow {
+                kv_used_blocks: self.kv_used[row],
+                kv_total_blocks: self.kv_total[row],
+            },
+            preferred_taint_multiplier: (!taint.is_nan()).then_some(taint),
+        }
+    }
+
+    /// Replaces `self` with the rows of `src` listed in `rows` (filtered
+    /// candidates are compacted so scorers and pickers see contiguous columns).
+    pub(crate) fn gather(&mut self, src: &CandidateTable, rows: &[u32]) {
+        fn take<T: Copy>(dst: &mut Vec<T>, src: &[T], rows: &[u32]) {
+            dst.clear();
+            dst.extend(rows.iter().map(|&r| src[r as usize]));
+        }
+        self.present = src.present;
+        take(&mut self.workers, &src.workers, rows);
+        take(&mut self.device, &src.device, rows);
+        take(&mut self.host, &src.host, rows);
+        take(&mut self.disk, &src.disk, rows);
+        take(&mut self.shared_beyond, &src.shared_beyond, rows);
+        take(&mut self.active_requests, &src.active_requests, rows);
+        take(&mut self.waiting_requests, &src.waiting_requests, rows);
+        take(
+            &mut self.active_prefill_tokens,
+            &src.active_prefill_tokens,
+            rows,
+        );
+        take(
+            &mut self.active_decode_blocks,
+            &src.active_decode_blocks,
+            rows,
+        );
+        take(&mut self.kv_used, &src.kv_used, rows);
+        take(&mut self.kv_total, &src.kv_total, rows);
+        take(&mut self.taint, &src.taint, rows);
+    }
+}
