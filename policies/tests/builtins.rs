@@ -1,0 +1,340 @@
+//! One focused test per decision of each shipped policy, through the same
+//! YAML -> registry -> factory path an operator uses.
+
+mod common;
+
+use common::*;
+use kvedge_policies::{
+    AffinityMode, AffinityTarget, InputTrigger, RouterConfig, SessionAffinityTable, SessionContext,
+    WorkerSelectionContext, WorkerType, WorkerWithDpRank,
+};
+
+fn ctx(prompt_tokens: u32) -> WorkerSelectionContext<'static> {
+    WorkerSelectionContext::new("req", prompt_tokens, 16)
+}
+
+fn pick(
+    p: &mut kvedge_policies::WorkerSelectionPolicy,
+    c: &WorkerSelectionContext<'_>,
+    rows: &[W],
+) -> u64 {
+    p.select(c, &table(rows)).unwrap().worker.worker_id
+}
+
+// ---- dynamo-default-cost-fn ----
+
+#[test]
+fn default_cost_trades_overlap_against_decode_load() {
+    // Seed 000's worked example: 10 prompt blocks each; device overlap 2/5/8;
+    // decode load 10/5/9. Costs (10-2)+(10+10), (10-5)+(5+10), (10-8)+(9+10).
+    let mut p = policy("dynamo-default-cost-fn", "{}");
+    let rows = [
+        w(1).device(2).decode(10),
+        w(2).device(5).decode(5),
+        w(3).device(8).decode(9),
+    ];
+    let s = p.select(&ctx(160), &table(&rows)).unwrap();
+    assert_eq!((s.worker.worker_id, s.cost), (2, 20.0));
+}
+
+#[test]
+fn default_cost_credits_host_and_disk_tiers_at_their_weights() {
+    // 10 prompt blocks. Worker 1: 8 host blocks (credit 6); worker 2: 8 disk
+    // blocks (credit 2); worker 3: 5 device blocks (credit 5).
+    let mut p = policy("dynamo-default-cost-fn", "{}");
+    let rows = [w(1).host(8), w(2).disk(8), w(3).device(5)];
+    let s = p.select(&ctx(160), &table(&rows)).unwrap();
+    assert_eq!((s.worker.worker_id, s.cost), (1, 4.0 + 10.0));
+    let mut heavy_disk = policy("dynamo-default-cost-fn", "{disk_cache_hit_weight: 1.0}");
+    assert_eq!(pick(&mut heavy_disk, &ctx(160), &rows), 2);
+}
+
+#[test]
+fn default_cost_prefill_backlog_and_scale() {
+    // Same overlap; worker 2 carries 160 tokens of prefill backlog (10 blocks).
+    let mut p = policy("dynamo-default-cost-fn", "{prefill_load_scale: 2.0}");
+    let rows = [w(1).prefill(160).decode(0), w(2).decode(15)];
+    // worker 1: 2*(10+10) + 10 = 50; worker 2: 2*10 + 25 = 45.
+    let s = p.select(&ctx(160), &table(&rows)).unwrap();
+    assert_eq!((s.worker.worker_id, s.cost), (2, 45.0));
+}
+
+#[test]
+fn default_cost_decay_halves_credit_at_one_request_of_excess_prefill() {
+    // Worker 1: 8 device blocks but 10 blocks (one request) of excess prefill;
+    // decay 1 halves its credit to 4. Worker 2: no overlap, no backlog.
+    let rows = [w(1).device(8).prefill(160), w(2)];
+    let mut decayed = policy(
+        "dynamo-default-cost-fn",
+        "{overlap_score_credit_decay: 1.0}",
+    );
+    let s = decayed.select(&ctx(160), &table(&rows)).unwrap();
+    // worker 1: (20 - 4) + 10 = 26; worker 2: 10 + 10 = 20.
+    assert_eq!((s.worker.worker_id, s.cost), (2, 20.0));
+    let mut plain = policy("dynamo-default-cost-fn", "{}");
+    // Without decay worker 1 costs (20 - 8) + 10 = 22: still 2, so shrink the backlog.
+    let rows = [w(1).device(8).prefill(48), w(2)];
+    // plain: (13 - 8) + 10 = 15 < 20 -> 1; decayed: excess 0.3 req -> credit 8/1.3.
+    assert_eq!(pick(&mut plain, &ctx(160), &rows), 1);
+    let s = decayed.select(&ctx(160), &table(&rows)).unwrap();
+    assert_eq!(s.worker.worker_id, 1);
+    assert!(
+        (s.cost - ((13.0 - 8.0 / 1.3) + 10.0)).abs() < 1e-9,
+        "{}",
+        s.cost
+    );
+}
+
+#[test]
+fn default_cost_applies_the_preferred_taint_multiplier() {
+    let mut p = policy("dynamo-default-cost-fn", "{}");
+    let rows = [w(1).taint(3.0), w(2).decode(15)];
+    // worker 1: (10 + 10) * 3 = 60; worker 2: 10 + 25 = 35.
+    let s = p.select(&ctx(160), &table(&rows)).unwrap();
+    assert_eq!((s.worker.worker_id, s.cost), (2, 35.0));
+}
+
+#[test]
+fn default_cost_decode_pool_without_prefill_tracking_prefers_cache_hot_workers() {
+    let router = RouterConfig {
+        track_prefill_tokens: false,
+        ..RouterConfig::default()
+    };
+    let mut p = policy_for(
+        "dynamo-default-cost-fn",
+        "{}",
+        WorkerType::Decode,
+        router.clone(),
+    );
+    assert!(
+        p.required_worker_inputs()
+            .contains(kvedge_policies::WorkerInputs::CACHE)
+    );
+    let rows = [w(1).device(9).decode(5), w(2).decode(2)];
+    // worker 1: max(15 - 9, 0) = 6; worker 2: 12.
+    let s = p.select(&ctx(160), &table(&rows)).unwrap();
+    assert_eq!((s.worker.worker_id, s.cost), (1, 6.0));
+    // Plain disaggregated decode (no credit): no cache input at all.
+    let plain = policy_for(
+        "dynamo-default-cost-fn",
+        "{overlap_score_credit: 0, host_cache_hit_weight: 0, disk_cache_hit_weight: 0}",
+        WorkerType::Decode,
+        router,
+    );
+    assert!(
+        !plain
+            .required_worker_inputs()
+            .contains(kvedge_policies::WorkerInputs::CACHE)
+    );
+}
+
+#[test]
+fn default_cost_breaks_exact_ties_randomly_but_reproducibly() {
+    let rows = [w(1), w(2), w(3)];
+    let run = || {
+        let mut p = policy("dynamo-default-cost-fn", "{seed: 42}");
+        (0..200)
+            .map(|_| pick(&mut p, &ctx(160), &rows))
+            .collect::<Vec<_>>()
+    };
+    let a = run();
+    assert_eq!(a, run(), "same seed, same decisions");
+    for id in 1..=3 {
+        let n = a.iter().filter(|&&x| x == id).count();
+        assert!((40..=95).contains(&n), "worker {id} chosen {n}/200");
+    }
+    let mut other = policy("dynamo-default-cost-fn", "{seed: 43}");
+    let b: Vec<_> = (0..200)
+        .map(|_| pick(&mut other, &ctx(160), &rows))
+        .collect();
+    assert_ne!(a, b, "another seed, another stream");
+}
+
+#[test]
+fn default_cost_softmax_samples_in_proportion_to_exp_of_normalised_cost() {
+    // Costs 20 and 21 (range 1); T = 1: p(first) = 1 / (1 + e^-1) = 0.7311.
+    let mut p = policy(
+        "dynamo-default-cost-fn",
+        "{router_temperature: 1.0, seed: 7}",
+    );
+    let rows = [w(1), w(2).decode(1)];
+    let n = 20_000;
+    let first = (0..n)
+        .filter(|_| pick(&mut p, &ctx(160), &rows) == 1)
+        .count();
+    let share = first as f64 / n as f64;
+    assert!((share - 0.7311).abs() < 0.015, "{share}");
+    // Equal costs: uniform.
+    let even = [w(1), w(2)];
+    let first = (0..n)
+        .filter(|_| pick(&mut p, &ctx(160), &even) == 1)
+        .count();
+    assert!((first as f64 / n as f64 - 0.5).abs() < 0.015);
+}
+
+// ---- least-busy (seed 000's walkthrough policy) ----
+
+#[test]
+fn least_busy_filters_on_device_overlap_then_takes_fewest_requests() {
+    let mut p = policy("least-busy", "{min_device_overlap_blocks: 2}");
+    let rows = [
+        w(1).device(1).active(0),
+        w(2).device(2).active(5),
+        w(3).device(4).active(3),
+    ];
+    assert_eq!(
+        pick(&mut p, &ctx(160), &rows),
+        3,
+        "worker 1 is filtered out"
+    );
+    let cold = [w(1).device(1), w(2).device(0)];
+    assert!(matches!(
+        p.select(&ctx(160), &table(&cold)),
+        Err(kvedge_policies::WorkerSelectionPolicyError::AllRejected { filter_index: 0 })
+    ));
+}
+
+// ---- round-robin / random / power-of-two / least-kv-usage ----
+
+#[test]
+fn round_robin_cycles_in_identity_order_whatever_the_row_order() {
+    let mut p = policy("round-robin", "{}");
+    let mut rows = vec![w(30), w(10), w(20)];
+    let mut seen = Vec::new();
+    for i in 0..6 {
+        shuffle(&mut rows, i + 1);
+        seen.push(pick(&mut p, &ctx(16), &rows));
+    }
+    assert_eq!(seen, [10, 20, 30, 10, 20, 30]);
+    // A worker leaving does not reset the cycle.
+    assert_eq!(pick(&mut p, &ctx(16), &[w(30), w(20)]), 20);
+}
+
+#[test]
+fn random_is_uniform_and_reproducible() {
+    let rows: Vec<W> = (1..=4).map(w).collect();
+    let run = |seed: u64| {
+        let mut p = policy("random", &format!("{{seed: {seed}}}"));
+        (0..4000)
+            .map(|_| pick(&mut p, &ctx(16), &rows))
+            .collect::<Vec<_>>()
+    };
+    let a = run(5);
+    assert_eq!(a, run(5));
+    for id in 1..=4 {
+        let n = a.iter().filter(|&&x| x == id).count();
+        assert!((850..=1150).contains(&n), "worker {id}: {n}");
+    }
+}
+
+#[test]
+fn power_of_two_never_takes_the_busier_of_its_two_draws() {
+    let mut p = policy("power-of-two", "{seed: 1}");
+    // With two candidates both are always drawn: the idle one must win.
+    for _ in 0..100 {
+        assert_eq!(
+            pick(&mut p, &ctx(16), &[w(1).active(3), w(2).waiting(1)]),
+            2
+        );
+    }
+    // With many, the busiest can never win (it loses every pairing).
+    let rows: Vec<W> = (1..=8).map(|i| w(i).active(i as u32)).collect();
+    assert!((0..500).all(|_| pick(&mut p, &ctx(16), &rows) != 8));
+}
+
+#[test]
+fn least_kv_usage_takes_the_emptiest_cache_and_counts_no_capacity_as_full() {
+    let mut p = policy("least-kv-usage", "{}");
+    let rows = [w(1).kv(50, 100), w(2).kv(10, 100), w(3).kv(0, 0)];
+    assert_eq!(pick(&mut p, &ctx(16), &rows), 2);
+}
+
+// ---- cache-aware ----
+
+#[test]
+fn cache_aware_balances_when_load_is_imbalanced() {
+    let mut p = policy(
+        "cache-aware",
+        "{balance_abs_threshold: 4, balance_rel_threshold: 1.5}",
+    );
+    // Load 10 vs 2: imbalanced, so the big overlap on worker 1 is ignored.
+    let rows = [w(1).device(10).active(10), w(2).active(2)];
+    assert_eq!(pick(&mut p, &ctx(160), &rows), 2);
+}
+
+#[test]
+fn cache_aware_follows_overlap_when_balanced_and_above_threshold() {
+    let mut p = policy(
+        "cache-aware",
+        "{balance_abs_threshold: 4, cache_threshold: 0.5}",
+    );
+    let rows = [w(1).device(6).active(3), w(2).active(1)];
+    assert_eq!(pick(&mut p, &ctx(160), &rows), 1, "6/10 blocks >= 0.5");
+    let rows = [w(1).device(4).active(3), w(2).active(1)];
+    assert_eq!(
+        pick(&mut p, &ctx(160), &rows),
+        2,
+        "4/10 < 0.5: least loaded"
+    );
+}
+
+// ---- soft-pin, with the affinity table in soft mode ----
+
+#[test]
+fn soft_pin_keeps_the_target_until_it_is_overloaded_a_b_b() {
+    let mut p = policy("soft-pin", "{max_active_requests: 0}");
+    let mut affinity = SessionAffinityTable::new(AffinityMode::Soft, 60_000, 16);
+    let session = SessionContext::new("s1", InputTrigger::UserMessage);
+    let (a, b) = (WorkerWithDpRank::new(1, 0), WorkerWithDpRank::new(2, 0));
+    let mut sequence = Vec::new();
+    // Turn 1: no binding; A is the only idle worker.
+    let mut load = [w(1), w(2).active(1)];
+    for turn in 0..3 {
+        let c = affinity
+            .apply(ctx(16).with_session(session).with_now_ms(turn))
+            .unwrap();
+        let s = p.select(&c, &table(&load)).unwrap();
+        affinity.bind("s1", s.worker, turn).unwrap();
+        sequence.push(s.worker);
+        load = match turn {
+            // The first request is still running on A; B drained.
+            0 => [w(1).active(1), w(2)],
+            // Everything drained.
+            _ => [w(1), w(2)],
+        };
+    }
+    assert_eq!(sequence, [a, b, b]);
+}
+
+#[test]
+fn soft_pin_target_without_rank_takes_its_least_loaded_rank() {
+    let mut p = policy("soft-pin", "{max_active_requests: 4}");
+    let c = ctx(16).with_affinity_target(AffinityTarget {
+        worker_id: 7,
+        dp_rank: None,
+    });
+    let mut t = kvedge_policies::CandidateTable::new();
+    t.reset(kvedge_policies::WorkerInputs::ALL);
+    for (rank, active) in [(0, 3), (1, 1)] {
+        let mut r = w(7).active(active).row();
+        r.worker.dp_rank = rank;
+        t.push(r);
+    }
+    t.push(w(8).row());
+    let s = p.select(&c, &t).unwrap();
+    assert_eq!(s.worker, WorkerWithDpRank::new(7, 1));
+}
+
+// ---- tool-result-cache-local ----
+
+#[test]
+fn tool_result_turns_go_to_the_most_device_overlap() {
+    let mut p = policy("tool-result-cache-local", "{}");
+    // Worker 1 has more overlap but a heavy decode load: default cost picks 2.
+    let rows = [w(1).device(8).decode(40), w(2).device(2)];
+    let user = SessionContext::new("s", InputTrigger::UserMessage);
+    let tool = SessionContext::new("s", InputTrigger::ToolResult);
+    assert_eq!(pick(&mut p, &ctx(160).with_session(user), &rows), 2);
+    assert_eq!(pick(&mut p, &ctx(160).with_session(tool), &rows), 1);
+    assert_eq!(pick(&mut p, &ctx(160), &rows), 2, "no session: default");
+}
