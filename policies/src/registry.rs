@@ -72,7 +72,15 @@ impl WorkerSelectionPolicyParameters {
     pub fn deserialize<T: DeserializeOwned>(
         &self,
     ) -> Result<T, WorkerSelectionPolicyProviderError> {
-        Ok(serde_yaml::from_value(self.value.clone())?)
+        serde_path_to_error::deserialize(self.value.clone()).map_err(|e| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path.is_empty() || path == "." {
+                WorkerSelectionPolicyProviderError::new(inner.to_string())
+            } else {
+                WorkerSelectionPolicyProviderError::new(format!("{path}: {inner}"))
+            }
+        })
     }
 
     /// The configured instance name.
