@@ -1,0 +1,102 @@
+//! After warm-up a selection allocates nothing, for every shipped policy
+//! (with and without filters that remove rows, at temperature 0 and above),
+//! and so do the session-affinity lookups and binds around it.
+
+mod common;
+
+use common::*;
+use kvedge_policies::{
+    AffinityMode, InputTrigger, SessionAffinityTable, SessionContext, WorkerSelectionContext,
+};
+
+const TYPES: [(&str, &str); 11] = [
+    ("dynamo-default-cost-fn", "{}"),
+    ("dynamo-default-cost-fn", "{router_temperature: 0.7}"),
+    (
+        "dynamo-default-cost-fn",
+        "{overlap_score_credit_decay: 1.0}",
+    ),
+    ("least-busy", "{min_device_overlap_blocks: 2}"),
+    ("round-robin", "{}"),
+    ("random", "{}"),
+    ("power-of-two", "{}"),
+    ("least-kv-usage", "{}"),
+    ("cache-aware", "{}"),
+    ("soft-pin", "{max_active_requests: 3}"),
+    ("tool-result-cache-local", "{}"),
+];
+
+fn rows(n: u64) -> Vec<W> {
+    (0..n)
+        .map(|i| {
+            w(i).device((i % 5) as u32)
+                .active((i % 7) as u32)
+                .prefill(i * 16)
+                .decode(i % 11)
+                .kv(i % 50, 100)
+        })
+        .collect()
+}
+
+#[test]
+fn warm_selections_allocate_nothing() {
+    let t = table(&rows(64));
+    let session = SessionContext::new("session-1", InputTrigger::ToolResult);
+    for (type_name, params) in TYPES {
+        let mut p = policy(type_name, params);
+        let c = WorkerSelectionContext::new("r", 2048, 16).with_session(session);
+        for _ in 0..3 {
+            p.select(&c, &t).unwrap();
+        }
+        let info = allocation_counter::measure(|| {
+            for _ in 0..100 {
+                std::hint::black_box(p.select(&c, &t).unwrap());
+            }
+        });
+        assert_eq!(info.count_total, 0, "{type_name} {params}: {info:?}");
+    }
+}
+
+#[test]
+fn smaller_tables_after_a_larger_one_allocate_nothing() {
+    let big = table(&rows(256));
+    let small = table(&rows(10));
+    let mut p = policy("least-busy", "{min_device_overlap_blocks: 1}");
+    let c = WorkerSelectionContext::new("r", 2048, 16);
+    p.select(&c, &big).unwrap();
+    let info = allocation_counter::measure(|| {
+        for _ in 0..50 {
+            p.select(&c, &small).unwrap();
+            p.select(&c, &big).unwrap();
+        }
+    });
+    assert_eq!(info.count_total, 0);
+}
+
+#[test]
+fn affinity_lookups_and_binds_allocate_nothing() {
+    let t = table(&rows(8));
+    let mut affinity = SessionAffinityTable::new(AffinityMode::Soft, 1_000, 4);
+    let mut p = policy("soft-pin", "{max_active_requests: 3}");
+    let ids = ["a", "b", "c", "d", "e", "f"];
+    // Warm-up: the policy's buffers reach the table's size.
+    p.select(&WorkerSelectionContext::new("r", 64, 16), &t)
+        .unwrap();
+    let info = allocation_counter::measure(|| {
+        for (now, id) in ids.iter().cycle().take(600).enumerate() {
+            let session = SessionContext::new(id, InputTrigger::UserMessage);
+            let c = WorkerSelectionContext::new("r", 64, 16)
+                .with_session(session)
+                .with_now_ms(now as u64);
+            let c = affinity.apply(c).unwrap();
+            let s = p.select(&c, &t).unwrap();
+            affinity.bind(id, s.worker, now as u64).unwrap();
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+    assert_eq!(
+        affinity.len(),
+        4,
+        "capacity holds with six sessions cycling"
+    );
+}
