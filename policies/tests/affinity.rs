@@ -1,0 +1,191 @@
+//! Session affinity (hard and soft, TTL, bounds, failure keeps the binding)
+//! and the request classifier.
+
+mod common;
+
+use std::borrow::Cow;
+
+use common::*;
+use kvedge_policies::affinity::{MAX_SESSION_ID_BYTES, SessionIdError};
+use kvedge_policies::plugins::request_classifier::*;
+use kvedge_policies::{
+    AffinityMode, AffinityTarget, InputTrigger, SessionAffinityTable, SessionContext,
+    WorkerSelectionContext, WorkerSelectionPolicyError, WorkerWithDpRank,
+};
+
+fn ctx_for(session: &str, now: u64) -> WorkerSelectionContext<'_> {
+    WorkerSelectionContext::new("r", 64, 16)
+        .with_session(SessionContext::new(session, InputTrigger::UserMessage))
+        .with_now_ms(now)
+}
+
+const A: WorkerWithDpRank = WorkerWithDpRank::new(1, 0);
+const B: WorkerWithDpRank = WorkerWithDpRank::new(2, 0);
+
+#[test]
+fn hard_mode_turns_a_binding_into_an_exact_target() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 1000, 16);
+    t.bind("s", B, 0).unwrap();
+    let c = t.apply(ctx_for("s", 10)).unwrap();
+    assert_eq!(c.pinned_worker(), Some(B));
+    assert_eq!(c.affinity_target(), None);
+    // The policy would pick A (idle), but the exact-target path wins.
+    let mut p = policy("dynamo-default-cost-fn", "{}");
+    let s = p
+        .select(&c, &table(&[w(1), w(2).active(50).decode(500)]))
+        .unwrap();
+    assert_eq!(s.worker, B);
+}
+
+#[test]
+fn soft_mode_passes_the_binding_as_advice() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Soft, 1000, 16);
+    t.bind("s", B, 0).unwrap();
+    let c = t.apply(ctx_for("s", 10)).unwrap();
+    assert_eq!(c.pinned_worker(), None);
+    assert_eq!(c.affinity_target(), Some(AffinityTarget::from(B)));
+}
+
+#[test]
+fn explicit_targets_and_sessionless_requests_are_left_alone() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 1000, 16);
+    t.bind("s", B, 0).unwrap();
+    let c = t.apply(ctx_for("s", 10).with_pinned_worker(A)).unwrap();
+    assert_eq!(c.pinned_worker(), Some(A));
+    let c = t.apply(WorkerSelectionContext::new("r", 64, 16)).unwrap();
+    assert_eq!(c.pinned_worker(), None);
+}
+
+#[test]
+fn bindings_expire_after_the_ttl_and_rebinding_refreshes_it() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 100, 16);
+    t.bind("s", A, 0).unwrap();
+    assert_eq!(t.lookup("s", 99).unwrap(), Some(A));
+    t.bind("s", B, 90).unwrap();
+    assert_eq!(t.lookup("s", 150).unwrap(), Some(B), "refreshed at 90");
+    assert_eq!(t.lookup("s", 190).unwrap(), None);
+    assert!(t.is_empty(), "an expired binding is dropped on lookup");
+}
+
+#[test]
+fn a_failed_selection_leaves_the_previous_binding_intact() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Soft, 1000, 16);
+    t.bind("s", A, 0).unwrap();
+    let mut p = policy("least-busy", "{min_device_overlap_blocks: 5}");
+    let c = t.apply(ctx_for("s", 1)).unwrap();
+    let r = p.select(&c, &table(&[w(1), w(2)]));
+    assert!(matches!(
+        r,
+        Err(WorkerSelectionPolicyError::AllRejected { .. })
+    ));
+    // The host binds only after a successful dispatch, so nothing changed.
+    assert_eq!(t.lookup("s", 2).unwrap(), Some(A));
+}
+
+#[test]
+fn a_full_table_evicts_expired_bindings_first_then_the_closest_to_expiry() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 100, 3);
+    t.bind("old", A, 0).unwrap();
+    t.bind("mid", A, 50).unwrap();
+    t.bind("new", A, 90).unwrap();
+    t.bind("fresh", B, 120).unwrap(); // "old" expired at 100
+    assert_eq!(t.len(), 3);
+    assert_eq!(t.lookup("old", 120).unwrap(), None);
+    t.bind("fresher", B, 130).unwrap(); // none expired: "mid" (expires 150) goes
+    assert_eq!(t.lookup("mid", 130).unwrap(), None);
+    assert_eq!(t.lookup("new", 130).unwrap(), Some(A));
+    assert_eq!(t.lookup("fresh", 130).unwrap(), Some(B));
+    assert_eq!(t.len(), 3);
+}
+
+#[test]
+fn session_ids_are_bounded_and_non_empty() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 100, 3);
+    let long = "x".repeat(MAX_SESSION_ID_BYTES + 1);
+    assert_eq!(
+        t.bind(&long, A, 0),
+        Err(SessionIdError::TooLong {
+            len: MAX_SESSION_ID_BYTES + 1
+        })
+    );
+    assert_eq!(t.lookup("", 0), Err(SessionIdError::Empty));
+    assert!(t.bind(&"x".repeat(MAX_SESSION_ID_BYTES), A, 0).is_ok());
+    assert_eq!(t.len(), 1);
+    assert_eq!(
+        SessionAffinityTable::new(AffinityMode::Hard, 1, usize::MAX).len(),
+        0,
+        "capacity is clamped, not allocated as asked"
+    );
+}
+
+#[test]
+fn final_turns_and_departed_workers_drop_bindings() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 100, 8);
+    t.bind("a", A, 0).unwrap();
+    t.bind("b", B, 0).unwrap();
+    t.bind("c", B, 0).unwrap();
+    assert!(t.end("a").unwrap());
+    assert!(!t.end("a").unwrap());
+    assert_eq!(t.forget_worker(2), 2);
+    assert!(t.is_empty());
+    t.bind("d", A, 0).unwrap();
+    assert_eq!(t.expire(99), 0);
+    assert_eq!(t.expire(100), 1);
+}
+
+/// Defers requests whose prefix is not tracked yet, rejects long ones.
+struct PrefixGate;
+impl RequestClassifier for PrefixGate {
+    fn classify(&mut self, request: &ClassifyRequest<'_>) -> Classification {
+        match request.sequence_hashes() {
+            None => Classification::Defer { retry_after_ms: 5 },
+            Some([]) => Classification::AdmitWithPriority(-1),
+            Some(h) if h.len() > 4 => Classification::Reject {
+                reason: Cow::Borrowed("too many blocks"),
+            },
+            Some(_) => Classification::Admit,
+        }
+    }
+}
+
+#[test]
+fn classifiers_see_the_borrowed_hash_snapshot() {
+    let hashes = [1u64, 2, 3, 4, 5];
+    let base = ClassifyRequest {
+        request_id: "r",
+        prompt_tokens: 80,
+        block_size: 16,
+        priority: 0,
+        sequence_hashes: None,
+        session: None,
+        agent_headers: None,
+        now_ms: 0,
+    };
+    let mut c = PrefixGate;
+    assert_eq!(
+        c.classify(&base),
+        Classification::Defer { retry_after_ms: 5 }
+    );
+    let empty = ClassifyRequest {
+        sequence_hashes: Some(&[]),
+        ..base
+    };
+    assert_eq!(c.classify(&empty), Classification::AdmitWithPriority(-1));
+    let five = ClassifyRequest {
+        sequence_hashes: Some(&hashes),
+        ..base
+    };
+    assert!(matches!(c.classify(&five), Classification::Reject { .. }));
+    let four = ClassifyRequest {
+        sequence_hashes: Some(&hashes[..4]),
+        ..base
+    };
+    assert_eq!(c.classify(&four), Classification::Admit);
+    let mut limit = PromptLimitClassifier {
+        max_prompt_tokens: 64,
+    };
+    assert!(matches!(
+        limit.classify(&base),
+        Classification::Reject { .. }
+    ));
+}
