@@ -186,6 +186,8 @@ pub struct WorkerSelectionContext<'a> {
     request_id: &'a str,
     prompt_tokens: u32,
     block_size: u32,
+    /// Precomputed: scorers read it once per candidate.
+    request_blocks: u64,
     expected_output_tokens: Option<u32>,
     priority: i32,
     pinned_worker: Option<WorkerWithDpRank>,
@@ -203,6 +205,7 @@ impl<'a> WorkerSelectionContext<'a> {
             request_id,
             prompt_tokens,
             block_size,
+            request_blocks: u64::from(prompt_tokens).div_ceil(u64::from(block_size.max(1))),
             expected_output_tokens: None,
             priority: 0,
             pinned_worker: None,
@@ -264,7 +267,7 @@ impl<'a> WorkerSelectionContext<'a> {
 
     /// Blocks the prompt occupies (partial last block included).
     pub fn request_blocks(&self) -> u64 {
-        u64::from(self.prompt_tokens).div_ceil(u64::from(self.block_size.max(1)))
+        self.request_blocks
     }
 
     pub fn expected_output_tokens(&self) -> Option<u32> {

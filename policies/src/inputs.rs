@@ -9,7 +9,7 @@ use std::ops::{BitAnd, BitOr, BitOrAssign};
 
 /// A set of optional signal groups.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub struct WorkerInputs(u8);
+pub struct WorkerInputs(u32);
 
 impl WorkerInputs {
     /// No optional signal: worker identity and request metadata only.

@@ -211,9 +211,13 @@ impl WorkerSelectionPolicy {
         let totals = &mut self.totals;
         totals.clear();
         totals.resize(n, f64::NAN);
+        // The totals' range, found by the same pass that checks them and
+        // handed to the picker (most pickers need the minimum anyway).
+        let mut range = (0.0, 0.0);
         if self.scorers.is_empty() {
             totals.fill(0.0);
         }
+        let last = self.scorers.len().saturating_sub(1);
         for (index, (scorer, grant)) in self.scorers.iter_mut().enumerate() {
             let out: &mut [f64] = if index == 0 {
                 totals
@@ -223,32 +227,37 @@ impl WorkerSelectionPolicy {
                 &mut self.contribution
             };
             scorer.score(context, WorkerCandidates::new(view, *grant), out)?;
-            if let Some(row) = out.iter().position(|c| !c.is_finite()) {
+            let checked = finite_range(out);
+            let Some(r) = checked else {
+                let row = out.iter().position(|c| !c.is_finite()).unwrap_or(0);
                 return Err(WorkerSelectionPolicyError::InvalidCost {
                     scorer_index: index,
                     row,
                     value: out[row],
                 });
-            }
+            };
+            range = r;
             if index > 0 {
-                let mut bad = false;
                 for (t, c) in totals.iter_mut().zip(&self.contribution) {
                     *t += *c;
-                    bad |= !t.is_finite();
                 }
-                if bad {
-                    let row = totals.iter().position(|t| !t.is_finite()).unwrap_or(0);
-                    return Err(WorkerSelectionPolicyError::NonFiniteTotal {
-                        scorer_index: index,
-                        row,
-                        value: totals[row],
-                    });
+                match finite_range(totals) {
+                    Some(r) => range = r,
+                    None => {
+                        let row = totals.iter().position(|t| !t.is_finite()).unwrap_or(0);
+                        return Err(WorkerSelectionPolicyError::NonFiniteTotal {
+                            scorer_index: index,
+                            row,
+                            value: totals[row],
+                        });
+                    }
                 }
             }
+            debug_assert!(index <= last);
         }
 
         let (picker, grant) = &mut self.picker;
-        let row = picker.pick(context, WorkerInputView::new(view, totals, *grant))?;
+        let row = picker.pick(context, WorkerInputView::new(view, totals, range, *grant))?;
         if row >= n {
             return Err(WorkerSelectionPolicyError::RowOutOfRange { row, len: n });
         }
@@ -308,4 +317,39 @@ impl WorkerSelectionPolicy {
         self.compacted.gather(table, rows);
         Ok(true)
     }
+}
+
+/// `Some((min, max))` when no entry is NaN or infinite. One pass in four
+/// independent lanes of pure float work, so it vectorises even on baseline
+/// x86-64 (which has no packed 64-bit integer compare): `v - v` is 0 for a
+/// finite `v` and NaN otherwise, and those are summed per lane; the range is
+/// compare-and-select. The failing row is located only on failure. An empty
+/// slice gives (0, 0).
+fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
+    let mut poison = [0.0f64; 4];
+    let mut lo = [f64::INFINITY; 4];
+    let mut hi = [f64::NEG_INFINITY; 4];
+    let mut quads = values.chunks_exact(4);
+    for q in &mut quads {
+        for k in 0..4 {
+            let v = q[k];
+            poison[k] += v - v;
+            lo[k] = if v < lo[k] { v } else { lo[k] };
+            hi[k] = if v > hi[k] { v } else { hi[k] };
+        }
+    }
+    for &v in quads.remainder() {
+        poison[0] += v - v;
+        lo[0] = if v < lo[0] { v } else { lo[0] };
+        hi[0] = if v > hi[0] { v } else { hi[0] };
+    }
+    if poison.iter().any(|p| *p != 0.0) {
+        return None;
+    }
+    if values.is_empty() {
+        return Some((0.0, 0.0));
+    }
+    let min = lo.iter().fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
+    let max = hi.iter().fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    Some((min, max))
 }

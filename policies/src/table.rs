@@ -67,6 +67,11 @@ pub struct CandidateRow {
 }
 
 /// Columnar candidates. Row order is unspecified to policies.
+///
+/// Every count is stored as a `u32` column, saturated at 2^31 - 1 when
+/// pushed (no realistic count comes near): scorers convert every signal they
+/// read to `f64`, and a value below 2^31 converts as a signed 32-bit integer,
+/// two per instruction, where a `u64` takes a branchy sequence per value.
 #[derive(Clone, Debug, Default)]
 pub struct CandidateTable {
     present: WorkerInputs,
@@ -77,12 +82,17 @@ pub struct CandidateTable {
     pub(crate) shared_beyond: Vec<u32>,
     pub(crate) active_requests: Vec<u32>,
     pub(crate) waiting_requests: Vec<u32>,
-    pub(crate) active_prefill_tokens: Vec<u64>,
-    pub(crate) active_decode_blocks: Vec<u64>,
-    pub(crate) kv_used: Vec<u64>,
-    pub(crate) kv_total: Vec<u64>,
+    pub(crate) active_prefill_tokens: Vec<u32>,
+    pub(crate) active_decode_blocks: Vec<u32>,
+    pub(crate) kv_used: Vec<u32>,
+    pub(crate) kv_total: Vec<u32>,
     /// NaN where the candidate has no multiplier.
     pub(crate) taint: Vec<f64>,
+    /// Some row may have host, disk or shared-cache overlap (conservative:
+    /// cleared only by `reset`). Lets scorers skip three all-zero columns.
+    pub(crate) lower_tiers: bool,
+    /// Some row may have a taint multiplier (conservative, as above).
+    pub(crate) any_taint: bool,
 }
 
 impl CandidateTable {
@@ -106,43 +116,52 @@ impl CandidateTable {
         self.kv_used.clear();
         self.kv_total.clear();
         self.taint.clear();
+        self.lower_tiers = false;
+        self.any_taint = false;
     }
 
     /// Appends a row. Columns of groups not present are filled but never
     /// shown to a policy.
     pub fn push(&mut self, row: CandidateRow) {
         self.workers.push(row.worker);
-        self.device.push(row.cache.device_blocks);
-        self.host.push(row.cache.host_blocks);
-        self.disk.push(row.cache.disk_blocks);
-        self.shared_beyond.push(row.cache.shared_beyond_blocks);
-        self.active_requests.push(row.load.active_requests);
-        self.waiting_requests.push(row.load.waiting_requests);
+        self.device
+            .push(saturate(u64::from(row.cache.device_blocks)));
+        self.host.push(saturate(u64::from(row.cache.host_blocks)));
+        self.disk.push(saturate(u64::from(row.cache.disk_blocks)));
+        self.shared_beyond
+            .push(saturate(u64::from(row.cache.shared_beyond_blocks)));
+        self.active_requests
+            .push(saturate(u64::from(row.load.active_requests)));
+        self.waiting_requests
+            .push(saturate(u64::from(row.load.waiting_requests)));
         self.active_prefill_tokens
-            .push(row.load.active_prefill_tokens);
+            .push(saturate(row.load.active_prefill_tokens));
         self.active_decode_blocks
-            .push(row.load.active_decode_blocks);
-        self.kv_used.push(row.occupancy.kv_used_blocks);
-        self.kv_total.push(row.occupancy.kv_total_blocks);
+            .push(saturate(row.load.active_decode_blocks));
+        self.kv_used.push(saturate(row.occupancy.kv_used_blocks));
+        self.kv_total.push(saturate(row.occupancy.kv_total_blocks));
         self.taint
             .push(row.preferred_taint_multiplier.unwrap_or(f64::NAN));
+        self.lower_tiers |= has_lower_tiers(&row.cache);
+        self.any_taint |= row.preferred_taint_multiplier.is_some();
     }
 
     /// Overwrites the `CACHE` columns of one row (the host fills overlaps per
     /// request into a table whose load columns it keeps up to date).
     pub fn set_cache(&mut self, row: usize, cache: CacheRow) {
-        self.device[row] = cache.device_blocks;
-        self.host[row] = cache.host_blocks;
-        self.disk[row] = cache.disk_blocks;
-        self.shared_beyond[row] = cache.shared_beyond_blocks;
+        self.device[row] = saturate(u64::from(cache.device_blocks));
+        self.host[row] = saturate(u64::from(cache.host_blocks));
+        self.disk[row] = saturate(u64::from(cache.disk_blocks));
+        self.shared_beyond[row] = saturate(u64::from(cache.shared_beyond_blocks));
+        self.lower_tiers |= has_lower_tiers(&cache);
     }
 
     /// Overwrites the `LOAD` columns of one row.
     pub fn set_load(&mut self, row: usize, load: LoadRow) {
-        self.active_requests[row] = load.active_requests;
-        self.waiting_requests[row] = load.waiting_requests;
-        self.active_prefill_tokens[row] = load.active_prefill_tokens;
-        self.active_decode_blocks[row] = load.active_decode_blocks;
+        self.active_requests[row] = saturate(u64::from(load.active_requests));
+        self.waiting_requests[row] = saturate(u64::from(load.waiting_requests));
+        self.active_prefill_tokens[row] = saturate(load.active_prefill_tokens);
+        self.active_decode_blocks[row] = saturate(load.active_decode_blocks);
     }
 
     /// Declares the groups present (after in-place updates).
@@ -189,12 +208,12 @@ impl CandidateTable {
             load: LoadRow {
                 active_requests: self.active_requests[row],
                 waiting_requests: self.waiting_requests[row],
-                active_prefill_tokens: self.active_prefill_tokens[row],
-                active_decode_blocks: self.active_decode_blocks[row],
+                active_prefill_tokens: u64::from(self.active_prefill_tokens[row]),
+                active_decode_blocks: u64::from(self.active_decode_blocks[row]),
             },
             occupancy: OccupancyRow {
-                kv_used_blocks: self.kv_used[row],
-                kv_total_blocks: self.kv_total[row],
+                kv_used_blocks: u64::from(self.kv_used[row]),
+                kv_total_blocks: u64::from(self.kv_total[row]),
             },
             preferred_taint_multiplier: (!taint.is_nan()).then_some(taint),
         }
@@ -208,6 +227,8 @@ impl CandidateTable {
             dst.extend(rows.iter().map(|&r| src[r as usize]));
         }
         self.present = src.present;
+        self.lower_tiers = src.lower_tiers;
+        self.any_taint = src.any_taint;
         take(&mut self.workers, &src.workers, rows);
         take(&mut self.device, &src.device, rows);
         take(&mut self.host, &src.host, rows);
@@ -229,4 +250,22 @@ impl CandidateTable {
         take(&mut self.kv_total, &src.kv_total, rows);
         take(&mut self.taint, &src.taint, rows);
     }
+}
+
+/// Counts are kept below 2^31 so that scorers may convert them as signed
+/// 32-bit integers (`cvtdq2pd`, two per instruction on baseline x86-64).
+pub(crate) const COUNT_MAX: u32 = i32::MAX as u32;
+
+fn saturate(v: u64) -> u32 {
+    v.min(u64::from(COUNT_MAX)) as u32
+}
+
+/// A stored count as `f64`: one signed conversion (counts are < 2^31).
+#[inline(always)]
+pub(crate) fn count(v: u32) -> f64 {
+    f64::from(v as i32)
+}
+
+fn has_lower_tiers(c: &CacheRow) -> bool {
+    (c.host_blocks | c.disk_blocks | c.shared_beyond_blocks) != 0
 }

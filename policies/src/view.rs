@@ -136,11 +136,11 @@ impl OccupancyView<'_> {
     }
 }
 
-pub(crate) fn kv_usage(used: u64, total: u64) -> f64 {
+pub(crate) fn kv_usage(used: u32, total: u32) -> f64 {
     if total == 0 {
         1.0
     } else {
-        used as f64 / total as f64
+        f64::from(used) / f64::from(total)
     }
 }
 
@@ -193,6 +193,17 @@ impl<'a> WorkerCandidates<'a> {
         occupancy_columns(self.table, self.grant)
     }
 
+    /// False when no candidate has host, disk or shared-cache overlap (those
+    /// columns are all zero and a scorer may skip them).
+    pub fn has_lower_tier_overlap(&self) -> bool {
+        self.table.lower_tiers
+    }
+
+    /// False when no candidate has a taint multiplier.
+    pub fn has_taint_multipliers(&self) -> bool {
+        self.table.any_taint
+    }
+
     /// `PREFERRED_TAINT` column (NaN = no multiplier), if declared.
     pub fn preferred_taint_column(&self) -> Option<&'a [f64]> {
         self.grant
@@ -201,7 +212,7 @@ impl<'a> WorkerCandidates<'a> {
     }
 }
 
-/// `CACHE` as index-aligned columns.
+/// `CACHE` as index-aligned columns (block counts).
 #[derive(Clone, Copy, Debug)]
 pub struct CacheColumns<'a> {
     pub device_blocks: &'a [u32],
@@ -210,20 +221,20 @@ pub struct CacheColumns<'a> {
     pub shared_beyond_blocks: &'a [u32],
 }
 
-/// `LOAD` as index-aligned columns.
+/// `LOAD` as index-aligned columns (counts).
 #[derive(Clone, Copy, Debug)]
 pub struct LoadColumns<'a> {
     pub active_requests: &'a [u32],
     pub waiting_requests: &'a [u32],
-    pub active_prefill_tokens: &'a [u64],
-    pub active_decode_blocks: &'a [u64],
+    pub active_prefill_tokens: &'a [u32],
+    pub active_decode_blocks: &'a [u32],
 }
 
-/// `OCCUPANCY` as index-aligned columns.
+/// `OCCUPANCY` as index-aligned columns (block counts).
 #[derive(Clone, Copy, Debug)]
 pub struct OccupancyColumns<'a> {
-    pub kv_used_blocks: &'a [u64],
-    pub kv_total_blocks: &'a [u64],
+    pub kv_used_blocks: &'a [u32],
+    pub kv_total_blocks: &'a [u32],
 }
 
 fn cache_columns(t: &CandidateTable, grant: WorkerInputs) -> Option<CacheColumns<'_>> {
@@ -258,16 +269,29 @@ fn occupancy_columns(t: &CandidateTable, grant: WorkerInputs) -> Option<Occupanc
 pub struct WorkerInputView<'a> {
     table: &'a CandidateTable,
     costs: &'a [f64],
+    range: (f64, f64),
     grant: WorkerInputs,
 }
 
 impl<'a> WorkerInputView<'a> {
-    pub(crate) fn new(table: &'a CandidateTable, costs: &'a [f64], grant: WorkerInputs) -> Self {
+    pub(crate) fn new(
+        table: &'a CandidateTable,
+        costs: &'a [f64],
+        range: (f64, f64),
+        grant: WorkerInputs,
+    ) -> Self {
         WorkerInputView {
             table,
             costs,
+            range,
             grant,
         }
+    }
+
+    /// The lowest and highest total cost (the host computes them while
+    /// validating the costs).
+    pub fn cost_range(&self) -> (f64, f64) {
+        self.range
     }
 
     pub fn len(&self) -> usize {
@@ -338,8 +362,8 @@ impl<'a> ScoredCandidates<'a> {
     pub fn get(&self, row: usize) -> Option<ScoredWorkerCandidate<'a>> {
         (row < self.len()).then_some(ScoredWorkerCandidate {
             table: self.table,
-            row,
             cost: self.costs[row],
+            row: row as u32,
             grant: self.grant,
         })
     }
@@ -351,8 +375,8 @@ impl<'a> ScoredCandidates<'a> {
             .enumerate()
             .map(move |(row, &cost)| ScoredWorkerCandidate {
                 table,
-                row,
                 cost,
+                row: row as u32,
                 grant,
             })
     }
@@ -361,15 +385,17 @@ impl<'a> ScoredCandidates<'a> {
 /// One candidate with its total cost.
 #[derive(Clone, Copy, Debug)]
 pub struct ScoredWorkerCandidate<'a> {
+    // Laid out without padding (8 + 8 + 4 + 4 bytes) so pickers that fold
+    // over candidates keep them in registers.
     table: &'a CandidateTable,
-    row: usize,
     cost: f64,
+    row: u32,
     grant: WorkerInputs,
 }
 
 impl ScoredWorkerCandidate<'_> {
     pub fn worker(&self) -> WorkerWithDpRank {
-        self.table.workers[self.row]
+        self.table.workers[self.row as usize]
     }
 
     pub fn cost(&self) -> f64 {
@@ -377,7 +403,7 @@ impl ScoredWorkerCandidate<'_> {
     }
 
     pub fn preferred_taint_multiplier(&self) -> Option<f64> {
-        taint(self.table, self.row, self.grant)
+        taint(self.table, self.row as usize, self.grant)
     }
 }
 

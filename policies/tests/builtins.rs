@@ -172,6 +172,37 @@ fn default_cost_softmax_samples_in_proportion_to_exp_of_normalised_cost() {
     assert!((first as f64 / n as f64 - 0.5).abs() < 0.015);
 }
 
+#[test]
+fn default_cost_softmax_matches_the_exact_distribution_over_three_rows() {
+    // Costs 20, 20.5, 21 via decode 0/0.5... decode is whole blocks, so use
+    // a range of 2: costs 20, 21, 22 and T = 0.5 -> weights 1, e^-1, e^-2.
+    let mut p = policy("dynamo-default-cost-fn", "{router_temperature: 0.5, seed: 11}");
+    let rows = [w(1), w(2).decode(1), w(3).decode(2)];
+    let n = 30_000;
+    let mut counts = [0usize; 3];
+    for _ in 0..n {
+        counts[(pick(&mut p, &ctx(160), &rows) - 1) as usize] += 1;
+    }
+    let z = 1.0 + (-1.0f64).exp() + (-2.0f64).exp();
+    let expected = [1.0 / z, (-1.0f64).exp() / z, (-2.0f64).exp() / z];
+    for k in 0..3 {
+        let share = counts[k] as f64 / n as f64;
+        assert!((share - expected[k]).abs() < 0.012, "row {k}: {share} vs {}", expected[k]);
+    }
+}
+
+#[test]
+fn default_cost_softmax_at_a_tiny_temperature_still_finds_the_minimum() {
+    // 1,000 candidates, one far cheaper: rejection nearly always fails and
+    // the full pass decides.
+    let mut p = policy("dynamo-default-cost-fn", "{router_temperature: 0.001, seed: 5}");
+    let mut rows: Vec<W> = (0..1000).map(|i| w(i).decode(50)).collect();
+    rows[637].decode = 0;
+    for _ in 0..200 {
+        assert_eq!(pick(&mut p, &ctx(160), &rows), 637);
+    }
+}
+
 // ---- least-busy (seed 000's walkthrough policy) ----
 
 #[test]

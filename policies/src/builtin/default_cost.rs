@@ -26,7 +26,9 @@
 //! with the instance's seeded RNG. At temperature `T > 0` it samples row `i`
 //! with probability proportional to `exp(-(cost_i - min) / ((max - min) * T))`
 //! (uniform when all costs are equal): costs are normalised by their range,
-//! so `T` means the same thing whatever the cost scale.
+//! so `T` means the same thing whatever the cost scale. Sampling is exact:
+//! by rejection (a uniform row kept with probability equal to its weight)
+//! for a few tries, then by a full pass over the weights.
 
 use serde::Deserialize;
 
@@ -36,6 +38,7 @@ use crate::error::{WorkerSelectionPolicyError, WorkerSelectionPolicyProviderErro
 use crate::inputs::WorkerInputs;
 use crate::policy::{WorkerPicker, WorkerScorer, WorkerSelectionPolicy};
 use crate::rng::PolicyRng;
+use crate::table::count;
 use crate::view::{WorkerCandidates, WorkerInputView};
 
 /// Parameters as written in YAML; omitted ones inherit [`RouterConfig`].
@@ -177,82 +180,141 @@ impl WorkerScorer for DefaultCostScorer {
             .ok_or(WorkerSelectionPolicyError::Failed(
                 "load input unavailable".into(),
             ))?;
+        let n = costs.len();
         let block_size = f64::from(context.block_size());
         let request_blocks = context.request_blocks() as f64;
         let prompt_tokens = f64::from(context.prompt_tokens());
-        let track = w.track_prefill_tokens;
-        let decay_on = track && w.overlap_score_credit_decay > 0.0;
-        let min_prefill = if decay_on {
-            load.active_prefill_tokens
-                .iter()
-                .copied()
-                .min()
-                .unwrap_or(0)
-        } else {
-            0
-        };
-        let decay_scale = w.overlap_score_credit_decay / block_size / request_blocks.max(1.0);
-
-        let n = costs.len();
+        let track = if w.track_prefill_tokens { 1.0 } else { 0.0 };
         let prefill = &load.active_prefill_tokens[..n];
         let decode = &load.active_decode_blocks[..n];
         let active = &load.active_requests[..n];
-        let raw_prefill_blocks = |i: usize| {
-            if track {
-                (prefill[i] as f64 + prompt_tokens) / block_size
-            } else {
-                0.0
-            }
-        };
-        let load_terms = |i: usize| {
-            let decode_blocks = decode[i] as f64 + request_blocks;
-            let request_cost = w.decode_active_request_weight * f64::from(active[i]);
-            (decode_blocks, request_cost)
-        };
-        if self.uses_cache {
-            let cache = candidates
+        let taint = candidates.preferred_taint_column().map(|t| &t[..n]);
+        // Without cache input (all credits zero, or plain disaggregated
+        // decode) the credit columns read as zeros.
+        let (device, host, disk, shared) = if self.uses_cache {
+            let c = candidates
                 .cache_columns()
                 .ok_or(WorkerSelectionPolicyError::Failed(
                     "cache input unavailable".into(),
                 ))?;
-            let device = &cache.device_blocks[..n];
-            let host = &cache.host_blocks[..n];
-            let disk = &cache.disk_blocks[..n];
-            let shared = &cache.shared_beyond_blocks[..n];
-            for (i, cost) in costs.iter_mut().enumerate() {
-                let decay = if decay_on {
-                    1.0 / (1.0 + decay_scale * prefill[i].saturating_sub(min_prefill) as f64)
-                } else {
-                    1.0
-                };
-                let credit = w.overlap_score_credit * decay * f64::from(device[i])
-                    + w.host_cache_hit_weight * f64::from(host[i])
-                    + w.disk_cache_hit_weight * f64::from(disk[i])
-                    + w.shared_cache_multiplier * f64::from(shared[i]);
-                let (decode_blocks, request_cost) = load_terms(i);
-                *cost = if self.decode_path {
-                    (decode_blocks - credit).max(0.0) + request_cost
-                } else {
-                    w.prefill_load_scale * (raw_prefill_blocks(i) - credit).max(0.0)
-                        + decode_blocks
-                        + request_cost
-                };
-            }
+            (
+                &c.device_blocks[..n],
+                &c.host_blocks[..n],
+                &c.disk_blocks[..n],
+                &c.shared_beyond_blocks[..n],
+            )
         } else {
-            // No credit: the prefill term is the raw backlog.
-            for (i, cost) in costs.iter_mut().enumerate() {
-                let (decode_blocks, request_cost) = load_terms(i);
-                *cost = w.prefill_load_scale * raw_prefill_blocks(i) + decode_blocks + request_cost;
-            }
+            (&[][..], &[][..], &[][..], &[][..])
+        };
+        let decay_on = w.track_prefill_tokens && w.overlap_score_credit_decay > 0.0;
+        let min_prefill = if decay_on {
+            f64::from(prefill.iter().copied().min().unwrap_or(0))
+        } else {
+            0.0
+        };
+        let terms = Terms {
+            w: *w,
+            track,
+            inv_block: 1.0 / block_size,
+            prompt_tokens,
+            request_blocks,
+            decay_scale: w.overlap_score_credit_decay / block_size / request_blocks.max(1.0),
+            min_prefill,
+        };
+        let cols = Columns {
+            prefill,
+            decode,
+            active,
+            device,
+            host,
+            disk,
+            shared,
+        };
+        // One branch-free loop per shape, chosen once per call.
+        let lower = candidates.has_lower_tier_overlap();
+        match (self.uses_cache, lower, decay_on, self.decode_path) {
+            (false, ..) => fill::<false, false, false, false>(&terms, &cols, costs),
+            (true, false, false, false) => fill::<true, false, false, false>(&terms, &cols, costs),
+            (true, false, false, true) => fill::<true, false, false, true>(&terms, &cols, costs),
+            (true, false, true, false) => fill::<true, false, true, false>(&terms, &cols, costs),
+            (true, false, true, true) => fill::<true, false, true, true>(&terms, &cols, costs),
+            (true, true, false, false) => fill::<true, true, false, false>(&terms, &cols, costs),
+            (true, true, false, true) => fill::<true, true, false, true>(&terms, &cols, costs),
+            (true, true, true, false) => fill::<true, true, true, false>(&terms, &cols, costs),
+            (true, true, true, true) => fill::<true, true, true, true>(&terms, &cols, costs),
         }
-        if let Some(taint) = candidates.preferred_taint_column() {
-            for (c, &t) in costs.iter_mut().zip(&taint[..n]) {
-                if !t.is_nan() {
-                    *c *= t;
-                }
+        if let Some(taint) = taint
+            && candidates.has_taint_multipliers()
+        {
+            for (cost, &m) in costs.iter_mut().zip(taint) {
+                *cost = if m.is_nan() { *cost } else { *cost * m };
             }
         }
         Ok(())
+    }
+}
+
+/// Per-call constants of the cost formula.
+struct Terms {
+    w: DefaultCostWeights,
+    track: f64,
+    inv_block: f64,
+    prompt_tokens: f64,
+    request_blocks: f64,
+    decay_scale: f64,
+    min_prefill: f64,
+}
+
+/// The input columns, each exactly as long as the cost slice (or empty
+/// when unused).
+struct Columns<'a> {
+    prefill: &'a [u32],
+    decode: &'a [u32],
+    active: &'a [u32],
+    device: &'a [u32],
+    host: &'a [u32],
+    disk: &'a [u32],
+    shared: &'a [u32],
+}
+
+#[inline(always)]
+fn fill<const CACHE: bool, const LOWER: bool, const DECAY: bool, const DECODE: bool>(
+    t: &Terms,
+    c: &Columns<'_>,
+    costs: &mut [f64],
+) {
+    let w = &t.w;
+    for (i, cost) in costs.iter_mut().enumerate() {
+        let prefill = count(c.prefill[i]);
+        let raw_prefill_blocks = t.track * (prefill + t.prompt_tokens) * t.inv_block;
+        let decode_blocks = count(c.decode[i]) + t.request_blocks;
+        let request_cost = w.decode_active_request_weight * count(c.active[i]);
+        let credit = if CACHE {
+            let decay = if DECAY {
+                1.0 / (1.0 + t.decay_scale * (prefill - t.min_prefill))
+            } else {
+                1.0
+            };
+            let device = w.overlap_score_credit * decay * count(c.device[i]);
+            if LOWER {
+                device
+                    + w.host_cache_hit_weight * count(c.host[i])
+                    + w.disk_cache_hit_weight * count(c.disk[i])
+                    + w.shared_cache_multiplier * count(c.shared[i])
+            } else {
+                device
+            }
+        } else {
+            0.0
+        };
+        let value = if DECODE {
+            (decode_blocks - credit).max(0.0) + request_cost
+        } else {
+            w.prefill_load_scale * (raw_prefill_blocks - credit).max(0.0)
+                + decode_blocks
+                + request_cost
+        };
+        *cost = value;
     }
 }
 
@@ -261,7 +323,7 @@ impl WorkerScorer for DefaultCostScorer {
 pub struct DefaultPicker {
     temperature: f64,
     rng: PolicyRng,
-    weights: Vec<f64>,
+    scratch: SoftmaxScratch,
 }
 
 impl DefaultPicker {
@@ -269,7 +331,7 @@ impl DefaultPicker {
         DefaultPicker {
             temperature,
             rng,
-            weights: Vec::new(),
+            scratch: SoftmaxScratch::default(),
         }
     }
 }
@@ -284,107 +346,182 @@ impl WorkerPicker for DefaultPicker {
         if costs.is_empty() {
             return Err(WorkerSelectionPolicyError::NoCandidates);
         }
+        let (min, max) = input.cost_range();
         if self.temperature == 0.0 {
-            Ok(argmin_random_ties(costs, &mut self.rng))
+            Ok(nth_minimum(costs, min, &mut self.rng))
         } else {
             Ok(softmax_sample(
                 costs,
+                (min, max),
                 self.temperature,
                 &mut self.rng,
-                &mut self.weights,
+                &mut self.scratch,
             ))
         }
     }
 }
 
-/// The first-seen minimum, replaced by a later equal one with probability
-/// 1/k for the k-th tie (uniform over ties, one RNG draw per tie only).
+/// The row of lowest cost; exact ties are broken uniformly by one draw of
+/// the RNG (no draw without a tie). Costs must not be NaN.
 pub(crate) fn argmin_random_ties(costs: &[f64], rng: &mut PolicyRng) -> usize {
-    let mut best = 0;
-    let mut best_cost = f64::INFINITY;
-    let mut ties = 0usize;
-    for (row, &c) in costs.iter().enumerate() {
-        if c < best_cost {
-            best = row;
-            best_cost = c;
-            ties = 1;
-        } else if c == best_cost {
-            ties += 1;
-            if rng.below(ties) == 0 {
-                best = row;
-            }
+    let (min, _) = min_max(costs);
+    nth_minimum(costs, min, rng)
+}
+
+/// The row of cost `min` (which must occur), ties broken by one draw.
+fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
+    // Then: how many rows tie at the minimum (a vectorised count), and
+    // which one to take.
+    let ties = costs.iter().filter(|&&c| c == min).count();
+    let nth = if ties > 1 { rng.below(ties) } else { 0 };
+    costs
+        .iter()
+        .enumerate()
+        .filter(|(_, c)| **c == min)
+        .nth(nth)
+        .map_or(0, |(row, _)| row)
+}
+
+/// Minimum and maximum of NaN-free values, in eight independent lanes so
+/// the compares do not form one loop-carried chain (and vectorise).
+fn min_max(values: &[f64]) -> (f64, f64) {
+    let mut lo = [f64::INFINITY; 8];
+    let mut hi = [f64::NEG_INFINITY; 8];
+    let mut chunks = values.chunks_exact(8);
+    for c in &mut chunks {
+        for k in 0..8 {
+            lo[k] = if c[k] < lo[k] { c[k] } else { lo[k] };
+            hi[k] = if c[k] > hi[k] { c[k] } else { hi[k] };
         }
     }
-    best
+    for &c in chunks.remainder() {
+        lo[0] = if c < lo[0] { c } else { lo[0] };
+        hi[0] = if c > hi[0] { c } else { hi[0] };
+    }
+    let min = lo
+        .iter()
+        .fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
+    let max = hi
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    (min, max)
 }
+
+/// Uniform draws tried before falling back to a full pass over the weights.
+const REJECTION_TRIES: usize = 16;
+
+/// Weights are summed in chunks of this many rows, so the sampled row is
+/// found by walking chunk sums, then one chunk: both walks are serial
+/// (each step waits for the previous subtraction), so both stay short.
+const CHUNK: usize = 8;
 
 /// Samples a row with probability ∝ exp(-(c - min) / (range * T)).
 pub(crate) fn softmax_sample(
     costs: &[f64],
+    (min, max): (f64, f64),
     temperature: f64,
     rng: &mut PolicyRng,
-    weights: &mut Vec<f64>,
+    scratch: &mut SoftmaxScratch,
 ) -> usize {
-    let (mut min, mut max) = (f64::INFINITY, f64::NEG_INFINITY);
-    for &c in costs {
-        min = min.min(c);
-        max = max.max(c);
-    }
     if min == max {
         return rng.below(costs.len());
     }
-    // Costs are finite, but their range may not be: normalise by magnitude.
     let range = max - min;
-    let magnitude = if range.is_finite() {
-        1.0
+    let (offset, scale, inv_magnitude) = if range.is_finite() {
+        (min, -1.0 / (range * temperature), 1.0)
     } else {
-        min.abs().max(max.abs())
+        // Finite costs whose range overflows: normalise by magnitude first.
+        let magnitude = min.abs().max(max.abs());
+        let lo = min / magnitude;
+        (lo, -1.0 / ((max / magnitude - lo) * temperature), 1.0 / magnitude)
     };
-    let lo = min / magnitude;
-    let scale = -1.0 / ((max / magnitude - lo) * temperature);
-    weights.clear();
-    weights.extend(
-        costs
-            .iter()
-            .map(|&c| exp_non_positive((c / magnitude - lo) * scale)),
-    );
-    let sum: f64 = weights.iter().sum();
-    let target = rng.unit() * sum;
-    let mut cumulative = 0.0;
-    for (row, &w) in weights.iter().enumerate() {
-        cumulative += w;
-        if target < cumulative {
+    let weight = |c: f64| exp_non_positive((c * inv_magnitude - offset) * scale);
+    // Rejection sampling first: draw a row uniformly and keep it with
+    // probability equal to its weight (the lowest cost weighs exactly 1).
+    // Exact, and O(1) expected when weights are not tiny: at temperature
+    // 0.7 every weight is at least e^(-1/0.7) = 0.24, so a draw is kept
+    // within ~4 tries. Only when every try is rejected (a very low
+    // temperature) does the full pass below run; its result has the same
+    // distribution, so the mixture is still exact.
+    let n = costs.len();
+    for _ in 0..REJECTION_TRIES {
+        let row = rng.below(n);
+        if rng.unit() < weight(costs[row]) {
             return row;
         }
+    }
+    // Weights and their total in one pass, four independent partial sums.
+    let weights = &mut scratch.weights;
+    weights.clear();
+    weights.resize(costs.len(), 0.0);
+    let mut acc = [0.0f64; 4];
+    let mut out = weights.chunks_exact_mut(4);
+    let mut inp = costs.chunks_exact(4);
+    for (w, c) in (&mut out).zip(&mut inp) {
+        for k in 0..4 {
+            let v = weight(c[k]);
+            w[k] = v;
+            acc[k] += v;
+        }
+    }
+    let mut total = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+    for (w, &c) in out.into_remainder().iter_mut().zip(inp.remainder()) {
+        *w = weight(c);
+        total += *w;
+    }
+    let mut target = rng.unit() * total;
+    // Find the row: skip whole chunks by their sums, then walk one chunk.
+    for (j, chunk) in weights.chunks(CHUNK).enumerate() {
+        let chunk_sum: f64 = chunk.iter().sum();
+        if target < chunk_sum {
+            for (k, &w) in chunk.iter().enumerate() {
+                if target < w {
+                    return j * CHUNK + k;
+                }
+                target -= w;
+            }
+            // Rounding: the chunk's last row with weight.
+            return j * CHUNK + chunk.iter().rposition(|&w| w > 0.0).unwrap_or(0);
+        }
+        target -= chunk_sum;
     }
     // Rounding left the target at the very top: the last row with weight.
     weights.iter().rposition(|&w| w > 0.0).unwrap_or(0)
 }
 
-/// `e^x` for `x <= 0` (and NaN-free input), relative error below 1e-9 down
+/// Retained buffers of softmax sampling.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct SoftmaxScratch {
+    weights: Vec<f64>,
+}
+
+/// `e^x` for `x <= 0` (and NaN-free input), relative error below 5e-6 down
 /// to x = -708 and an absolute error below 3e-308 beyond. `f64::exp` costs a
-/// libm call per candidate; this is a branch-free polynomial the compiler
-/// vectorises, and softmax weights never need more.
+/// libm call per candidate; this is branch-free arithmetic the compiler
+/// vectorises (rounding and the power of two come from the bits of
+/// `y + 1.5 * 2^52`, since `floor` and float-to-int conversion do not
+/// vectorise on baseline x86-64), and softmax weights never need more.
 #[inline]
 pub(crate) fn exp_non_positive(x: f64) -> f64 {
     const LOG2_E: f64 = std::f64::consts::LOG2_E;
     const LN_2: f64 = std::f64::consts::LN_2;
+    const ROUND: f64 = 6_755_399_441_055_744.0; // 1.5 * 2^52
     // 2^y with y clamped where 2^n stays a normal number.
-    let y = (x * LOG2_E).clamp(-1022.0, 0.0);
-    let n = (y + 0.5).floor();
+    let y = x * LOG2_E;
+    // (Plain compares, not f64::max/min: those handle NaN and cost more.)
+    let y = if y < -1022.0 { -1022.0 } else { y };
+    let y = if y > 0.0 { 0.0 } else { y };
+    let shifted = y + ROUND; // n = round(y) sits in the low mantissa bits
+    let n = shifted - ROUND;
     let t = (y - n) * LN_2; // |t| <= ln2 / 2
-    // Taylor series of e^t to degree 9: truncation below 2e-11 relative.
-    let p = 1.0
-        + t * (1.0
-            + t * (1.0 / 2.0
-                + t * (1.0 / 6.0
-                    + t * (1.0 / 24.0
-                        + t * (1.0 / 120.0
-                            + t * (1.0 / 720.0
-                                + t * (1.0 / 5040.0
-                                    + t * (1.0 / 40320.0 + t * (1.0 / 362880.0)))))))));
-    let bits = ((n as i64 + 1023) as u64) << 52;
-    p * f64::from_bits(bits)
+    // Taylor series of e^t to degree 5 (truncation below 2.5e-6 relative:
+    // sampling probabilities off by parts per million at most), evaluated
+    // in Estrin's form for a short dependency chain.
+    let t2 = t * t;
+    let p = (1.0 + t) + t2 * (0.5 + t * (1.0 / 6.0)) + (t2 * t2) * (1.0 / 24.0 + t * (1.0 / 120.0));
+    // Exponent field n + 1023: the low 12 bits of (bits + 1023), moved up.
+    let two_n = f64::from_bits(shifted.to_bits().wrapping_add(1023) << 52);
+    p * two_n
 }
 
 /// Builds the default policy for a partition.
@@ -463,7 +600,7 @@ mod tests {
         while x > -708.0 {
             let (fast, exact) = (exp_non_positive(x), x.exp());
             assert!(
-                ((fast - exact) / exact).abs() < 1e-9,
+                ((fast - exact) / exact).abs() < 5e-6,
                 "x={x}: {fast} vs {exact}"
             );
             x -= 0.0137;

@@ -208,7 +208,7 @@ impl WorkerPicker for PowerOfTwoPicker {
         let a = self.rng.below(n);
         let b = (a + 1 + self.rng.below(n - 1)) % n;
         let busy =
-            |r: usize| u64::from(load.active_requests[r]) + u64::from(load.waiting_requests[r]);
+            |r: usize| f64::from(load.active_requests[r]) + f64::from(load.waiting_requests[r]);
         Ok(if busy(b) < busy(a) { b } else { a })
     }
 }
@@ -276,9 +276,9 @@ impl WorkerPicker for CacheAwarePicker {
             return Err(WorkerSelectionPolicyError::NoCandidates);
         }
         let busy =
-            |r: usize| u64::from(load.active_requests[r]) + u64::from(load.waiting_requests[r]);
+            |r: usize| f64::from(load.active_requests[r]) + f64::from(load.waiting_requests[r]);
         let (mut least, mut most_cached) = (0, 0);
-        let (mut min_load, mut max_load) = (u64::MAX, 0);
+        let (mut min_load, mut max_load) = (f64::INFINITY, 0.0f64);
         for r in 0..n {
             let (l, d) = (busy(r), cache.device_blocks[r]);
             min_load = min_load.min(l);
@@ -292,8 +292,8 @@ impl WorkerPicker for CacheAwarePicker {
                 most_cached = r;
             }
         }
-        let imbalanced = (max_load - min_load) as f64 > self.balance_abs_threshold
-            && max_load as f64 > self.balance_rel_threshold * min_load as f64;
+        let imbalanced = max_load - min_load > self.balance_abs_threshold
+            && max_load > self.balance_rel_threshold * min_load;
         if imbalanced {
             return Ok(least);
         }

@@ -1,0 +1,222 @@
+//! The peer: NVIDIA Dynamo 1.6.1's own worker selection on the same fixture,
+//! benchmarked in the same run (`--features dynamo-peer`), so the ratio is
+//! measured rather than taken from a figure recorded elsewhere.
+
+use std::collections::{HashMap, HashSet};
+use std::hint::black_box;
+
+use criterion::{BenchmarkId, Criterion, Throughput};
+use dynamo_kv_router::protocols::{
+    RoutingConstraints, WorkerConfigLike, WorkerId, WorkerWithDpRank,
+};
+use dynamo_kv_router::scheduling::{OverlapSignals, ScheduleMode};
+use dynamo_kv_router::{
+    DefaultWorkerSelector, KvRouterConfig, SchedulingRequest, WorkerCandidate, WorkerCandidates,
+    WorkerFilter, WorkerInputView, WorkerInputs, WorkerLoadProjection, WorkerPicker, WorkerScorer,
+    WorkerSelectionContext, WorkerSelectionInput, WorkerSelectionPolicy,
+    WorkerSelectionPolicyError, WorkerSelector,
+};
+use rustc_hash::FxHashMap;
+
+use super::{PROMPT_TOKENS, SIZES, group};
+
+#[derive(Default)]
+struct Config {
+    taints: HashSet<String>,
+}
+
+impl WorkerConfigLike for Config {
+    fn data_parallel_start_rank(&self) -> u32 {
+        0
+    }
+    fn data_parallel_size(&self) -> u32 {
+        1
+    }
+    fn max_num_batched_tokens(&self) -> Option<u64> {
+        None
+    }
+    fn total_kv_blocks(&self) -> Option<u64> {
+        Some(131_072)
+    }
+    fn taints(&self) -> &HashSet<String> {
+        &self.taints
+    }
+}
+
+/// Workers and a request exactly as in the kvedge fixture.
+fn fixture(n: usize) -> (HashMap<WorkerId, Config>, SchedulingRequest) {
+    let mut workers = HashMap::with_capacity(n);
+    let mut overlap = FxHashMap::default();
+    let mut cached = FxHashMap::default();
+    let mut loads = FxHashMap::default();
+    for id in 0..n as WorkerId {
+        let worker = WorkerWithDpRank::from_worker_id(id);
+        let cached_tokens = (id as usize % 32) * 64;
+        workers.insert(id, Config::default());
+        overlap.insert(worker, cached_tokens as f64 / 16.0);
+        cached.insert(worker, cached_tokens);
+        loads.insert(
+            worker,
+            WorkerLoadProjection {
+                active_prefill_tokens: id as usize * 16,
+                active_decode_blocks: id as usize % 127,
+                active_requests: id as usize % 17,
+                ..Default::default()
+            },
+        );
+    }
+    let request = SchedulingRequest {
+        mode: ScheduleMode::QueryOnly { request_id: None },
+        token_seq: None,
+        isl_tokens: PROMPT_TOKENS as usize,
+        lora_name: None,
+        expected_output_tokens: Some(256),
+        affinity_target: None,
+        pinned_worker: None,
+        allowed_worker_ids: None,
+        routing_constraints: RoutingConstraints {
+            required_taints: HashSet::new(),
+            preferred_taints: HashMap::new(),
+        },
+        router_config_override: None,
+        track_prefill_tokens: true,
+        priority_jump: 0.0,
+        strict_priority: 0,
+        policy_class: None,
+        session_context: None,
+        overlap: OverlapSignals {
+            tier_overlap_blocks: Default::default(),
+            effective_overlap_blocks: overlap,
+            effective_cached_tokens: cached,
+        },
+        kv_transfer_candidates: None,
+        retain_kv_transfer_chain: false,
+        shared_cache_hits: None,
+        worker_loads: loads,
+        resp_tx: None,
+    };
+    (workers, request)
+}
+
+struct Scorer;
+
+impl WorkerScorer for Scorer {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::CACHE | WorkerInputs::LOAD | WorkerInputs::PREFERRED_TAINT
+    }
+
+    fn score(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        for (candidate, cost) in candidates.iter().zip(costs) {
+            let cache = candidate
+                .cache()
+                .ok_or_else(|| WorkerSelectionPolicyError::failed("cache input unavailable"))?;
+            let load = candidate
+                .load()
+                .ok_or_else(|| WorkerSelectionPolicyError::failed("load input unavailable"))?;
+            let uncached = (context.request_blocks() as f64 - cache.device_overlap_blocks()).max(0.0);
+            let busy = load.active_prefill_tokens() as f64 / context.block_size() as f64
+                + load.decode_cost_blocks()
+                + load.active_requests() as f64;
+            *cost = (uncached + busy) * candidate.preferred_taint_multiplier().unwrap_or(1.0);
+        }
+        Ok(())
+    }
+}
+
+struct KeepAll;
+
+impl WorkerFilter for KeepAll {
+    fn keep(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        _candidate: WorkerCandidate<'_>,
+    ) -> Result<bool, WorkerSelectionPolicyError> {
+        Ok(true)
+    }
+}
+
+struct Lowest;
+
+impl WorkerPicker for Lowest {
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        input
+            .candidates()
+            .iter()
+            .enumerate()
+            .min_by(|(_, a), (_, b)| a.cost().total_cmp(&b.cost()))
+            .map(|(row, _)| row)
+            .ok_or_else(|| WorkerSelectionPolicyError::failed("no eligible worker"))
+    }
+}
+
+pub fn benches(c: &mut Criterion) {
+    for (label, temperature) in [("0", 0.0), ("0.7", 0.7)] {
+        let mut g = group(c, &format!("dynamo_1.6.1/default_worker_selection/temperature_{label}"));
+        for n in SIZES {
+            let (workers, request) = fixture(n);
+            let selector = DefaultWorkerSelector::new(
+                Some(KvRouterConfig {
+                    router_temperature: temperature,
+                    ..Default::default()
+                }),
+                "prefill",
+            );
+            g.throughput(Throughput::Elements(n as u64));
+            g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+                b.iter(|| {
+                    black_box(
+                        selector
+                            .select_worker(WorkerSelectionInput::configured(
+                                black_box(&workers),
+                                black_box(&request),
+                                request.eligibility(),
+                                black_box(16),
+                            ))
+                            .unwrap(),
+                    )
+                })
+            });
+        }
+        g.finish();
+    }
+    const N: usize = 10_000;
+    let (workers, request) = fixture(N);
+    let config = KvRouterConfig::default();
+    let no_filter =
+        WorkerSelectionPolicy::new(config.clone(), "prefill", vec![Box::new(Scorer)], Box::new(Lowest));
+    let keep_all = WorkerSelectionPolicy::new_with_filters(
+        config,
+        "prefill",
+        vec![Box::new(KeepAll)],
+        vec![Box::new(Scorer)],
+        Box::new(Lowest),
+    );
+    let mut g = group(c, "dynamo_1.6.1/custom_worker_selection/10000");
+    g.throughput(Throughput::Elements(N as u64));
+    for (name, policy) in [("no_filter", &no_filter), ("keep_all_filter", &keep_all)] {
+        g.bench_function(name, |b| {
+            b.iter(|| {
+                black_box(
+                    policy
+                        .select_worker(WorkerSelectionInput::configured(
+                            black_box(&workers),
+                            black_box(&request),
+                            request.eligibility(),
+                            black_box(16),
+                        ))
+                        .unwrap(),
+                )
+            })
+        });
+    }
+    g.finish();
+}
