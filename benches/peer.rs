@@ -118,7 +118,8 @@ impl WorkerScorer for Scorer {
             let load = candidate
                 .load()
                 .ok_or_else(|| WorkerSelectionPolicyError::failed("load input unavailable"))?;
-            let uncached = (context.request_blocks() as f64 - cache.device_overlap_blocks()).max(0.0);
+            let uncached =
+                (context.request_blocks() as f64 - cache.device_overlap_blocks()).max(0.0);
             let busy = load.active_prefill_tokens() as f64 / context.block_size() as f64
                 + load.decode_cost_blocks()
                 + load.active_requests() as f64;
@@ -160,7 +161,10 @@ impl WorkerPicker for Lowest {
 
 pub fn benches(c: &mut Criterion) {
     for (label, temperature) in [("0", 0.0), ("0.7", 0.7)] {
-        let mut g = group(c, &format!("dynamo_1.6.1/default_worker_selection/temperature_{label}"));
+        let mut g = group(
+            c,
+            &format!("dynamo_1.6.1/default_worker_selection/temperature_{label}"),
+        );
         for n in SIZES {
             let (workers, request) = fixture(n);
             let selector = DefaultWorkerSelector::new(
@@ -191,8 +195,12 @@ pub fn benches(c: &mut Criterion) {
     const N: usize = 10_000;
     let (workers, request) = fixture(N);
     let config = KvRouterConfig::default();
-    let no_filter =
-        WorkerSelectionPolicy::new(config.clone(), "prefill", vec![Box::new(Scorer)], Box::new(Lowest));
+    let no_filter = WorkerSelectionPolicy::new(
+        config.clone(),
+        "prefill",
+        vec![Box::new(Scorer)],
+        Box::new(Lowest),
+    );
     let keep_all = WorkerSelectionPolicy::new_with_filters(
         config,
         "prefill",

@@ -184,7 +184,13 @@ fn custom_selection(c: &mut Criterion) {
     let mut g = group(c, "custom_worker_selection/10000");
     g.throughput(Throughput::Elements(N as u64));
     g.bench_function("no_filter", |b| {
-        b.iter(|| black_box(no_filter.select(black_box(&ctx), black_box(&table)).unwrap()))
+        b.iter(|| {
+            black_box(
+                no_filter
+                    .select(black_box(&ctx), black_box(&table))
+                    .unwrap(),
+            )
+        })
     });
     g.bench_function("keep_all_filter", |b| {
         b.iter(|| black_box(keep_all.select(black_box(&ctx), black_box(&table)).unwrap()))
@@ -199,8 +205,14 @@ fn plain_columnar_loop(c: &mut Criterion) {
     for n in SIZES {
         let r = rows(n);
         let device: Vec<f64> = r.iter().map(|r| f64::from(r.cache.device_blocks)).collect();
-        let prefill: Vec<f64> = r.iter().map(|r| r.load.active_prefill_tokens as f64).collect();
-        let decode: Vec<f64> = r.iter().map(|r| r.load.active_decode_blocks as f64).collect();
+        let prefill: Vec<f64> = r
+            .iter()
+            .map(|r| r.load.active_prefill_tokens as f64)
+            .collect();
+        let decode: Vec<f64> = r
+            .iter()
+            .map(|r| r.load.active_decode_blocks as f64)
+            .collect();
         g.throughput(Throughput::Elements(n as u64));
         g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
             b.iter(|| {

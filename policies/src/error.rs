@@ -10,8 +10,45 @@ use crate::table::WorkerWithDpRank;
 
 /// Why one selection produced no worker. The daemon answers the request
 /// with it and keeps serving; nothing else changes.
+///
+/// One pointer wide, so `Result<bool, WorkerSelectionPolicyError>` (what a
+/// filter returns once per candidate) comes back in registers; the details
+/// are boxed, which allocates only when a selection fails.
+#[derive(Debug, Clone, PartialEq)]
+pub struct WorkerSelectionPolicyError(Box<SelectionErrorKind>);
+
+impl WorkerSelectionPolicyError {
+    /// A plugin's own failure.
+    pub fn failed(message: impl Into<Cow<'static, str>>) -> Self {
+        SelectionErrorKind::Failed(message.into()).into()
+    }
+
+    pub fn kind(&self) -> &SelectionErrorKind {
+        &self.0
+    }
+
+    pub fn into_kind(self) -> SelectionErrorKind {
+        *self.0
+    }
+}
+
+impl From<SelectionErrorKind> for WorkerSelectionPolicyError {
+    fn from(kind: SelectionErrorKind) -> Self {
+        WorkerSelectionPolicyError(Box::new(kind))
+    }
+}
+
+impl fmt::Display for WorkerSelectionPolicyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Display::fmt(&self.0, f)
+    }
+}
+
+impl std::error::Error for WorkerSelectionPolicyError {}
+
+/// What went wrong in a selection.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum WorkerSelectionPolicyError {
+pub enum SelectionErrorKind {
     /// A plugin gave up (its own message).
     #[error("policy failed: {0}")]
     Failed(Cow<'static, str>),
@@ -39,13 +76,6 @@ pub enum WorkerSelectionPolicyError {
     RowOutOfRange { row: usize, len: usize },
     #[error("pinned worker {worker} is not an eligible candidate")]
     PinnedUnavailable { worker: WorkerWithDpRank },
-}
-
-impl WorkerSelectionPolicyError {
-    /// A plugin's own failure. Static strings do not allocate.
-    pub fn failed(message: impl Into<Cow<'static, str>>) -> Self {
-        WorkerSelectionPolicyError::Failed(message.into())
-    }
 }
 
 /// A provider refused its parameters.

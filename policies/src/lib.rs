@@ -36,8 +36,8 @@ pub use context::{
     WorkerSelectionContext, WorkerType,
 };
 pub use error::{
-    PolicyConfigError, WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError,
-    WorkerSelectionPolicyRegistryError,
+    PolicyConfigError, SelectionErrorKind, WorkerSelectionPolicyError,
+    WorkerSelectionPolicyProviderError, WorkerSelectionPolicyRegistryError,
 };
 pub use inputs::WorkerInputs;
 pub use policy::{Selection, WorkerFilter, WorkerPicker, WorkerScorer, WorkerSelectionPolicy};
@@ -59,6 +59,7 @@ pub mod plugins {
             AffinityTarget, AgentHeaders, InputTrigger, RoutingPartition, SessionContext,
             WorkerSelectionContext, WorkerType,
         };
+        pub use crate::error::SelectionErrorKind;
         pub use crate::error::{WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError};
         pub use crate::inputs::WorkerInputs;
         pub use crate::policy::{

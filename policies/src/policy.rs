@@ -12,7 +12,7 @@ use std::fmt;
 
 use crate::config::RouterConfig;
 use crate::context::WorkerSelectionContext;
-use crate::error::WorkerSelectionPolicyError;
+use crate::error::{SelectionErrorKind, WorkerSelectionPolicyError};
 use crate::inputs::WorkerInputs;
 use crate::table::{CandidateTable, WorkerWithDpRank};
 use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView};
@@ -180,12 +180,10 @@ impl WorkerSelectionPolicy {
         table: &CandidateTable,
     ) -> Result<Selection, WorkerSelectionPolicyError> {
         if context.block_size() == 0 {
-            return Err(WorkerSelectionPolicyError::InvalidContext(
-                "block_size must be positive",
-            ));
+            return Err(SelectionErrorKind::InvalidContext("block_size must be positive").into());
         }
         if table.is_empty() {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         if let Some(worker) = context.pinned_worker() {
             // The exact-target path: no filters, scorers or picker.
@@ -196,12 +194,12 @@ impl WorkerSelectionPolicy {
                     cost: f64::NAN,
                     candidates: 1,
                 }),
-                None => Err(WorkerSelectionPolicyError::PinnedUnavailable { worker }),
+                None => Err(SelectionErrorKind::PinnedUnavailable { worker }.into()),
             };
         }
         let missing = self.required.difference(table.present());
         if !missing.is_empty() {
-            return Err(WorkerSelectionPolicyError::MissingInputs { missing });
+            return Err(SelectionErrorKind::MissingInputs { missing }.into());
         }
 
         let filtered = self.run_filters(context, table)?;
@@ -230,11 +228,12 @@ impl WorkerSelectionPolicy {
             let checked = finite_range(out);
             let Some(r) = checked else {
                 let row = out.iter().position(|c| !c.is_finite()).unwrap_or(0);
-                return Err(WorkerSelectionPolicyError::InvalidCost {
+                return Err(SelectionErrorKind::InvalidCost {
                     scorer_index: index,
                     row,
                     value: out[row],
-                });
+                }
+                .into());
             };
             range = r;
             if index > 0 {
@@ -245,11 +244,12 @@ impl WorkerSelectionPolicy {
                     Some(r) => range = r,
                     None => {
                         let row = totals.iter().position(|t| !t.is_finite()).unwrap_or(0);
-                        return Err(WorkerSelectionPolicyError::NonFiniteTotal {
+                        return Err(SelectionErrorKind::NonFiniteTotal {
                             scorer_index: index,
                             row,
                             value: totals[row],
-                        });
+                        }
+                        .into());
                     }
                 }
             }
@@ -259,7 +259,7 @@ impl WorkerSelectionPolicy {
         let (picker, grant) = &mut self.picker;
         let row = picker.pick(context, WorkerInputView::new(view, totals, range, *grant))?;
         if row >= n {
-            return Err(WorkerSelectionPolicyError::RowOutOfRange { row, len: n });
+            return Err(SelectionErrorKind::RowOutOfRange { row, len: n }.into());
         }
         let table_row = if filtered {
             self.rows[row] as usize
@@ -276,7 +276,9 @@ impl WorkerSelectionPolicy {
 
     /// Runs the filters in declaration order. Returns whether any row was
     /// removed, in which case the survivors are in `self.compacted` and their
-    /// table rows in `self.rows`.
+    /// table rows in `self.rows`. Row indices are written only from the
+    /// first rejection on, so a filter that keeps everything costs its calls
+    /// and nothing else.
     fn run_filters(
         &mut self,
         context: &WorkerSelectionContext<'_>,
@@ -285,33 +287,50 @@ impl WorkerSelectionPolicy {
         if self.filters.is_empty() {
             return Ok(false);
         }
+        let n = table.len();
         let rows = &mut self.rows;
-        rows.clear();
-        rows.extend(0..table.len() as u32);
+        let mut subset = false;
         for (index, (filter, grant)) in self.filters.iter_mut().enumerate() {
-            let mut err = None;
-            rows.retain(|&row| {
-                if err.is_some() {
-                    return false;
-                }
-                match filter.keep(context, WorkerCandidate::new(table, row as usize, *grant)) {
-                    Ok(keep) => keep,
-                    Err(e) => {
-                        err = Some(e);
-                        false
+            let mut keep =
+                |row: usize| filter.keep(context, WorkerCandidate::new(table, row, *grant));
+            if subset {
+                let mut kept = 0;
+                for i in 0..rows.len() {
+                    let row = rows[i];
+                    if keep(row as usize)? {
+                        rows[kept] = row;
+                        kept += 1;
                     }
                 }
-            });
-            if let Some(e) = err {
-                return Err(e);
+                rows.truncate(kept);
+            } else {
+                let mut first_rejected = n;
+                for row in 0..n {
+                    if !keep(row)? {
+                        first_rejected = row;
+                        break;
+                    }
+                }
+                if first_rejected == n {
+                    continue;
+                }
+                rows.clear();
+                rows.extend(0..first_rejected as u32);
+                for row in first_rejected + 1..n {
+                    if keep(row)? {
+                        rows.push(row as u32);
+                    }
+                }
+                subset = true;
             }
             if rows.is_empty() {
-                return Err(WorkerSelectionPolicyError::AllRejected {
+                return Err(SelectionErrorKind::AllRejected {
                     filter_index: index,
-                });
+                }
+                .into());
             }
         }
-        if rows.len() == table.len() {
+        if !subset {
             return Ok(false);
         }
         self.compacted.gather(table, rows);
@@ -319,27 +338,29 @@ impl WorkerSelectionPolicy {
     }
 }
 
-/// `Some((min, max))` when no entry is NaN or infinite. One pass in four
+/// `Some((min, max))` when no entry is NaN or infinite. One pass in eight
 /// independent lanes of pure float work, so it vectorises even on baseline
-/// x86-64 (which has no packed 64-bit integer compare): `v - v` is 0 for a
-/// finite `v` and NaN otherwise, and those are summed per lane; the range is
+/// x86-64 (which has no packed 64-bit integer compare) and no lane waits on
+/// another: `v * 0.0` is 0 for a finite `v` and NaN otherwise, and NaN
+/// survives `max`-free propagation through `+`; the range is
 /// compare-and-select. The failing row is located only on failure. An empty
 /// slice gives (0, 0).
 fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
-    let mut poison = [0.0f64; 4];
-    let mut lo = [f64::INFINITY; 4];
-    let mut hi = [f64::NEG_INFINITY; 4];
-    let mut quads = values.chunks_exact(4);
-    for q in &mut quads {
-        for k in 0..4 {
+    const LANES: usize = 8;
+    let mut poison = [0.0f64; LANES];
+    let mut lo = [f64::INFINITY; LANES];
+    let mut hi = [f64::NEG_INFINITY; LANES];
+    let mut chunks = values.chunks_exact(LANES);
+    for q in &mut chunks {
+        for k in 0..LANES {
             let v = q[k];
-            poison[k] += v - v;
+            poison[k] += v * 0.0;
             lo[k] = if v < lo[k] { v } else { lo[k] };
             hi[k] = if v > hi[k] { v } else { hi[k] };
         }
     }
-    for &v in quads.remainder() {
-        poison[0] += v - v;
+    for &v in chunks.remainder() {
+        poison[0] += v * 0.0;
         lo[0] = if v < lo[0] { v } else { lo[0] };
         hi[0] = if v > hi[0] { v } else { hi[0] };
     }

@@ -9,8 +9,8 @@ use common::*;
 use kvedge_policies::affinity::{MAX_SESSION_ID_BYTES, SessionIdError};
 use kvedge_policies::plugins::request_classifier::*;
 use kvedge_policies::{
-    AffinityMode, AffinityTarget, InputTrigger, SessionAffinityTable, SessionContext,
-    WorkerSelectionContext, WorkerSelectionPolicyError, WorkerWithDpRank,
+    AffinityMode, AffinityTarget, InputTrigger, SelectionErrorKind, SessionAffinityTable,
+    SessionContext, WorkerSelectionContext, WorkerWithDpRank,
 };
 
 fn ctx_for(session: &str, now: u64) -> WorkerSelectionContext<'_> {
@@ -75,8 +75,8 @@ fn a_failed_selection_leaves_the_previous_binding_intact() {
     let c = t.apply(ctx_for("s", 1)).unwrap();
     let r = p.select(&c, &table(&[w(1), w(2)]));
     assert!(matches!(
-        r,
-        Err(WorkerSelectionPolicyError::AllRejected { .. })
+        r.map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::AllRejected { .. })
     ));
     // The host binds only after a successful dispatch, so nothing changed.
     assert_eq!(t.lookup("s", 2).unwrap(), Some(A));

@@ -176,7 +176,10 @@ fn default_cost_softmax_samples_in_proportion_to_exp_of_normalised_cost() {
 fn default_cost_softmax_matches_the_exact_distribution_over_three_rows() {
     // Costs 20, 20.5, 21 via decode 0/0.5... decode is whole blocks, so use
     // a range of 2: costs 20, 21, 22 and T = 0.5 -> weights 1, e^-1, e^-2.
-    let mut p = policy("dynamo-default-cost-fn", "{router_temperature: 0.5, seed: 11}");
+    let mut p = policy(
+        "dynamo-default-cost-fn",
+        "{router_temperature: 0.5, seed: 11}",
+    );
     let rows = [w(1), w(2).decode(1), w(3).decode(2)];
     let n = 30_000;
     let mut counts = [0usize; 3];
@@ -187,7 +190,11 @@ fn default_cost_softmax_matches_the_exact_distribution_over_three_rows() {
     let expected = [1.0 / z, (-1.0f64).exp() / z, (-2.0f64).exp() / z];
     for k in 0..3 {
         let share = counts[k] as f64 / n as f64;
-        assert!((share - expected[k]).abs() < 0.012, "row {k}: {share} vs {}", expected[k]);
+        assert!(
+            (share - expected[k]).abs() < 0.012,
+            "row {k}: {share} vs {}",
+            expected[k]
+        );
     }
 }
 
@@ -195,7 +202,10 @@ fn default_cost_softmax_matches_the_exact_distribution_over_three_rows() {
 fn default_cost_softmax_at_a_tiny_temperature_still_finds_the_minimum() {
     // 1,000 candidates, one far cheaper: rejection nearly always fails and
     // the full pass decides.
-    let mut p = policy("dynamo-default-cost-fn", "{router_temperature: 0.001, seed: 5}");
+    let mut p = policy(
+        "dynamo-default-cost-fn",
+        "{router_temperature: 0.001, seed: 5}",
+    );
     let mut rows: Vec<W> = (0..1000).map(|i| w(i).decode(50)).collect();
     rows[637].decode = 0;
     for _ in 0..200 {
@@ -220,8 +230,9 @@ fn least_busy_filters_on_device_overlap_then_takes_fewest_requests() {
     );
     let cold = [w(1).device(1), w(2).device(0)];
     assert!(matches!(
-        p.select(&ctx(160), &table(&cold)),
-        Err(kvedge_policies::WorkerSelectionPolicyError::AllRejected { filter_index: 0 })
+        p.select(&ctx(160), &table(&cold))
+            .map_err(|e| e.into_kind()),
+        Err(kvedge_policies::SelectionErrorKind::AllRejected { filter_index: 0 })
     ));
 }
 

@@ -151,8 +151,8 @@ fn rejecting_every_worker_is_an_error_naming_the_filter() {
         Box::new(FixedRow(0)),
     );
     assert_eq!(
-        p.select(&ctx(), &three()),
-        Err(WorkerSelectionPolicyError::AllRejected { filter_index: 1 })
+        p.select(&ctx(), &three()).map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::AllRejected { filter_index: 1 })
     );
 }
 
@@ -164,8 +164,8 @@ fn unwritten_cost_is_refused_before_picking() {
         vec![Box::new(Constant(0.0)), Box::new(LeavesLastUnwritten)],
         Box::new(FixedRow(0)),
     );
-    match p.select(&ctx(), &three()) {
-        Err(WorkerSelectionPolicyError::InvalidCost {
+    match p.select(&ctx(), &three()).map_err(|e| e.into_kind()) {
+        Err(SelectionErrorKind::InvalidCost {
             scorer_index: 1,
             row: 2,
             value,
@@ -184,8 +184,8 @@ fn non_finite_contribution_and_total_are_refused() {
             Box::new(FixedRow(0)),
         );
         assert!(matches!(
-            p.select(&ctx(), &three()),
-            Err(WorkerSelectionPolicyError::InvalidCost {
+            p.select(&ctx(), &three()).map_err(|e| e.into_kind()),
+            Err(SelectionErrorKind::InvalidCost {
                 scorer_index: 0,
                 row: 0,
                 ..
@@ -199,8 +199,8 @@ fn non_finite_contribution_and_total_are_refused() {
         Box::new(FixedRow(0)),
     );
     assert!(matches!(
-        p.select(&ctx(), &three()),
-        Err(WorkerSelectionPolicyError::NonFiniteTotal {
+        p.select(&ctx(), &three()).map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::NonFiniteTotal {
             scorer_index: 1,
             row: 0,
             ..
@@ -235,8 +235,8 @@ fn picker_row_is_range_checked() {
         Box::new(FixedRow(3)),
     );
     assert_eq!(
-        p.select(&ctx(), &three()),
-        Err(WorkerSelectionPolicyError::RowOutOfRange { row: 3, len: 3 })
+        p.select(&ctx(), &three()).map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::RowOutOfRange { row: 3, len: 3 })
     );
 }
 
@@ -308,8 +308,8 @@ fn a_table_without_a_declared_group_is_refused() {
     let mut t = three();
     t.set_present(WorkerInputs::LOAD);
     assert_eq!(
-        p.select(&ctx(), &t),
-        Err(WorkerSelectionPolicyError::MissingInputs {
+        p.select(&ctx(), &t).map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::MissingInputs {
             missing: WorkerInputs::CACHE | WorkerInputs::PREFERRED_TAINT
         })
     );
@@ -330,8 +330,9 @@ fn pinned_requests_take_the_exact_target_path() {
     assert_eq!((s.worker, s.row), (target, 1), "no scorer or picker ran");
     let gone = WorkerWithDpRank::new(9, 0);
     assert_eq!(
-        p.select(&ctx().with_pinned_worker(gone), &three()),
-        Err(WorkerSelectionPolicyError::PinnedUnavailable { worker: gone })
+        p.select(&ctx().with_pinned_worker(gone), &three())
+            .map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::PinnedUnavailable { worker: gone })
     );
 }
 
@@ -339,12 +340,13 @@ fn pinned_requests_take_the_exact_target_path() {
 fn bad_context_and_empty_table_are_errors() {
     let mut p = policy("dynamo-default-cost-fn", "{}");
     assert!(matches!(
-        p.select(&WorkerSelectionContext::new("r", 10, 0), &three()),
-        Err(WorkerSelectionPolicyError::InvalidContext(_))
+        p.select(&WorkerSelectionContext::new("r", 10, 0), &three())
+            .map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::InvalidContext(_))
     ));
     assert_eq!(
-        p.select(&ctx(), &table(&[])),
-        Err(WorkerSelectionPolicyError::NoCandidates)
+        p.select(&ctx(), &table(&[])).map_err(|e| e.into_kind()),
+        Err(SelectionErrorKind::NoCandidates)
     );
 }
 

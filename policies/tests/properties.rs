@@ -6,8 +6,7 @@ mod common;
 
 use common::*;
 use kvedge_policies::{
-    AffinityTarget, InputTrigger, SessionContext, WorkerSelectionContext,
-    WorkerSelectionPolicyError,
+    AffinityTarget, InputTrigger, SelectionErrorKind, SessionContext, WorkerSelectionContext,
 };
 use proptest::prelude::*;
 
@@ -92,18 +91,18 @@ proptest! {
         }
         for (type_name, params) in TYPES {
             let mut p = policy(type_name, params);
-            match p.select(&c, &t) {
+            match p.select(&c, &t).map_err(|e| e.into_kind()) {
                 Ok(s) => {
                     prop_assert!(s.row < rows.len());
                     prop_assert_eq!(s.worker, t.worker(s.row));
                     prop_assert!(s.cost.is_finite());
                 }
                 Err(
-                    WorkerSelectionPolicyError::NoCandidates
-                    | WorkerSelectionPolicyError::InvalidContext(_)
-                    | WorkerSelectionPolicyError::AllRejected { .. }
-                    | WorkerSelectionPolicyError::InvalidCost { .. }
-                    | WorkerSelectionPolicyError::NonFiniteTotal { .. },
+                    SelectionErrorKind::NoCandidates
+                    | SelectionErrorKind::InvalidContext(_)
+                    | SelectionErrorKind::AllRejected { .. }
+                    | SelectionErrorKind::InvalidCost { .. }
+                    | SelectionErrorKind::NonFiniteTotal { .. },
                 ) => {}
                 Err(e) => prop_assert!(false, "{type_name}: unexpected {e}"),
             }

@@ -34,7 +34,9 @@ use serde::Deserialize;
 
 use crate::config::{RouterConfig, check_non_negative};
 use crate::context::{InputTrigger, RoutingPartition, WorkerSelectionContext, WorkerType};
-use crate::error::{WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError};
+use crate::error::{
+    SelectionErrorKind, WorkerSelectionPolicyError, WorkerSelectionPolicyProviderError,
+};
 use crate::inputs::WorkerInputs;
 use crate::policy::{WorkerPicker, WorkerScorer, WorkerSelectionPolicy};
 use crate::rng::PolicyRng;
@@ -177,9 +179,7 @@ impl WorkerScorer for DefaultCostScorer {
         let w = &self.w;
         let load = candidates
             .load_columns()
-            .ok_or(WorkerSelectionPolicyError::Failed(
-                "load input unavailable".into(),
-            ))?;
+            .ok_or_else(|| WorkerSelectionPolicyError::failed("load input unavailable"))?;
         let n = costs.len();
         let block_size = f64::from(context.block_size());
         let request_blocks = context.request_blocks() as f64;
@@ -194,9 +194,7 @@ impl WorkerScorer for DefaultCostScorer {
         let (device, host, disk, shared) = if self.uses_cache {
             let c = candidates
                 .cache_columns()
-                .ok_or(WorkerSelectionPolicyError::Failed(
-                    "cache input unavailable".into(),
-                ))?;
+                .ok_or_else(|| WorkerSelectionPolicyError::failed("cache input unavailable"))?;
             (
                 &c.device_blocks[..n],
                 &c.host_blocks[..n],
@@ -344,7 +342,7 @@ impl WorkerPicker for DefaultPicker {
     ) -> Result<usize, WorkerSelectionPolicyError> {
         let costs = input.costs();
         if costs.is_empty() {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         let (min, max) = input.cost_range();
         if self.temperature == 0.0 {
@@ -370,16 +368,23 @@ pub(crate) fn argmin_random_ties(costs: &[f64], rng: &mut PolicyRng) -> usize {
 
 /// The row of cost `min` (which must occur), ties broken by one draw.
 fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
-    // Then: how many rows tie at the minimum (a vectorised count), and
-    // which one to take.
-    let ties = costs.iter().filter(|&&c| c == min).count();
-    let nth = if ties > 1 { rng.below(ties) } else { 0 };
+    // One pass in the common case: find the first minimum, then make sure
+    // no other row ties with it.
+    let Some(first) = costs.iter().position(|&c| c == min) else {
+        return 0;
+    };
+    let rest = &costs[first + 1..];
+    if !rest.contains(&min) {
+        return first;
+    }
+    let ties = 1 + rest.iter().filter(|&&c| c == min).count();
+    let nth = rng.below(ties);
     costs
         .iter()
         .enumerate()
         .filter(|(_, c)| **c == min)
         .nth(nth)
-        .map_or(0, |(row, _)| row)
+        .map_or(first, |(row, _)| row)
 }
 
 /// Minimum and maximum of NaN-free values, in eight independent lanes so
@@ -433,7 +438,11 @@ pub(crate) fn softmax_sample(
         // Finite costs whose range overflows: normalise by magnitude first.
         let magnitude = min.abs().max(max.abs());
         let lo = min / magnitude;
-        (lo, -1.0 / ((max / magnitude - lo) * temperature), 1.0 / magnitude)
+        (
+            lo,
+            -1.0 / ((max / magnitude - lo) * temperature),
+            1.0 / magnitude,
+        )
     };
     let weight = |c: f64| exp_non_positive((c * inv_magnitude - offset) * scale);
     // Rejection sampling first: draw a row uniformly and keep it with
@@ -444,10 +453,26 @@ pub(crate) fn softmax_sample(
     // temperature) does the full pass below run; its result has the same
     // distribution, so the mixture is still exact.
     let n = costs.len();
-    for _ in 0..REJECTION_TRIES {
-        let row = rng.below(n);
-        if rng.unit() < weight(costs[row]) {
-            return row;
+    for _ in 0..REJECTION_TRIES / 4 {
+        // Four tries at once, decided without a branch per try (acceptance
+        // is a coin flip the branch predictor cannot learn): the first
+        // accepted one wins, exactly as if they had run one after another.
+        let mut rows = [0usize; 4];
+        let mut thresholds = [0.0f64; 4];
+        for k in 0..4 {
+            // One 64-bit draw per try: the high half picks the row (bias
+            // below n / 2^32), the low half is the acceptance threshold.
+            let draw = rng.next_u64();
+            rows[k] = (((draw >> 32) * n as u64) >> 32) as usize;
+            thresholds[k] = (draw & 0xffff_ffff) as f64 * (1.0 / 4_294_967_296.0);
+        }
+        let mut accepted = 0u32;
+        for k in 0..4 {
+            let w = weight(costs[rows[k]]);
+            accepted |= u32::from(thresholds[k] < w) << k;
+        }
+        if accepted != 0 {
+            return rows[accepted.trailing_zeros() as usize];
         }
     }
     // Weights and their total in one pass, four independent partial sums.
@@ -570,13 +595,10 @@ impl WorkerPicker for ToolResultCacheLocalPicker {
         if !tool_turn {
             return self.inner.pick(context, input);
         }
-        let cache =
-            input
-                .as_candidates()
-                .cache_columns()
-                .ok_or(WorkerSelectionPolicyError::Failed(
-                    "cache input unavailable".into(),
-                ))?;
+        let cache = input
+            .as_candidates()
+            .cache_columns()
+            .ok_or_else(|| WorkerSelectionPolicyError::failed("cache input unavailable"))?;
         let costs = input.costs();
         // Most device overlap; among equals, lowest cost; then first row.
         let mut best = 0;

@@ -3,7 +3,7 @@
 //! `cache-aware` policy and overload-aware `soft-pin`.
 
 use crate::context::WorkerSelectionContext;
-use crate::error::WorkerSelectionPolicyError;
+use crate::error::{SelectionErrorKind, WorkerSelectionPolicyError};
 use crate::inputs::WorkerInputs;
 use crate::policy::{WorkerFilter, WorkerPicker, WorkerScorer};
 use crate::rng::PolicyRng;
@@ -13,11 +13,11 @@ use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView, kv_usage};
 use super::default_cost::argmin_random_ties;
 
 fn load_unavailable() -> WorkerSelectionPolicyError {
-    WorkerSelectionPolicyError::Failed("load input unavailable".into())
+    WorkerSelectionPolicyError::failed("load input unavailable")
 }
 
 fn cache_unavailable() -> WorkerSelectionPolicyError {
-    WorkerSelectionPolicyError::Failed("cache input unavailable".into())
+    WorkerSelectionPolicyError::failed("cache input unavailable")
 }
 
 /// Keeps workers with at least `minimum_blocks` device-resident overlap blocks.
@@ -85,7 +85,7 @@ impl WorkerPicker for LowestCostPicker {
             .enumerate()
             .min_by(|(_, a), (_, b)| a.cost().total_cmp(&b.cost()))
             .map(|(row, _)| row)
-            .ok_or(WorkerSelectionPolicyError::NoCandidates)
+            .ok_or_else(|| SelectionErrorKind::NoCandidates.into())
     }
 }
 
@@ -108,7 +108,7 @@ impl WorkerPicker for LowestCostRandomTiesPicker {
         input: WorkerInputView<'_>,
     ) -> Result<usize, WorkerSelectionPolicyError> {
         if input.is_empty() {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         Ok(argmin_random_ties(input.costs(), &mut self.rng))
     }
@@ -140,7 +140,7 @@ impl WorkerPicker for RoundRobinPicker {
         }
         let row = next
             .or(lowest)
-            .ok_or(WorkerSelectionPolicyError::NoCandidates)?;
+            .ok_or_else(|| WorkerSelectionPolicyError::from(SelectionErrorKind::NoCandidates))?;
         self.last = Some(workers[row]);
         Ok(row)
     }
@@ -165,7 +165,7 @@ impl WorkerPicker for RandomPicker {
         input: WorkerInputView<'_>,
     ) -> Result<usize, WorkerSelectionPolicyError> {
         if input.is_empty() {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         Ok(self.rng.below(input.len()))
     }
@@ -196,7 +196,7 @@ impl WorkerPicker for PowerOfTwoPicker {
     ) -> Result<usize, WorkerSelectionPolicyError> {
         let n = input.len();
         if n == 0 {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         if n == 1 {
             return Ok(0);
@@ -231,9 +231,7 @@ impl WorkerScorer for KvUsageScorer {
     ) -> Result<(), WorkerSelectionPolicyError> {
         let occ = candidates
             .occupancy_columns()
-            .ok_or(WorkerSelectionPolicyError::Failed(
-                "occupancy input unavailable".into(),
-            ))?;
+            .ok_or_else(|| WorkerSelectionPolicyError::failed("occupancy input unavailable"))?;
         for ((cost, &used), &total) in costs
             .iter_mut()
             .zip(occ.kv_used_blocks)
@@ -273,7 +271,7 @@ impl WorkerPicker for CacheAwarePicker {
         let cache = c.cache_columns().ok_or_else(cache_unavailable)?;
         let n = input.len();
         if n == 0 {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         let busy =
             |r: usize| f64::from(load.active_requests[r]) + f64::from(load.waiting_requests[r]);
@@ -346,7 +344,7 @@ impl WorkerPicker for SoftPinPicker {
         let c = input.as_candidates();
         let load = c.load_columns().ok_or_else(load_unavailable)?;
         if input.is_empty() {
-            return Err(WorkerSelectionPolicyError::NoCandidates);
+            return Err(SelectionErrorKind::NoCandidates.into());
         }
         if let Some(target) = context.affinity_target() {
             let pinned = c
