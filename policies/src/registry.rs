@@ -67,6 +67,14 @@ impl WorkerSelectionPolicyParameters {
         }
     }
 
+    /// Parameters written as YAML text (tests, tools).
+    pub fn from_yaml_str(
+        instance: impl Into<String>,
+        yaml: &str,
+    ) -> Result<Self, WorkerSelectionPolicyProviderError> {
+        Ok(Self::new(instance, serde_yaml::from_str(yaml)?))
+    }
+
     /// Deserializes into the provider's parameter type (use
     /// `#[serde(deny_unknown_fields)]` so typos are errors).
     pub fn deserialize<T: DeserializeOwned>(

@@ -368,15 +368,37 @@ pub(crate) fn argmin_random_ties(costs: &[f64], rng: &mut PolicyRng) -> usize {
 
 /// The row of cost `min` (which must occur), ties broken by one draw.
 fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
-    // One pass in the common case: find the first minimum, then make sure
-    // no other row ties with it.
-    let Some(first) = costs.iter().position(|&c| c == min) else {
+    if costs.len() > 64 {
+        // Long: a vectorised count of ties, then one early-exit search.
+        let ties = costs.iter().filter(|&&c| c == min).count();
+        let nth = if ties > 1 { rng.below(ties) } else { 0 };
+        return costs
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| **c == min)
+            .nth(nth)
+            .map_or(0, |(row, _)| row);
+    }
+    // Short: one pass finds the first row at the minimum, stopping early
+    // only if a second one shows up.
+    let mut first = usize::MAX;
+    let mut tied = false;
+    for (row, &c) in costs.iter().enumerate() {
+        if c == min {
+            if first != usize::MAX {
+                tied = true;
+                break;
+            }
+            first = row;
+        }
+    }
+    if first == usize::MAX {
         return 0;
-    };
-    let rest = &costs[first + 1..];
-    if !rest.contains(&min) {
+    }
+    if !tied {
         return first;
     }
+    let rest = &costs[first + 1..];
     let ties = 1 + rest.iter().filter(|&&c| c == min).count();
     let nth = rng.below(ties);
     costs
