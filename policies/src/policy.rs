@@ -370,7 +370,11 @@ fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
     if values.is_empty() {
         return Some((0.0, 0.0));
     }
-    let min = lo.iter().fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
-    let max = hi.iter().fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
+    let min = lo
+        .iter()
+        .fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
+    let max = hi
+        .iter()
+        .fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
     Some((min, max))
 }
