@@ -42,7 +42,9 @@ pub struct Identity {
     /// Written by the producer when it attaches (informational: the daemon
     /// trusts SO_PEERCRED, not this field).
     pub producer_pid: AtomicU32,
-    pub _reserved: AtomicU32,
+    /// Written by the producer when it attaches: [`PRODUCER_ASYMMETRIC_FENCE`]
+    /// when its process registered for expedited global membarriers.
+    pub producer_flags: AtomicU32,
     /// Bumped by the daemon for every registration of a worker identity.
     pub attach_epoch: AtomicU64,
 }
@@ -57,11 +59,23 @@ pub struct Header {
     pub tail: Line<AtomicU64>,
     /// Consumer-owned: byte position of the next record to read.
     pub head: Line<AtomicU64>,
-    /// Consumer-owned: non-zero while the consumer is (about to be) asleep.
+    /// Consumer-owned: [`CONSUMER_SLEEPING`] while the consumer is (about to
+    /// be) asleep, [`CONSUMER_FORCE_FENCE`] once it asked the producer to go
+    /// back to full fences.
     pub consumer_sleeping: Line<AtomicU32>,
     /// Producer-owned: records dropped because the ring was full.
     pub dropped: Line<AtomicU64>,
 }
+
+/// `producer_flags`: the producer's process is registered with
+/// `MEMBARRIER_CMD_REGISTER_GLOBAL_EXPEDITED`, so it publishes with a compiler
+/// fence only and the consumer issues the heavy barrier before sleeping.
+pub const PRODUCER_ASYMMETRIC_FENCE: u32 = 1;
+/// `consumer_sleeping`: the consumer is about to sleep or asleep.
+pub const CONSUMER_SLEEPING: u32 = 1;
+/// `consumer_sleeping`: the consumer's membarrier failed; the producer must
+/// use a full fence after every commit from now on.
+pub const CONSUMER_FORCE_FENCE: u32 = 2;
 
 const _: () = assert!(size_of::<Header>() <= HEADER_SIZE);
 const _: () = assert!(align_of::<Header>() == 128);
@@ -133,6 +147,9 @@ pub const fn layout_hash() -> u64 {
     h = mix(h, offset_of!(Header, dropped) as u64);
     h = mix(h, offset_of!(Identity, layout_hash) as u64);
     h = mix(h, offset_of!(Identity, attach_epoch) as u64);
+    h = mix(h, offset_of!(Identity, producer_flags) as u64);
+    h = mix(h, PRODUCER_ASYMMETRIC_FENCE as u64);
+    h = mix(h, CONSUMER_FORCE_FENCE as u64);
     // rkyv format features: pointer width, primitive alignment, endianness.
     h = mix(h, size_of::<rkyv::Archived<usize>>() as u64);
     h = mix(h, align_of::<rkyv::Archived<u64>>() as u64);

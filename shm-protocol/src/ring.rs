@@ -19,14 +19,15 @@
 //! it never reads outside the data area, panics or loops unboundedly.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
-use std::sync::atomic::{AtomicU64, Ordering, fence};
+use std::sync::atomic::{AtomicU64, Ordering, compiler_fence, fence};
 use std::time::Duration;
 
 use rustix::event::{EventfdFlags, PollFd, PollFlags};
 
 use crate::error::{RingError, SegmentError};
 use crate::layout::{
-    PADDING_TYPE, RECORD_HEADER_SIZE, RecordHeader, max_payload, record_footprint,
+    CONSUMER_FORCE_FENCE, CONSUMER_SLEEPING, PADDING_TYPE, PRODUCER_ASYMMETRIC_FENCE,
+    RECORD_HEADER_SIZE, RecordHeader, max_payload, record_footprint,
 };
 use crate::segment::Segment;
 
@@ -62,6 +63,8 @@ pub struct Producer {
     /// Set when the consumer published an impossible head; from then on every
     /// record is dropped (the daemon will notice the silence or the gap).
     consumer_broken: bool,
+    /// Publishing with a compiler fence only (see `try_push`).
+    asymmetric: bool,
 }
 
 impl Producer {
@@ -78,6 +81,19 @@ impl Producer {
             .0
             .producer_pid
             .store(std::process::id(), Ordering::Relaxed);
+        // With the process registered, the consumer's membarrier before it
+        // sleeps stands in for our full fence after every commit.
+        let asymmetric =
+            rustix::thread::membarrier(rustix::thread::MembarrierCommand::RegisterGlobalExpedited)
+                .is_ok();
+        h.identity.0.producer_flags.store(
+            if asymmetric {
+                PRODUCER_ASYMMETRIC_FENCE
+            } else {
+                0
+            },
+            Ordering::Release,
+        );
         let capacity = seg.capacity();
         Ok(Producer {
             max_payload: max_payload(capacity),
@@ -89,6 +105,7 @@ impl Producer {
             next_seq: 0,
             dropped: 0,
             consumer_broken: false,
+            asymmetric,
         })
     }
 
@@ -100,6 +117,13 @@ impl Producer {
     /// Sequence number the next push will carry.
     pub fn next_seq(&self) -> u64 {
         self.next_seq
+    }
+
+    /// Whether commits are published with a compiler fence only (the
+    /// process is registered for expedited global membarriers and the
+    /// consumer has not asked for full fences).
+    pub fn asymmetric_fence(&self) -> bool {
+        self.asymmetric
     }
 
     /// Records dropped so far because the ring was full.
@@ -176,10 +200,26 @@ impl Producer {
         self.tail += total;
         let h = self.seg.header();
         h.tail.0.store(self.tail, Ordering::Release);
-        // Pairs with the consumer's fence in `prepare_sleep`: either it sees
-        // our tail, or we see its sleeping flag.
-        fence(Ordering::SeqCst);
-        if h.consumer_sleeping.0.load(Ordering::Relaxed) != 0 {
+        // Dekker with the consumer's `prepare_sleep`: either it sees our tail
+        // or we see its sleeping flag. Symmetric form: a full fence on each
+        // side. Asymmetric form: only a compiler fence here, because before
+        // it sleeps the consumer runs membarrier(GLOBAL_EXPEDITED), which
+        // executes a full barrier on every CPU running this process. A full
+        // fence costs a store-buffer drain per record, which across cores
+        // waits for the record's cache lines to be fetched.
+        let mut state = if self.asymmetric {
+            compiler_fence(Ordering::SeqCst);
+            h.consumer_sleeping.0.load(Ordering::Relaxed)
+        } else {
+            fence(Ordering::SeqCst);
+            h.consumer_sleeping.0.load(Ordering::Relaxed)
+        };
+        if self.asymmetric && state & CONSUMER_FORCE_FENCE != 0 {
+            self.asymmetric = false;
+            fence(Ordering::SeqCst);
+            state = h.consumer_sleeping.0.load(Ordering::Relaxed);
+        }
+        if state & CONSUMER_SLEEPING != 0 {
             self.wake();
         }
         Ok(Push::Committed { seq })
@@ -254,6 +294,8 @@ pub struct Consumer {
     max_payload: usize,
     buf: Vec<u128>,
     poisoned: Option<RingError>,
+    /// Our membarrier failed: the producer was told to fence for itself.
+    force_fence: bool,
 }
 
 impl Consumer {
@@ -276,6 +318,7 @@ impl Consumer {
             max_payload,
             buf: vec![0; max_payload.div_ceil(16)],
             poisoned: None,
+            force_fence: false,
         })
     }
 
@@ -475,13 +518,42 @@ impl Consumer {
     pub fn prepare_sleep(&mut self) -> bool {
         self.publish_head();
         let h = self.seg.header();
-        h.consumer_sleeping.0.store(1, Ordering::Relaxed);
+        h.consumer_sleeping
+            .0
+            .store(CONSUMER_SLEEPING | self.force_bits(), Ordering::Relaxed);
+        // Our half of the Dekker pair in `Producer::try_push`. A producer
+        // that publishes with a compiler fence only needs a real barrier on
+        // its CPU: membarrier(GLOBAL_EXPEDITED) runs one on every CPU running
+        // a registered process (and is a full fence for us). If it fails,
+        // tell the producer to fence for itself from now on; until it reads
+        // that, a wake-up can be late by at most the caller's sleep timeout.
+        let producer_flags = h.identity.0.producer_flags.load(Ordering::Relaxed);
+        if producer_flags & PRODUCER_ASYMMETRIC_FENCE != 0 && !self.force_fence {
+            let barrier =
+                rustix::thread::membarrier(rustix::thread::MembarrierCommand::GlobalExpedited);
+            if barrier.is_err() {
+                self.force_fence = true;
+                h.consumer_sleeping
+                    .0
+                    .store(CONSUMER_SLEEPING | CONSUMER_FORCE_FENCE, Ordering::Relaxed);
+            }
+        }
         fence(Ordering::SeqCst);
         if self.has_pending() {
-            h.consumer_sleeping.0.store(0, Ordering::Relaxed);
+            h.consumer_sleeping
+                .0
+                .store(self.force_bits(), Ordering::Relaxed);
             return false;
         }
         true
+    }
+
+    fn force_bits(&self) -> u32 {
+        if self.force_fence {
+            CONSUMER_FORCE_FENCE
+        } else {
+            0
+        }
     }
 
     /// Clears the sleeping flag and drains the eventfd counter.
@@ -490,7 +562,7 @@ impl Consumer {
             .header()
             .consumer_sleeping
             .0
-            .store(0, Ordering::Relaxed);
+            .store(self.force_bits(), Ordering::Relaxed);
         let mut buf = [0u8; 8];
         let _ = rustix::io::read(&self.wake, &mut buf);
     }

@@ -316,6 +316,72 @@ fn sleeping_consumer_is_woken_by_a_push() {
 }
 
 #[test]
+fn producer_registers_for_asymmetric_fences_where_the_kernel_allows() {
+    use kvedge_shm::layout::{CONSUMER_FORCE_FENCE, PRODUCER_ASYMMETRIC_FENCE};
+    use rustix::thread::{MembarrierQuery, membarrier_query};
+    let (mut p, c) = pair(4096);
+    let supported = membarrier_query().contains(MembarrierQuery::REGISTER_GLOBAL_EXPEDITED);
+    let flags = c
+        .segment()
+        .header()
+        .identity
+        .0
+        .producer_flags
+        .load(Ordering::Relaxed);
+    assert_eq!(p.asymmetric_fence(), supported);
+    assert_eq!(flags == PRODUCER_ASYMMETRIC_FENCE, supported);
+    // A consumer that asks for full fences gets them from the next commit on.
+    c.segment()
+        .header()
+        .consumer_sleeping
+        .0
+        .store(CONSUMER_FORCE_FENCE, Ordering::Relaxed);
+    p.try_push(1, 0, b"x").unwrap();
+    assert!(!p.asymmetric_fence());
+}
+
+#[test]
+fn no_wake_up_is_lost_across_thousands_of_sleeps() {
+    // The consumer sleeps before every record; the producer commits at
+    // varying moments around that. A lost wake-up would leave the consumer
+    // asleep for the whole 20 s timeout, so every wait must end well before.
+    let (mut p, mut c) = pair(1 << 16);
+    let rounds = 3000u64;
+    let producer = std::thread::spawn(move || {
+        for i in 0..rounds {
+            for _ in 0..(i % 7) * 50 {
+                std::hint::spin_loop();
+            }
+            while !matches!(
+                p.try_push(1, 0, &i.to_le_bytes()).unwrap(),
+                Push::Committed { .. }
+            ) {
+                std::thread::yield_now();
+            }
+            if i % 64 == 0 {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
+    });
+    let mut seen = 0u64;
+    while seen < rounds {
+        // A wake-up may be spurious (a signal meant for an earlier sleep);
+        // it may not be missing.
+        let start = std::time::Instant::now();
+        c.wait(Duration::ZERO, Duration::from_secs(20));
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "wake-up lost at record {seen}"
+        );
+        while let Some(r) = c.poll().unwrap() {
+            assert_eq!(r.payload, seen.to_le_bytes());
+            seen += 1;
+        }
+    }
+    producer.join().unwrap();
+}
+
+#[test]
 fn producer_does_not_signal_an_awake_consumer() {
     let (mut p, c) = pair(4096);
     p.try_push(1, 0, b"x").unwrap();
