@@ -25,6 +25,7 @@ pub mod inputs;
 pub mod policy;
 pub mod registry;
 pub mod rng;
+pub mod rules;
 pub mod table;
 pub mod view;
 pub mod yaml;

@@ -1,0 +1,331 @@
+//! What rules read: the request and the candidates (local endpoints and
+//! off-cluster providers), their attribute names as written in YAML, and
+//! the PredictedTTFT model.
+
+use crate::context::AgentHeaders;
+use crate::table::WorkerWithDpRank;
+
+use super::predicate::AttrValue;
+
+/// Most tags a request carries (client tags plus classifier tags).
+pub const MAX_TAGS: usize = 16;
+
+/// The request, borrowed from the host for one decision.
+#[derive(Clone, Copy, Debug)]
+pub struct RuleRequest<'a> {
+    pub model: &'a str,
+    pub tenant: Option<&'a str>,
+    pub role: Option<&'a str>,
+    pub prompt_tokens: u32,
+    pub block_size: u32,
+    pub session_id: Option<&'a str>,
+    pub priority: i32,
+    pub headers: Option<&'a AgentHeaders>,
+    /// `type-degree` tags: sent by the client or produced by classifiers.
+    pub tags: &'a [&'a str],
+}
+
+impl RuleRequest<'_> {
+    pub fn request_blocks(&self) -> u64 {
+        u64::from(self.prompt_tokens).div_ceil(u64::from(self.block_size.max(1)))
+    }
+}
+
+/// Where a candidate runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CandidateKind {
+    /// A worker on this node, with load and cache signals.
+    Local,
+    /// An off-cluster inference provider: no load or cache signals.
+    Provider,
+}
+
+/// One candidate endpoint. Signals a candidate does not have are `None`;
+/// providers have none of the load and cache signals.
+#[derive(Clone, Copy, Debug)]
+pub struct RuleCandidate<'a> {
+    pub kind: CandidateKind,
+    pub model: &'a str,
+    pub backend: Option<&'a str>,
+    /// Backend labels as `key=value`.
+    pub labels: &'a [&'a str],
+    pub provider: Option<&'a str>,
+    pub worker: Option<WorkerWithDpRank>,
+    pub role: Option<&'a str>,
+    pub kv_usage: Option<f64>,
+    pub active_requests: Option<u32>,
+    pub waiting_requests: Option<u32>,
+    pub device_overlap_blocks: Option<u32>,
+    pub host_overlap_blocks: Option<u32>,
+    pub disk_overlap_blocks: Option<u32>,
+    pub active_prefill_tokens: Option<u64>,
+    /// This worker's prefill throughput, when known (learned or configured);
+    /// otherwise the policy's default applies.
+    pub prefill_tokens_per_second: Option<f64>,
+}
+
+impl<'a> RuleCandidate<'a> {
+    /// A local worker with no signals yet.
+    pub fn local(model: &'a str, worker: WorkerWithDpRank) -> Self {
+        RuleCandidate {
+            kind: CandidateKind::Local,
+            model,
+            backend: None,
+            labels: &[],
+            provider: None,
+            worker: Some(worker),
+            role: None,
+            kv_usage: None,
+            active_requests: None,
+            waiting_requests: None,
+            device_overlap_blocks: None,
+            host_overlap_blocks: None,
+            disk_overlap_blocks: None,
+            active_prefill_tokens: None,
+            prefill_tokens_per_second: None,
+        }
+    }
+
+    /// An off-cluster provider serving `model`.
+    pub fn provider(name: &'a str, model: &'a str) -> Self {
+        RuleCandidate {
+            kind: CandidateKind::Provider,
+            provider: Some(name),
+            worker: None,
+            ..RuleCandidate::local(model, WorkerWithDpRank::default())
+        }
+    }
+}
+
+/// Request attributes, by YAML name: `model`, `tenant`, `role`,
+/// `promptTokens`, `requestBlocks`, `sessionId`, `priority`, `tag`,
+/// `header.<name>`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum RequestAttr {
+    Model,
+    Tenant,
+    Role,
+    PromptTokens,
+    RequestBlocks,
+    SessionId,
+    Priority,
+    Tag,
+    Header(String),
+}
+
+impl RequestAttr {
+    pub const NAMES: &'static str =
+        "model, tenant, role, promptTokens, requestBlocks, sessionId, priority, tag, header.<name>";
+
+    pub fn parse(name: &str) -> Option<RequestAttr> {
+        Some(match name {
+            "model" => RequestAttr::Model,
+            "tenant" => RequestAttr::Tenant,
+            "role" => RequestAttr::Role,
+            "promptTokens" => RequestAttr::PromptTokens,
+            "requestBlocks" => RequestAttr::RequestBlocks,
+            "sessionId" => RequestAttr::SessionId,
+            "priority" => RequestAttr::Priority,
+            "tag" | "tags" => RequestAttr::Tag,
+            _ => {
+                let header = name.strip_prefix("header.")?;
+                if header.is_empty() {
+                    return None;
+                }
+                RequestAttr::Header(header.to_ascii_lowercase())
+            }
+        })
+    }
+
+    pub fn value<'a>(&'a self, r: &RuleRequest<'a>) -> Option<AttrValue<'a>> {
+        match self {
+            RequestAttr::Model => Some(AttrValue::Str(r.model)),
+            RequestAttr::Tenant => r.tenant.map(AttrValue::Str),
+            RequestAttr::Role => r.role.map(AttrValue::Str),
+            RequestAttr::PromptTokens => Some(AttrValue::Num(f64::from(r.prompt_tokens))),
+            RequestAttr::RequestBlocks => Some(AttrValue::Num(r.request_blocks() as f64)),
+            RequestAttr::SessionId => r.session_id.map(AttrValue::Str),
+            RequestAttr::Priority => Some(AttrValue::Num(f64::from(r.priority))),
+            RequestAttr::Tag => Some(AttrValue::Set(r.tags)),
+            RequestAttr::Header(name) => r.headers.and_then(|h| h.get(name)).map(AttrValue::Str),
+        }
+    }
+}
+
+/// Candidate attributes, by YAML name: `type`, `model`, `backend.name`,
+/// `backend.labels.<key>`, `provider.name`, `workerId`, `dpRank`, `role`,
+/// `kvUsage`, `activeRequests`, `waitingRequests`, `deviceOverlapBlocks`,
+/// `hostOverlapBlocks`, `diskOverlapBlocks`, `PredictedTTFT`.
+#[derive(Clone, Debug, PartialEq)]
+pub enum CandidateAttr {
+    Type,
+    Model,
+    BackendName,
+    BackendLabel(String),
+    ProviderName,
+    WorkerId,
+    DpRank,
+    Role,
+    KvUsage,
+    ActiveRequests,
+    WaitingRequests,
+    DeviceOverlapBlocks,
+    HostOverlapBlocks,
+    DiskOverlapBlocks,
+    PredictedTtft,
+}
+
+impl CandidateAttr {
+    pub const NAMES: &'static str = "type, model, backend.name, backend.labels.<key>, provider.name, workerId, dpRank, role, kvUsage, activeRequests, waitingRequests, deviceOverlapBlocks, hostOverlapBlocks, diskOverlapBlocks, PredictedTTFT";
+
+    pub fn parse(name: &str) -> Option<CandidateAttr> {
+        Some(match name {
+            "type" => CandidateAttr::Type,
+            "model" => CandidateAttr::Model,
+            "backend.name" => CandidateAttr::BackendName,
+            "provider.name" => CandidateAttr::ProviderName,
+            "workerId" => CandidateAttr::WorkerId,
+            "dpRank" => CandidateAttr::DpRank,
+            "role" => CandidateAttr::Role,
+            "kvUsage" => CandidateAttr::KvUsage,
+            "activeRequests" => CandidateAttr::ActiveRequests,
+            "waitingRequests" => CandidateAttr::WaitingRequests,
+            "deviceOverlapBlocks" => CandidateAttr::DeviceOverlapBlocks,
+            "hostOverlapBlocks" => CandidateAttr::HostOverlapBlocks,
+            "diskOverlapBlocks" => CandidateAttr::DiskOverlapBlocks,
+            "PredictedTTFT" => CandidateAttr::PredictedTtft,
+            _ => {
+                let key = name.strip_prefix("backend.labels.")?;
+                if key.is_empty() {
+                    return None;
+                }
+                CandidateAttr::BackendLabel(key.to_owned())
+            }
+        })
+    }
+
+    /// Whether a provider candidate can have this attribute.
+    pub fn defined_for_providers(&self) -> bool {
+        matches!(
+            self,
+            CandidateAttr::Type
+                | CandidateAttr::Model
+                | CandidateAttr::ProviderName
+                | CandidateAttr::BackendLabel(_)
+        )
+    }
+
+    pub fn value<'a>(
+        &'a self,
+        c: &RuleCandidate<'a>,
+        r: &RuleRequest<'_>,
+        ttft: &TtftModel,
+    ) -> Option<AttrValue<'a>> {
+        let num = |v: Option<u32>| v.map(|n| AttrValue::Num(f64::from(n)));
+        match self {
+            CandidateAttr::Type => Some(AttrValue::Str(match c.kind {
+                CandidateKind::Local => "Local",
+                CandidateKind::Provider => "Provider",
+            })),
+            CandidateAttr::Model => Some(AttrValue::Str(c.model)),
+            CandidateAttr::BackendName => c.backend.map(AttrValue::Str),
+            CandidateAttr::BackendLabel(key) => c.labels.iter().find_map(|l| {
+                l.strip_prefix(key.as_str())
+                    .and_then(|rest| rest.strip_prefix('='))
+                    .map(AttrValue::Str)
+            }),
+            CandidateAttr::ProviderName => c.provider.map(AttrValue::Str),
+            CandidateAttr::WorkerId => c.worker.map(|w| AttrValue::Num(w.worker_id as f64)),
+            CandidateAttr::DpRank => c.worker.map(|w| AttrValue::Num(f64::from(w.dp_rank))),
+            CandidateAttr::Role => c.role.map(AttrValue::Str),
+            CandidateAttr::KvUsage => c.kv_usage.map(AttrValue::Num),
+            CandidateAttr::ActiveRequests => num(c.active_requests),
+            CandidateAttr::WaitingRequests => num(c.waiting_requests),
+            CandidateAttr::DeviceOverlapBlocks => num(c.device_overlap_blocks),
+            CandidateAttr::HostOverlapBlocks => num(c.host_overlap_blocks),
+            CandidateAttr::DiskOverlapBlocks => num(c.disk_overlap_blocks),
+            CandidateAttr::PredictedTtft => ttft.predict(c, r).map(AttrValue::Num),
+        }
+    }
+}
+
+/// The PredictedTTFT model: the prefill work ahead of the request plus its
+/// own uncached prompt, over the worker's prefill throughput, plus a wait
+/// per queued request.
+///
+/// ```text
+/// uncached_tokens = max(prompt_tokens - device_overlap_blocks * block_size, 0)
+/// ttft_seconds    = (active_prefill_tokens + uncached_tokens) / prefill_tokens_per_second
+///                 + waiting_requests * queue_wait_per_request
+/// ```
+///
+/// The throughput is the candidate's own when the host knows it (configured
+/// per worker, or learned from load reports), else the model's default.
+/// Providers have no PredictedTTFT.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct TtftModel {
+    pub prefill_tokens_per_second: f64,
+    pub queue_wait_per_request: f64,
+}
+
+impl Default for TtftModel {
+    fn default() -> Self {
+        TtftModel {
+            prefill_tokens_per_second: 10_000.0,
+            queue_wait_per_request: 0.05,
+        }
+    }
+}
+
+impl TtftModel {
+    /// Seconds, or `None` for a provider or a worker without load signals.
+    pub fn predict(&self, c: &RuleCandidate<'_>, r: &RuleRequest<'_>) -> Option<f64> {
+        if c.kind != CandidateKind::Local {
+            return None;
+        }
+        let queued = c.active_prefill_tokens? as f64;
+        let cached = f64::from(c.device_overlap_blocks.unwrap_or(0)) * f64::from(r.block_size);
+        let uncached = (f64::from(r.prompt_tokens) - cached).max(0.0);
+        let throughput = c
+            .prefill_tokens_per_second
+            .filter(|t| t.is_finite() && *t > 0.0)
+            .unwrap_or(self.prefill_tokens_per_second);
+        let waiting = f64::from(c.waiting_requests.unwrap_or(0));
+        Some((queued + uncached) / throughput + waiting * self.queue_wait_per_request)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn predicted_ttft_counts_backlog_uncached_prompt_and_queue() {
+        let m = TtftModel {
+            prefill_tokens_per_second: 1000.0,
+            queue_wait_per_request: 0.1,
+        };
+        let r = RuleRequest {
+            model: "m",
+            tenant: None,
+            role: None,
+            prompt_tokens: 1000,
+            block_size: 16,
+            session_id: None,
+            priority: 0,
+            headers: None,
+            tags: &[],
+        };
+        let mut c = RuleCandidate::local("m", WorkerWithDpRank::new(1, 0));
+        assert_eq!(m.predict(&c, &r), None, "no load signal, no prediction");
+        c.active_prefill_tokens = Some(500);
+        c.device_overlap_blocks = Some(25); // 400 tokens cached
+        c.waiting_requests = Some(2);
+        let t = m.predict(&c, &r).unwrap();
+        assert!((t - ((500.0 + 600.0) / 1000.0 + 0.2)).abs() < 1e-12, "{t}");
+        c.prefill_tokens_per_second = Some(2000.0);
+        let t = m.predict(&c, &r).unwrap();
+        assert!((t - (1100.0 / 2000.0 + 0.2)).abs() < 1e-12);
+        assert_eq!(m.predict(&RuleCandidate::provider("p", "m"), &r), None);
+    }
+}
