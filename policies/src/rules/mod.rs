@@ -321,10 +321,9 @@ impl RuleEngine {
                     }
                     let key = match &tier.objective {
                         Objective::RankOrder => Some(0.0),
-                        Objective::Minimize(attr) => match attr.value(c, request, &ttft) {
-                            Some(predicate::AttrValue::Num(v)) if !v.is_nan() => Some(v),
-                            _ => None,
-                        },
+                        Objective::Minimize(attr) => {
+                            attr.objective(c, request, &ttft).filter(|v| !v.is_nan())
+                        }
                         Objective::Order(names) => {
                             let name = match c.kind {
                                 CandidateKind::Provider => c.provider,

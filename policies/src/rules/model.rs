@@ -204,6 +204,24 @@ impl CandidateAttr {
         })
     }
 
+    /// The value of a numeric objective (`minimize`), without going through
+    /// [`AttrValue`].
+    #[inline]
+    pub fn objective(
+        &self,
+        c: &RuleCandidate<'_>,
+        r: &RuleRequest<'_>,
+        ttft: &TtftModel,
+    ) -> Option<f64> {
+        match self {
+            CandidateAttr::PredictedTtft => ttft.predict(c, r),
+            CandidateAttr::KvUsage => c.kv_usage,
+            CandidateAttr::ActiveRequests => c.active_requests.map(f64::from),
+            CandidateAttr::WaitingRequests => c.waiting_requests.map(f64::from),
+            _ => None,
+        }
+    }
+
     /// Whether a provider candidate can have this attribute.
     pub fn defined_for_providers(&self) -> bool {
         matches!(
@@ -215,6 +233,7 @@ impl CandidateAttr {
         )
     }
 
+    #[inline]
     pub fn value<'a>(
         &'a self,
         c: &RuleCandidate<'a>,
@@ -279,6 +298,7 @@ impl Default for TtftModel {
 
 impl TtftModel {
     /// Seconds, or `None` for a provider or a worker without load signals.
+    #[inline]
     pub fn predict(&self, c: &RuleCandidate<'_>, r: &RuleRequest<'_>) -> Option<f64> {
         if c.kind != CandidateKind::Local {
             return None;

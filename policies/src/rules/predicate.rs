@@ -52,6 +52,7 @@ pub enum Op {
 
 impl Op {
     /// Evaluates against a present (`Some`) or absent (`None`) value.
+    #[inline]
     pub fn eval(&self, value: Option<AttrValue<'_>>) -> bool {
         let Some(v) = value else {
             return matches!(self, Op::Exists(false));
