@@ -461,3 +461,67 @@ fn a_warm_decision_allocates_nothing() {
     });
     assert_eq!(info.count_total, 0, "{info:?}");
 }
+
+// ---- the regex classifier ----
+
+#[test]
+fn regex_classifier_tags_confirmed_unknown_or_nothing() {
+    let policy = load(
+        r#"
+policy:
+  rules:
+    - name: pii-local
+      matches: [{ tag: [pii-confirmed, pii-unknown] }]
+      route:
+        consider: [{ backends: {} }]
+        select: [{ type: Local }]
+    - name: anywhere
+      route:
+        consider: [{ providers: {} }]
+        select: [{ type: Provider }]
+classifiers:
+  regex:
+    max_text_bytes: 64
+    patterns:
+      pii: '\b\d{3}-\d{2}-\d{4}\b'
+      code: '```'
+"#,
+    )
+    .unwrap();
+    let regex = policy.regex.clone().expect("configured");
+    let mut e = RuleEngine::new(policy);
+    let cands = [local("m", 1, 0, 0), RuleCandidate::provider("p", "m")];
+    let route = |e: &mut RuleEngine, text: Option<&str>| {
+        let mut tags = TagBuf::default();
+        regex.classify(text, &mut tags);
+        let tags_now: Vec<String> = tags.as_slice().iter().map(|t| t.to_string()).collect();
+        (
+            tags_now,
+            chosen(e.decide(&req("m", None, tags.as_slice()), &cands)),
+        )
+    };
+    assert_eq!(
+        route(&mut e, Some("my ssn is 123-45-6789")),
+        (vec!["pii-confirmed".to_string()], Some(0))
+    );
+    assert_eq!(route(&mut e, Some("nothing to see")), (vec![], Some(1)));
+    // Too long to scan within the budget, or no text: explicit unknown.
+    let long = "x".repeat(65);
+    let (tags, to) = route(&mut e, Some(&long));
+    assert_eq!(
+        (tags, to),
+        (vec!["code-unknown".into(), "pii-unknown".into()], Some(0))
+    );
+    assert_eq!(route(&mut e, None).1, Some(0));
+}
+
+#[test]
+fn invalid_regex_patterns_are_refused_at_load() {
+    let msg = load_err("classifiers:\n  regex:\n    patterns:\n      pii: '(unclosed'\n");
+    assert!(
+        msg.starts_with("classifiers.regex.patterns.pii: regex parse error"),
+        "{msg}"
+    );
+    let msg = load_err("classifiers:\n  regex:\n    patterns:\n      Bad-Name: 'x'\n");
+    assert!(msg.contains("a tag type is lowercase"), "{msg}");
+}

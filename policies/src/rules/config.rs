@@ -134,6 +134,20 @@ struct ProviderYaml {
 #[serde(deny_unknown_fields)]
 struct ClassifiersYaml {
     length: Option<LengthYaml>,
+    regex: Option<RegexYaml>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RegexYaml {
+    /// Texts longer than this are not scanned (their tags are `-unknown`).
+    #[serde(default = "default_text_budget")]
+    max_text_bytes: usize,
+    patterns: std::collections::BTreeMap<String, String>,
+}
+
+fn default_text_budget() -> usize {
+    64 * 1024
 }
 
 #[derive(Deserialize)]
@@ -198,7 +212,42 @@ pub fn load(source: &str) -> Result<RulePolicy, RuleConfigError> {
             endpoint: p.endpoint,
         });
     }
-    let length = match doc.classifiers.and_then(|c| c.length) {
+    let (length, regex) = match doc.classifiers {
+        Some(c) => (c.length, c.regex),
+        None => (None, None),
+    };
+    let regex = match regex {
+        None => None,
+        Some(r) => {
+            let mut patterns = Vec::with_capacity(r.patterns.len());
+            for (name, pattern) in r.patterns {
+                let valid_name = !name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_');
+                if !valid_name {
+                    return Err(RuleConfigError {
+                        rule: None,
+                        field: Some(format!("classifiers.regex.patterns.{name}")),
+                        line: None,
+                        message: "a tag type is lowercase letters, digits and `_`".into(),
+                    });
+                }
+                let re = regex::Regex::new(&pattern).map_err(|e| RuleConfigError {
+                    rule: None,
+                    field: Some(format!("classifiers.regex.patterns.{name}")),
+                    line: None,
+                    message: e.to_string(),
+                })?;
+                patterns.push((name, re));
+            }
+            Some(std::sync::Arc::new(super::RegexClassifier::new(
+                r.max_text_bytes,
+                patterns,
+            )))
+        }
+    };
+    let length = match length {
         Some(l) if l.low > l.high => {
             return Err(RuleConfigError {
                 rule: None,
@@ -239,6 +288,7 @@ pub fn load(source: &str) -> Result<RulePolicy, RuleConfigError> {
         rules,
         providers,
         length,
+        regex,
         ttft,
         seed: spec.seed,
     })

@@ -198,12 +198,78 @@ impl LengthClassifier {
     }
 }
 
+/// The `regex` classifier: named patterns over the request's text. For each
+/// pattern, a match tags `NAME-confirmed`; a text that is missing or longer
+/// than the byte budget is not scanned and tags `NAME-unknown` (so a
+/// restrictive rule that also matches `-unknown` still catches it); no match
+/// adds no tag. Matching is linear in the text (the `regex` crate), so the
+/// byte budget bounds its time.
+#[derive(Debug)]
+pub struct RegexClassifier {
+    pub max_text_bytes: usize,
+    patterns: Vec<(String, regex::Regex, String, String)>,
+}
+
+impl RegexClassifier {
+    pub(crate) fn new(max_text_bytes: usize, patterns: Vec<(String, regex::Regex)>) -> Self {
+        RegexClassifier {
+            max_text_bytes,
+            patterns: patterns
+                .into_iter()
+                .map(|(name, re)| {
+                    let confirmed = format!("{name}-confirmed");
+                    let unknown = format!("{name}-unknown");
+                    (name, re, confirmed, unknown)
+                })
+                .collect(),
+        }
+    }
+
+    /// Adds this classifier's tags for `text` (stops when `tags` is full).
+    pub fn classify<'a>(&'a self, text: Option<&str>, tags: &mut TagBuf<'a>) {
+        for (_, re, confirmed, unknown) in &self.patterns {
+            let tag = match text {
+                Some(t) if t.len() <= self.max_text_bytes => {
+                    if re.is_match(t) {
+                        confirmed.as_str()
+                    } else {
+                        continue;
+                    }
+                }
+                _ => unknown.as_str(),
+            };
+            if !tags.push(tag) {
+                return;
+            }
+        }
+    }
+
+    pub fn pattern_names(&self) -> impl Iterator<Item = &str> {
+        self.patterns.iter().map(|p| p.0.as_str())
+    }
+}
+
+impl PartialEq for RegexClassifier {
+    fn eq(&self, other: &Self) -> bool {
+        self.max_text_bytes == other.max_text_bytes
+            && self.patterns.len() == other.patterns.len()
+            && self
+                .patterns
+                .iter()
+                .zip(&other.patterns)
+                .all(|(a, b)| a.0 == b.0 && a.1.as_str() == b.1.as_str())
+    }
+}
+
 /// A compiled rule policy.
 #[derive(Clone, Debug, PartialEq)]
 pub struct RulePolicy {
     pub rules: Vec<CompiledRule>,
     pub providers: Vec<ProviderSpec>,
     pub length: Option<LengthClassifier>,
+    /// Shared so the host can produce tags borrowed from it while the engine
+    /// is busy deciding.
+    pub regex: Option<std::sync::Arc<RegexClassifier>>,
     pub ttft: TtftModel,
     pub seed: u64,
 }
