@@ -197,6 +197,36 @@ impl WorkerSelectionPolicy {
                 None => Err(SelectionErrorKind::PinnedUnavailable { worker }.into()),
             };
         }
+        let (filtered, range) = self.score_all(context, table)?;
+        let view: &CandidateTable = if filtered { &self.compacted } else { table };
+        let n = view.len();
+        let totals = &self.totals;
+        let (picker, grant) = &mut self.picker;
+        let row = picker.pick(context, WorkerInputView::new(view, totals, range, *grant))?;
+        if row >= n {
+            return Err(SelectionErrorKind::RowOutOfRange { row, len: n }.into());
+        }
+        let table_row = if filtered {
+            self.rows[row] as usize
+        } else {
+            row
+        };
+        Ok(Selection {
+            worker: view.worker(row),
+            row: table_row,
+            cost: totals[row],
+            candidates: n,
+        })
+    }
+
+    /// Runs the filters and scorers (not the picker). Returns whether rows
+    /// were filtered out (survivors in `self.compacted`, their table rows in
+    /// `self.rows`) and the totals' range; the totals are in `self.totals`.
+    fn score_all(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        table: &CandidateTable,
+    ) -> Result<(bool, (f64, f64)), WorkerSelectionPolicyError> {
         let missing = self.required.difference(table.present());
         if !missing.is_empty() {
             return Err(SelectionErrorKind::MissingInputs { missing }.into());
@@ -256,22 +286,40 @@ impl WorkerSelectionPolicy {
             debug_assert!(index <= last);
         }
 
-        let (picker, grant) = &mut self.picker;
-        let row = picker.pick(context, WorkerInputView::new(view, totals, range, *grant))?;
-        if row >= n {
-            return Err(SelectionErrorKind::RowOutOfRange { row, len: n }.into());
+        Ok((filtered, range))
+    }
+
+    /// The total cost of every row of `table` under this policy's filters
+    /// and scorers, without picking: `out[row]` is NaN for a row a filter
+    /// removed (all NaN when every row was removed). Lets another stage (the
+    /// rule language's `minimize: { policy: NAME }`) rank by this policy.
+    pub fn costs_into(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        table: &CandidateTable,
+        out: &mut Vec<f64>,
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        out.clear();
+        out.resize(table.len(), f64::NAN);
+        if context.block_size() == 0 {
+            return Err(SelectionErrorKind::InvalidContext("block_size must be positive").into());
         }
-        let table_row = if filtered {
-            self.rows[row] as usize
-        } else {
-            row
+        if table.is_empty() {
+            return Ok(());
+        }
+        let (filtered, _) = match self.score_all(context, table) {
+            Ok(r) => r,
+            Err(e) if matches!(e.kind(), SelectionErrorKind::AllRejected { .. }) => return Ok(()),
+            Err(e) => return Err(e),
         };
-        Ok(Selection {
-            worker: view.worker(row),
-            row: table_row,
-            cost: totals[row],
-            candidates: n,
-        })
+        if filtered {
+            for (i, &row) in self.rows.iter().enumerate() {
+                out[row as usize] = self.totals[i];
+            }
+        } else {
+            out.copy_from_slice(&self.totals);
+        }
+        Ok(())
     }
 
     /// Runs the filters in declaration order. Returns whether any row was

@@ -291,9 +291,14 @@ impl RouterPluginRegistry {
             };
             roles[role as usize] = chosen;
         }
+        let instances = built
+            .into_iter()
+            .map(|(name, (r, _))| (name.to_owned(), r))
+            .collect();
         Ok(RouterPlugins {
             router: router.clone(),
             roles,
+            instances,
         })
     }
 }
@@ -309,6 +314,8 @@ struct ResolvedInstance {
 pub struct RouterPlugins {
     router: RouterConfig,
     roles: [Option<Arc<ResolvedInstance>>; 4],
+    /// Every configured instance, by name (rules may rank by any of them).
+    instances: BTreeMap<String, Arc<ResolvedInstance>>,
 }
 
 impl fmt::Debug for RouterPlugins {
@@ -327,6 +334,7 @@ impl RouterPlugins {
         RouterPlugins {
             router,
             roles: Default::default(),
+            instances: BTreeMap::new(),
         }
     }
 
@@ -341,6 +349,29 @@ impl RouterPlugins {
 
     pub fn router_config(&self) -> &RouterConfig {
         &self.router
+    }
+
+    /// Whether `name` is a configured instance or `default`.
+    pub fn has_instance(&self, name: &str) -> bool {
+        name == DEFAULT_SELECTION || self.instances.contains_key(name)
+    }
+
+    /// A fresh policy of the instance called `name` (or the built-in for
+    /// `default`), for `partition`.
+    pub fn build_instance(
+        &self,
+        name: &str,
+        partition: &RoutingPartition,
+    ) -> Option<WorkerSelectionPolicy> {
+        if name == DEFAULT_SELECTION {
+            return Some(default_cost_policy(
+                &self.router,
+                &DefaultCostParameters::default(),
+                partition,
+            ));
+        }
+        let r = self.instances.get(name)?;
+        Some((r.factory)(&self.router, partition.worker_type, partition))
     }
 
     /// A fresh policy instance for `partition`.

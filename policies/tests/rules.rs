@@ -525,3 +525,90 @@ fn invalid_regex_patterns_are_refused_at_load() {
     let msg = load_err("classifiers:\n  regex:\n    patterns:\n      Bad-Name: 'x'\n");
     assert!(msg.contains("a tag type is lowercase"), "{msg}");
 }
+
+// ---- ranking by a worker-selection instance (the two seeds joined) ----
+
+const JOINED: &str = "
+worker_selection:
+  instances:
+    - name: fewest-requests
+      type: least-busy
+      parameters: { min_device_overlap_blocks: 1 }
+policy:
+  rules:
+    - name: by-policy
+      route:
+        consider: [{ backends: {} }, { providers: {} }]
+        select:
+          - { type: Local, minimize: { policy: fewest-requests } }
+          - { type: Provider }
+";
+
+fn plugins(yaml: &str) -> kvedge_policies::RouterPlugins {
+    let config = kvedge_policies::WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
+    kvedge_policies::router_plugin_registry()
+        .resolve_plugins(
+            &config,
+            &kvedge_policies::SelectionOverrides::default(),
+            &kvedge_policies::RouterConfig::default(),
+        )
+        .unwrap()
+}
+
+#[test]
+fn a_tier_can_minimize_the_cost_of_a_worker_selection_instance() {
+    let p = plugins(JOINED);
+    let policy = kvedge_policies::rules::load_with(JOINED, Some(&p)).unwrap();
+    let mut e = RuleEngine::new(policy);
+    let mut busy = local("m", 1, 0, 4);
+    busy.active_requests = Some(9);
+    let mut idle_cold = local("m", 2, 0, 0); // filtered: no device overlap
+    idle_cold.active_requests = Some(0);
+    let mut light = local("m", 3, 0, 2);
+    light.active_requests = Some(2);
+    let provider = RuleCandidate::provider("p", "m");
+    let r = req("m", None, &[]);
+    let d = e.decide(&r, &[busy, idle_cold, light, provider]);
+    assert_eq!(
+        (d.tier, chosen(d)),
+        (Some(0), Some(2)),
+        "fewest requests among those with overlap"
+    );
+    // Every local worker filtered out by the instance: the next tier.
+    let d = e.decide(&r, &[idle_cold, provider]);
+    assert_eq!((d.tier, chosen(d)), (Some(1), Some(1)));
+    let info = allocation_counter::measure(|| {
+        for _ in 0..50 {
+            std::hint::black_box(e.decide(&r, &[busy, idle_cold, light, provider]));
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+}
+
+#[test]
+fn policy_objectives_are_validated_at_load() {
+    let msg = load_err(JOINED);
+    assert!(
+        msg.contains("needs the worker_selection configuration"),
+        "{msg}"
+    );
+    let p = plugins(JOINED);
+    let unknown = JOINED.replace("{ policy: fewest-requests }", "{ policy: nope }");
+    let msg = kvedge_policies::rules::load_with(&unknown, Some(&p))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        msg.contains("`nope` is neither `default` nor a configured worker_selection instance"),
+        "{msg}"
+    );
+    let any = JOINED.replace(
+        "{ type: Local, minimize: { policy",
+        "{ type: Any, minimize: { policy",
+    );
+    let msg = kvedge_policies::rules::load_with(&any, Some(&p))
+        .unwrap_err()
+        .to_string();
+    assert!(msg.contains("defined only for Local candidates"), "{msg}");
+    let builtin = JOINED.replace("{ policy: fewest-requests }", "{ policy: default }");
+    assert!(kvedge_policies::rules::load_with(&builtin, Some(&p)).is_ok());
+}

@@ -11,6 +11,7 @@ use super::{
     CompiledPredicate, CompiledRule, Consider, Exclude, LengthClassifier, Objective, OnEmpty,
     ProviderSpec, RulePolicy, TieBreak, Tier, TierType,
 };
+use crate::registry::RouterPlugins;
 
 /// A rule policy that cannot be loaded.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -166,8 +167,19 @@ struct TtftYaml {
     queue_wait_per_request: Option<String>,
 }
 
-/// Loads and compiles a rule policy from a YAML document.
+/// Loads and compiles a rule policy from a YAML document. Rules that rank by
+/// a worker-selection instance (`minimize: { policy: NAME }`) need
+/// [`load_with`].
 pub fn load(source: &str) -> Result<RulePolicy, RuleConfigError> {
+    load_with(source, None)
+}
+
+/// As [`load`], resolving `minimize: { policy: NAME }` against the
+/// resolved `worker_selection` configuration.
+pub fn load_with(
+    source: &str,
+    plugins: Option<&RouterPlugins>,
+) -> Result<RulePolicy, RuleConfigError> {
     let doc: Document = serde_yaml::from_str(source).map_err(|e| RuleConfigError {
         rule: None,
         field: None,
@@ -181,8 +193,16 @@ pub fn load(source: &str) -> Result<RulePolicy, RuleConfigError> {
     });
     let mut rules = Vec::with_capacity(spec.rules.len());
     let count = spec.rules.len();
+    let mut cost_policies = Vec::new();
     for (index, rule) in spec.rules.into_iter().enumerate() {
-        rules.push(compile_rule(index, count, rule, &lines)?);
+        rules.push(compile_rule(
+            index,
+            count,
+            rule,
+            &lines,
+            plugins,
+            &mut cost_policies,
+        )?);
     }
     let mut names = std::collections::BTreeSet::new();
     for (i, r) in rules.iter().enumerate() {
@@ -284,11 +304,14 @@ pub fn load(source: &str) -> Result<RulePolicy, RuleConfigError> {
             })?;
         }
     }
+    let cost_policies_empty = cost_policies.is_empty();
     Ok(RulePolicy {
         rules,
         providers,
         length,
         regex,
+        cost_policies,
+        plugins: plugins.filter(|_| !cost_policies_empty).cloned(),
         ttft,
         seed: spec.seed,
     })
@@ -299,6 +322,8 @@ fn compile_rule(
     count: usize,
     spec: RuleSpec,
     lines: &RuleLines,
+    plugins: Option<&RouterPlugins>,
+    cost_policies: &mut Vec<String>,
 ) -> Result<CompiledRule, RuleConfigError> {
     let name = spec.name.clone().unwrap_or_else(|| format!("#{index}"));
     let err = |field: &str, message: String| RuleConfigError {
@@ -421,6 +446,50 @@ fn compile_rule(
             ));
         }
         let objective = match (tier.minimize, tier.order) {
+            (Some(Value::Mapping(m)), _) => {
+                let name = match (m.len(), m.get("policy").and_then(Value::as_str)) {
+                    (1, Some(name)) => name.to_owned(),
+                    _ => {
+                        return Err(err(
+                            &field,
+                            "`minimize` takes an objective name or `{ policy: NAME }`".into(),
+                        ));
+                    }
+                };
+                let Some(plugins) = plugins else {
+                    return Err(err(
+                        &field,
+                        format!(
+                            "`minimize: {{ policy: {name} }}` needs the worker_selection configuration (load the rules together with it)"
+                        ),
+                    ));
+                };
+                if !plugins.has_instance(&name) {
+                    return Err(err(
+                        &field,
+                        format!(
+                            "`{name}` is neither `default` nor a configured worker_selection instance"
+                        ),
+                    ));
+                }
+                if tier.kind != TierType::Local {
+                    return Err(err(
+                        &field,
+                        format!(
+                            "the cost of worker-selection instance `{name}` is defined only for Local candidates, so a `{}` tier cannot minimize it",
+                            tier.kind.name()
+                        ),
+                    ));
+                }
+                let slot = match cost_policies.iter().position(|n| *n == name) {
+                    Some(slot) => slot,
+                    None => {
+                        cost_policies.push(name);
+                        cost_policies.len() - 1
+                    }
+                };
+                Objective::PolicyCost(slot)
+            }
             (Some(v), _) => {
                 let o = objective(&v).map_err(|m| err(&field, m))?;
                 if tier.kind != TierType::Local {
@@ -462,7 +531,7 @@ fn compile_rule(
 fn objective(v: &Value) -> Result<CandidateAttr, String> {
     let Some(name) = v.as_str() else {
         return Err(
-            "`minimize` takes an objective name (PredictedTTFT, kvUsage, activeRequests, waitingRequests)"
+            "`minimize` takes an objective name (PredictedTTFT, kvUsage, activeRequests, waitingRequests) or `{ policy: NAME }`"
                 .into(),
         );
     };

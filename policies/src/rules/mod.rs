@@ -40,7 +40,7 @@ pub mod predicate;
 use serde::Deserialize;
 
 use crate::rng::PolicyRng;
-pub use config::{RuleConfigError, load};
+pub use config::{RuleConfigError, load, load_with};
 pub use model::{
     CandidateAttr, CandidateKind, MAX_TAGS, RequestAttr, RuleCandidate, RuleRequest, TtftModel,
 };
@@ -113,6 +113,9 @@ pub enum Objective {
     Order(Vec<String>),
     /// Candidate order as generated (every candidate ties).
     RankOrder,
+    /// The total cost under a worker-selection instance (an index into
+    /// [`RulePolicy::cost_policies`]); rows its filters drop leave the tier.
+    PolicyCost(usize),
 }
 
 /// A select tier.
@@ -262,7 +265,7 @@ impl PartialEq for RegexClassifier {
 }
 
 /// A compiled rule policy.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug)]
 pub struct RulePolicy {
     pub rules: Vec<CompiledRule>,
     pub providers: Vec<ProviderSpec>,
@@ -270,6 +273,10 @@ pub struct RulePolicy {
     /// Shared so the host can produce tags borrowed from it while the engine
     /// is busy deciding.
     pub regex: Option<std::sync::Arc<RegexClassifier>>,
+    /// Worker-selection instances that tiers rank by, by name.
+    pub cost_policies: Vec<String>,
+    /// Where those instances come from (set when `cost_policies` is not empty).
+    pub plugins: Option<crate::registry::RouterPlugins>,
     pub ttft: TtftModel,
     pub seed: u64,
 }
@@ -307,16 +314,35 @@ pub struct RuleEngine {
     rng: PolicyRng,
     survivors: Vec<u32>,
     ranked: Vec<(f64, u32)>,
+    /// One instance per `cost_policies` entry, and the buffers they run in.
+    cost_instances: Vec<crate::policy::WorkerSelectionPolicy>,
+    cost_table: crate::table::CandidateTable,
+    cost_rows: Vec<u32>,
+    costs: Vec<f64>,
 }
 
 impl RuleEngine {
     pub fn new(policy: RulePolicy) -> Self {
         let rng = PolicyRng::seed_from_u64(policy.seed);
+        let partition =
+            crate::context::RoutingPartition::new(crate::context::WorkerType::Aggregated, "rules");
+        let cost_instances = match &policy.plugins {
+            Some(plugins) => policy
+                .cost_policies
+                .iter()
+                .filter_map(|name| plugins.build_instance(name, &partition))
+                .collect(),
+            None => Vec::new(),
+        };
         RuleEngine {
             policy,
             rng,
             survivors: Vec::new(),
             ranked: Vec::new(),
+            cost_instances,
+            cost_table: crate::table::CandidateTable::new(),
+            cost_rows: Vec::new(),
+            costs: Vec::new(),
         }
     }
 
@@ -380,13 +406,27 @@ impl RuleEngine {
             // select
             for (t, tier) in rule.tiers.iter().enumerate() {
                 self.ranked.clear();
-                for &i in &self.survivors {
+                if let Objective::PolicyCost(slot) = tier.objective {
+                    rank_by_policy(
+                        self.cost_instances.get_mut(slot),
+                        request,
+                        candidates,
+                        &self.survivors,
+                        &mut self.cost_table,
+                        &mut self.cost_rows,
+                        &mut self.costs,
+                        &mut self.ranked,
+                    );
+                }
+                let by_attribute = !matches!(tier.objective, Objective::PolicyCost(_));
+                for &i in self.survivors.iter().filter(|_| by_attribute) {
                     let c = &candidates[i as usize];
                     if !tier.kind.admits(c.kind) {
                         continue;
                     }
                     let key = match &tier.objective {
                         Objective::RankOrder => Some(0.0),
+                        Objective::PolicyCost(_) => None,
                         Objective::Minimize(attr) => {
                             attr.objective(c, request, &ttft).filter(|v| !v.is_nan())
                         }
@@ -437,6 +477,46 @@ impl RuleEngine {
             considered: 0,
             after_exclude: 0,
             fell_through,
+        }
+    }
+}
+
+/// Ranks the local survivors by a worker-selection instance's total cost.
+#[allow(clippy::too_many_arguments)]
+fn rank_by_policy(
+    instance: Option<&mut crate::policy::WorkerSelectionPolicy>,
+    request: &RuleRequest<'_>,
+    candidates: &[RuleCandidate<'_>],
+    survivors: &[u32],
+    table: &mut crate::table::CandidateTable,
+    rows: &mut Vec<u32>,
+    costs: &mut Vec<f64>,
+    ranked: &mut Vec<(f64, u32)>,
+) {
+    let Some(instance) = instance else {
+        return;
+    };
+    table.reset(crate::inputs::WorkerInputs::ALL);
+    rows.clear();
+    for &i in survivors {
+        let c = &candidates[i as usize];
+        if c.kind != CandidateKind::Local {
+            continue;
+        }
+        table.push(c.as_candidate_row());
+        rows.push(i);
+    }
+    if rows.is_empty() {
+        return;
+    }
+    let ctx =
+        crate::context::WorkerSelectionContext::new("", request.prompt_tokens, request.block_size);
+    if instance.costs_into(&ctx, table, costs).is_err() {
+        return;
+    }
+    for (&i, &cost) in rows.iter().zip(costs.iter()) {
+        if cost.is_finite() {
+            ranked.push((cost, i));
         }
     }
 }

@@ -59,6 +59,7 @@ pub struct RuleCandidate<'a> {
     pub host_overlap_blocks: Option<u32>,
     pub disk_overlap_blocks: Option<u32>,
     pub active_prefill_tokens: Option<u64>,
+    pub active_decode_blocks: Option<u64>,
     /// This worker's prefill throughput, when known (learned or configured);
     /// otherwise the policy's default applies.
     pub prefill_tokens_per_second: Option<f64>,
@@ -82,7 +83,36 @@ impl<'a> RuleCandidate<'a> {
             host_overlap_blocks: None,
             disk_overlap_blocks: None,
             active_prefill_tokens: None,
+            active_decode_blocks: None,
             prefill_tokens_per_second: None,
+        }
+    }
+
+    /// The candidate as a worker-selection row (missing signals as zero;
+    /// KV usage as parts per million of a nominal capacity).
+    pub fn as_candidate_row(&self) -> crate::table::CandidateRow {
+        use crate::table::{CacheRow, CandidateRow, LoadRow, OccupancyRow};
+        const NOMINAL: u64 = 1_000_000;
+        CandidateRow {
+            worker: self.worker.unwrap_or_default(),
+            cache: CacheRow {
+                device_blocks: self.device_overlap_blocks.unwrap_or(0),
+                host_blocks: self.host_overlap_blocks.unwrap_or(0),
+                disk_blocks: self.disk_overlap_blocks.unwrap_or(0),
+                shared_beyond_blocks: 0,
+            },
+            load: LoadRow {
+                active_requests: self.active_requests.unwrap_or(0),
+                waiting_requests: self.waiting_requests.unwrap_or(0),
+                active_prefill_tokens: self.active_prefill_tokens.unwrap_or(0),
+                active_decode_blocks: self.active_decode_blocks.unwrap_or(0),
+            },
+            occupancy: OccupancyRow {
+                kv_used_blocks: (self.kv_usage.unwrap_or(0.0).clamp(0.0, 1.0) * NOMINAL as f64)
+                    as u64,
+                kv_total_blocks: NOMINAL,
+            },
+            preferred_taint_multiplier: None,
         }
     }
 
