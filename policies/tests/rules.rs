@@ -482,6 +482,7 @@ policy:
 classifiers:
   regex:
     max_text_bytes: 64
+    unknown_when_skipped: true
     patterns:
       pii: '\b\d{3}-\d{2}-\d{4}\b'
       code: '```'
@@ -513,6 +514,23 @@ classifiers:
         (vec!["code-unknown".into(), "pii-unknown".into()], Some(0))
     );
     assert_eq!(route(&mut e, None).1, Some(0));
+    // By default a skipped classifier emits nothing (seed 001).
+    let quiet =
+        load("classifiers:\n  regex:\n    max_text_bytes: 4\n    patterns:\n      pii: 'x'\n")
+            .unwrap();
+    let mut tags = TagBuf::default();
+    quiet
+        .regex
+        .as_ref()
+        .unwrap()
+        .classify(Some("xxxxxxxx"), &mut tags);
+    assert!(tags.as_slice().is_empty());
+    quiet
+        .regex
+        .as_ref()
+        .unwrap()
+        .classify(Some("xx"), &mut tags);
+    assert_eq!(tags.as_slice(), ["pii-confirmed"]);
 }
 
 #[test]

@@ -144,6 +144,9 @@ struct RegexYaml {
     /// Texts longer than this are not scanned (their tags are `-unknown`).
     #[serde(default = "default_text_budget")]
     max_text_bytes: usize,
+    /// Tag `NAME-unknown` for a text that was not scanned (default: no tag).
+    #[serde(default)]
+    unknown_when_skipped: bool,
     patterns: std::collections::BTreeMap<String, String>,
 }
 
@@ -263,6 +266,7 @@ pub fn load_with(
             }
             Some(std::sync::Arc::new(super::RegexClassifier::new(
                 r.max_text_bytes,
+                r.unknown_when_skipped,
                 patterns,
             )))
         }

@@ -202,21 +202,28 @@ impl LengthClassifier {
 }
 
 /// The `regex` classifier: named patterns over the request's text. For each
-/// pattern, a match tags `NAME-confirmed`; a text that is missing or longer
-/// than the byte budget is not scanned and tags `NAME-unknown` (so a
-/// restrictive rule that also matches `-unknown` still catches it); no match
-/// adds no tag. Matching is linear in the text (the `regex` crate), so the
-/// byte budget bounds its time.
+/// pattern, a match tags `NAME-confirmed` and no match adds no tag. A text
+/// that is missing or longer than the byte budget is skipped: like any
+/// skipped classifier it emits no tag, unless `unknown_when_skipped` asks for
+/// an explicit `NAME-unknown` (so a restrictive rule that also matches
+/// `-unknown` catches what could not be scanned). Matching is linear in the
+/// text (the `regex` crate), so the byte budget bounds its time.
 #[derive(Debug)]
 pub struct RegexClassifier {
     pub max_text_bytes: usize,
+    pub unknown_when_skipped: bool,
     patterns: Vec<(String, regex::Regex, String, String)>,
 }
 
 impl RegexClassifier {
-    pub(crate) fn new(max_text_bytes: usize, patterns: Vec<(String, regex::Regex)>) -> Self {
+    pub(crate) fn new(
+        max_text_bytes: usize,
+        unknown_when_skipped: bool,
+        patterns: Vec<(String, regex::Regex)>,
+    ) -> Self {
         RegexClassifier {
             max_text_bytes,
+            unknown_when_skipped,
             patterns: patterns
                 .into_iter()
                 .map(|(name, re)| {
@@ -239,7 +246,8 @@ impl RegexClassifier {
                         continue;
                     }
                 }
-                _ => unknown.as_str(),
+                _ if self.unknown_when_skipped => unknown.as_str(),
+                _ => continue,
             };
             if !tags.push(tag) {
                 return;
@@ -255,6 +263,7 @@ impl RegexClassifier {
 impl PartialEq for RegexClassifier {
     fn eq(&self, other: &Self) -> bool {
         self.max_text_bytes == other.max_text_bytes
+            && self.unknown_when_skipped == other.unknown_when_skipped
             && self.patterns.len() == other.patterns.len()
             && self
                 .patterns
