@@ -42,7 +42,8 @@ use serde::Deserialize;
 use crate::rng::PolicyRng;
 pub use config::{RuleConfigError, load, load_with};
 pub use model::{
-    CandidateAttr, CandidateKind, MAX_TAGS, RequestAttr, RuleCandidate, RuleRequest, TtftModel,
+    CandidateAttr, CandidateKind, MAX_TAGS, PrefillThroughputEstimator, RequestAttr, RuleCandidate,
+    RuleRequest, TtftModel,
 };
 use predicate::Op;
 

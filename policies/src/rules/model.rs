@@ -345,9 +345,78 @@ impl TtftModel {
     }
 }
 
+/// Learns a worker's prefill throughput from its load reports, for
+/// [`RuleCandidate::prefill_tokens_per_second`].
+///
+/// Between two reports the worker processed
+/// `previous backlog + tokens admitted since − current backlog` prefill
+/// tokens; the rate over the interval feeds an exponentially weighted moving
+/// average. Intervals with no backlog at either end are skipped (an idle
+/// worker says nothing about its speed), as are non-increasing timestamps
+/// and negative work (a report that lost a race with an admission).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct PrefillThroughputEstimator {
+    last: Option<(u64, u64)>,
+    rate: Option<f64>,
+}
+
+impl PrefillThroughputEstimator {
+    /// Weight of the newest interval.
+    const ALPHA: f64 = 0.2;
+
+    /// Feeds one load report: its timestamp (ms), the worker's active
+    /// prefill tokens, and the prompt tokens the host admitted to this worker
+    /// since the previous report. Returns the current estimate.
+    pub fn observe(
+        &mut self,
+        now_ms: u64,
+        active_prefill_tokens: u64,
+        admitted_tokens: u64,
+    ) -> Option<f64> {
+        if let Some((then, backlog)) = self.last
+            && now_ms > then
+            && (backlog > 0 || active_prefill_tokens > 0)
+        {
+            let processed = (backlog + admitted_tokens) as f64 - active_prefill_tokens as f64;
+            if processed > 0.0 {
+                let rate = processed / ((now_ms - then) as f64 / 1000.0);
+                self.rate = Some(match self.rate {
+                    None => rate,
+                    Some(old) => old + Self::ALPHA * (rate - old),
+                });
+            }
+        }
+        if self.last.is_none_or(|(then, _)| now_ms > then) {
+            self.last = Some((now_ms, active_prefill_tokens));
+        }
+        self.rate
+    }
+
+    /// Tokens per second, once learned.
+    pub fn tokens_per_second(&self) -> Option<f64> {
+        self.rate
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn throughput_is_learned_from_backlog_and_admissions() {
+        let mut e = PrefillThroughputEstimator::default();
+        assert_eq!(e.observe(0, 0, 0), None);
+        assert_eq!(e.observe(1000, 0, 0), None, "idle: nothing learned");
+        // 5,000 tokens admitted; after 100 ms, 4,000 remain: 1,000 in 0.1 s.
+        assert_eq!(e.observe(1100, 4000, 5000), Some(10_000.0));
+        // Next 100 ms: 2,000 processed -> 20,000/s, smoothed by 0.2.
+        let r = e.observe(1200, 2000, 0).unwrap();
+        assert!((r - 12_000.0).abs() < 1e-9, "{r}");
+        // A stale or reordered report changes nothing.
+        assert_eq!(e.observe(1150, 0, 0), Some(r));
+        // Negative work (backlog grew more than admissions explain): skipped.
+        assert_eq!(e.observe(1300, 9000, 0), Some(r));
+    }
 
     #[test]
     fn predicted_ttft_counts_backlog_uncached_prompt_and_queue() {
