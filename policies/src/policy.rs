@@ -30,6 +30,22 @@ pub trait WorkerFilter: Send {
         context: &WorkerSelectionContext<'_>,
         candidate: WorkerCandidate<'_>,
     ) -> Result<bool, WorkerSelectionPolicyError>;
+
+    /// Runs `keep` for every candidate, in order, writing `keep[i]`. The
+    /// host calls this, once per filter per selection: the provided body
+    /// calls your `keep` directly (no virtual call per candidate, and the
+    /// compiler can inline it). Override it only to filter columns at once.
+    fn keep_many(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        keep: &mut [bool],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        for (candidate, k) in candidates.iter().zip(keep.iter_mut()) {
+            *k = self.keep(context, candidate)?;
+        }
+        Ok(())
+    }
 }
 
 /// A preference: one finite cost per candidate, lower is better. Costs of
@@ -89,6 +105,10 @@ pub struct WorkerSelectionPolicy {
     required: WorkerInputs,
     rows: Vec<u32>,
     compacted: CandidateTable,
+    /// Second buffer for compacting an already compacted table.
+    spare: CandidateTable,
+    flags: Vec<bool>,
+    positions: Vec<u32>,
     totals: Vec<f64>,
     contribution: Vec<f64>,
 }
@@ -154,6 +174,9 @@ impl WorkerSelectionPolicy {
             required,
             rows: Vec::new(),
             compacted: CandidateTable::new(),
+            spare: CandidateTable::new(),
+            flags: Vec::new(),
+            positions: Vec::new(),
             totals: Vec::new(),
             contribution: Vec::new(),
         }
@@ -322,67 +345,62 @@ impl WorkerSelectionPolicy {
         Ok(())
     }
 
-    /// Runs the filters in declaration order. Returns whether any row was
-    /// removed, in which case the survivors are in `self.compacted` and their
-    /// table rows in `self.rows`. Row indices are written only from the
-    /// first rejection on, so a filter that keeps everything costs its calls
-    /// and nothing else.
+    /// Runs the filters in declaration order, each over the survivors of
+    /// the previous one. Returns whether any row was removed, in which case
+    /// the survivors are in `self.compacted` and their table rows in
+    /// `self.rows`. A filter that keeps everything costs its `keep_many` call
+    /// and a count, nothing else.
     fn run_filters(
         &mut self,
         context: &WorkerSelectionContext<'_>,
         table: &CandidateTable,
     ) -> Result<bool, WorkerSelectionPolicyError> {
-        if self.filters.is_empty() {
-            return Ok(false);
-        }
-        let n = table.len();
-        let rows = &mut self.rows;
-        let mut subset = false;
+        let mut compacted = false;
         for (index, (filter, grant)) in self.filters.iter_mut().enumerate() {
-            let mut keep =
-                |row: usize| filter.keep(context, WorkerCandidate::new(table, row, *grant));
-            if subset {
-                let mut kept = 0;
-                for i in 0..rows.len() {
-                    let row = rows[i];
-                    if keep(row as usize)? {
-                        rows[kept] = row;
-                        kept += 1;
-                    }
-                }
-                rows.truncate(kept);
-            } else {
-                let mut first_rejected = n;
-                for row in 0..n {
-                    if !keep(row)? {
-                        first_rejected = row;
-                        break;
-                    }
-                }
-                if first_rejected == n {
-                    continue;
-                }
-                rows.clear();
-                rows.extend(0..first_rejected as u32);
-                for row in first_rejected + 1..n {
-                    if keep(row)? {
-                        rows.push(row as u32);
-                    }
-                }
-                subset = true;
-            }
-            if rows.is_empty() {
+            let view: &CandidateTable = if compacted { &self.compacted } else { table };
+            let n = view.len();
+            self.flags.clear();
+            self.flags.resize(n, false);
+            filter.keep_many(
+                context,
+                WorkerCandidates::new(view, *grant),
+                &mut self.flags,
+            )?;
+            let kept = self.flags.iter().filter(|&&k| k).count();
+            if kept == 0 {
                 return Err(SelectionErrorKind::AllRejected {
                     filter_index: index,
                 }
                 .into());
             }
+            if kept == n {
+                continue;
+            }
+            self.positions.clear();
+            self.positions.extend(
+                self.flags
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, k)| **k)
+                    .map(|(i, _)| i as u32),
+            );
+            if compacted {
+                // Survivors of survivors: map back to table rows, and compact
+                // through the spare buffer.
+                for (slot, &p) in self.positions.iter().enumerate() {
+                    self.rows[slot] = self.rows[p as usize];
+                }
+                self.rows.truncate(self.positions.len());
+                self.spare.gather(&self.compacted, &self.positions);
+                std::mem::swap(&mut self.compacted, &mut self.spare);
+            } else {
+                self.rows.clear();
+                self.rows.extend_from_slice(&self.positions);
+                self.compacted.gather(table, &self.positions);
+                compacted = true;
+            }
         }
-        if !subset {
-            return Ok(false);
-        }
-        self.compacted.gather(table, rows);
-        Ok(true)
+        Ok(compacted)
     }
 }
 

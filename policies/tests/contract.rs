@@ -391,3 +391,69 @@ fn candidate_order_does_not_change_a_deterministic_choice() {
         assert_eq!(p.select(&c, &table(&shuffled)).unwrap().worker, expected);
     }
 }
+
+/// A filter that overrides `keep_many` to work on whole columns.
+struct ColumnarOverlapFilter;
+impl WorkerFilter for ColumnarOverlapFilter {
+    fn required_worker_inputs(&self) -> WorkerInputs {
+        WorkerInputs::CACHE
+    }
+    fn keep(
+        &mut self,
+        _c: &WorkerSelectionContext<'_>,
+        candidate: WorkerCandidate<'_>,
+    ) -> Result<bool, WorkerSelectionPolicyError> {
+        Ok(candidate.cache().unwrap().device_overlap_blocks() > 0.0)
+    }
+    fn keep_many(
+        &mut self,
+        _c: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        keep: &mut [bool],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        let cache = candidates.cache_columns().unwrap();
+        for (k, &d) in keep.iter_mut().zip(cache.device_blocks) {
+            *k = d > 0;
+        }
+        Ok(())
+    }
+}
+
+#[test]
+fn chained_filters_compact_twice_and_map_rows_back() {
+    // First filter drops worker 2 (per-candidate keep), the columnar one
+    // drops the workers without overlap (1 and 4): survivors 3 and 5.
+    let log = Arc::new(Mutex::new(Vec::new()));
+    let mut p = WorkerSelectionPolicy::new_with_filters(
+        RouterConfig::default(),
+        "aggregated",
+        vec![
+            Box::new(Recorder {
+                name: "first",
+                log,
+                reject_id: Some(2),
+            }),
+            Box::new(ColumnarOverlapFilter),
+        ],
+        vec![],
+        Box::new(FixedRow(1)),
+    );
+    let t = table(&[w(1), w(2).device(3), w(3).device(1), w(4), w(5).device(2)]);
+    let s = p.select(&ctx(), &t).unwrap();
+    assert_eq!((s.candidates, s.worker.worker_id, s.row), (2, 5, 4));
+    // And again (buffers reused), picking the other survivor.
+    let mut q = WorkerSelectionPolicy::new_with_filters(
+        RouterConfig::default(),
+        "aggregated",
+        vec![
+            Box::new(ColumnarOverlapFilter),
+            Box::new(ColumnarOverlapFilter),
+        ],
+        vec![],
+        Box::new(FixedRow(0)),
+    );
+    for _ in 0..3 {
+        let s = q.select(&ctx(), &t).unwrap();
+        assert_eq!((s.candidates, s.worker.worker_id, s.row), (3, 2, 1));
+    }
+}
