@@ -245,6 +245,7 @@ impl WorkerSelectionPolicy {
     /// Runs the filters and scorers (not the picker). Returns whether rows
     /// were filtered out (survivors in `self.compacted`, their table rows in
     /// `self.rows`) and the totals' range; the totals are in `self.totals`.
+    #[inline(always)]
     fn score_all(
         &mut self,
         context: &WorkerSelectionContext<'_>,
@@ -350,6 +351,7 @@ impl WorkerSelectionPolicy {
     /// the survivors are in `self.compacted` and their table rows in
     /// `self.rows`. A filter that keeps everything costs its `keep_many` call
     /// and a count, nothing else.
+    #[inline]
     fn run_filters(
         &mut self,
         context: &WorkerSelectionContext<'_>,
@@ -411,6 +413,7 @@ impl WorkerSelectionPolicy {
 /// survives `max`-free propagation through `+`; the range is
 /// compare-and-select. The failing row is located only on failure. An empty
 /// slice gives (0, 0).
+#[inline]
 fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
     const LANES: usize = 8;
     let mut poison = [0.0f64; LANES];
