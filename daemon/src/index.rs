@@ -1,0 +1,335 @@
+//! The KV index: which local workers hold each block (by sequence hash), per
+//! tier, and the prefix-overlap query the router runs for every request.
+//!
+//! Layout, chosen for memory and for the overlap walk:
+//! - one map per tier from sequence hash to a 64-bit mask of worker slots
+//!   (a node routes to at most [`MAX_WORKERS`] workers). A block held by
+//!   several workers costs one entry; keys are already uniform 64-bit hashes,
+//!   so the maps hash them by identity;
+//! - per worker and tier, the set of hashes it holds, so that `Cleared` and a
+//!   worker's death cost O(that worker's blocks), not a scan of the index.
+//!
+//! Capacity is counted in (block, worker, tier) entries. When a store would
+//! exceed it, the new entries are **not** indexed (the newcomer is evicted,
+//! never an older block a worker is actively reusing) and
+//! [`KvIndex::refused_full`] counts them. A later `Removed`/`Cleared` makes
+//! room again.
+//!
+//! The overlap query walks the request's hashes in order, keeping for each
+//! tier the mask of workers whose prefix is still unbroken, and stops as soon
+//! as every mask is empty. Lookups are issued a few hashes at a time so the
+//! cache misses of a large index overlap instead of queuing.
+
+use std::collections::{HashMap, HashSet};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use kvedge_shm::messages::Tier;
+
+/// Most worker slots one index tracks.
+pub const MAX_WORKERS: usize = 64;
+
+/// Hashes a `u64` key that is already a uniform hash: pass it through.
+#[derive(Default, Clone, Copy, Debug)]
+pub struct IdentityHasher(u64);
+
+impl Hasher for IdentityHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only u64 keys are hashed here; fold anything else in defensively.
+        for b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
+        }
+    }
+    fn write_u64(&mut self, v: u64) {
+        self.0 = v;
+    }
+}
+
+type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdentityHasher>>;
+type IdSet = HashSet<u64, BuildHasherDefault<IdentityHasher>>;
+
+/// A worker's position in the index (0..64), assigned at registration.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Slot(u8);
+
+impl Slot {
+    pub fn new(index: usize) -> Option<Slot> {
+        (index < MAX_WORKERS).then_some(Slot(index as u8))
+    }
+    pub fn index(self) -> usize {
+        usize::from(self.0)
+    }
+    fn bit(self) -> u64 {
+        1u64 << self.0
+    }
+}
+
+/// Per-slot, per-tier prefix overlap, in blocks.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Overlap {
+    /// `blocks[tier][slot]`.
+    pub blocks: [[u32; MAX_WORKERS]; 3],
+}
+
+impl Default for Overlap {
+    fn default() -> Self {
+        Overlap {
+            blocks: [[0; MAX_WORKERS]; 3],
+        }
+    }
+}
+
+impl Overlap {
+    pub fn get(&self, slot: Slot, tier: Tier) -> u32 {
+        self.blocks[tier as usize][slot.index()]
+    }
+}
+
+/// The index.
+#[derive(Debug)]
+pub struct KvIndex {
+    tiers: [IdMap<u64>; 3],
+    held: Vec<[IdSet; 3]>,
+    entries: usize,
+    capacity: usize,
+    refused_full: u64,
+}
+
+impl KvIndex {
+    /// An index of at most `capacity` (block, worker, tier) entries.
+    pub fn new(capacity: usize) -> Self {
+        KvIndex {
+            tiers: Default::default(),
+            held: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
+            entries: 0,
+            capacity,
+            refused_full: 0,
+        }
+    }
+
+    /// (block, worker, tier) entries indexed.
+    pub fn entries(&self) -> usize {
+        self.entries
+    }
+
+    /// Distinct blocks indexed in `tier`.
+    pub fn blocks(&self, tier: Tier) -> usize {
+        self.tiers[tier as usize].len()
+    }
+
+    /// Entries not indexed because the index was full.
+    pub fn refused_full(&self) -> u64 {
+        self.refused_full
+    }
+
+    /// Blocks `slot` holds in `tier`.
+    pub fn worker_blocks(&self, slot: Slot, tier: Tier) -> usize {
+        self.held[slot.index()][tier as usize].len()
+    }
+
+    /// Whether `slot` holds `hash` in `tier`.
+    pub fn holds(&self, slot: Slot, tier: Tier, hash: u64) -> bool {
+        self.tiers[tier as usize]
+            .get(&hash)
+            .is_some_and(|m| m & slot.bit() != 0)
+    }
+
+    /// Records that `slot` stored `hashes` in `tier`. Returns how many were
+    /// new; a store beyond capacity is refused and counted.
+    pub fn store(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) -> usize {
+        let t = tier as usize;
+        let held = &mut self.held[slot.index()][t];
+        let map = &mut self.tiers[t];
+        let mut added = 0;
+        for &h in hashes {
+            if held.contains(&h) {
+                continue;
+            }
+            if self.entries >= self.capacity {
+                self.refused_full += 1;
+                continue;
+            }
+            held.insert(h);
+            *map.entry(h).or_insert(0) |= slot.bit();
+            self.entries += 1;
+            added += 1;
+        }
+        added
+    }
+
+    /// Records that `slot` evicted `hashes` from `tier`.
+    pub fn remove(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) -> usize {
+        let t = tier as usize;
+        let mut removed = 0;
+        for &h in hashes {
+            if self.held[slot.index()][t].remove(&h) {
+                Self::unset(&mut self.tiers[t], h, slot);
+                self.entries -= 1;
+                removed += 1;
+            }
+        }
+        removed
+    }
+
+    /// Drops everything `slot` holds in `tier` (or in every tier).
+    pub fn clear(&mut self, slot: Slot, tier: Option<Tier>) -> usize {
+        let tiers: &[Tier] = match &tier {
+            Some(t) => std::slice::from_ref(t),
+            None => &Tier::ALL,
+        };
+        let mut removed = 0;
+        for &tier in tiers {
+            let t = tier as usize;
+            let held = std::mem::take(&mut self.held[slot.index()][t]);
+            for h in &held {
+                Self::unset(&mut self.tiers[t], *h, slot);
+            }
+            removed += held.len();
+            self.entries -= held.len();
+        }
+        removed
+    }
+
+    /// A worker left: drop all its blocks.
+    pub fn remove_worker(&mut self, slot: Slot) -> usize {
+        self.clear(slot, None)
+    }
+
+    fn unset(map: &mut IdMap<u64>, h: u64, slot: Slot) {
+        if let Some(mask) = map.get_mut(&h) {
+            *mask &= !slot.bit();
+            if *mask == 0 {
+                map.remove(&h);
+            }
+        }
+    }
+
+    /// Prefix overlap of `hashes` (a request's sequence hashes, in order) for
+    /// every slot in `candidates` (a mask), per tier, into `out`. Allocates
+    /// nothing.
+    pub fn overlap(&self, hashes: &[u64], candidates: u64, out: &mut Overlap) {
+        for t in 0..3 {
+            out.blocks[t] = [0; MAX_WORKERS];
+            let map = &self.tiers[t];
+            if map.is_empty() || candidates == 0 {
+                continue;
+            }
+            let mut alive = candidates;
+            // Look up a few hashes before using the results, so their cache
+            // misses are in flight together.
+            const BATCH: usize = 8;
+            let mut done = false;
+            for (c, chunk) in hashes.chunks(BATCH).enumerate() {
+                let mut masks = [0u64; BATCH];
+                for (m, h) in masks.iter_mut().zip(chunk) {
+                    *m = map.get(h).copied().unwrap_or(0);
+                }
+                for (k, &m) in masks.iter().enumerate().take(chunk.len()) {
+                    let next = alive & m;
+                    let dropped = alive & !next;
+                    if dropped != 0 {
+                        record(&mut out.blocks[t], dropped, (c * BATCH + k) as u32);
+                    }
+                    alive = next;
+                    if alive == 0 {
+                        done = true;
+                        break;
+                    }
+                }
+                if done {
+                    break;
+                }
+            }
+            if alive != 0 {
+                record(&mut out.blocks[t], alive, hashes.len() as u32);
+            }
+        }
+    }
+}
+
+fn record(row: &mut [u32; MAX_WORKERS], mut slots: u64, blocks: u32) {
+    while slots != 0 {
+        let s = slots.trailing_zeros() as usize;
+        row[s] = blocks;
+        slots &= slots - 1;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(i: usize) -> Slot {
+        Slot::new(i).unwrap()
+    }
+
+    #[test]
+    fn prefix_overlap_per_worker_and_tier() {
+        let mut ix = KvIndex::new(1000);
+        ix.store(s(0), Tier::Device, &[1, 2, 3, 4]);
+        ix.store(s(1), Tier::Device, &[1, 2]);
+        ix.store(s(1), Tier::Host, &[1, 2, 3]);
+        ix.store(s(2), Tier::Device, &[2, 3, 4]); // no block 1: overlap 0
+        let mut out = Overlap::default();
+        ix.overlap(&[1, 2, 3, 9], 0b111, &mut out);
+        assert_eq!(out.get(s(0), Tier::Device), 3);
+        assert_eq!(out.get(s(1), Tier::Device), 2);
+        assert_eq!(out.get(s(1), Tier::Host), 3);
+        assert_eq!(out.get(s(2), Tier::Device), 0);
+        // Only candidates are counted.
+        ix.overlap(&[1, 2, 3, 9], 0b010, &mut out);
+        assert_eq!(
+            (out.get(s(0), Tier::Device), out.get(s(1), Tier::Device)),
+            (0, 2)
+        );
+        // A full match runs to the end.
+        ix.overlap(&[1, 2, 3, 4], 0b001, &mut out);
+        assert_eq!(out.get(s(0), Tier::Device), 4);
+    }
+
+    #[test]
+    fn remove_clear_and_worker_death_keep_counts_exact() {
+        let mut ix = KvIndex::new(1000);
+        ix.store(s(0), Tier::Device, &[1, 2, 3]);
+        ix.store(s(1), Tier::Device, &[1, 2]);
+        ix.store(s(1), Tier::Disk, &[7]);
+        assert_eq!((ix.entries(), ix.blocks(Tier::Device)), (6, 3));
+        assert_eq!(
+            ix.store(s(0), Tier::Device, &[1]),
+            0,
+            "duplicates are not counted twice"
+        );
+        assert_eq!(ix.remove(s(0), Tier::Device, &[2, 99]), 1);
+        assert!(!ix.holds(s(0), Tier::Device, 2) && ix.holds(s(1), Tier::Device, 2));
+        assert_eq!(ix.clear(s(1), Some(Tier::Device)), 2);
+        assert_eq!(
+            ix.blocks(Tier::Device),
+            2,
+            "blocks 1 and 3, held by worker 0"
+        );
+        assert_eq!(ix.remove_worker(s(1)), 1);
+        assert_eq!(ix.remove_worker(s(0)), 2);
+        assert_eq!(
+            (ix.entries(), ix.blocks(Tier::Device), ix.blocks(Tier::Disk)),
+            (0, 0, 0)
+        );
+    }
+
+    #[test]
+    fn a_full_index_refuses_newcomers_and_counts_them() {
+        let mut ix = KvIndex::new(3);
+        assert_eq!(ix.store(s(0), Tier::Device, &[1, 2, 3, 4, 5]), 3);
+        assert_eq!((ix.entries(), ix.refused_full()), (3, 2));
+        ix.remove(s(0), Tier::Device, &[1]);
+        assert_eq!(ix.store(s(1), Tier::Device, &[9]), 1);
+        assert!(ix.holds(s(1), Tier::Device, 9));
+    }
+
+    #[test]
+    fn slots_are_bounded() {
+        assert!(Slot::new(63).is_some());
+        assert!(Slot::new(64).is_none());
+    }
+}
