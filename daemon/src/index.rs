@@ -17,8 +17,9 @@
 //!
 //! The overlap query walks the request's hashes in order, keeping for each
 //! tier the mask of workers whose prefix is still unbroken, and stops as soon
-//! as every mask is empty. Lookups are issued a few hashes at a time so the
-//! cache misses of a large index overlap instead of queuing.
+//! as every mask is empty. Lookups are issued in doubling batches (8, 16,
+//! 32, 64 hashes) so the cache misses of a large index overlap instead of
+//! queuing, while a short prefix still stops after a few.
 
 use std::collections::{HashMap, HashSet};
 use std::hash::{BuildHasherDefault, Hasher};
@@ -217,30 +218,32 @@ impl KvIndex {
                 continue;
             }
             let mut alive = candidates;
-            // Look up a few hashes before using the results, so their cache
-            // misses are in flight together.
-            const BATCH: usize = 8;
-            let mut done = false;
-            for (c, chunk) in hashes.chunks(BATCH).enumerate() {
-                let mut masks = [0u64; BATCH];
+            // Look up several hashes before using the results, so their
+            // cache misses are in flight together. Batches double (8, 16, 32,
+            // 64): a short or absent prefix stops after a few lookups, a long
+            // one gets the parallelism.
+            const MAX_BATCH: usize = 64;
+            let mut masks = [0u64; MAX_BATCH];
+            let mut batch = 8;
+            let mut start = 0;
+            while start < hashes.len() && alive != 0 {
+                let chunk = &hashes[start..(start + batch).min(hashes.len())];
                 for (m, h) in masks.iter_mut().zip(chunk) {
                     *m = map.get(h).copied().unwrap_or(0);
                 }
-                for (k, &m) in masks.iter().enumerate().take(chunk.len()) {
+                for (k, &m) in masks[..chunk.len()].iter().enumerate() {
                     let next = alive & m;
                     let dropped = alive & !next;
                     if dropped != 0 {
-                        record(&mut out.blocks[t], dropped, (c * BATCH + k) as u32);
+                        record(&mut out.blocks[t], dropped, (start + k) as u32);
                     }
                     alive = next;
                     if alive == 0 {
-                        done = true;
                         break;
                     }
                 }
-                if done {
-                    break;
-                }
+                start += chunk.len();
+                batch = (batch * 2).min(MAX_BATCH);
             }
             if alive != 0 {
                 record(&mut out.blocks[t], alive, hashes.len() as u32);

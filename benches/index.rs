@@ -1,0 +1,126 @@
+//! KV index benchmarks (issue 5's bars): applying block events, the
+//! prefix-overlap query of a 2,048-token request (128 blocks of 16) against
+//! 64 workers and a 1-million-block index (warm: the same request again;
+//! cold: 4,096 requests in turn, 1.5 million entries in all), and the memory
+//! per entry at 10 million entries (printed; counted by allocation-counter).
+//!
+//! `cargo bench --bench index`
+
+#![forbid(unsafe_code)]
+
+use std::hint::black_box;
+use std::time::Duration;
+
+use criterion::{Criterion, Throughput};
+use kvedge_daemon::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
+use kvedge_shm::messages::Tier;
+
+/// Deterministic, well-mixed 64-bit values (splitmix64).
+fn mix(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    x ^ (x >> 31)
+}
+
+/// An index of `blocks` blocks: 64 workers, each holding its own chains.
+fn filled(blocks: u64) -> KvIndex {
+    let mut ix = KvIndex::new(usize::MAX);
+    let per_worker = blocks / MAX_WORKERS as u64;
+    let mut batch = Vec::with_capacity(1024);
+    for w in 0..MAX_WORKERS as u64 {
+        let slot = Slot::new(w as usize).unwrap();
+        for start in (0..per_worker).step_by(1024) {
+            batch.clear();
+            batch.extend((start..(start + 1024).min(per_worker)).map(|i| mix(w << 40 | i)));
+            ix.store(slot, Tier::Device, &batch);
+        }
+    }
+    ix
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+
+    // Memory at 10 million entries (one worker per block: the worst case).
+    let info = allocation_counter::measure(|| {
+        let ix = filled(10_000_000);
+        assert_eq!(ix.entries(), 10_000_000);
+        black_box(&ix);
+    });
+    println!(
+        "index/memory_10m_entries: {:.1} bytes per (block, worker) entry (peak {:.0} MiB)",
+        info.bytes_max as f64 / 1e7,
+        info.bytes_max as f64 / (1 << 20) as f64
+    );
+
+    let mut g = c.benchmark_group("index");
+    g.warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(3));
+
+    // Apply: a Stored event of 16 blocks and the matching Removed, against a
+    // 1-million-block index (32 block events per iteration).
+    let mut ix = filled(1_000_000);
+    let batches: Vec<Vec<u64>> = (0..256u64)
+        .map(|b| (0..16).map(|i| mix(0xABCD << 40 | b << 8 | i)).collect())
+        .collect();
+    let slot = Slot::new(7).unwrap();
+    let mut k = 0usize;
+    g.throughput(Throughput::Elements(32));
+    g.bench_function("apply_stored_and_removed_16_blocks", |b| {
+        b.iter(|| {
+            let batch = &batches[k % batches.len()];
+            k += 1;
+            black_box(ix.store(slot, Tier::Device, batch));
+            black_box(ix.remove(slot, Tier::Device, batch));
+        })
+    });
+
+    // Overlap: worker 0 holds the request's whole 128-block chain; the
+    // request's blocks are also scattered over other workers' chains.
+    let mut ix = filled(1_000_000);
+    let request: Vec<u64> = (0..128u64).map(|i| mix(0xF00D << 40 | i)).collect();
+    ix.store(Slot::new(0).unwrap(), Tier::Device, &request);
+    for w in 1..MAX_WORKERS {
+        let held = w * 2; // worker w holds a prefix of 2w blocks
+        ix.store(
+            Slot::new(w).unwrap(),
+            Tier::Device,
+            &request[..held.min(128)],
+        );
+    }
+    let mut out = Overlap::default();
+    g.throughput(Throughput::Elements(128));
+    g.bench_function("overlap_128_blocks_64_workers_1m_index", |b| {
+        b.iter(|| {
+            ix.overlap(black_box(&request), u64::MAX, &mut out);
+            black_box(out.blocks[0][0])
+        })
+    });
+    assert_eq!(out.get(Slot::new(0).unwrap(), Tier::Device), 128);
+    assert_eq!(out.get(Slot::new(5).unwrap(), Tier::Device), 10);
+
+    // The same query, but cold: 4,096 different fully cached requests taken
+    // in turn, so their entries are not in the CPU caches from the last run.
+    let requests: Vec<Vec<u64>> = (0..4096u64)
+        .map(|r| {
+            (0..128u64)
+                .map(|i| mix(0xC01D << 44 | r << 8 | i))
+                .collect()
+        })
+        .collect();
+    for (r, req) in requests.iter().enumerate() {
+        ix.store(Slot::new(r % MAX_WORKERS).unwrap(), Tier::Device, req);
+    }
+    let mut k = 0usize;
+    g.bench_function("overlap_128_blocks_64_workers_1m_index_cold", |b| {
+        b.iter(|| {
+            let req = &requests[k % requests.len()];
+            k += 1;
+            ix.overlap(black_box(req), u64::MAX, &mut out);
+            black_box(out.blocks[0][0])
+        })
+    });
+    g.finish();
+    c.final_summary();
+}
