@@ -7,3 +7,5 @@
 
 pub mod config;
 pub mod index;
+pub mod load;
+pub mod router;

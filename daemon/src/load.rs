@@ -1,0 +1,274 @@
+//! Load accounting: what each worker is doing, as the router should see it.
+//!
+//! An engine's Load report is the truth. Between reports the daemon projects:
+//! a selection reserves one active request, its uncached prefill tokens and
+//! its blocks on the chosen worker; `prefill_done` releases the prefill part
+//! and `finish` the rest. A report supersedes the reservations made before
+//! it (the engine now counts those requests itself), so after `finish` the
+//! projection is exactly the engine's last report. Reservations nobody
+//! releases expire after a TTL. Time comes from the caller.
+
+use std::collections::HashMap;
+
+use kvedge_policies::LoadRow;
+
+use crate::index::{MAX_WORKERS, Slot};
+
+/// The last Load report of a worker.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoadReport {
+    pub active_requests: u32,
+    pub waiting_requests: u32,
+    pub active_prefill_tokens: u64,
+    pub active_decode_blocks: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Reservation {
+    slot: Slot,
+    prefill_tokens: u64,
+    blocks: u64,
+    /// Still counted in the projection (no report since it was made).
+    pending: bool,
+    prefill_pending: bool,
+    expires_ms: u64,
+}
+
+/// Why a release did nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum LoadError {
+    #[error("unknown request id {0} (finished, expired or never reserved)")]
+    UnknownRequest(u64),
+}
+
+/// Per-worker reports plus outstanding reservations.
+#[derive(Debug)]
+pub struct LoadTable {
+    reports: [LoadReport; MAX_WORKERS],
+    extra: [(u32, u64, u64); MAX_WORKERS],
+    reservations: HashMap<u64, Reservation>,
+    ttl_ms: u64,
+    expired: u64,
+}
+
+impl LoadTable {
+    pub fn new(ttl_ms: u64) -> Self {
+        LoadTable {
+            reports: [LoadReport::default(); MAX_WORKERS],
+            extra: [(0, 0, 0); MAX_WORKERS],
+            reservations: HashMap::with_capacity(4096),
+            ttl_ms,
+            expired: 0,
+        }
+    }
+
+    /// A worker's Load report: the truth, superseding earlier reservations.
+    pub fn report(&mut self, slot: Slot, report: LoadReport) {
+        self.reports[slot.index()] = report;
+        self.extra[slot.index()] = (0, 0, 0);
+        for r in self.reservations.values_mut() {
+            if r.slot == slot {
+                r.pending = false;
+                r.prefill_pending = false;
+            }
+        }
+    }
+
+    /// Reserves a selected request on `slot`.
+    pub fn reserve(
+        &mut self,
+        request_id: u64,
+        slot: Slot,
+        prefill_tokens: u64,
+        blocks: u64,
+        now_ms: u64,
+    ) {
+        if let Some(old) = self.reservations.remove(&request_id) {
+            self.unproject(&old);
+        }
+        let e = &mut self.extra[slot.index()];
+        e.0 += 1;
+        e.1 += prefill_tokens;
+        e.2 += blocks;
+        self.reservations.insert(
+            request_id,
+            Reservation {
+                slot,
+                prefill_tokens,
+                blocks,
+                pending: true,
+                prefill_pending: true,
+                expires_ms: now_ms.saturating_add(self.ttl_ms),
+            },
+        );
+    }
+
+    /// The request finished its prefill: its prefill tokens leave the
+    /// projection.
+    pub fn prefill_done(&mut self, request_id: u64) -> Result<(), LoadError> {
+        let r = self
+            .reservations
+            .get_mut(&request_id)
+            .ok_or(LoadError::UnknownRequest(request_id))?;
+        if r.pending && r.prefill_pending {
+            let e = &mut self.extra[r.slot.index()];
+            e.1 = e.1.saturating_sub(r.prefill_tokens);
+        }
+        r.prefill_pending = false;
+        Ok(())
+    }
+
+    /// The request finished: it leaves the projection entirely.
+    pub fn finish(&mut self, request_id: u64) -> Result<(), LoadError> {
+        let r = self
+            .reservations
+            .remove(&request_id)
+            .ok_or(LoadError::UnknownRequest(request_id))?;
+        self.unproject(&r);
+        Ok(())
+    }
+
+    fn unproject(&mut self, r: &Reservation) {
+        if !r.pending {
+            return;
+        }
+        let e = &mut self.extra[r.slot.index()];
+        e.0 = e.0.saturating_sub(1);
+        if r.prefill_pending {
+            e.1 = e.1.saturating_sub(r.prefill_tokens);
+        }
+        e.2 = e.2.saturating_sub(r.blocks);
+    }
+
+    /// Drops reservations past their TTL; returns how many.
+    pub fn expire(&mut self, now_ms: u64) -> usize {
+        let mut gone = Vec::new();
+        for (id, r) in &self.reservations {
+            if r.expires_ms <= now_ms {
+                gone.push(*id);
+            }
+        }
+        for id in &gone {
+            if let Some(r) = self.reservations.remove(id) {
+                self.unproject(&r);
+            }
+        }
+        self.expired += gone.len() as u64;
+        gone.len()
+    }
+
+    /// A worker left: its report and reservations go.
+    pub fn remove_worker(&mut self, slot: Slot) {
+        self.reports[slot.index()] = LoadReport::default();
+        self.extra[slot.index()] = (0, 0, 0);
+        self.reservations.retain(|_, r| r.slot != slot);
+    }
+
+    /// The projected load of `slot`: report plus pending reservations.
+    pub fn projected(&self, slot: Slot) -> LoadRow {
+        let r = &self.reports[slot.index()];
+        let e = &self.extra[slot.index()];
+        LoadRow {
+            active_requests: r.active_requests.saturating_add(e.0),
+            waiting_requests: r.waiting_requests,
+            active_prefill_tokens: r.active_prefill_tokens.saturating_add(e.1),
+            active_decode_blocks: r.active_decode_blocks.saturating_add(e.2),
+        }
+    }
+
+    /// The last report of `slot`.
+    pub fn reported(&self, slot: Slot) -> LoadReport {
+        self.reports[slot.index()]
+    }
+
+    /// Outstanding reservations.
+    pub fn reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Reservations dropped by the TTL so far.
+    pub fn expired(&self) -> u64 {
+        self.expired
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn s(i: usize) -> Slot {
+        Slot::new(i).unwrap()
+    }
+
+    fn report(active: u32, prefill: u64, decode: u64) -> LoadReport {
+        LoadReport {
+            active_requests: active,
+            active_prefill_tokens: prefill,
+            active_decode_blocks: decode,
+            ..LoadReport::default()
+        }
+    }
+
+    #[test]
+    fn reservations_project_until_released() {
+        let mut t = LoadTable::new(60_000);
+        t.report(s(0), report(2, 100, 10));
+        t.reserve(1, s(0), 500, 32, 0);
+        t.reserve(2, s(0), 300, 16, 0);
+        let p = t.projected(s(0));
+        assert_eq!(
+            (
+                p.active_requests,
+                p.active_prefill_tokens,
+                p.active_decode_blocks
+            ),
+            (4, 900, 58)
+        );
+        t.prefill_done(1).unwrap();
+        assert_eq!(t.projected(s(0)).active_prefill_tokens, 400);
+        t.finish(1).unwrap();
+        t.finish(2).unwrap();
+        let p = t.projected(s(0));
+        assert_eq!(
+            (
+                p.active_requests,
+                p.active_prefill_tokens,
+                p.active_decode_blocks
+            ),
+            (2, 100, 10)
+        );
+        assert_eq!(t.finish(2), Err(LoadError::UnknownRequest(2)));
+    }
+
+    #[test]
+    fn a_report_supersedes_earlier_reservations() {
+        let mut t = LoadTable::new(60_000);
+        t.reserve(1, s(1), 500, 32, 0);
+        // The engine now counts request 1 itself.
+        t.report(s(1), report(1, 500, 32));
+        assert_eq!(t.projected(s(1)).active_requests, 1, "not counted twice");
+        t.finish(1).unwrap();
+        assert_eq!(
+            t.projected(s(1)).active_requests,
+            1,
+            "the report stands until the next one"
+        );
+    }
+
+    #[test]
+    fn forgotten_reservations_expire_and_workers_leave_cleanly() {
+        let mut t = LoadTable::new(1_000);
+        t.reserve(1, s(2), 10, 1, 0);
+        t.reserve(2, s(2), 10, 1, 500);
+        assert_eq!(t.expire(999), 0);
+        assert_eq!(t.expire(1_000), 1);
+        assert_eq!((t.projected(s(2)).active_requests, t.expired()), (1, 1));
+        t.report(s(3), report(5, 0, 0));
+        t.reserve(3, s(3), 1, 1, 0);
+        t.remove_worker(s(3));
+        assert_eq!(t.projected(s(3)), LoadRow::default());
+        assert_eq!(t.finish(3), Err(LoadError::UnknownRequest(3)));
+    }
+}

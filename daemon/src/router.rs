@@ -1,0 +1,371 @@
+//! The router core, without I/O: the worker registry, the KV index and load
+//! table they feed, and `select`, which builds the columnar candidate table
+//! for a request's model and role (computing only the signal groups the
+//! partition's policy declares), applies session affinity, runs the
+//! policy, and reserves the chosen worker.
+//!
+//! One owner of all routing state: the daemon's event loop calls
+//! [`Router::apply`] for ring events and [`Router::select`] for queries, so
+//! nothing here locks. A warm `select` allocates nothing.
+
+use std::collections::HashMap;
+
+use kvedge_policies::{
+    AffinityMode, CacheRow, CandidateRow, CandidateTable, OccupancyRow, RouterPlugins,
+    RoutingPartition, SessionAffinityTable, SessionContext, WorkerInputs, WorkerSelectionContext,
+    WorkerSelectionPolicy, WorkerSelectionPolicyError, WorkerType, WorkerWithDpRank,
+    affinity::SessionIdError,
+};
+use kvedge_shm::messages::{EventRef, Tier};
+
+use crate::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
+use crate::load::{LoadReport, LoadTable};
+
+/// A registered worker (one engine rank).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerInfo {
+    pub worker: WorkerWithDpRank,
+    pub model: String,
+    pub role: WorkerType,
+    pub endpoint: String,
+    pub block_size: u32,
+    /// False while a resync snapshot is incomplete or a heartbeat is late.
+    pub available: bool,
+}
+
+/// Why a registration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegisterError {
+    #[error("worker {0} is already registered")]
+    Duplicate(WorkerWithDpRank),
+    #[error("no free worker slot (at most {0} workers)")]
+    Full(usize),
+    #[error("block size must be positive")]
+    BlockSize,
+}
+
+/// Why a selection produced no worker.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum RouterError {
+    #[error("no available {role} worker serves model `{model}`")]
+    NoWorkers { model: String, role: WorkerType },
+    #[error(transparent)]
+    Selection(#[from] WorkerSelectionPolicyError),
+    #[error(transparent)]
+    Session(#[from] SessionIdError),
+}
+
+/// A routing query.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectRequest<'a> {
+    pub model: &'a str,
+    pub role: WorkerType,
+    /// The prompt's sequence hashes (full blocks, in order).
+    pub hashes: &'a [u64],
+    pub prompt_tokens: u32,
+    pub session: Option<SessionContext<'a>>,
+    pub pinned: Option<WorkerWithDpRank>,
+    pub now_ms: u64,
+    /// Answer without reserving or rebinding.
+    pub dry_run: bool,
+}
+
+/// The answer to a routing query.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SelectResult {
+    pub request_id: u64,
+    pub slot: Slot,
+    pub worker: WorkerWithDpRank,
+    /// Device, host and disk prefix overlap, in blocks.
+    pub overlap_blocks: [u32; 3],
+    pub cost: f64,
+}
+
+/// All routing state.
+#[derive(Debug)]
+pub struct Router {
+    workers: Vec<Option<WorkerInfo>>,
+    pub index: KvIndex,
+    pub load: LoadTable,
+    plugins: RouterPlugins,
+    policies: HashMap<String, [Option<WorkerSelectionPolicy>; 4]>,
+    affinity: SessionAffinityTable,
+    table: CandidateTable,
+    rows: Vec<Slot>,
+    overlap: Overlap,
+    next_request_id: u64,
+}
+
+impl Router {
+    pub fn new(
+        plugins: RouterPlugins,
+        index_capacity: usize,
+        reservation_ttl_ms: u64,
+        affinity: SessionAffinityTable,
+    ) -> Self {
+        Router {
+            workers: vec![None; MAX_WORKERS],
+            index: KvIndex::new(index_capacity),
+            load: LoadTable::new(reservation_ttl_ms),
+            plugins,
+            policies: HashMap::new(),
+            affinity,
+            table: CandidateTable::new(),
+            rows: Vec::with_capacity(MAX_WORKERS),
+            overlap: Overlap::default(),
+            next_request_id: 1,
+        }
+    }
+
+    /// A router with the built-in policy everywhere and hard affinity.
+    pub fn with_defaults() -> Self {
+        Router::new(
+            RouterPlugins::builtin_only(Default::default()),
+            16 << 20,
+            600_000,
+            SessionAffinityTable::new(AffinityMode::Hard, 600_000, 65_536),
+        )
+    }
+
+    /// Registers a worker; a second live registration of the same
+    /// (worker id, dp rank) is refused.
+    pub fn register(&mut self, info: WorkerInfo) -> Result<Slot, RegisterError> {
+        if info.block_size == 0 {
+            return Err(RegisterError::BlockSize);
+        }
+        if self
+            .workers
+            .iter()
+            .flatten()
+            .any(|w| w.worker == info.worker)
+        {
+            return Err(RegisterError::Duplicate(info.worker));
+        }
+        let free = self
+            .workers
+            .iter()
+            .position(Option::is_none)
+            .ok_or(RegisterError::Full(MAX_WORKERS))?;
+        let slot = Slot::new(free).expect("slot index below MAX_WORKERS");
+        // A fresh slot starts clean (a previous occupant was unregistered).
+        self.index.remove_worker(slot);
+        self.load.remove_worker(slot);
+        self.workers[free] = Some(info);
+        Ok(slot)
+    }
+
+    /// The worker left (its control connection closed): its blocks, load,
+    /// reservations and session bindings go at once.
+    pub fn unregister(&mut self, slot: Slot) -> Option<WorkerInfo> {
+        let info = self.workers[slot.index()].take()?;
+        self.index.remove_worker(slot);
+        self.load.remove_worker(slot);
+        self.affinity.forget_worker(info.worker.worker_id);
+        Some(info)
+    }
+
+    pub fn worker(&self, slot: Slot) -> Option<&WorkerInfo> {
+        self.workers[slot.index()].as_ref()
+    }
+
+    pub fn workers(&self) -> impl Iterator<Item = (Slot, &WorkerInfo)> {
+        self.workers
+            .iter()
+            .enumerate()
+            .filter_map(|(i, w)| Some((Slot::new(i)?, w.as_ref()?)))
+    }
+
+    /// Marks a worker (un)available for routing, e.g. during a resync.
+    pub fn set_available(&mut self, slot: Slot, available: bool) {
+        if let Some(w) = self.workers[slot.index()].as_mut() {
+            w.available = available;
+        }
+    }
+
+    /// Applies one ring event of the worker in `slot`.
+    pub fn apply(&mut self, slot: Slot, event: &EventRef<'_>) {
+        match event {
+            EventRef::Stored(s) => {
+                let tier = s.tier.to_native();
+                for b in s.blocks.iter() {
+                    self.index.store(
+                        slot,
+                        tier,
+                        std::slice::from_ref(&b.sequence_hash.to_native()),
+                    );
+                }
+            }
+            EventRef::Removed(r) => {
+                let tier = r.tier.to_native();
+                for h in r.hashes.iter() {
+                    self.index
+                        .remove(slot, tier, std::slice::from_ref(&h.to_native()));
+                }
+            }
+            EventRef::Cleared(c) => {
+                let tier = c.tier.as_ref().map(|t| t.to_native());
+                self.index.clear(slot, tier);
+            }
+            EventRef::Load(l) => self.load.report(
+                slot,
+                LoadReport {
+                    active_requests: l.active_requests.to_native(),
+                    waiting_requests: l.waiting_requests.to_native(),
+                    active_prefill_tokens: l.active_prefill_tokens.to_native(),
+                    active_decode_blocks: l.active_decode_blocks.to_native(),
+                    kv_used_blocks: l.kv_used_blocks.to_native(),
+                    kv_total_blocks: l.kv_total_blocks.to_native(),
+                },
+            ),
+            EventRef::Heartbeat(_) | EventRef::SnapshotBegin(_) | EventRef::SnapshotEnd(_) => {}
+        }
+    }
+
+    /// Chooses a worker for `req`, reserves it (unless a dry run) and
+    /// rebinds the session after success.
+    pub fn select(&mut self, req: &SelectRequest<'_>) -> Result<SelectResult, RouterError> {
+        // The partition's policy, built on first use.
+        if !self.policies.contains_key(req.model) {
+            self.policies
+                .insert(req.model.to_owned(), Default::default());
+        }
+        let per_role = self.policies.get_mut(req.model).expect("inserted above");
+        let policy = per_role[req.role as usize].get_or_insert_with(|| {
+            self.plugins
+                .build(&RoutingPartition::new(req.role, req.model))
+        });
+        let required = policy.required_worker_inputs();
+
+        // Candidates: available workers of this model and role.
+        let mut mask = 0u64;
+        let mut block_size = 0;
+        self.rows.clear();
+        for (i, w) in self.workers.iter().enumerate() {
+            if let Some(w) = w
+                && w.available
+                && w.role == req.role
+                && w.model == req.model
+            {
+                mask |= 1u64 << i;
+                block_size = w.block_size;
+                self.rows
+                    .push(Slot::new(i).expect("slot index below MAX_WORKERS"));
+            }
+        }
+        if self.rows.is_empty() {
+            return Err(RouterError::NoWorkers {
+                model: req.model.to_owned(),
+                role: req.role,
+            });
+        }
+        // Only the signal groups the policy declared.
+        if required.contains(WorkerInputs::CACHE) {
+            self.index.overlap(req.hashes, mask, &mut self.overlap);
+        } else {
+            self.overlap = Overlap::default();
+        }
+        self.table.reset(required | WorkerInputs::LOAD);
+        for &slot in &self.rows {
+            let w = self.workers[slot.index()]
+                .as_ref()
+                .expect("candidate is registered");
+            let report = self.load.reported(slot);
+            self.table.push(CandidateRow {
+                worker: w.worker,
+                cache: CacheRow {
+                    device_blocks: self.overlap.get(slot, Tier::Device),
+                    host_blocks: self.overlap.get(slot, Tier::Host),
+                    disk_blocks: self.overlap.get(slot, Tier::Disk),
+                    shared_beyond_blocks: 0,
+                },
+                load: self.load.projected(slot),
+                occupancy: OccupancyRow {
+                    kv_used_blocks: report.kv_used_blocks,
+                    kv_total_blocks: report.kv_total_blocks,
+                },
+                preferred_taint_multiplier: None,
+            });
+        }
+        self.table.set_present(
+            WorkerInputs::CACHE
+                | WorkerInputs::LOAD
+                | WorkerInputs::OCCUPANCY
+                | WorkerInputs::PREFERRED_TAINT,
+        );
+
+        let request_id = self.next_request_id;
+        let mut id_buf = [0u8; 20];
+        let id_str = format_u64(request_id, &mut id_buf);
+        let mut ctx = WorkerSelectionContext::new(id_str, req.prompt_tokens, block_size)
+            .with_now_ms(req.now_ms);
+        if let Some(s) = req.session {
+            ctx = ctx.with_session(s);
+        }
+        if let Some(p) = req.pinned {
+            ctx = ctx.with_pinned_worker(p);
+        }
+        let ctx = self.affinity.apply(ctx)?;
+        let selection = policy.select(&ctx, &self.table)?;
+        let slot = self.rows[selection.row];
+        let overlap_blocks = [
+            self.overlap.get(slot, Tier::Device),
+            self.overlap.get(slot, Tier::Host),
+            self.overlap.get(slot, Tier::Disk),
+        ];
+        if !req.dry_run {
+            self.next_request_id += 1;
+            let cached_tokens = u64::from(overlap_blocks[0]) * u64::from(block_size);
+            let uncached = u64::from(req.prompt_tokens).saturating_sub(cached_tokens);
+            let blocks = u64::from(req.prompt_tokens).div_ceil(u64::from(block_size));
+            self.load
+                .reserve(request_id, slot, uncached, blocks, req.now_ms);
+            if let Some(s) = req.session {
+                if s.is_final() {
+                    self.affinity.end(s.session_id())?;
+                } else {
+                    self.affinity
+                        .bind(s.session_id(), selection.worker, req.now_ms)?;
+                }
+            }
+        }
+        Ok(SelectResult {
+            request_id,
+            slot,
+            worker: selection.worker,
+            overlap_blocks,
+            cost: selection.cost,
+        })
+    }
+
+    /// (instance name, type name) serving `role`.
+    pub fn policy_name(&self, role: WorkerType) -> (&str, &str) {
+        self.plugins.selection(role)
+    }
+}
+
+/// Decimal digits of `v` in `buf`, without allocating.
+fn format_u64(mut v: u64, buf: &mut [u8; 20]) -> &str {
+    let mut i = buf.len();
+    loop {
+        i -= 1;
+        buf[i] = b'0' + (v % 10) as u8;
+        v /= 10;
+        if v == 0 {
+            break;
+        }
+    }
+    std::str::from_utf8(&buf[i..]).expect("ASCII digits")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn formats_ids() {
+        let mut b = [0u8; 20];
+        assert_eq!(format_u64(0, &mut b), "0");
+        assert_eq!(format_u64(1234567890, &mut b), "1234567890");
+        assert_eq!(format_u64(u64::MAX, &mut b), u64::MAX.to_string());
+    }
+}

@@ -1,0 +1,256 @@
+//! The router core fed through real rings: engines publish through the
+//! shared-memory protocol, the router applies what the consumer reads, and
+//! selections follow the index and the load accounting.
+
+use kvedge_daemon::index::Slot;
+use kvedge_daemon::router::{RegisterError, Router, RouterError, SelectRequest, WorkerInfo};
+use kvedge_policies::{InputTrigger, SessionContext, WorkerType, WorkerWithDpRank};
+use kvedge_shm::hash::sequence_hashes;
+use kvedge_shm::messages::{Load, Tier};
+use kvedge_shm::segment::Segment;
+use kvedge_shm::{Consumer, Producer, Publisher};
+
+struct Engine {
+    publisher: Publisher,
+    consumer: Consumer,
+    slot: Slot,
+}
+
+fn engine(router: &mut Router, id: u64) -> Engine {
+    let consumer = Consumer::create(1 << 16, 1).unwrap();
+    let seg = Segment::open(consumer.segment_fd().try_clone_to_owned().unwrap()).unwrap();
+    let publisher = Publisher::new(None, Producer::new(seg, None).unwrap());
+    let slot = router
+        .register(WorkerInfo {
+            worker: WorkerWithDpRank::new(id, 0),
+            model: "llama".into(),
+            role: WorkerType::Aggregated,
+            endpoint: format!("http://engine-{id}"),
+            block_size: 16,
+            available: true,
+        })
+        .unwrap();
+    Engine {
+        publisher,
+        consumer,
+        slot,
+    }
+}
+
+/// The daemon's ingest step: drain the ring into the router.
+fn ingest(router: &mut Router, e: &mut Engine) {
+    while let Some(r) = e.consumer.poll().unwrap() {
+        let event = kvedge_shm::decode(r.kind, r.payload).unwrap();
+        router.apply(e.slot, &event);
+    }
+}
+
+fn prompt(prefix: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| prefix * 100_000 + i).collect()
+}
+
+fn req<'a>(hashes: &'a [u64], tokens: u32) -> SelectRequest<'a> {
+    SelectRequest {
+        model: "llama",
+        role: WorkerType::Aggregated,
+        hashes,
+        prompt_tokens: tokens,
+        session: None,
+        pinned: None,
+        now_ms: 0,
+        dry_run: false,
+    }
+}
+
+#[test]
+fn selection_follows_the_published_prefixes_and_finish_restores_the_report() {
+    let mut router = Router::with_defaults();
+    let mut a = engine(&mut router, 1);
+    let mut b = engine(&mut router, 2);
+    let seed = kvedge_shm::hash::block_seed(None, None);
+    // Engine A caches prefix 1 (32 blocks); engine B prefix 2.
+    a.publisher
+        .publish_stored_tokens(Tier::Device, None, &prompt(1, 512), 16, seed)
+        .unwrap();
+    b.publisher
+        .publish_stored_tokens(Tier::Device, None, &prompt(2, 512), 16, seed)
+        .unwrap();
+    b.publisher
+        .publish_stored_tokens(Tier::Host, None, &prompt(1, 256), 16, seed)
+        .unwrap();
+    let load = Load {
+        active_requests: 3,
+        active_prefill_tokens: 100,
+        active_decode_blocks: 40,
+        kv_total_blocks: 1000,
+        ..Load::default()
+    };
+    a.publisher.publish_load(&load).unwrap();
+    b.publisher.publish_load(&load).unwrap();
+    ingest(&mut router, &mut a);
+    ingest(&mut router, &mut b);
+
+    // A request sharing 24 blocks of prefix 1, then diverging.
+    let mut tokens = prompt(1, 384);
+    tokens.extend(prompt(9, 128));
+    let hashes = sequence_hashes(&tokens, 16, None, None);
+    let r = router.select(&req(&hashes, tokens.len() as u32)).unwrap();
+    assert_eq!(r.worker.worker_id, 1);
+    assert_eq!(r.overlap_blocks, [24, 0, 0]);
+    // B's host tier holds 16 blocks of prefix 1: computed too.
+    let dry = SelectRequest {
+        dry_run: true,
+        pinned: Some(WorkerWithDpRank::new(2, 0)),
+        ..req(&hashes, tokens.len() as u32)
+    };
+    assert_eq!(router.select(&dry).unwrap().overlap_blocks, [0, 16, 0]);
+
+    // The reservation shows in A's projected load until finish.
+    let projected = router.load.projected(a.slot);
+    assert_eq!(projected.active_requests, 4);
+    assert_eq!(projected.active_prefill_tokens, 100 + (512 - 24 * 16));
+    router.load.finish(r.request_id).unwrap();
+    let after = router.load.projected(a.slot);
+    assert_eq!(
+        (
+            after.active_requests,
+            after.active_prefill_tokens,
+            after.active_decode_blocks
+        ),
+        (3, 100, 40),
+        "back to the engine's report"
+    );
+}
+
+#[test]
+fn removed_cleared_and_departure_leave_routing_at_once() {
+    let mut router = Router::with_defaults();
+    let mut a = engine(&mut router, 1);
+    let tokens = prompt(1, 256);
+    let hashes = sequence_hashes(&tokens, 16, None, None);
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest(&mut router, &mut a);
+    assert_eq!(
+        router.select(&req(&hashes, 256)).unwrap().overlap_blocks[0],
+        16
+    );
+    a.publisher
+        .publish_removed(Tier::Device, &hashes[8..])
+        .unwrap();
+    ingest(&mut router, &mut a);
+    assert_eq!(
+        router.select(&req(&hashes, 256)).unwrap().overlap_blocks[0],
+        8
+    );
+    a.publisher.publish_cleared(None).unwrap();
+    ingest(&mut router, &mut a);
+    assert_eq!(
+        router.select(&req(&hashes, 256)).unwrap().overlap_blocks[0],
+        0
+    );
+
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest(&mut router, &mut a);
+    assert_eq!(router.index.entries(), 16);
+    router.unregister(a.slot).unwrap();
+    assert_eq!(
+        router.index.entries(),
+        0,
+        "a departed worker's blocks leave the index"
+    );
+    assert!(matches!(
+        router.select(&req(&hashes, 256)),
+        Err(RouterError::NoWorkers { .. })
+    ));
+}
+
+#[test]
+fn registration_refuses_duplicates_and_reuses_slots() {
+    let mut router = Router::with_defaults();
+    let a = engine(&mut router, 1);
+    let info = router.worker(a.slot).unwrap().clone();
+    assert_eq!(
+        router.register(info.clone()),
+        Err(RegisterError::Duplicate(info.worker))
+    );
+    router.unregister(a.slot);
+    assert_eq!(
+        router.register(info),
+        Ok(a.slot),
+        "the same identity may come back"
+    );
+}
+
+#[test]
+fn sessions_stick_to_their_worker_under_hard_affinity() {
+    let mut router = Router::with_defaults();
+    let mut a = engine(&mut router, 1);
+    let mut b = engine(&mut router, 2);
+    let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
+    b.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest(&mut router, &mut b);
+    ingest(&mut router, &mut a);
+    let session = SessionContext::new("s1", InputTrigger::UserMessage);
+    let first = router
+        .select(&SelectRequest {
+            session: Some(session),
+            ..req(&hashes, 256)
+        })
+        .unwrap();
+    assert_eq!(first.worker.worker_id, 2, "the cached worker");
+    // B's cache is now useless for this prompt, but the session stays on B.
+    let other = sequence_hashes(&prompt(7, 256), 16, None, None);
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &other)
+        .unwrap();
+    ingest(&mut router, &mut a);
+    let next = router
+        .select(&SelectRequest {
+            session: Some(session),
+            ..req(&other, 256)
+        })
+        .unwrap();
+    assert_eq!(next.worker.worker_id, 2);
+}
+
+#[test]
+fn a_warm_select_allocates_nothing() {
+    let mut router = Router::with_defaults();
+    let mut engines: Vec<Engine> = (0..8).map(|i| engine(&mut router, i)).collect();
+    for (i, e) in engines.iter_mut().enumerate() {
+        let hashes = sequence_hashes(&prompt(i as u32, 1024), 16, None, None);
+        e.publisher
+            .publish_stored_hashes(Tier::Device, None, &hashes)
+            .unwrap();
+        ingest(&mut router, e);
+    }
+    let hashes = sequence_hashes(&prompt(3, 2048), 16, None, None);
+    let mut r = req(&hashes, 2048);
+    r.dry_run = true;
+    router.select(&r).unwrap();
+    let info = allocation_counter::measure(|| {
+        for _ in 0..100 {
+            std::hint::black_box(router.select(&r).unwrap());
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+    // Real selections too: reserve, then finish, with a session rebinding.
+    let session = SessionContext::new("s", InputTrigger::UserMessage);
+    let mut real = req(&hashes, 2048);
+    real.session = Some(session);
+    let id = router.select(&real).unwrap().request_id;
+    router.load.finish(id).unwrap();
+    let info = allocation_counter::measure(|| {
+        for _ in 0..100 {
+            let id = router.select(&real).unwrap().request_id;
+            router.load.finish(id).unwrap();
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+}
