@@ -9,3 +9,4 @@ pub mod config;
 pub mod index;
 pub mod load;
 pub mod router;
+pub mod server;

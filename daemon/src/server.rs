@@ -1,0 +1,549 @@
+//! `kvedge run`: the daemon's event loop. One thread owns the [`Router`]:
+//! it accepts engines on `control.sock` (Hello, ring by SCM_RIGHTS), drains
+//! their rings into the index and load table, notices closed control
+//! connections (the worker leaves routing at once), and answers frontends on
+//! `query.sock` in JSON lines. When nothing is pending it sleeps in `poll`
+//! on every socket and every ring's wake eventfd.
+//!
+//! Query protocol (one JSON object per line, one reply line each):
+//!
+//! ```text
+//! {"op":"select","model":"m","tokens":[1,2,3],"role":"aggregated","session":"s","dry_run":false}
+//! {"op":"select","model":"m","hashes":[123,456]}
+//! {"op":"prefill_done","request_id":7}   {"op":"finish","request_id":7}
+//! {"op":"workers"}   {"op":"stats"}
+//! ```
+//!
+//! Errors come back as `{"error":{"code":"...","message":"..."}}`; a bad
+//! line never closes the connection or disturbs other clients. A line longer
+//! than the frame limit closes that connection (its framing is lost).
+
+use std::io::{self, Read, Write};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use kvedge_policies::{InputTrigger, SessionContext, WorkerType, WorkerWithDpRank};
+use kvedge_shm::Consumer;
+use kvedge_shm::control::{connection_closed, read_hello, send_reject, send_welcome};
+use kvedge_shm::messages::Role;
+use kvedge_shm::messages::control::{Welcome, reject};
+use rustix::event::{PollFd, PollFlags};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use crate::config::Config;
+use crate::index::Slot;
+use crate::router::{Router, SelectRequest, WorkerInfo};
+
+/// Sockets of one daemon.
+#[derive(Clone, Debug)]
+pub struct RuntimeDir {
+    pub dir: PathBuf,
+}
+
+impl RuntimeDir {
+    pub fn control(&self) -> PathBuf {
+        self.dir.join("control.sock")
+    }
+    pub fn query(&self) -> PathBuf {
+        self.dir.join("query.sock")
+    }
+}
+
+/// Binds a socket, refusing to take over a live daemon's and removing a
+/// stale one.
+fn bind(path: &Path) -> io::Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("{} belongs to a running daemon", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = UnixListener::bind(path)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+struct Engine {
+    slot: Slot,
+    stream: UnixStream,
+    ring: Consumer,
+}
+
+struct Client {
+    stream: UnixStream,
+    buf: Vec<u8>,
+}
+
+/// The daemon.
+pub struct Server {
+    router: Router,
+    config: Config,
+    control: UnixListener,
+    query: UnixListener,
+    engines: Vec<Engine>,
+    clients: Vec<Client>,
+    started: Instant,
+    epoch: u64,
+    selects: u64,
+    errors: u64,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("engines", &self.engines.len())
+            .field("clients", &self.clients.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Server {
+    /// Binds both sockets in `dir` (created if missing).
+    pub fn bind(config: Config, dir: &RuntimeDir) -> io::Result<Server> {
+        std::fs::create_dir_all(&dir.dir)?;
+        let control = bind(&dir.control())?;
+        let query = bind(&dir.query())?;
+        let router = Router::new(
+            config.plugins.clone(),
+            config.daemon.index_capacity,
+            config.daemon.reservation_ttl_ms,
+            kvedge_policies::SessionAffinityTable::new(
+                config.session_affinity.mode,
+                config.session_affinity.ttl_ms,
+                config.session_affinity.max_sessions,
+            ),
+        );
+        Ok(Server {
+            router,
+            config,
+            control,
+            query,
+            engines: Vec::new(),
+            clients: Vec::new(),
+            started: Instant::now(),
+            epoch: 0,
+            selects: 0,
+            errors: 0,
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.started.elapsed().as_millis() as u64
+    }
+
+    /// Runs until `stop` returns true (checked every loop).
+    pub fn run(&mut self, mut stop: impl FnMut() -> bool) -> io::Result<()> {
+        while !stop() {
+            let mut busy = self.accept_engines();
+            busy |= self.accept_clients();
+            busy |= self.ingest();
+            busy |= self.serve_clients();
+            let now = self.now_ms();
+            self.router.load.expire(now);
+            if !busy {
+                self.sleep(Duration::from_millis(100));
+            }
+        }
+        Ok(())
+    }
+
+    fn accept_engines(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            match self.control.accept() {
+                Ok((stream, _)) => {
+                    any = true;
+                    if let Err(e) = self.register(stream) {
+                        eprintln!("kvedge: engine registration failed: {e}");
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return any,
+                Err(e) => {
+                    eprintln!("kvedge: accept on control socket: {e}");
+                    return any;
+                }
+            }
+        }
+    }
+
+    fn register(&mut self, stream: UnixStream) -> Result<(), Box<dyn std::error::Error>> {
+        stream.set_nonblocking(false)?;
+        stream.set_read_timeout(Some(Duration::from_secs(2)))?;
+        stream.set_write_timeout(Some(Duration::from_secs(2)))?;
+        let hello = read_hello(&stream)?;
+        if let Some(allowed) = (!self.config.daemon.allowed_uids.is_empty())
+            .then_some(&self.config.daemon.allowed_uids)
+        {
+            let cred = kvedge_shm::control::peer_credentials(&stream)?;
+            if !allowed.contains(&cred.uid) {
+                send_reject(&stream, reject::NOT_PERMITTED, "uid not allowed")?;
+                return Err("uid not allowed".into());
+            }
+        }
+        let role = match hello.role {
+            Role::Aggregated => WorkerType::Aggregated,
+            Role::Prefill => WorkerType::Prefill,
+            Role::Decode => WorkerType::Decode,
+            Role::Encode => WorkerType::Encode,
+        };
+        let info = WorkerInfo {
+            worker: WorkerWithDpRank::new(hello.worker_id, hello.dp_rank),
+            model: hello.model.clone(),
+            role,
+            endpoint: hello.endpoint.clone(),
+            block_size: hello.block_size,
+            available: true,
+        };
+        let slot = match self.router.register(info) {
+            Ok(slot) => slot,
+            Err(e) => {
+                send_reject(
+                    &stream,
+                    match e {
+                        crate::router::RegisterError::Full(_) => reject::TOO_MANY_WORKERS,
+                        crate::router::RegisterError::Duplicate(_) => reject::DUPLICATE_WORKER,
+                        crate::router::RegisterError::BlockSize => reject::INVALID_HELLO,
+                    },
+                    &e.to_string(),
+                )?;
+                return Err(e.into());
+            }
+        };
+        self.epoch += 1;
+        let capacity = self.config.daemon.ring_capacity;
+        let ring = match Consumer::create(capacity, self.epoch) {
+            Ok(r) => r,
+            Err(e) => {
+                self.router.unregister(slot);
+                return Err(e.into());
+            }
+        };
+        let welcome = Welcome {
+            worker_id: hello.worker_id,
+            dp_rank: hello.dp_rank,
+            attach_epoch: self.epoch,
+            ring_capacity: capacity,
+            heartbeat_interval_ms: 1000,
+        };
+        if let Err(e) = send_welcome(&stream, &welcome, &ring) {
+            self.router.unregister(slot);
+            return Err(e.into());
+        }
+        stream.set_nonblocking(true)?;
+        self.engines.push(Engine { slot, stream, ring });
+        Ok(())
+    }
+
+    fn accept_clients(&mut self) -> bool {
+        let mut any = false;
+        loop {
+            match self.query.accept() {
+                Ok((stream, _)) => {
+                    any = true;
+                    if self.clients.len() >= self.config.daemon.max_query_connections
+                        || stream.set_nonblocking(true).is_err()
+                    {
+                        continue; // dropped: closes the connection
+                    }
+                    self.clients.push(Client {
+                        stream,
+                        buf: Vec::with_capacity(4096),
+                    });
+                }
+                Err(_) => return any,
+            }
+        }
+    }
+
+    /// Drains every ring (bounded per ring, so queries are not starved) and
+    /// drops engines whose control connection closed.
+    fn ingest(&mut self) -> bool {
+        let mut any = false;
+        let mut i = 0;
+        while i < self.engines.len() {
+            let e = &mut self.engines[i];
+            let mut n = 0;
+            while n < 4096 {
+                match e.ring.poll() {
+                    Ok(Some(r)) => {
+                        if let Ok(event) = kvedge_shm::decode(r.kind, r.payload) {
+                            self.router.apply(e.slot, &event);
+                        }
+                        n += 1;
+                    }
+                    Ok(None) => break,
+                    Err(err) => {
+                        eprintln!("kvedge: ring of slot {} is broken: {err}", e.slot.index());
+                        break;
+                    }
+                }
+            }
+            any |= n > 0;
+            let closed =
+                connection_closed(&e.stream).unwrap_or(true) || e.ring.poisoned().is_some();
+            if closed {
+                let e = self.engines.swap_remove(i);
+                self.router.unregister(e.slot);
+                any = true;
+                continue;
+            }
+            i += 1;
+        }
+        any
+    }
+
+    fn serve_clients(&mut self) -> bool {
+        let mut any = false;
+        let limit = self.config.daemon.max_frame_bytes;
+        let mut i = 0;
+        while i < self.clients.len() {
+            let mut chunk = [0u8; 4096];
+            let mut closed = false;
+            loop {
+                match self.clients[i].stream.read(&mut chunk) {
+                    Ok(0) => {
+                        closed = true;
+                        break;
+                    }
+                    Ok(n) => {
+                        any = true;
+                        self.clients[i].buf.extend_from_slice(&chunk[..n]);
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                    Err(_) => {
+                        closed = true;
+                        break;
+                    }
+                }
+            }
+            while let Some(pos) = self.clients[i].buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = self.clients[i].buf.drain(..=pos).collect();
+                let reply = self.handle(&line[..line.len() - 1]);
+                let mut out = reply.to_string();
+                out.push('\n');
+                let stream = &mut self.clients[i].stream;
+                let _ = stream.set_nonblocking(false);
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(1)));
+                if stream.write_all(out.as_bytes()).is_err() {
+                    closed = true;
+                }
+                let _ = stream.set_nonblocking(true);
+            }
+            if self.clients[i].buf.len() > limit {
+                let reply = error(
+                    "frame_too_large",
+                    &format!("a request line is longer than {limit} bytes"),
+                );
+                let _ = self.clients[i]
+                    .stream
+                    .write_all(format!("{reply}\n").as_bytes());
+                closed = true;
+            }
+            if closed {
+                self.clients.swap_remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        any
+    }
+
+    fn sleep(&mut self, timeout: Duration) {
+        let mut asleep = Vec::with_capacity(self.engines.len());
+        for (i, e) in self.engines.iter_mut().enumerate() {
+            if e.ring.prepare_sleep() {
+                asleep.push(i);
+            } else {
+                // Records arrived meanwhile: do not sleep at all.
+                for &j in &asleep {
+                    self.engines[j].ring.end_sleep();
+                }
+                return;
+            }
+        }
+        {
+            let mut fds: Vec<PollFd<'_>> = Vec::new();
+            fds.push(PollFd::new(&self.control, PollFlags::IN));
+            fds.push(PollFd::new(&self.query, PollFlags::IN));
+            for e in &self.engines {
+                fds.push(PollFd::from_borrowed_fd(e.stream.as_fd(), PollFlags::IN));
+                fds.push(PollFd::from_borrowed_fd(e.ring.wake_fd(), PollFlags::IN));
+            }
+            for c in &self.clients {
+                fds.push(PollFd::new(&c.stream, PollFlags::IN));
+            }
+            let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
+                tv_sec: 0,
+                tv_nsec: 100_000_000,
+            });
+            let _ = rustix::event::poll(&mut fds, Some(&ts));
+        }
+        for e in &mut self.engines {
+            e.ring.end_sleep();
+        }
+    }
+
+    fn handle(&mut self, line: &[u8]) -> Value {
+        let reply = match serde_json::from_slice::<Query>(line) {
+            Ok(q) => self.dispatch(q),
+            Err(e) => Err(("bad_request", format!("not a valid request: {e}"))),
+        };
+        match reply {
+            Ok(v) => v,
+            Err((code, message)) => {
+                self.errors += 1;
+                error(code, &message)
+            }
+        }
+    }
+
+    fn dispatch(&mut self, q: Query) -> Result<Value, (&'static str, String)> {
+        match q {
+            Query::Select(s) => self.select(s),
+            Query::PrefillDone { request_id } => self
+                .router
+                .load
+                .prefill_done(request_id)
+                .map(|_| json!({"ok": true}))
+                .map_err(|e| ("unknown_request", e.to_string())),
+            Query::Finish { request_id } => self
+                .router
+                .load
+                .finish(request_id)
+                .map(|_| json!({"ok": true}))
+                .map_err(|e| ("unknown_request", e.to_string())),
+            Query::Workers => {
+                let list: Vec<Value> = self
+                    .router
+                    .workers()
+                    .map(|(slot, w)| {
+                        let load = self.router.load.projected(slot);
+                        json!({
+                            "worker_id": w.worker.worker_id,
+                            "dp_rank": w.worker.dp_rank,
+                            "model": w.model,
+                            "role": w.role.as_str(),
+                            "endpoint": w.endpoint,
+                            "available": w.available,
+                            "device_blocks": self.router.index.worker_blocks(slot, kvedge_shm::messages::Tier::Device),
+                            "active_requests": load.active_requests,
+                            "active_prefill_tokens": load.active_prefill_tokens,
+                        })
+                    })
+                    .collect();
+                Ok(json!({ "workers": list }))
+            }
+            Query::Stats => Ok(json!({
+                "workers": self.engines.len(),
+                "clients": self.clients.len(),
+                "index_entries": self.router.index.entries(),
+                "index_refused_full": self.router.index.refused_full(),
+                "reservations": self.router.load.reservations(),
+                "selects": self.selects,
+                "errors": self.errors,
+            })),
+        }
+    }
+
+    fn select(&mut self, s: SelectQuery) -> Result<Value, (&'static str, String)> {
+        let role = match s.role.as_deref() {
+            None => WorkerType::Aggregated,
+            Some(r) => {
+                WorkerType::parse(r).ok_or(("bad_request", format!("unknown role `{r}`")))?
+            }
+        };
+        let block_size = self
+            .router
+            .workers()
+            .find(|(_, w)| w.model == s.model && w.role == role)
+            .map(|(_, w)| w.block_size);
+        let (hashes, prompt_tokens) = match (s.tokens, s.hashes) {
+            (Some(tokens), None) => {
+                let bs = block_size.unwrap_or(16) as usize;
+                let h = kvedge_shm::hash::sequence_hashes(&tokens, bs, s.lora.as_deref(), None);
+                (h, tokens.len() as u32)
+            }
+            (None, Some(hashes)) => {
+                let tokens = s
+                    .prompt_tokens
+                    .unwrap_or(hashes.len() as u32 * block_size.unwrap_or(16));
+                (hashes, tokens)
+            }
+            _ => {
+                return Err((
+                    "bad_request",
+                    "give exactly one of `tokens` and `hashes`".into(),
+                ));
+            }
+        };
+        let session = s
+            .session
+            .as_deref()
+            .map(|id| SessionContext::new(id, InputTrigger::UserMessage));
+        let req = SelectRequest {
+            model: &s.model,
+            role,
+            hashes: &hashes,
+            prompt_tokens,
+            session,
+            pinned: None,
+            now_ms: self.now_ms(),
+            dry_run: s.dry_run,
+        };
+        let r = self
+            .router
+            .select(&req)
+            .map_err(|e| ("no_worker", e.to_string()))?;
+        self.selects += 1;
+        let w = self
+            .router
+            .worker(r.slot)
+            .expect("selected worker is registered");
+        Ok(json!({
+            "worker_id": r.worker.worker_id,
+            "dp_rank": r.worker.dp_rank,
+            "endpoint": w.endpoint,
+            "overlap_blocks": {"device": r.overlap_blocks[0], "host": r.overlap_blocks[1], "disk": r.overlap_blocks[2]},
+            "cost": if r.cost.is_finite() { json!(r.cost) } else { Value::Null },
+            "policy": self.router.policy_name(role).0,
+            "rule": Value::Null,
+            "request_id": r.request_id,
+        }))
+    }
+}
+
+fn error(code: &str, message: &str) -> Value {
+    json!({"error": {"code": code, "message": message}})
+}
+
+#[derive(Deserialize)]
+#[serde(tag = "op", rename_all = "snake_case", deny_unknown_fields)]
+enum Query {
+    Select(SelectQuery),
+    PrefillDone { request_id: u64 },
+    Finish { request_id: u64 },
+    Workers,
+    Stats,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct SelectQuery {
+    model: String,
+    role: Option<String>,
+    tokens: Option<Vec<u32>>,
+    hashes: Option<Vec<u64>>,
+    prompt_tokens: Option<u32>,
+    session: Option<String>,
+    lora: Option<String>,
+    #[serde(default)]
+    dry_run: bool,
+}

@@ -1,0 +1,277 @@
+//! `kvedge run` as a real process: engines register over the control socket
+//! and publish through their rings, frontends ask over the query socket.
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::Tier;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::{Publisher, messages::Role};
+use serde_json::{Value, json};
+
+struct Daemon {
+    child: Child,
+    dir: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+fn start(name: &str) -> Daemon {
+    let dir = std::env::temp_dir().join(format!("kvedge-it-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("kvedge.yaml");
+    std::fs::write(
+        &config,
+        "daemon:\n  max_frame_bytes: 4096\n  ring_capacity: 1048576\n",
+    )
+    .unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--runtime-dir",
+            dir.to_str().unwrap(),
+        ])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let d = Daemon { child, dir };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(d.dir.join("query.sock")).is_err() {
+        assert!(Instant::now() < deadline, "daemon did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    d
+}
+
+fn hello(id: u64) -> Hello {
+    Hello {
+        worker_id: id,
+        dp_rank: 0,
+        model: "llama".into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [1024, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: format!("http://engine-{id}"),
+        ring_capacity: 0,
+    }
+}
+
+fn engine(dir: &Path, id: u64) -> Publisher {
+    let (session, producer) =
+        ProducerSession::connect(dir.join("control.sock"), &hello(id), Duration::from_secs(5))
+            .unwrap();
+    Publisher::new(Some(session), producer)
+}
+
+struct Client {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl Client {
+    fn connect(dir: &Path) -> Client {
+        let s = UnixStream::connect(dir.join("query.sock")).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Client {
+            reader: BufReader::new(s.try_clone().unwrap()),
+            writer: s,
+        }
+    }
+
+    fn raw(&mut self, bytes: &[u8]) -> Value {
+        self.writer.write_all(bytes).unwrap();
+        let mut line = String::new();
+        self.reader.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or(Value::Null)
+    }
+
+    fn ask(&mut self, v: Value) -> Value {
+        self.raw(format!("{v}\n").as_bytes())
+    }
+}
+
+fn prompt(prefix: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| prefix * 100_000 + i).collect()
+}
+
+fn wait_for(mut cond: impl FnMut() -> bool, what: &str) -> Duration {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    start.elapsed()
+}
+
+#[test]
+fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
+    let d = start("main");
+    let seed = kvedge_shm::hash::block_seed(None, None);
+    let mut a = engine(&d.dir, 1);
+    let mut b = engine(&d.dir, 2);
+    a.publish_stored_tokens(Tier::Device, None, &prompt(1, 512), 16, seed)
+        .unwrap();
+    b.publish_stored_tokens(Tier::Device, None, &prompt(2, 512), 16, seed)
+        .unwrap();
+    let mut c = Client::connect(&d.dir);
+    let mut tokens = prompt(1, 384);
+    tokens.extend(prompt(9, 128));
+    let select = json!({"op": "select", "model": "llama", "tokens": tokens});
+    // Polled with dry runs: a real select reserves, and would shift the load.
+    let dry = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
+    wait_for(
+        || c.ask(dry.clone())["overlap_blocks"]["device"] == 24,
+        "A's blocks",
+    );
+    let r = c.ask(select.clone());
+    assert_eq!(r["worker_id"], 1);
+    assert_eq!(r["endpoint"], "http://engine-1");
+    assert_eq!(r["policy"], "default");
+    assert!(r["rule"].is_null());
+    let id = r["request_id"].as_u64().unwrap();
+    assert_eq!(
+        c.ask(json!({"op": "prefill_done", "request_id": id}))["ok"],
+        true
+    );
+    assert_eq!(c.ask(json!({"op": "finish", "request_id": id}))["ok"], true);
+    assert_eq!(
+        c.ask(json!({"op": "finish", "request_id": id}))["error"]["code"],
+        "unknown_request"
+    );
+    let workers = c.ask(json!({"op": "workers"}));
+    assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+
+    // Engine A dies (its control connection closes): its blocks stop
+    // counting. A's reservations were finished above.
+    drop(a);
+    let gone = wait_for(
+        || c.ask(dry.clone())["worker_id"] == 2,
+        "A to leave routing",
+    );
+    assert!(gone < Duration::from_millis(500), "took {gone:?}");
+    let r = c.ask(dry.clone());
+    assert_eq!(r["overlap_blocks"]["device"], 0);
+    drop(b);
+}
+
+#[test]
+fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
+    let d = start("garbage");
+    let seed = kvedge_shm::hash::block_seed(None, None);
+    let mut a = engine(&d.dir, 1);
+    a.publish_stored_tokens(Tier::Device, None, &prompt(1, 64), 16, seed)
+        .unwrap();
+    let mut c = Client::connect(&d.dir);
+    let ok = json!({"op": "select", "model": "llama", "tokens": prompt(1, 64), "dry_run": true});
+    wait_for(
+        || c.ask(ok.clone())["overlap_blocks"]["device"] == 4,
+        "blocks",
+    );
+    for bad in [
+        &b"\x00\x01\xff garbage\n"[..],
+        b"{\"op\": \"select\"}\n",
+        b"{\"op\": \"launch\"}\n",
+        b"{\"op\": \"select\", \"model\": \"llama\", \"tokens\": [1], \"hashes\": [2]}\n",
+        b"{\"op\": \"select\", \"model\": \"nope\", \"tokens\": [1]}\n",
+        b"[1,2,3]\n",
+    ] {
+        let reply = c.raw(bad);
+        assert!(reply["error"]["code"].is_string(), "{reply}");
+        assert_eq!(
+            c.ask(ok.clone())["worker_id"],
+            1,
+            "the connection still works"
+        );
+    }
+    // A giant line closes only that connection.
+    let mut giant = Client::connect(&d.dir);
+    let reply = giant.raw(&vec![b'x'; 10_000]);
+    assert_eq!(reply["error"]["code"], "frame_too_large");
+    // Meanwhile, many clients at once all get answers.
+    let dir = d.dir.clone();
+    let threads: Vec<_> = (0..8)
+        .map(|_| {
+            let dir = dir.clone();
+            let ok = ok.clone();
+            std::thread::spawn(move || {
+                let mut c = Client::connect(&dir);
+                for _ in 0..300 {
+                    assert_eq!(c.ask(ok.clone())["worker_id"], 1);
+                }
+            })
+        })
+        .collect();
+    for t in threads {
+        t.join().unwrap();
+    }
+    let stats = c.ask(json!({"op": "stats"}));
+    assert!(stats["errors"].as_u64().unwrap() >= 6, "{stats}");
+    drop(a);
+}
+
+#[test]
+fn a_second_daemon_is_refused_and_sigterm_cleans_up() {
+    let mut d = start("twice");
+    let config = d.dir.join("kvedge.yaml");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "run",
+            "--config",
+            config.to_str().unwrap(),
+            "--runtime-dir",
+            d.dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("belongs to a running daemon"));
+    // The CLI client.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["stats", "--runtime-dir", d.dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("\"index_entries\""));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "query",
+            "select",
+            "--model",
+            "none",
+            "--tokens",
+            "1,2,3",
+            "--runtime-dir",
+            d.dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("{\"error\":"));
+    // SIGTERM: a clean exit that removes the sockets.
+    let pid = d.child.id();
+    Command::new("kill")
+        .args(["-TERM", &pid.to_string()])
+        .status()
+        .unwrap();
+    let status = d.child.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+    assert!(!d.dir.join("query.sock").exists());
+}
