@@ -1,10 +1,11 @@
-//! kvedge's per-node routing daemon. This crate grows with issue 5; today it
-//! holds the KV index (which workers hold which blocks, and the per-request
-//! prefix-overlap query) and the `kvedge` command line's offline tools
-//! (`hash`, `check-config`).
+//! kvedge's per-node routing daemon: the KV index, load accounting, the
+//! router core, the event loop behind `kvedge run` with its control and query
+//! sockets, and the command line ([`cli::main_with_registry`] is the
+//! embedding entry point for binaries with extra policies).
 
 #![forbid(unsafe_code)]
 
+pub mod cli;
 pub mod config;
 pub mod index;
 pub mod load;

@@ -1,0 +1,334 @@
+//! The `kvedge` command line: `run` (the daemon), the query client
+//! (`query select|prefill-done|finish`, `workers`, `stats`), and the offline
+//! tools `hash` (the sequence hashes of a token list, to debug
+//! engine/frontend mismatches) and `check-config`.
+//!
+//! [`main_with_registry`] is the embedding entry point: an operator builds
+//! their own `kvedge` binary whose `main` registers their policy catalog
+//! next to the shipped policies and hands the registry over.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use crate::config::Config;
+use crate::server::{RuntimeDir, Server};
+use clap::{Parser, Subcommand};
+use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
+
+#[derive(Parser)]
+#[command(
+    name = "kvedge",
+    version,
+    about = "Per-node KV-cache-aware routing daemon"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Runs the daemon.
+    Run {
+        #[arg(long, default_value = "/etc/kvedge/kvedge.yaml")]
+        config: PathBuf,
+        #[arg(long, default_value = "/run/kvedge")]
+        runtime_dir: PathBuf,
+    },
+    /// Asks a running daemon.
+    Query {
+        #[command(subcommand)]
+        query: QueryCommand,
+        #[arg(long, default_value = "/run/kvedge", global = true)]
+        runtime_dir: PathBuf,
+    },
+    /// Lists the registered workers of a running daemon.
+    Workers {
+        #[arg(long, default_value = "/run/kvedge")]
+        runtime_dir: PathBuf,
+    },
+    /// Counters of a running daemon.
+    Stats {
+        #[arg(long, default_value = "/run/kvedge")]
+        runtime_dir: PathBuf,
+    },
+    /// Prints the sequence hashes of a token list, one per full block, in decimal.
+    Hash {
+        /// Tokens per block.
+        #[arg(long)]
+        block_size: usize,
+        /// LoRA adapter name (changes the hash seed).
+        #[arg(long)]
+        lora: Option<String>,
+        /// Cache namespace (changes the hash seed).
+        #[arg(long)]
+        namespace: Option<String>,
+        /// Token ids, separated by commas or spaces (one or more arguments).
+        #[arg(required = true)]
+        tokens: Vec<String>,
+    },
+    /// Loads and validates a configuration file; exit code 1 on any error.
+    CheckConfig {
+        file: PathBuf,
+        /// Print the outcome as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Subcommand)]
+enum QueryCommand {
+    /// Which worker should serve this prompt?
+    Select {
+        #[arg(long)]
+        model: String,
+        /// Token ids, separated by commas or spaces.
+        #[arg(long, conflicts_with = "hashes")]
+        tokens: Option<String>,
+        /// Sequence hashes, separated by commas or spaces.
+        #[arg(long)]
+        hashes: Option<String>,
+        #[arg(long)]
+        role: Option<String>,
+        #[arg(long)]
+        session: Option<String>,
+        /// Answer without reserving the worker.
+        #[arg(long)]
+        dry_run: bool,
+    },
+    /// The request's prefill is done.
+    PrefillDone { request_id: u64 },
+    /// The request finished.
+    Finish { request_id: u64 },
+}
+
+/// Sends one JSON request line and prints the reply; non-zero exit on an
+/// error reply.
+fn ask(runtime_dir: &std::path::Path, request: &serde_json::Value) -> ExitCode {
+    let path = RuntimeDir {
+        dir: runtime_dir.to_owned(),
+    }
+    .query();
+    let result = (|| -> std::io::Result<String> {
+        let mut stream = UnixStream::connect(&path)?;
+        stream.write_all(format!("{request}\n").as_bytes())?;
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line)?;
+        Ok(line)
+    })();
+    match result {
+        Ok(line) => {
+            print!("{line}");
+            if line.starts_with("{\"error\"") {
+                ExitCode::from(1)
+            } else {
+                ExitCode::SUCCESS
+            }
+        }
+        Err(e) => {
+            println!(
+                "{{\"error\": {{\"code\": \"unreachable\", \"message\": {}}}}}",
+                json_string(&format!("{}: {e}", path.display()))
+            );
+            ExitCode::from(1)
+        }
+    }
+}
+
+fn numbers<T: std::str::FromStr>(text: &str) -> Result<Vec<T>, String> {
+    text.split(|c: char| c == ',' || c.is_whitespace())
+        .filter(|t| !t.is_empty())
+        .map(|t| t.parse::<T>().map_err(|_| format!("`{t}` is not a number")))
+        .collect()
+}
+
+fn parse_tokens(args: &[String]) -> Result<Vec<u32>, String> {
+    args.iter()
+        .flat_map(|a| a.split(|c: char| c == ',' || c.is_whitespace()))
+        .filter(|t| !t.is_empty())
+        .map(|t| {
+            t.parse::<u32>()
+                .map_err(|_| format!("`{t}` is not a token id (0..=4294967295)"))
+        })
+        .collect()
+}
+
+fn json_string(s: &str) -> String {
+    let mut out = String::with_capacity(s.len() + 2);
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Runs the `kvedge` command line with `registry` (the shipped policies
+/// plus whatever the caller registered) and returns the exit code.
+pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Run {
+            config,
+            runtime_dir,
+        } => {
+            let config = match Config::load_file(
+                &config,
+                &registry,
+                &SelectionOverrides::default().with_env_fallback(),
+            ) {
+                Ok(c) => c,
+                Err(e) => {
+                    eprintln!("kvedge: {e}");
+                    return ExitCode::from(1);
+                }
+            };
+            let dir = RuntimeDir { dir: runtime_dir };
+            let mut server = match Server::bind(config, &dir) {
+                Ok(s) => s,
+                Err(e) => {
+                    eprintln!("kvedge: cannot listen in {}: {e}", dir.dir.display());
+                    return ExitCode::from(1);
+                }
+            };
+            let stop = Arc::new(AtomicBool::new(false));
+            for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+                if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
+                    eprintln!("kvedge: cannot handle signal {signal}: {e}");
+                    return ExitCode::from(1);
+                }
+            }
+            eprintln!("kvedge: listening in {}", dir.dir.display());
+            let result = server.run(|| stop.load(Ordering::Relaxed));
+            let _ = std::fs::remove_file(dir.control());
+            let _ = std::fs::remove_file(dir.query());
+            match result {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("kvedge: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
+        Command::Query { query, runtime_dir } => {
+            let request = match query {
+                QueryCommand::Select {
+                    model,
+                    tokens,
+                    hashes,
+                    role,
+                    session,
+                    dry_run,
+                } => {
+                    let mut req =
+                        serde_json::json!({"op": "select", "model": model, "dry_run": dry_run});
+                    match (tokens, hashes) {
+                        (Some(t), None) => match numbers::<u32>(&t) {
+                            Ok(v) => req["tokens"] = serde_json::json!(v),
+                            Err(e) => {
+                                eprintln!("kvedge query select: --tokens: {e}");
+                                return ExitCode::from(2);
+                            }
+                        },
+                        (None, Some(h)) => match numbers::<u64>(&h) {
+                            Ok(v) => req["hashes"] = serde_json::json!(v),
+                            Err(e) => {
+                                eprintln!("kvedge query select: --hashes: {e}");
+                                return ExitCode::from(2);
+                            }
+                        },
+                        _ => {
+                            eprintln!("kvedge query select: give --tokens or --hashes");
+                            return ExitCode::from(2);
+                        }
+                    }
+                    if let Some(r) = role {
+                        req["role"] = serde_json::json!(r);
+                    }
+                    if let Some(s) = session {
+                        req["session"] = serde_json::json!(s);
+                    }
+                    req
+                }
+                QueryCommand::PrefillDone { request_id } => {
+                    serde_json::json!({"op": "prefill_done", "request_id": request_id})
+                }
+                QueryCommand::Finish { request_id } => {
+                    serde_json::json!({"op": "finish", "request_id": request_id})
+                }
+            };
+            ask(&runtime_dir, &request)
+        }
+        Command::Workers { runtime_dir } => {
+            ask(&runtime_dir, &serde_json::json!({"op": "workers"}))
+        }
+        Command::Stats { runtime_dir } => ask(&runtime_dir, &serde_json::json!({"op": "stats"})),
+        Command::Hash {
+            block_size,
+            lora,
+            namespace,
+            tokens,
+        } => {
+            if block_size == 0 {
+                eprintln!("kvedge hash: --block-size must be positive");
+                return ExitCode::from(2);
+            }
+            let tokens = match parse_tokens(&tokens) {
+                Ok(t) => t,
+                Err(e) => {
+                    eprintln!("kvedge hash: {e}");
+                    return ExitCode::from(2);
+                }
+            };
+            let hashes = kvedge_shm::hash::sequence_hashes(
+                &tokens,
+                block_size,
+                lora.as_deref(),
+                namespace.as_deref(),
+            );
+            for h in hashes {
+                println!("{h}");
+            }
+            ExitCode::SUCCESS
+        }
+        Command::CheckConfig { file, json } => {
+            match Config::load_file(
+                &file,
+                &registry,
+                &SelectionOverrides::default().with_env_fallback(),
+            ) {
+                Ok(config) => {
+                    let rules = config.rules.as_ref().map_or(0, |r| r.rules.len());
+                    if json {
+                        println!("{{\"ok\": true, \"rules\": {rules}}}");
+                    } else {
+                        println!("{}: ok ({rules} rules)", file.display());
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    if json {
+                        println!(
+                            "{{\"error\": {{\"code\": \"config\", \"message\": {}}}}}",
+                            json_string(&e.to_string())
+                        );
+                    } else {
+                        eprintln!("{e}");
+                    }
+                    ExitCode::from(1)
+                }
+            }
+        }
+    }
+}
