@@ -27,15 +27,18 @@ impl Drop for Daemon {
 }
 
 fn start(name: &str) -> Daemon {
+    start_with(
+        name,
+        "daemon:\n  max_frame_bytes: 4096\n  ring_capacity: 1048576\n",
+    )
+}
+
+fn start_with(name: &str, yaml: &str) -> Daemon {
     let dir = std::env::temp_dir().join(format!("kvedge-it-{name}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("kvedge.yaml");
-    std::fs::write(
-        &config,
-        "daemon:\n  max_frame_bytes: 4096\n  ring_capacity: 1048576\n",
-    )
-    .unwrap();
+    std::fs::write(&config, yaml).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
         .args([
             "run",
@@ -274,4 +277,55 @@ fn a_second_daemon_is_refused_and_sigterm_cleans_up() {
     let status = d.child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
     assert!(!d.dir.join("query.sock").exists());
+}
+
+#[test]
+fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
+    // A 64 KiB ring: publishing 2,000 events of 40 blocks (1.6 MB) back to
+    // back overflows it (the daemon indexes an event slower than it is
+    // pushed).
+    let d = start_with("resync", "daemon:\n  ring_capacity: 65536\n");
+    let mut a = engine(&d.dir, 1);
+    let mut held: Vec<u64> = Vec::new();
+    for i in 0..2000u64 {
+        let hashes: Vec<u64> = (0..40).map(|k| (i << 8 | k) + 1).collect();
+        let _ = a
+            .publish_stored_hashes(Tier::Device, None, &hashes)
+            .unwrap();
+        held.extend(&hashes);
+        if i % 500 == 499 {
+            // The engine evicts some of what it stored.
+            let evict: Vec<u64> = held.drain(..40).collect();
+            let _ = a.publish_removed(Tier::Device, &evict).unwrap();
+        }
+    }
+    let dropped = a.dropped();
+    assert!(
+        dropped > 0,
+        "the ring must have overflowed for this test to mean anything"
+    );
+    let mut c = Client::connect(&d.dir);
+    let blocks =
+        |c: &mut Client| c.ask(json!({"op": "workers"}))["workers"][0]["device_blocks"].as_u64();
+    // The engine answers resync requests with its real state, until the
+    // daemon's view matches it exactly.
+    wait_for(
+        || {
+            let _ = a
+                .serve_resync(|p| {
+                    p.publish_cleared(None)?;
+                    for chunk in held.chunks(40) {
+                        p.publish_stored_hashes(Tier::Device, None, chunk)?;
+                        // Paced, so the snapshot fits the small ring (if it
+                        // does not, the daemon asks again).
+                        std::thread::sleep(Duration::from_micros(20));
+                    }
+                    Ok(())
+                })
+                .unwrap();
+            blocks(&mut c) == Some(held.len() as u64)
+        },
+        "the resynced view",
+    );
+    assert_eq!(blocks(&mut c), Some(held.len() as u64));
 }
