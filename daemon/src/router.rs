@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 
+use kvedge_policies::rules::{Outcome, RuleCandidate, RuleEngine, RulePolicy, RuleRequest};
 use kvedge_policies::{
     AffinityMode, CacheRow, CandidateRow, CandidateTable, OccupancyRow, RouterPlugins,
     RoutingPartition, SessionAffinityTable, SessionContext, WorkerInputs, WorkerSelectionContext,
@@ -53,12 +54,19 @@ pub enum RouterError {
     Selection(#[from] WorkerSelectionPolicyError),
     #[error(transparent)]
     Session(#[from] SessionIdError),
+    #[error("rule `{rule}` found no candidate and rejects the request")]
+    RejectedByRule { rule: String },
+    #[error("no rule matches the request")]
+    NoRuleMatched,
 }
 
 /// A routing query.
 #[derive(Clone, Copy, Debug)]
 pub struct SelectRequest<'a> {
     pub model: &'a str,
+    pub tenant: Option<&'a str>,
+    /// `type-degree` tags for the rule language.
+    pub tags: &'a [&'a str],
     pub role: WorkerType,
     /// The prompt's sequence hashes (full blocks, in order).
     pub hashes: &'a [u64],
@@ -74,8 +82,13 @@ pub struct SelectRequest<'a> {
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SelectResult {
     pub request_id: u64,
-    pub slot: Slot,
+    /// The chosen local worker, or `None` when a rule chose a provider.
+    pub slot: Option<Slot>,
     pub worker: WorkerWithDpRank,
+    /// Index of the chosen provider in the rule policy's `providers`.
+    pub provider: Option<usize>,
+    /// Index of the rule that decided, when rules are configured.
+    pub rule: Option<usize>,
     /// Device, host and disk prefix overlap, in blocks.
     pub overlap_blocks: [u32; 3],
     pub cost: f64,
@@ -94,6 +107,10 @@ pub struct Router {
     rows: Vec<Slot>,
     overlap: Overlap,
     next_request_id: u64,
+    rules: Option<RuleEngine>,
+    rule_policy: Option<std::sync::Arc<RulePolicy>>,
+    /// Retained (empty) buffer for the rule candidates of one request.
+    rule_buf: Vec<RuleCandidate<'static>>,
 }
 
 impl Router {
@@ -114,7 +131,22 @@ impl Router {
             rows: Vec::with_capacity(MAX_WORKERS),
             overlap: Overlap::default(),
             next_request_id: 1,
+            rules: None,
+            rule_policy: None,
+            rule_buf: Vec::new(),
         }
+    }
+
+    /// Routes with the rule language from now on.
+    pub fn set_rules(&mut self, policy: RulePolicy) {
+        let engine = RuleEngine::new(policy);
+        self.rule_policy = Some(engine.shared_policy());
+        self.rules = Some(engine);
+    }
+
+    /// The rule policy in use, if any.
+    pub fn rules(&self) -> Option<&RulePolicy> {
+        self.rules.as_ref().map(RuleEngine::policy)
     }
 
     /// A router with the built-in policy everywhere and hard affinity.
@@ -253,6 +285,16 @@ impl Router {
             }
         }
         if self.rows.is_empty() {
+            if self.rules.is_some() {
+                // Rules may consider other models or providers.
+                let block_size = self
+                    .workers
+                    .iter()
+                    .flatten()
+                    .find(|w| w.role == req.role)
+                    .map_or(16, |w| w.block_size);
+                return self.select_by_rules(req, self.next_request_id, block_size);
+            }
             return Err(RouterError::NoWorkers {
                 model: req.model.to_owned(),
                 role: req.role,
@@ -305,6 +347,9 @@ impl Router {
             ctx = ctx.with_pinned_worker(p);
         }
         let ctx = self.affinity.apply(ctx)?;
+        if ctx.pinned_worker().is_none() && self.rules.is_some() {
+            return self.select_by_rules(req, request_id, block_size);
+        }
         let selection = policy.select(&ctx, &self.table)?;
         let slot = self.rows[selection.row];
         let overlap_blocks = [
@@ -330,11 +375,156 @@ impl Router {
         }
         Ok(SelectResult {
             request_id,
-            slot,
+            slot: Some(slot),
             worker: selection.worker,
+            provider: None,
+            rule: None,
             overlap_blocks,
             cost: selection.cost,
         })
+    }
+
+    /// The rule language decides: local workers of the request's role (any
+    /// model: `consider` may pick another one) and the configured providers
+    /// are the candidates.
+    fn select_by_rules(
+        &mut self,
+        req: &SelectRequest<'_>,
+        request_id: u64,
+        block_size: u32,
+    ) -> Result<SelectResult, RouterError> {
+        let engine = self.rules.as_mut().expect("checked by the caller");
+        // Overlap for every available worker of the role.
+        let mut mask = 0u64;
+        for (i, w) in self.workers.iter().enumerate() {
+            if let Some(w) = w
+                && w.available
+                && w.role == req.role
+            {
+                mask |= 1u64 << i;
+            }
+        }
+        self.index.overlap(req.hashes, mask, &mut self.overlap);
+        // Reuse the retained allocation for this request's candidates.
+        let mut candidates: Vec<RuleCandidate<'_>> = std::mem::take(&mut self.rule_buf);
+        let mut slots = [None; MAX_WORKERS + 64];
+        for (i, w) in self.workers.iter().enumerate() {
+            let Some(w) = w else { continue };
+            if mask & (1u64 << i) == 0 {
+                continue;
+            }
+            let slot = Slot::new(i).expect("slot index below MAX_WORKERS");
+            let load = self.load.projected(slot);
+            let report = self.load.reported(slot);
+            let mut c = RuleCandidate::local(&w.model, w.worker);
+            c.role = Some(w.role.as_str());
+            c.kv_usage = (report.kv_total_blocks > 0)
+                .then(|| report.kv_used_blocks as f64 / report.kv_total_blocks as f64);
+            c.active_requests = Some(load.active_requests);
+            c.waiting_requests = Some(load.waiting_requests);
+            c.active_prefill_tokens = Some(load.active_prefill_tokens);
+            c.active_decode_blocks = Some(load.active_decode_blocks);
+            c.device_overlap_blocks = Some(self.overlap.get(slot, Tier::Device));
+            c.host_overlap_blocks = Some(self.overlap.get(slot, Tier::Host));
+            c.disk_overlap_blocks = Some(self.overlap.get(slot, Tier::Disk));
+            if candidates.len() < slots.len() {
+                slots[candidates.len()] = Some(Ok(slot));
+            }
+            candidates.push(c);
+        }
+        let policy = self.rule_policy.as_deref().expect("set with the engine");
+        for (p, spec) in policy.providers.iter().enumerate() {
+            for model in &spec.models {
+                if candidates.len() < slots.len() {
+                    slots[candidates.len()] = Some(Err(p));
+                }
+                let mut c = RuleCandidate::provider(&spec.name, model);
+                c.labels = &[];
+                candidates.push(c);
+            }
+        }
+        let rule_request = RuleRequest {
+            model: req.model,
+            tenant: req.tenant,
+            role: Some(req.role.as_str()),
+            prompt_tokens: req.prompt_tokens,
+            block_size: block_size.max(1),
+            session_id: req.session.map(|s| s.session_id()),
+            priority: 0,
+            headers: None,
+            tags: req.tags,
+        };
+        let decision = engine.decide(&rule_request, &candidates);
+        candidates.clear();
+        self.rule_buf = candidates
+            .into_iter()
+            .map(|_| unreachable!("empty"))
+            .collect();
+        let rule_name = |i: Option<usize>| {
+            i.and_then(|i| policy.rules.get(i))
+                .map(|r| r.name.clone())
+                .unwrap_or_default()
+        };
+        let chosen = match decision.outcome {
+            Outcome::Chosen(i) => slots.get(i).copied().flatten(),
+            Outcome::Rejected => {
+                return Err(RouterError::RejectedByRule {
+                    rule: rule_name(decision.rule),
+                });
+            }
+            Outcome::NoRuleMatched => return Err(RouterError::NoRuleMatched),
+        };
+        match chosen {
+            Some(Ok(slot)) => {
+                let w = self.workers[slot.index()]
+                    .as_ref()
+                    .expect("candidate is registered");
+                let worker = w.worker;
+                let overlap_blocks = [
+                    self.overlap.get(slot, Tier::Device),
+                    self.overlap.get(slot, Tier::Host),
+                    self.overlap.get(slot, Tier::Disk),
+                ];
+                if !req.dry_run {
+                    self.next_request_id += 1;
+                    let bs = u64::from(w.block_size);
+                    let uncached = u64::from(req.prompt_tokens)
+                        .saturating_sub(u64::from(overlap_blocks[0]) * bs);
+                    let blocks = u64::from(req.prompt_tokens).div_ceil(bs);
+                    self.load
+                        .reserve(request_id, slot, uncached, blocks, req.now_ms);
+                    if let Some(s) = req.session
+                        && !s.is_final()
+                    {
+                        self.affinity.bind(s.session_id(), worker, req.now_ms)?;
+                    }
+                }
+                Ok(SelectResult {
+                    request_id,
+                    slot: Some(slot),
+                    worker,
+                    provider: None,
+                    rule: decision.rule,
+                    overlap_blocks,
+                    cost: f64::NAN,
+                })
+            }
+            Some(Err(p)) => {
+                if !req.dry_run {
+                    self.next_request_id += 1;
+                }
+                Ok(SelectResult {
+                    request_id,
+                    slot: None,
+                    worker: WorkerWithDpRank::default(),
+                    provider: Some(p),
+                    rule: decision.rule,
+                    overlap_blocks: [0; 3],
+                    cost: f64::NAN,
+                })
+            }
+            None => Err(RouterError::NoRuleMatched),
+        }
     }
 
     /// (instance name, type name) serving `role`.

@@ -127,6 +127,10 @@ impl Server {
                 config.session_affinity.max_sessions,
             ),
         );
+        let mut router = router;
+        if let Some(rules) = config.rules.clone() {
+            router.set_rules(rules);
+        }
         Ok(Server {
             router,
             config,
@@ -556,8 +560,11 @@ impl Server {
             .session
             .as_deref()
             .map(|id| SessionContext::new(id, InputTrigger::UserMessage));
+        let tags: Vec<&str> = s.tags.iter().map(String::as_str).collect();
         let req = SelectRequest {
             model: &s.model,
+            tenant: s.tenant.as_deref(),
+            tags: &tags,
             role,
             hashes: &hashes,
             prompt_tokens,
@@ -566,23 +573,45 @@ impl Server {
             now_ms: self.now_ms(),
             dry_run: s.dry_run,
         };
-        let r = self
-            .router
-            .select(&req)
-            .map_err(|e| ("no_worker", e.to_string()))?;
+        let r = self.router.select(&req).map_err(|e| {
+            let code = match e {
+                crate::router::RouterError::RejectedByRule { .. } => "rejected",
+                crate::router::RouterError::NoRuleMatched => "no_rule",
+                crate::router::RouterError::Session(_) => "bad_request",
+                _ => "no_worker",
+            };
+            (code, e.to_string())
+        })?;
         self.selects += 1;
-        let w = self
-            .router
-            .worker(r.slot)
-            .expect("selected worker is registered");
+        let rules = self.router.rules();
+        let rule = r
+            .rule
+            .and_then(|i| rules.and_then(|p| p.rules.get(i)))
+            .map_or(Value::Null, |rule| json!(rule.name));
+        let (endpoint, provider) = match (r.slot, r.provider) {
+            (Some(slot), _) => (
+                self.router
+                    .worker(slot)
+                    .map(|w| w.endpoint.clone())
+                    .unwrap_or_default(),
+                Value::Null,
+            ),
+            (None, Some(p)) => {
+                let spec = &rules.expect("a provider comes from rules").providers[p];
+                (spec.endpoint.clone(), json!(spec.name))
+            }
+            (None, None) => (String::new(), Value::Null),
+        };
+        let local = r.slot.is_some();
         Ok(json!({
-            "worker_id": r.worker.worker_id,
-            "dp_rank": r.worker.dp_rank,
-            "endpoint": w.endpoint,
+            "worker_id": if local { json!(r.worker.worker_id) } else { Value::Null },
+            "dp_rank": if local { json!(r.worker.dp_rank) } else { Value::Null },
+            "provider": provider,
+            "endpoint": endpoint,
             "overlap_blocks": {"device": r.overlap_blocks[0], "host": r.overlap_blocks[1], "disk": r.overlap_blocks[2]},
             "cost": if r.cost.is_finite() { json!(r.cost) } else { Value::Null },
             "policy": self.router.policy_name(role).0,
-            "rule": Value::Null,
+            "rule": rule,
             "request_id": r.request_id,
         }))
     }
@@ -611,6 +640,9 @@ struct SelectQuery {
     hashes: Option<Vec<u64>>,
     prompt_tokens: Option<u32>,
     session: Option<String>,
+    tenant: Option<String>,
+    #[serde(default)]
+    tags: Vec<String>,
     lora: Option<String>,
     #[serde(default)]
     dry_run: bool,

@@ -329,3 +329,28 @@ fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
     );
     assert_eq!(blocks(&mut c), Some(held.len() as u64));
 }
+
+#[test]
+fn rules_from_the_config_answer_with_the_rule_and_provider() {
+    let d = start_with(
+        "rules",
+        "policy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
+    );
+    let mut a = engine(&d.dir, 1);
+    a.publish_load(&kvedge_shm::messages::Load::default())
+        .unwrap();
+    let mut c = Client::connect(&d.dir);
+    let local = json!({"op": "select", "model": "llama", "tokens": [1, 2, 3], "dry_run": true});
+    wait_for(|| c.ask(local.clone())["worker_id"] == 1, "the engine");
+    let r = c.ask(local.clone());
+    assert_eq!(r["rule"], "local");
+    let burst = json!({"op": "select", "model": "llama", "tokens": [1, 2, 3], "tenant": "burst"});
+    let r = c.ask(burst);
+    assert_eq!(
+        (r["rule"].as_str(), r["provider"].as_str()),
+        (Some("to-cloud"), Some("cloud"))
+    );
+    assert_eq!(r["endpoint"], "https://cloud.example");
+    assert!(r["worker_id"].is_null());
+    drop(a);
+}

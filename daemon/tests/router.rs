@@ -52,6 +52,8 @@ fn prompt(prefix: u32, len: u32) -> Vec<u32> {
 fn req<'a>(hashes: &'a [u64], tokens: u32) -> SelectRequest<'a> {
     SelectRequest {
         model: "llama",
+        tenant: None,
+        tags: &[],
         role: WorkerType::Aggregated,
         hashes,
         prompt_tokens: tokens,
@@ -107,6 +109,7 @@ fn selection_follows_the_published_prefixes_and_finish_restores_the_report() {
 
     // The reservation shows in A's projected load until finish.
     let projected = router.load.projected(a.slot);
+    assert_eq!(r.slot, Some(a.slot));
     assert_eq!(projected.active_requests, 4);
     assert_eq!(projected.active_prefill_tokens, 100 + (512 - 24 * 16));
     router.load.finish(r.request_id).unwrap();
@@ -253,4 +256,81 @@ fn a_warm_select_allocates_nothing() {
         }
     });
     assert_eq!(info.count_total, 0, "{info:?}");
+}
+
+const RULES: &str = "
+policy:
+  rules:
+    - name: pii-local
+      matches: [{ tag: pii-confirmed }]
+      route:
+        select: [{ type: Local, minimize: PredictedTTFT }]
+    - name: default
+      route:
+        consider: [{ backends: {} }, { providers: {} }]
+        exclude:
+          - drop: { activeRequests: { greaterThan: 4 } }
+        select:
+          - { type: Local, minimize: PredictedTTFT }
+          - { type: Provider, order: [cloud] }
+providers:
+  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }
+";
+
+#[test]
+fn rules_choose_between_local_workers_and_providers() {
+    let mut router = Router::with_defaults();
+    router.set_rules(kvedge_policies::rules::load(RULES).unwrap());
+    let mut a = engine(&mut router, 1);
+    let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    a.publisher
+        .publish_load(&Load {
+            active_requests: 1,
+            ..Load::default()
+        })
+        .unwrap();
+    ingest(&mut router, &mut a);
+    let r = router.select(&req(&hashes, 256)).unwrap();
+    assert_eq!(
+        (r.slot, r.rule, r.overlap_blocks[0]),
+        (Some(a.slot), Some(1), 16)
+    );
+    // Busy worker: excluded, so the provider tier decides.
+    a.publisher
+        .publish_load(&Load {
+            active_requests: 9,
+            ..Load::default()
+        })
+        .unwrap();
+    ingest(&mut router, &mut a);
+    let r = router.select(&req(&hashes, 256)).unwrap();
+    assert_eq!((r.slot, r.provider, r.rule), (None, Some(0), Some(1)));
+    // PII stays local, however busy.
+    let tags = ["pii-confirmed"];
+    let pii = SelectRequest {
+        tags: &tags,
+        ..req(&hashes, 256)
+    };
+    assert_eq!(router.select(&pii).unwrap().slot, Some(a.slot));
+    // Warm rule decisions allocate nothing either.
+    let dry = SelectRequest {
+        dry_run: true,
+        ..req(&hashes, 256)
+    };
+    router.select(&dry).unwrap();
+    let info = allocation_counter::measure(|| {
+        for _ in 0..100 {
+            std::hint::black_box(router.select(&dry).unwrap());
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+    router.unregister(a.slot);
+    let r = router.select(&pii);
+    assert!(
+        matches!(r, Err(RouterError::RejectedByRule { .. })),
+        "{r:?}"
+    );
 }

@@ -320,7 +320,7 @@ pub struct Decision {
 /// Runs a compiled policy. One per thread of decisions; keeps its buffers.
 #[derive(Debug)]
 pub struct RuleEngine {
-    policy: RulePolicy,
+    policy: std::sync::Arc<RulePolicy>,
     rng: PolicyRng,
     survivors: Vec<u32>,
     ranked: Vec<(f64, u32)>,
@@ -345,7 +345,7 @@ impl RuleEngine {
             None => Vec::new(),
         };
         RuleEngine {
-            policy,
+            policy: std::sync::Arc::new(policy),
             rng,
             survivors: Vec::new(),
             ranked: Vec::new(),
@@ -358,6 +358,12 @@ impl RuleEngine {
 
     pub fn policy(&self) -> &RulePolicy {
         &self.policy
+    }
+
+    /// The policy, shared: candidates built from it (provider names) can be
+    /// borrowed while the engine decides.
+    pub fn shared_policy(&self) -> std::sync::Arc<RulePolicy> {
+        std::sync::Arc::clone(&self.policy)
     }
 
     /// Adds the `length` classifier's tag to `tags` (if configured and
