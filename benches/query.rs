@@ -1,0 +1,200 @@
+//! The daemon over its sockets (issue 5's bars): a select round trip over
+//! `query.sock` with a client that spins on the socket and with one that
+//! blocks in `read`; 16 clients in parallel; and an engine's commit until
+//! the next select sees it. The server runs in a thread of this process
+//! (the same `Server` that `kvedge run` runs).
+//!
+//! `cargo bench --bench query`
+
+#![forbid(unsafe_code)]
+
+use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use kvedge_daemon::config::Config;
+use kvedge_daemon::server::{RuntimeDir, Server};
+use kvedge_policies::{SelectionOverrides, router_plugin_registry};
+use kvedge_shm::Publisher;
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Role, Tier};
+
+fn engine(dir: &std::path::Path, id: u64) -> Publisher {
+    let hello = Hello {
+        worker_id: id,
+        dp_rank: 0,
+        model: "llama".into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [1 << 20, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: format!("http://engine-{id}"),
+        ring_capacity: 0,
+    };
+    let (s, p) =
+        ProducerSession::connect(dir.join("control.sock"), &hello, Duration::from_secs(5)).unwrap();
+    Publisher::new(Some(s), p)
+}
+
+/// Sends a line and reads the reply, spinning on a non-blocking socket.
+fn ask_spinning(s: &mut UnixStream, line: &[u8], buf: &mut Vec<u8>) {
+    s.write_all(line).unwrap();
+    buf.clear();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match s.read(&mut chunk) {
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if buf.last() == Some(&b'\n') {
+                    return;
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => panic!("{e}"),
+        }
+    }
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    let dir = std::env::temp_dir().join(format!("kvedge-bench-query-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let config = Config::load(
+        "bench",
+        "{}",
+        &router_plugin_registry(),
+        &SelectionOverrides::default(),
+    )
+    .unwrap();
+    let rd = RuntimeDir {
+        dir: PathBuf::from(&dir),
+    };
+    let mut server = Server::bind(config, &rd).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let thread = std::thread::spawn(move || server.run(|| stop2.load(Ordering::Relaxed)).unwrap());
+
+    // 8 engines, each caching a different 2,048-token prompt.
+    let seed = kvedge_shm::hash::block_seed(None, None);
+    let mut engines: Vec<Publisher> = (0..8).map(|i| engine(&dir, i)).collect();
+    for (i, e) in engines.iter_mut().enumerate() {
+        let tokens: Vec<u32> = (0..2048).map(|t| i as u32 * 100_000 + t).collect();
+        e.publish_stored_tokens(Tier::Device, None, &tokens, 16, seed)
+            .unwrap();
+    }
+    let tokens: Vec<u32> = (0..2048).map(|t| 300_000 + t).collect();
+    let line = format!(
+        "{}\n",
+        serde_json::json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true})
+    );
+    // Wait until the index has everything.
+    let mut probe = UnixStream::connect(rd.query()).unwrap();
+    let mut reader = BufReader::new(probe.try_clone().unwrap());
+    loop {
+        probe.write_all(line.as_bytes()).unwrap();
+        let mut reply = String::new();
+        reader.read_line(&mut reply).unwrap();
+        if reply.contains("\"device\":128") {
+            break;
+        }
+    }
+
+    let mut g = c.benchmark_group("query");
+    g.warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(3));
+    let mut spinning = UnixStream::connect(rd.query()).unwrap();
+    spinning.set_nonblocking(true).unwrap();
+    let mut buf = Vec::new();
+    g.bench_function("select_2048_tokens_round_trip_spinning_client", |b| {
+        b.iter(|| ask_spinning(&mut spinning, line.as_bytes(), &mut buf))
+    });
+    let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+    let hash_line = format!(
+        "{}\n",
+        serde_json::json!({"op": "select", "model": "llama", "hashes": hashes, "prompt_tokens": 2048, "dry_run": true})
+    );
+    g.bench_function("select_128_hashes_round_trip_spinning_client", |b| {
+        b.iter(|| ask_spinning(&mut spinning, hash_line.as_bytes(), &mut buf))
+    });
+    g.bench_function("select_2048_tokens_round_trip_blocking_client", |b| {
+        b.iter(|| {
+            probe.write_all(line.as_bytes()).unwrap();
+            let mut reply = String::new();
+            reader.read_line(&mut reply).unwrap();
+        })
+    });
+
+    // 16 clients in parallel: throughput of the whole daemon.
+    g.throughput(Throughput::Elements(16 * 100));
+    g.bench_function("select_16_clients_x100", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let start = Instant::now();
+                let handles: Vec<_> = (0..16)
+                    .map(|_| {
+                        let path = rd.query();
+                        let line = line.clone();
+                        std::thread::spawn(move || {
+                            // Blocking clients: 16 spinning threads on this
+                            // 2-vCPU VM would take the daemon's CPU.
+                            let mut s = UnixStream::connect(path).unwrap();
+                            let mut r = BufReader::new(s.try_clone().unwrap());
+                            let mut reply = String::new();
+                            for _ in 0..100 {
+                                s.write_all(line.as_bytes()).unwrap();
+                                reply.clear();
+                                r.read_line(&mut reply).unwrap();
+                            }
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    h.join().unwrap();
+                }
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+
+    // Commit to visible: an engine stores a new block; a spinning client
+    // selects (dry run) until the overlap shows it.
+    g.throughput(Throughput::Elements(1));
+    let mut k = 0u64;
+    g.bench_function("engine_commit_to_visible_in_select", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let hash = 0xBEEF_0000_0000 + k;
+                let q = format!(
+                    "{}\n",
+                    serde_json::json!({"op": "select", "model": "llama", "hashes": [hash], "prompt_tokens": 16, "dry_run": true})
+                );
+                let start = Instant::now();
+                engines[0].publish_stored_hashes(Tier::Device, None, &[hash]).unwrap();
+                loop {
+                    ask_spinning(&mut spinning, q.as_bytes(), &mut buf);
+                    if buf.windows(10).any(|w| w == b"\"device\":1") {
+                        break;
+                    }
+                }
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    g.finish();
+    stop.store(true, Ordering::Relaxed);
+    drop(engines);
+    thread.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+    c.final_summary();
+}
