@@ -352,27 +352,7 @@ impl Router {
         }
         let selection = policy.select(&ctx, &self.table)?;
         let slot = self.rows[selection.row];
-        let overlap_blocks = [
-            self.overlap.get(slot, Tier::Device),
-            self.overlap.get(slot, Tier::Host),
-            self.overlap.get(slot, Tier::Disk),
-        ];
-        if !req.dry_run {
-            self.next_request_id += 1;
-            let cached_tokens = u64::from(overlap_blocks[0]) * u64::from(block_size);
-            let uncached = u64::from(req.prompt_tokens).saturating_sub(cached_tokens);
-            let blocks = u64::from(req.prompt_tokens).div_ceil(u64::from(block_size));
-            self.load
-                .reserve(request_id, slot, uncached, blocks, req.now_ms);
-            if let Some(s) = req.session {
-                if s.is_final() {
-                    self.affinity.end(s.session_id())?;
-                } else {
-                    self.affinity
-                        .bind(s.session_id(), selection.worker, req.now_ms)?;
-                }
-            }
-        }
+        let overlap_blocks = self.commit(req, request_id, slot)?;
         Ok(SelectResult {
             request_id,
             slot: Some(slot),
@@ -476,29 +456,11 @@ impl Router {
         };
         match chosen {
             Some(Ok(slot)) => {
-                let w = self.workers[slot.index()]
+                let worker = self.workers[slot.index()]
                     .as_ref()
-                    .expect("candidate is registered");
-                let worker = w.worker;
-                let overlap_blocks = [
-                    self.overlap.get(slot, Tier::Device),
-                    self.overlap.get(slot, Tier::Host),
-                    self.overlap.get(slot, Tier::Disk),
-                ];
-                if !req.dry_run {
-                    self.next_request_id += 1;
-                    let bs = u64::from(w.block_size);
-                    let uncached = u64::from(req.prompt_tokens)
-                        .saturating_sub(u64::from(overlap_blocks[0]) * bs);
-                    let blocks = u64::from(req.prompt_tokens).div_ceil(bs);
-                    self.load
-                        .reserve(request_id, slot, uncached, blocks, req.now_ms);
-                    if let Some(s) = req.session
-                        && !s.is_final()
-                    {
-                        self.affinity.bind(s.session_id(), worker, req.now_ms)?;
-                    }
-                }
+                    .expect("candidate is registered")
+                    .worker;
+                let overlap_blocks = self.commit(req, request_id, slot)?;
                 Ok(SelectResult {
                     request_id,
                     slot: Some(slot),
@@ -525,6 +487,43 @@ impl Router {
             }
             None => Err(RouterError::NoRuleMatched),
         }
+    }
+
+    /// The chosen worker's overlap; unless a dry run, reserves it for the
+    /// request and rebinds (or, on a final turn, ends) the session.
+    fn commit(
+        &mut self,
+        req: &SelectRequest<'_>,
+        request_id: u64,
+        slot: Slot,
+    ) -> Result<[u32; 3], RouterError> {
+        let overlap_blocks = [
+            self.overlap.get(slot, Tier::Device),
+            self.overlap.get(slot, Tier::Host),
+            self.overlap.get(slot, Tier::Disk),
+        ];
+        if req.dry_run {
+            return Ok(overlap_blocks);
+        }
+        let w = self.workers[slot.index()]
+            .as_ref()
+            .expect("chosen worker is registered");
+        let block_size = u64::from(w.block_size);
+        let worker = w.worker;
+        self.next_request_id += 1;
+        let cached_tokens = u64::from(overlap_blocks[0]) * block_size;
+        let uncached = u64::from(req.prompt_tokens).saturating_sub(cached_tokens);
+        let blocks = u64::from(req.prompt_tokens).div_ceil(block_size);
+        self.load
+            .reserve(request_id, slot, uncached, blocks, req.now_ms);
+        if let Some(s) = req.session {
+            if s.is_final() {
+                self.affinity.end(s.session_id())?;
+            } else {
+                self.affinity.bind(s.session_id(), worker, req.now_ms)?;
+            }
+        }
+        Ok(overlap_blocks)
     }
 
     /// (instance name, type name) serving `role`.

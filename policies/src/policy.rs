@@ -414,7 +414,7 @@ impl WorkerSelectionPolicy {
 /// compare-and-select. The failing row is located only on failure. An empty
 /// slice gives (0, 0).
 #[inline]
-fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
+pub(crate) fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
     const LANES: usize = 8;
     let mut poison = [0.0f64; LANES];
     let mut lo = [f64::INFINITY; LANES];

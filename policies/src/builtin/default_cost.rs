@@ -362,7 +362,7 @@ impl WorkerPicker for DefaultPicker {
 /// The row of lowest cost; exact ties are broken uniformly by one draw of
 /// the RNG (no draw without a tie). Costs must not be NaN.
 pub(crate) fn argmin_random_ties(costs: &[f64], rng: &mut PolicyRng) -> usize {
-    let (min, _) = min_max(costs);
+    let (min, _) = crate::policy::finite_range(costs).unwrap_or((f64::NAN, f64::NAN));
     nth_minimum(costs, min, rng)
 }
 
@@ -407,31 +407,6 @@ fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
         .filter(|(_, c)| **c == min)
         .nth(nth)
         .map_or(first, |(row, _)| row)
-}
-
-/// Minimum and maximum of NaN-free values, in eight independent lanes so
-/// the compares do not form one loop-carried chain (and vectorise).
-fn min_max(values: &[f64]) -> (f64, f64) {
-    let mut lo = [f64::INFINITY; 8];
-    let mut hi = [f64::NEG_INFINITY; 8];
-    let mut chunks = values.chunks_exact(8);
-    for c in &mut chunks {
-        for k in 0..8 {
-            lo[k] = if c[k] < lo[k] { c[k] } else { lo[k] };
-            hi[k] = if c[k] > hi[k] { c[k] } else { hi[k] };
-        }
-    }
-    for &c in chunks.remainder() {
-        lo[0] = if c < lo[0] { c } else { lo[0] };
-        hi[0] = if c > hi[0] { c } else { hi[0] };
-    }
-    let min = lo
-        .iter()
-        .fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
-    let max = hi
-        .iter()
-        .fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    (min, max)
 }
 
 /// Uniform draws tried before falling back to a full pass over the weights.
