@@ -9,5 +9,6 @@ pub mod cli;
 pub mod config;
 pub mod index;
 pub mod load;
+pub mod publish;
 pub mod router;
 pub mod server;

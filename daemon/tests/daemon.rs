@@ -354,3 +354,86 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     assert!(r["worker_id"].is_null());
     drop(a);
 }
+
+#[test]
+fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
+    let d = start("publish");
+    let events = d.dir.join("events.jsonl");
+    let tokens: Vec<u32> = (0..64).collect();
+    std::fs::write(
+        &events,
+        format!(
+            "{}\n{}\n{}\n",
+            json!({"stored": {"tokens": tokens}}),
+            json!({"stored": {"hashes": [11, 12], "tier": "host"}}),
+            json!({"load": {"active_requests": 2, "kv_total_blocks": 100}}),
+        ),
+    )
+    .unwrap();
+    let mut publish = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "publish",
+            "--worker-id",
+            "5",
+            "--model",
+            "llama",
+            "--endpoint",
+            "http://five",
+            "--events",
+            events.to_str().unwrap(),
+            "--hold",
+            "30",
+            "--runtime-dir",
+            d.dir.to_str().unwrap(),
+        ])
+        .stdin(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut c = Client::connect(&d.dir);
+    let q = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
+    wait_for(
+        || c.ask(q.clone())["overlap_blocks"]["device"] == 4,
+        "the published blocks",
+    );
+    let r = c.ask(q.clone());
+    assert_eq!(
+        (r["worker_id"].as_u64(), r["endpoint"].as_str()),
+        (Some(5), Some("http://five"))
+    );
+    let workers = c.ask(json!({"op": "workers"}));
+    assert_eq!(workers["workers"][0]["active_requests"], 2);
+    publish.kill().unwrap();
+    publish.wait().unwrap();
+    wait_for(
+        || c.ask(q.clone())["error"]["code"] == "no_worker",
+        "the engine to leave",
+    );
+    // A bad events file: a clear error naming the line.
+    std::fs::write(
+        &events,
+        "{\"stored\": {\"tokens\": [1]}}\n{\"sotred\": {}}\n",
+    )
+    .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "publish",
+            "--worker-id",
+            "6",
+            "--model",
+            "llama",
+            "--events",
+            events.to_str().unwrap(),
+            "--hold",
+            "0",
+            "--runtime-dir",
+            d.dir.to_str().unwrap(),
+        ])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("events.jsonl:2: unknown variant `sotred`"),
+        "{err}"
+    );
+}

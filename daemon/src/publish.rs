@@ -1,0 +1,239 @@
+//! `kvedge publish`: a command-line engine. It registers over the control
+//! socket, publishes the KV events of a JSON-lines file through its ring,
+//! then holds the registration, answering resync requests from what it
+//! published, until stdin closes or the hold time passes. For trying
+//! policies by hand and for scripted tests.
+
+use std::collections::BTreeSet;
+use std::io::BufRead;
+use std::path::PathBuf;
+use std::time::{Duration, Instant};
+
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Load, Role, Tier};
+use kvedge_shm::{PublishError, Publisher};
+use serde::Deserialize;
+
+/// The command's arguments.
+#[derive(Debug)]
+pub struct PublishArgs {
+    pub worker_id: u64,
+    pub model: String,
+    pub dp_rank: u32,
+    pub role: String,
+    pub block_size: u32,
+    pub endpoint: String,
+    pub events: PathBuf,
+    pub hold: Option<f64>,
+    pub runtime_dir: PathBuf,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+enum Line {
+    Stored(Stored),
+    Removed(Removed),
+    Cleared(Cleared),
+    Load(LoadLine),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Stored {
+    tokens: Option<Vec<u32>>,
+    hashes: Option<Vec<u64>>,
+    #[serde(default)]
+    parent: Option<u64>,
+    #[serde(default)]
+    tier: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Removed {
+    hashes: Vec<u64>,
+    #[serde(default)]
+    tier: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Cleared {
+    #[serde(default)]
+    tier: Option<String>,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+struct LoadLine {
+    active_requests: u32,
+    waiting_requests: u32,
+    active_prefill_tokens: u64,
+    active_decode_blocks: u64,
+    kv_used_blocks: u64,
+    kv_total_blocks: u64,
+}
+
+fn tier(name: Option<&str>) -> Result<Tier, String> {
+    match name.unwrap_or("device") {
+        "device" => Ok(Tier::Device),
+        "host" => Ok(Tier::Host),
+        "disk" => Ok(Tier::Disk),
+        other => Err(format!("unknown tier `{other}` (device, host, disk)")),
+    }
+}
+
+/// What this engine holds, per tier, to answer a resync.
+#[derive(Default)]
+struct Held([BTreeSet<u64>; 3]);
+
+/// Runs the command.
+pub fn run(args: PublishArgs) -> Result<(), String> {
+    let role = match args.role.as_str() {
+        "aggregated" => Role::Aggregated,
+        "prefill" => Role::Prefill,
+        "decode" => Role::Decode,
+        "encode" => Role::Encode,
+        other => return Err(format!("unknown role `{other}`")),
+    };
+    if args.block_size == 0 {
+        return Err("--block-size must be positive".into());
+    }
+    let file =
+        std::fs::File::open(&args.events).map_err(|e| format!("{}: {e}", args.events.display()))?;
+    let hello = Hello {
+        worker_id: args.worker_id,
+        dp_rank: args.dp_rank,
+        model: args.model,
+        role,
+        block_size: args.block_size,
+        kv_blocks: [0, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: args.endpoint,
+        ring_capacity: 0,
+    };
+    let control = args.runtime_dir.join("control.sock");
+    let (session, producer) = ProducerSession::connect(&control, &hello, Duration::from_secs(5))
+        .map_err(|e| format!("{}: {e}", control.display()))?;
+    let mut publisher = Publisher::new(Some(session), producer);
+    let mut held = Held::default();
+    let publish_err = |e: PublishError| e.to_string();
+    for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
+        let line = line.map_err(|e| e.to_string())?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let at = |m: String| format!("{}:{}: {m}", args.events.display(), n + 1);
+        let parsed: Line = serde_json::from_str(&line).map_err(|e| at(e.to_string()))?;
+        match parsed {
+            Line::Stored(s) => {
+                let t = tier(s.tier.as_deref()).map_err(at)?;
+                let hashes = match (s.tokens, s.hashes) {
+                    (Some(tokens), None) => kvedge_shm::hash::sequence_hashes(
+                        &tokens,
+                        hello.block_size as usize,
+                        None,
+                        None,
+                    ),
+                    (None, Some(h)) => h,
+                    _ => {
+                        return Err(at(
+                            "`stored` takes exactly one of `tokens` and `hashes`".into()
+                        ));
+                    }
+                };
+                publisher
+                    .publish_stored_hashes(t, s.parent, &hashes)
+                    .map_err(publish_err)?;
+                held.0[t as usize].extend(hashes);
+            }
+            Line::Removed(r) => {
+                let t = tier(r.tier.as_deref()).map_err(at)?;
+                publisher
+                    .publish_removed(t, &r.hashes)
+                    .map_err(publish_err)?;
+                for h in &r.hashes {
+                    held.0[t as usize].remove(h);
+                }
+            }
+            Line::Cleared(c) => {
+                let t = c
+                    .tier
+                    .as_deref()
+                    .map(|t| tier(Some(t)))
+                    .transpose()
+                    .map_err(at)?;
+                publisher.publish_cleared(t).map_err(publish_err)?;
+                match t {
+                    Some(t) => held.0[t as usize].clear(),
+                    None => held = Held::default(),
+                }
+            }
+            Line::Load(l) => {
+                publisher
+                    .publish_load(&Load {
+                        active_requests: l.active_requests,
+                        waiting_requests: l.waiting_requests,
+                        active_prefill_tokens: l.active_prefill_tokens,
+                        active_decode_blocks: l.active_decode_blocks,
+                        kv_used_blocks: l.kv_used_blocks,
+                        kv_total_blocks: l.kv_total_blocks,
+                        timestamp_ns: 0,
+                    })
+                    .map_err(publish_err)?;
+            }
+        }
+    }
+    // Hold: answer resync requests; heartbeat once a second.
+    let start = Instant::now();
+    let mut last_beat = Instant::now();
+    loop {
+        if let Some(secs) = args.hold {
+            if start.elapsed().as_secs_f64() >= secs {
+                return Ok(());
+            }
+        } else if stdin_closed() {
+            return Ok(());
+        }
+        publisher
+            .serve_resync(|p| {
+                p.publish_cleared(None)?;
+                for (t, set) in Tier::ALL.iter().zip(&held.0) {
+                    let all: Vec<u64> = set.iter().copied().collect();
+                    for chunk in all.chunks(64) {
+                        p.publish_stored_hashes(*t, None, chunk)?;
+                    }
+                }
+                Ok(())
+            })
+            .map_err(|e| e.to_string())?;
+        if last_beat.elapsed() >= Duration::from_secs(1) {
+            let _ = publisher.heartbeat(0);
+            last_beat = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// True once stdin reached end of file (a closed pipe or terminal).
+fn stdin_closed() -> bool {
+    use rustix::event::{PollFd, PollFlags};
+    let stdin = std::io::stdin();
+    let mut fds = [PollFd::new(&stdin, PollFlags::IN)];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    if rustix::event::poll(&mut fds, Some(&zero)).unwrap_or(0) == 0 {
+        return false;
+    }
+    let revents = fds[0].revents();
+    if revents.contains(PollFlags::HUP) || revents.contains(PollFlags::NVAL) {
+        return true;
+    }
+    // Readable: EOF only if a read returns nothing.
+    let mut buf = [0u8; 256];
+    matches!(rustix::io::read(&stdin, &mut buf), Ok(0))
+}
