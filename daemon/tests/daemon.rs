@@ -402,12 +402,15 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
     );
     let workers = c.ask(json!({"op": "workers"}));
     assert_eq!(workers["workers"][0]["active_requests"], 2);
+    // SIGKILL: the kernel closes its control connection; its blocks stop
+    // counting at once.
     publish.kill().unwrap();
     publish.wait().unwrap();
-    wait_for(
+    let gone = wait_for(
         || c.ask(q.clone())["error"]["code"] == "no_worker",
         "the engine to leave",
     );
+    assert!(gone < Duration::from_millis(100), "took {gone:?}");
     // A bad events file: a clear error naming the line.
     std::fs::write(
         &events,
