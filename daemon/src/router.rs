@@ -10,7 +10,9 @@
 
 use std::collections::HashMap;
 
-use kvedge_policies::rules::{Outcome, RuleCandidate, RuleEngine, RulePolicy, RuleRequest};
+use kvedge_policies::rules::{
+    Outcome, PrefillThroughputEstimator, RuleCandidate, RuleEngine, RulePolicy, RuleRequest,
+};
 use kvedge_policies::{
     AffinityMode, CacheRow, CandidateRow, CandidateTable, OccupancyRow, RouterPlugins,
     RoutingPartition, SessionAffinityTable, SessionContext, WorkerInputs, WorkerSelectionContext,
@@ -109,6 +111,10 @@ pub struct Router {
     next_request_id: u64,
     rules: Option<RuleEngine>,
     rule_policy: Option<std::sync::Arc<RulePolicy>>,
+    /// Per slot: learned prefill throughput, and prompt tokens admitted
+    /// since the last load report.
+    throughput: [PrefillThroughputEstimator; MAX_WORKERS],
+    admitted_tokens: [u64; MAX_WORKERS],
     /// Retained (empty) buffer for the rule candidates of one request.
     rule_buf: Vec<RuleCandidate<'static>>,
 }
@@ -133,6 +139,8 @@ impl Router {
             next_request_id: 1,
             rules: None,
             rule_policy: None,
+            throughput: [PrefillThroughputEstimator::default(); MAX_WORKERS],
+            admitted_tokens: [0; MAX_WORKERS],
             rule_buf: Vec::new(),
         }
     }
@@ -182,6 +190,8 @@ impl Router {
         // A fresh slot starts clean (a previous occupant was unregistered).
         self.index.remove_worker(slot);
         self.load.remove_worker(slot);
+        self.throughput[free] = PrefillThroughputEstimator::default();
+        self.admitted_tokens[free] = 0;
         self.workers[free] = Some(info);
         Ok(slot)
     }
@@ -238,17 +248,27 @@ impl Router {
                 let tier = c.tier.as_ref().map(|t| t.to_native());
                 self.index.clear(slot, tier);
             }
-            EventRef::Load(l) => self.load.report(
-                slot,
-                LoadReport {
-                    active_requests: l.active_requests.to_native(),
-                    waiting_requests: l.waiting_requests.to_native(),
-                    active_prefill_tokens: l.active_prefill_tokens.to_native(),
-                    active_decode_blocks: l.active_decode_blocks.to_native(),
-                    kv_used_blocks: l.kv_used_blocks.to_native(),
-                    kv_total_blocks: l.kv_total_blocks.to_native(),
-                },
-            ),
+            EventRef::Load(l) => {
+                // Learn the worker's prefill speed from its reports (engine
+                // clock) and the prompt tokens admitted to it in between.
+                let i = slot.index();
+                self.throughput[i].observe(
+                    l.timestamp_ns.to_native() / 1_000_000,
+                    l.active_prefill_tokens.to_native(),
+                    std::mem::take(&mut self.admitted_tokens[i]),
+                );
+                self.load.report(
+                    slot,
+                    LoadReport {
+                        active_requests: l.active_requests.to_native(),
+                        waiting_requests: l.waiting_requests.to_native(),
+                        active_prefill_tokens: l.active_prefill_tokens.to_native(),
+                        active_decode_blocks: l.active_decode_blocks.to_native(),
+                        kv_used_blocks: l.kv_used_blocks.to_native(),
+                        kv_total_blocks: l.kv_total_blocks.to_native(),
+                    },
+                )
+            }
             EventRef::Heartbeat(_) | EventRef::SnapshotBegin(_) | EventRef::SnapshotEnd(_) => {}
         }
     }
@@ -407,6 +427,7 @@ impl Router {
             c.device_overlap_blocks = Some(self.overlap.get(slot, Tier::Device));
             c.host_overlap_blocks = Some(self.overlap.get(slot, Tier::Host));
             c.disk_overlap_blocks = Some(self.overlap.get(slot, Tier::Disk));
+            c.prefill_tokens_per_second = self.throughput[i].tokens_per_second();
             if candidates.len() < slots.len() {
                 slots[candidates.len()] = Some(Ok(slot));
             }
@@ -516,6 +537,7 @@ impl Router {
         let blocks = u64::from(req.prompt_tokens).div_ceil(block_size);
         self.load
             .reserve(request_id, slot, uncached, blocks, req.now_ms);
+        self.admitted_tokens[slot.index()] += uncached;
         if let Some(s) = req.session {
             if s.is_final() {
                 self.affinity.end(s.session_id())?;

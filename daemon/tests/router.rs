@@ -334,3 +334,34 @@ fn rules_choose_between_local_workers_and_providers() {
         "{r:?}"
     );
 }
+
+#[test]
+fn rules_use_the_prefill_speed_learned_from_load_reports() {
+    let mut router = Router::with_defaults();
+    router.set_rules(
+        kvedge_policies::rules::load(
+            "policy:\n  rules:\n    - name: fastest\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\n",
+        )
+        .unwrap(),
+    );
+    let mut a = engine(&mut router, 1);
+    let mut b = engine(&mut router, 2);
+    // Both work through a 10,000-token backlog; A drains 1,000 tokens in a
+    // second, B all of it.
+    for (e, after) in [(&mut a, 9_000u64), (&mut b, 1)] {
+        for (t, backlog) in [(0u64, 10_000u64), (1_000, after), (2_000, 5_000)] {
+            e.publisher
+                .publish_load(&Load {
+                    active_prefill_tokens: backlog,
+                    timestamp_ns: t * 1_000_000,
+                    ..Load::default()
+                })
+                .unwrap();
+        }
+        ingest(&mut router, e);
+    }
+    // Same backlog now (5,000 each): the faster worker wins.
+    let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
+    let r = router.select(&req(&hashes, 256)).unwrap();
+    assert_eq!(r.worker.worker_id, 2);
+}
