@@ -65,9 +65,10 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     let dir = std::env::temp_dir().join(format!("kvedge-bench-query-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
+    // The bench's engines send no heartbeats: keep them available.
     let config = Config::load(
         "bench",
-        "{}",
+        "daemon:\n  heartbeat_timeout_ms: 86400000\n",
         &router_plugin_registry(),
         &SelectionOverrides::default(),
     )
@@ -122,6 +123,17 @@ fn main() {
     g.bench_function("select_128_hashes_round_trip_spinning_client", |b| {
         b.iter(|| ask_spinning(&mut spinning, hash_line.as_bytes(), &mut buf))
     });
+    let mut wire = kvedge_daemon::wire::Client::connect(rd.query()).unwrap();
+    if let Err(e) = wire.select_hashes("llama", 0, &hashes, 2048, true).unwrap() {
+        panic!("binary select failed: {e:?}");
+    }
+    g.bench_function("binary_select_128_hashes_round_trip_blocking_client", |b| {
+        b.iter(|| {
+            wire.select_hashes("llama", 0, &hashes, 2048, true)
+                .unwrap()
+                .unwrap()
+        })
+    });
     g.bench_function("select_2048_tokens_round_trip_blocking_client", |b| {
         b.iter(|| {
             probe.write_all(line.as_bytes()).unwrap();
@@ -132,6 +144,33 @@ fn main() {
 
     // 16 clients in parallel: throughput of the whole daemon.
     g.throughput(Throughput::Elements(16 * 100));
+    g.bench_function("binary_select_16_clients_x100", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                let start = Instant::now();
+                let handles: Vec<_> = (0..16)
+                    .map(|_| {
+                        let path = rd.query();
+                        let hashes = hashes.clone();
+                        std::thread::spawn(move || {
+                            let mut c = kvedge_daemon::wire::Client::connect(path).unwrap();
+                            for _ in 0..100 {
+                                c.select_hashes("llama", 0, &hashes, 2048, true)
+                                    .unwrap()
+                                    .unwrap();
+                            }
+                        })
+                    })
+                    .collect();
+                for h in handles {
+                    h.join().unwrap();
+                }
+                total += start.elapsed();
+            }
+            total
+        })
+    });
     g.bench_function("select_16_clients_x100", |b| {
         b.iter_custom(|iters| {
             let mut total = Duration::ZERO;

@@ -12,3 +12,4 @@ pub mod load;
 pub mod publish;
 pub mod router;
 pub mod server;
+pub mod wire;

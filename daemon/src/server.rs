@@ -85,10 +85,19 @@ struct Engine {
     readable: bool,
 }
 
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// Not decided yet: fewer than 4 bytes that could still be the magic.
+    Unknown,
+    Json,
+    Binary,
+}
+
 struct Client {
     stream: UnixStream,
     buf: Vec<u8>,
     readable: bool,
+    mode: Mode,
 }
 
 /// The daemon.
@@ -103,6 +112,9 @@ pub struct Server {
     epoch: u64,
     selects: u64,
     errors: u64,
+    /// Retained buffers of the binary protocol.
+    reply: Vec<u8>,
+    hashes: Vec<u64>,
 }
 
 impl std::fmt::Debug for Server {
@@ -145,6 +157,8 @@ impl Server {
             epoch: 0,
             selects: 0,
             errors: 0,
+            reply: Vec::with_capacity(4096),
+            hashes: Vec::with_capacity(4096),
         })
     }
 
@@ -337,6 +351,7 @@ impl Server {
                         stream,
                         buf: Vec::with_capacity(4096),
                         readable: true,
+                        mode: Mode::Unknown,
                     });
                 }
                 Err(_) => return any,
@@ -445,7 +460,25 @@ impl Server {
                     }
                 }
             }
-            while let Some(pos) = self.clients[i].buf.iter().position(|&b| b == b'\n') {
+            {
+                let c = &mut self.clients[i];
+                if c.mode == Mode::Unknown && !c.buf.is_empty() {
+                    if c.buf.starts_with(crate::wire::MAGIC) {
+                        c.mode = Mode::Binary;
+                        c.buf.drain(..crate::wire::MAGIC.len());
+                    } else if c.buf.len() >= crate::wire::MAGIC.len()
+                        || !crate::wire::MAGIC.starts_with(&c.buf)
+                    {
+                        c.mode = Mode::Json;
+                    }
+                }
+            }
+            if self.clients[i].mode == Mode::Binary {
+                closed |= self.serve_binary(i, limit);
+            }
+            while self.clients[i].mode == Mode::Json
+                && let Some(pos) = self.clients[i].buf.iter().position(|&b| b == b'\n')
+            {
                 let line: Vec<u8> = self.clients[i].buf.drain(..=pos).collect();
                 let reply = self.handle(&line[..line.len() - 1]);
                 let mut out = reply.to_string();
@@ -471,6 +504,172 @@ impl Server {
             }
         }
         any
+    }
+
+    /// Answers every complete binary frame of client `i`; returns whether the
+    /// connection must close.
+    fn serve_binary(&mut self, i: usize, limit: usize) -> bool {
+        let mut buf = std::mem::take(&mut self.clients[i].buf);
+        let mut out = std::mem::take(&mut self.reply);
+        let mut closed = false;
+        let mut consumed = 0;
+        loop {
+            let rest = &buf[consumed..];
+            if rest.len() < 4 {
+                break;
+            }
+            let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
+            out.clear();
+            if len > limit {
+                crate::wire::write_error(
+                    &mut out,
+                    crate::wire::status::FRAME_TOO_LARGE,
+                    &format!("a frame is longer than {limit} bytes"),
+                );
+                let _ = write_reply(&mut self.clients[i].stream, &out);
+                closed = true;
+                break;
+            }
+            if rest.len() < 4 + len {
+                break;
+            }
+            self.handle_binary(&rest[4..4 + len], &mut out);
+            consumed += 4 + len;
+            if write_reply(&mut self.clients[i].stream, &out).is_err() {
+                closed = true;
+                break;
+            }
+        }
+        buf.drain(..consumed);
+        self.clients[i].buf = buf;
+        self.reply = out;
+        closed
+    }
+
+    fn handle_binary(&mut self, body: &[u8], out: &mut Vec<u8>) {
+        use crate::wire::{Ids, Request, SelectReply, status};
+        let request = match crate::wire::parse_request(body) {
+            Ok(r) => r,
+            Err((code, message)) => {
+                self.errors += 1;
+                crate::wire::write_error(out, code, message);
+                return;
+            }
+        };
+        let result = match request {
+            Request::PrefillDone(id) => self.router.load.prefill_done(id),
+            Request::Finish(id) => self.router.load.finish(id),
+            Request::Select {
+                dry_run,
+                role,
+                model,
+                session,
+                prompt_tokens,
+                ids,
+            } => {
+                let Some(role) = WorkerType::ALL.get(usize::from(role)).copied() else {
+                    self.errors += 1;
+                    crate::wire::write_error(out, status::BAD_REQUEST, "unknown role");
+                    return;
+                };
+                let mut hashes = std::mem::take(&mut self.hashes);
+                hashes.clear();
+                let tokens_given = match ids {
+                    Ids::Hashes(bytes) => {
+                        hashes.extend(
+                            bytes
+                                .chunks_exact(8)
+                                .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))),
+                        );
+                        hashes.len() as u32 * 16
+                    }
+                    Ids::Tokens(bytes) => {
+                        let tokens: Vec<u32> = bytes
+                            .chunks_exact(4)
+                            .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
+                            .collect();
+                        let bs = self
+                            .router
+                            .workers()
+                            .find(|(_, w)| w.model == model && w.role == role)
+                            .map_or(16, |(_, w)| w.block_size as usize);
+                        hashes.extend(kvedge_shm::hash::sequence_hashes(&tokens, bs, None, None));
+                        tokens.len() as u32
+                    }
+                };
+                let req = SelectRequest {
+                    model,
+                    tenant: None,
+                    tags: &[],
+                    role,
+                    hashes: &hashes,
+                    prompt_tokens: if prompt_tokens > 0 {
+                        prompt_tokens
+                    } else {
+                        tokens_given
+                    },
+                    session: session.map(|s| SessionContext::new(s, InputTrigger::UserMessage)),
+                    pinned: None,
+                    now_ms: self.started.elapsed().as_millis() as u64,
+                    dry_run,
+                };
+                let r = self.router.select(&req);
+                self.hashes = hashes;
+                match r {
+                    Ok(r) => {
+                        self.selects += 1;
+                        let (endpoint, provider) = match (r.slot, r.provider) {
+                            (Some(slot), _) => (
+                                self.router
+                                    .worker(slot)
+                                    .map(|w| w.endpoint.as_str())
+                                    .unwrap_or(""),
+                                false,
+                            ),
+                            (None, Some(p)) => (
+                                self.router
+                                    .rules()
+                                    .map(|rules| rules.providers[p].endpoint.as_str())
+                                    .unwrap_or(""),
+                                true,
+                            ),
+                            (None, None) => ("", false),
+                        };
+                        crate::wire::write_select_reply(
+                            out,
+                            &SelectReply {
+                                worker_id: r.worker.worker_id,
+                                dp_rank: r.worker.dp_rank,
+                                request_id: r.request_id,
+                                cost: r.cost,
+                                overlap_blocks: r.overlap_blocks,
+                                provider,
+                                endpoint: endpoint.to_owned(),
+                            },
+                        );
+                        return;
+                    }
+                    Err(e) => {
+                        self.errors += 1;
+                        let code = match e {
+                            crate::router::RouterError::RejectedByRule { .. } => status::REJECTED,
+                            crate::router::RouterError::NoRuleMatched => status::NO_RULE,
+                            crate::router::RouterError::Session(_) => status::BAD_REQUEST,
+                            _ => status::NO_WORKER,
+                        };
+                        crate::wire::write_error(out, code, &e.to_string());
+                        return;
+                    }
+                }
+            }
+        };
+        match result {
+            Ok(_) => crate::wire::write_frame(out, status::OK, |_| {}),
+            Err(e) => {
+                self.errors += 1;
+                crate::wire::write_error(out, status::UNKNOWN_REQUEST, &e.to_string());
+            }
+        }
     }
 
     fn sleep(&mut self, timeout: Duration) {

@@ -440,3 +440,93 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
         "{err}"
     );
 }
+
+#[test]
+fn the_binary_protocol_answers_and_survives_bad_frames() {
+    use kvedge_daemon::wire::{self, Client as Wire, status};
+    let d = start("binary");
+    let mut a = engine(&d.dir, 1);
+    let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
+    a.publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    let mut w = Wire::connect(d.dir.join("query.sock")).unwrap();
+    wait_for(
+        || {
+            w.select_hashes("llama", 0, &hashes, 256, true)
+                .unwrap()
+                .is_ok_and(|r| r.overlap_blocks[0] == 16)
+        },
+        "the blocks",
+    );
+    let r = w
+        .select_hashes("llama", 0, &hashes, 256, false)
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (r.worker_id, r.endpoint.as_str(), r.provider),
+        (1, "http://engine-1", false)
+    );
+    assert_eq!(w.finish(r.request_id).unwrap(), Ok(()));
+    assert_eq!(
+        w.finish(r.request_id).unwrap().unwrap_err().0,
+        status::UNKNOWN_REQUEST
+    );
+    let err = w
+        .select_hashes("nope", 0, &hashes, 256, true)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.0, status::NO_WORKER);
+
+    // Bad frames: each gets its error, and the connection keeps working.
+    let frame = |op: u16, version: u16, payload: &[u8]| {
+        let mut out = Vec::new();
+        let mut f = Vec::new();
+        f.extend_from_slice(&op.to_le_bytes());
+        f.extend_from_slice(&version.to_le_bytes());
+        f.extend_from_slice(payload);
+        out.extend_from_slice(&(f.len() as u32).to_le_bytes());
+        out.extend_from_slice(&f);
+        out
+    };
+    let cases = [
+        (frame(wire::op::SELECT, 9, &[]), status::UNSUPPORTED_VERSION),
+        (frame(77, wire::VERSION, &[]), status::UNKNOWN_OP),
+        (
+            frame(wire::op::SELECT, wire::VERSION, &[0, 0, 200, 0]),
+            status::BAD_REQUEST,
+        ),
+        (
+            frame(wire::op::FINISH, wire::VERSION, &[1, 2, 3]),
+            status::BAD_REQUEST,
+        ),
+        (
+            frame(
+                wire::op::SELECT,
+                wire::VERSION,
+                &[0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            ),
+            status::BAD_REQUEST,
+        ),
+    ];
+    for (bytes, expected) in cases {
+        let (code, _) = w.raw(&bytes).unwrap();
+        assert_eq!(code, expected);
+        assert!(
+            w.select_hashes("llama", 0, &hashes, 256, true)
+                .unwrap()
+                .is_ok()
+        );
+    }
+    // A giant length: that connection is answered and closed, others go on.
+    let mut giant = Wire::connect(d.dir.join("query.sock")).unwrap();
+    let (code, _) = giant.raw(&u32::MAX.to_le_bytes()).unwrap();
+    assert_eq!(code, status::FRAME_TOO_LARGE);
+    let mut json = Client::connect(&d.dir);
+    assert_eq!(json.ask(json!({"op": "stats"}))["workers"], 1);
+    assert!(
+        w.select_hashes("llama", 0, &hashes, 256, true)
+            .unwrap()
+            .is_ok()
+    );
+    drop(a);
+}

@@ -1,0 +1,303 @@
+//! The binary query protocol, for programs (people and scripts use JSON
+//! lines on the same socket). A connection that starts with the 4 bytes
+//! `KVE1` speaks it; anything else is JSON lines.
+//!
+//! Every frame, both ways: `len: u32 | op or status: u16 | version: u16 |
+//! payload`, little-endian, where `len` counts everything after itself.
+//!
+//! | op | request payload | reply payload (status 0) |
+//! |---|---|---|
+//! | 1 select | `flags: u8` (bit 0 dry run, bit 1 ids are token ids rather than sequence hashes), `role: u8` (0 aggregated, 1 prefill, 2 decode, 3 encode), `model_len: u16`, model, `session_len: u16`, session (0 = none), `prompt_tokens: u32` (0 = from the ids), `count: u32`, then `count` ids (`u32` tokens or `u64` hashes) | `worker_id: u64`, `dp_rank: u32`, `request_id: u64`, `cost: f64` (NaN: none), overlap `device, host, disk: u32`, `flags: u8` (bit 0: a provider, not a worker), `endpoint_len: u16`, endpoint |
+//! | 2 prefill_done | `request_id: u64` | empty |
+//! | 3 finish | `request_id: u64` | empty |
+//!
+//! A non-zero status is an error, its payload the message (UTF-8). Status
+//! codes are in [`status`]. A frame longer than the daemon's
+//! `max_frame_bytes` gets `FRAME_TOO_LARGE` and the connection is closed;
+//! any other bad frame gets its error and the connection stays usable.
+
+use std::io::{self, Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+
+/// First bytes of a binary connection.
+pub const MAGIC: &[u8; 4] = b"KVE1";
+/// Protocol version in every frame.
+pub const VERSION: u16 = 1;
+
+/// Request operations.
+pub mod op {
+    pub const SELECT: u16 = 1;
+    pub const PREFILL_DONE: u16 = 2;
+    pub const FINISH: u16 = 3;
+}
+
+/// Reply statuses.
+pub mod status {
+    pub const OK: u16 = 0;
+    pub const BAD_REQUEST: u16 = 1;
+    pub const NO_WORKER: u16 = 2;
+    pub const REJECTED: u16 = 3;
+    pub const NO_RULE: u16 = 4;
+    pub const UNKNOWN_REQUEST: u16 = 5;
+    pub const FRAME_TOO_LARGE: u16 = 6;
+    pub const UNSUPPORTED_VERSION: u16 = 7;
+    pub const UNKNOWN_OP: u16 = 8;
+}
+
+/// The ids of a select: raw little-endian bytes, decoded by the server.
+#[derive(Clone, Copy, Debug)]
+pub enum Ids<'a> {
+    Tokens(&'a [u8]),
+    Hashes(&'a [u8]),
+}
+
+/// A decoded request.
+#[derive(Clone, Copy, Debug)]
+pub enum Request<'a> {
+    Select {
+        dry_run: bool,
+        role: u8,
+        model: &'a str,
+        session: Option<&'a str>,
+        prompt_tokens: u32,
+        ids: Ids<'a>,
+    },
+    PrefillDone(u64),
+    Finish(u64),
+}
+
+/// A bounds-checked reader over a frame.
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+        if self.0.len() < n {
+            return Err("frame is shorter than its fields");
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, &'static str> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, &'static str> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, &'static str> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, &'static str> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn str(&mut self, n: usize) -> Result<&'a str, &'static str> {
+        std::str::from_utf8(self.take(n)?).map_err(|_| "a string field is not UTF-8")
+    }
+}
+
+/// Decodes one frame's body (after the length): op, version, payload.
+pub fn parse_request(body: &[u8]) -> Result<Request<'_>, (u16, &'static str)> {
+    let bad = |m| (status::BAD_REQUEST, m);
+    let mut c = Cursor(body);
+    let op = c.u16().map_err(bad)?;
+    let version = c.u16().map_err(bad)?;
+    if version != VERSION {
+        return Err((status::UNSUPPORTED_VERSION, "unsupported protocol version"));
+    }
+    let req = match op {
+        op::SELECT => {
+            let flags = c.u8().map_err(bad)?;
+            let role = c.u8().map_err(bad)?;
+            let model_len = c.u16().map_err(bad)? as usize;
+            let model = c.str(model_len).map_err(bad)?;
+            let session_len = c.u16().map_err(bad)? as usize;
+            let session = c.str(session_len).map_err(bad)?;
+            let prompt_tokens = c.u32().map_err(bad)?;
+            let count = c.u32().map_err(bad)? as usize;
+            let tokens = flags & 2 != 0;
+            let width = if tokens { 4 } else { 8 };
+            let bytes = c
+                .take(count.checked_mul(width).ok_or(bad("id count overflows"))?)
+                .map_err(bad)?;
+            Request::Select {
+                dry_run: flags & 1 != 0,
+                role,
+                model,
+                session: (!session.is_empty()).then_some(session),
+                prompt_tokens,
+                ids: if tokens {
+                    Ids::Tokens(bytes)
+                } else {
+                    Ids::Hashes(bytes)
+                },
+            }
+        }
+        op::PREFILL_DONE => Request::PrefillDone(c.u64().map_err(bad)?),
+        op::FINISH => Request::Finish(c.u64().map_err(bad)?),
+        _ => return Err((status::UNKNOWN_OP, "unknown op")),
+    };
+    if !c.0.is_empty() {
+        return Err(bad("trailing bytes after the fields"));
+    }
+    Ok(req)
+}
+
+/// Appends a frame: `len | code | version | payload`.
+pub fn write_frame(out: &mut Vec<u8>, code: u16, payload: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&code.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    payload(out);
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+/// A select answer.
+#[derive(Clone, Debug, PartialEq)]
+pub struct SelectReply {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub request_id: u64,
+    pub cost: f64,
+    pub overlap_blocks: [u32; 3],
+    pub provider: bool,
+    pub endpoint: String,
+}
+
+/// Encodes a select answer.
+pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectReply) {
+    write_frame(out, status::OK, |o| {
+        o.extend_from_slice(&r.worker_id.to_le_bytes());
+        o.extend_from_slice(&r.dp_rank.to_le_bytes());
+        o.extend_from_slice(&r.request_id.to_le_bytes());
+        o.extend_from_slice(&r.cost.to_le_bytes());
+        for b in r.overlap_blocks {
+            o.extend_from_slice(&b.to_le_bytes());
+        }
+        o.push(u8::from(r.provider));
+        let endpoint = &r.endpoint.as_bytes()[..r.endpoint.len().min(u16::MAX as usize)];
+        o.extend_from_slice(&(endpoint.len() as u16).to_le_bytes());
+        o.extend_from_slice(endpoint);
+    });
+}
+
+/// Encodes an error.
+pub fn write_error(out: &mut Vec<u8>, code: u16, message: &str) {
+    write_frame(out, code, |o| o.extend_from_slice(message.as_bytes()));
+}
+
+/// A blocking client of the binary protocol.
+#[derive(Debug)]
+pub struct Client {
+    stream: UnixStream,
+    out: Vec<u8>,
+    body: Vec<u8>,
+}
+
+impl Client {
+    /// Connects to a daemon's `query.sock`.
+    pub fn connect(path: impl AsRef<Path>) -> io::Result<Client> {
+        let mut stream = UnixStream::connect(path)?;
+        stream.write_all(MAGIC)?;
+        Ok(Client {
+            stream,
+            out: Vec::with_capacity(4096),
+            body: Vec::with_capacity(256),
+        })
+    }
+
+    fn round_trip(&mut self) -> io::Result<(u16, &[u8])> {
+        self.stream.write_all(&self.out)?;
+        let mut len = [0u8; 4];
+        self.stream.read_exact(&mut len)?;
+        let len = u32::from_le_bytes(len) as usize;
+        self.body.resize(len, 0);
+        self.stream.read_exact(&mut self.body)?;
+        if len < 4 {
+            return Err(io::Error::new(io::ErrorKind::InvalidData, "short reply"));
+        }
+        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
+        Ok((code, &self.body[4..]))
+    }
+
+    /// Selects a worker for a prompt given as sequence hashes.
+    pub fn select_hashes(
+        &mut self,
+        model: &str,
+        role: u8,
+        hashes: &[u64],
+        prompt_tokens: u32,
+        dry_run: bool,
+    ) -> io::Result<Result<SelectReply, (u16, String)>> {
+        self.out.clear();
+        write_frame(&mut self.out, op::SELECT, |o| {
+            o.push(u8::from(dry_run));
+            o.push(role);
+            o.extend_from_slice(&(model.len() as u16).to_le_bytes());
+            o.extend_from_slice(model.as_bytes());
+            o.extend_from_slice(&0u16.to_le_bytes());
+            o.extend_from_slice(&prompt_tokens.to_le_bytes());
+            o.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
+            for h in hashes {
+                o.extend_from_slice(&h.to_le_bytes());
+            }
+        });
+        let (code, p) = self.round_trip()?;
+        if code != status::OK {
+            return Ok(Err((code, String::from_utf8_lossy(p).into_owned())));
+        }
+        let mut c = Cursor(p);
+        let parse = |c: &mut Cursor<'_>| -> Result<SelectReply, &'static str> {
+            let worker_id = c.u64()?;
+            let dp_rank = c.u32()?;
+            let request_id = c.u64()?;
+            let cost = f64::from_bits(c.u64()?);
+            let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
+            let provider = c.u8()? & 1 != 0;
+            let n = c.u16()? as usize;
+            let endpoint = c.str(n)?.to_owned();
+            Ok(SelectReply {
+                worker_id,
+                dp_rank,
+                request_id,
+                cost,
+                overlap_blocks,
+                provider,
+                endpoint,
+            })
+        };
+        parse(&mut c)
+            .map(Ok)
+            .map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))
+    }
+
+    /// Sends raw bytes and reads one reply frame (tests of bad input).
+    pub fn raw(&mut self, bytes: &[u8]) -> io::Result<(u16, Vec<u8>)> {
+        self.out.clear();
+        self.out.extend_from_slice(bytes);
+        let (code, p) = self.round_trip()?;
+        Ok((code, p.to_vec()))
+    }
+
+    /// Releases a request.
+    pub fn finish(&mut self, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
+        self.out.clear();
+        write_frame(&mut self.out, op::FINISH, |o| {
+            o.extend_from_slice(&request_id.to_le_bytes())
+        });
+        let (code, p) = self.round_trip()?;
+        Ok(if code == status::OK {
+            Ok(())
+        } else {
+            Err((code, String::from_utf8_lossy(p).into_owned()))
+        })
+    }
+}
