@@ -208,25 +208,36 @@ fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
     let mut giant = Client::connect(&d.dir);
     let reply = giant.raw(&vec![b'x'; 10_000]);
     assert_eq!(reply["error"]["code"], "frame_too_large");
-    // Meanwhile, many clients at once all get answers.
+    // 64 clients doing 10,000 selects each (binary protocol), while garbage
+    // keeps arriving on other connections: every select gets its answer.
     let dir = d.dir.clone();
-    let threads: Vec<_> = (0..8)
+    let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 64), 16, None, None);
+    let threads: Vec<_> = (0..64)
         .map(|_| {
-            let dir = dir.clone();
-            let ok = ok.clone();
+            let path = dir.join("query.sock");
+            let hashes = hashes.clone();
             std::thread::spawn(move || {
-                let mut c = Client::connect(&dir);
-                for _ in 0..300 {
-                    assert_eq!(c.ask(ok.clone())["worker_id"], 1);
+                let mut w = kvedge_daemon::wire::Client::connect(path).unwrap();
+                for _ in 0..10_000 {
+                    let r = w
+                        .select_hashes("llama", 0, &hashes, 64, true)
+                        .unwrap()
+                        .unwrap();
+                    assert_eq!(r.worker_id, 1);
                 }
             })
         })
         .collect();
+    let mut noisy = Client::connect(&d.dir);
+    for _ in 0..200 {
+        assert!(noisy.raw(b"{not json\n")["error"]["code"].is_string());
+    }
     for t in threads {
         t.join().unwrap();
     }
     let stats = c.ask(json!({"op": "stats"}));
-    assert!(stats["errors"].as_u64().unwrap() >= 6, "{stats}");
+    assert!(stats["errors"].as_u64().unwrap() >= 206, "{stats}");
+    assert!(stats["selects"].as_u64().unwrap() >= 640_000, "{stats}");
     drop(a);
 }
 
