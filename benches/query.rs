@@ -61,6 +61,22 @@ fn ask_spinning(s: &mut UnixStream, line: &[u8], buf: &mut Vec<u8>) {
     }
 }
 
+/// Runs `client` on `clients` threads at once, `iters` times; the total
+/// wall time.
+fn in_parallel(iters: u64, clients: usize, client: &(impl Fn() + Sync)) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        let start = Instant::now();
+        std::thread::scope(|s| {
+            for _ in 0..clients {
+                s.spawn(client);
+            }
+        });
+        total += start.elapsed();
+    }
+    total
+}
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     let dir = std::env::temp_dir().join(format!("kvedge-bench-query-{}", std::process::id()));
@@ -144,63 +160,39 @@ fn main() {
 
     // 16 clients in parallel: throughput of the whole daemon.
     g.throughput(Throughput::Elements(16 * 100));
+    let binary_client = {
+        let path = rd.query();
+        let hashes = hashes.clone();
+        move || {
+            let mut c = kvedge_daemon::wire::Client::connect(&path).unwrap();
+            for _ in 0..100 {
+                c.select_hashes("llama", 0, &hashes, 2048, true)
+                    .unwrap()
+                    .unwrap();
+            }
+        }
+    };
     g.bench_function("binary_select_16_clients_x100", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let start = Instant::now();
-                let handles: Vec<_> = (0..16)
-                    .map(|_| {
-                        let path = rd.query();
-                        let hashes = hashes.clone();
-                        std::thread::spawn(move || {
-                            let mut c = kvedge_daemon::wire::Client::connect(path).unwrap();
-                            for _ in 0..100 {
-                                c.select_hashes("llama", 0, &hashes, 2048, true)
-                                    .unwrap()
-                                    .unwrap();
-                            }
-                        })
-                    })
-                    .collect();
-                for h in handles {
-                    h.join().unwrap();
-                }
-                total += start.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| in_parallel(iters, 16, &binary_client))
     });
-    g.bench_function("select_16_clients_x100", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                let start = Instant::now();
-                let handles: Vec<_> = (0..16)
-                    .map(|_| {
-                        let path = rd.query();
-                        let line = line.clone();
-                        std::thread::spawn(move || {
-                            // Blocking clients: 16 spinning threads on this
-                            // 2-vCPU VM would take the daemon's CPU.
-                            let mut s = UnixStream::connect(path).unwrap();
-                            let mut r = BufReader::new(s.try_clone().unwrap());
-                            let mut reply = String::new();
-                            for _ in 0..100 {
-                                s.write_all(line.as_bytes()).unwrap();
-                                reply.clear();
-                                r.read_line(&mut reply).unwrap();
-                            }
-                        })
-                    })
-                    .collect();
-                for h in handles {
-                    h.join().unwrap();
-                }
-                total += start.elapsed();
+    let json_client = {
+        let path = rd.query();
+        let line = line.clone();
+        move || {
+            // Blocking clients: 16 spinning threads on this 2-vCPU VM would
+            // take the daemon's CPU.
+            let mut s = UnixStream::connect(&path).unwrap();
+            let mut r = BufReader::new(s.try_clone().unwrap());
+            let mut reply = String::new();
+            for _ in 0..100 {
+                s.write_all(line.as_bytes()).unwrap();
+                reply.clear();
+                r.read_line(&mut reply).unwrap();
             }
-            total
-        })
+        }
+    };
+    g.bench_function("select_16_clients_x100", |b| {
+        b.iter_custom(|iters| in_parallel(iters, 16, &json_client))
     });
 
     // Commit to visible: an engine stores a new block; a spinning client
