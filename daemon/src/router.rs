@@ -109,6 +109,8 @@ pub struct Router {
     rows: Vec<Slot>,
     overlap: Overlap,
     next_request_id: u64,
+    /// Registrations allowed at once (at most `MAX_WORKERS`).
+    max_workers: usize,
     rules: Option<RuleEngine>,
     rule_policy: Option<std::sync::Arc<RulePolicy>>,
     /// Per slot: learned prefill throughput, and prompt tokens admitted
@@ -137,12 +139,18 @@ impl Router {
             rows: Vec::with_capacity(MAX_WORKERS),
             overlap: Overlap::default(),
             next_request_id: 1,
+            max_workers: MAX_WORKERS,
             rules: None,
             rule_policy: None,
             throughput: [PrefillThroughputEstimator::default(); MAX_WORKERS],
             admitted_tokens: [0; MAX_WORKERS],
             rule_buf: Vec::new(),
         }
+    }
+
+    /// Allows at most `n` registered workers (clamped to 1..=64).
+    pub fn set_max_workers(&mut self, n: usize) {
+        self.max_workers = n.clamp(1, MAX_WORKERS);
     }
 
     /// Routes with the rule language from now on.
@@ -184,8 +192,9 @@ impl Router {
         let free = self
             .workers
             .iter()
+            .take(self.max_workers)
             .position(Option::is_none)
-            .ok_or(RegisterError::Full(MAX_WORKERS))?;
+            .ok_or(RegisterError::Full(self.max_workers))?;
         let slot = Slot::new(free).expect("slot index below MAX_WORKERS");
         // A fresh slot starts clean (a previous occupant was unregistered).
         self.index.remove_worker(slot);

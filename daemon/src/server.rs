@@ -98,6 +98,8 @@ struct Client {
     buf: Vec<u8>,
     readable: bool,
     mode: Mode,
+    /// Last request or data, for the idle timeout.
+    last_active: Instant,
 }
 
 /// The daemon.
@@ -143,6 +145,7 @@ impl Server {
             ),
         );
         let mut router = router;
+        router.set_max_workers(config.daemon.max_workers);
         if let Some(rules) = config.rules.clone() {
             router.set_rules(rules);
         }
@@ -352,6 +355,7 @@ impl Server {
                         buf: Vec::with_capacity(4096),
                         readable: true,
                         mode: Mode::Unknown,
+                        last_active: Instant::now(),
                     });
                 }
                 Err(_) => return any,
@@ -452,6 +456,7 @@ impl Server {
                     Ok(n) => {
                         any = true;
                         self.clients[i].buf.extend_from_slice(&chunk[..n]);
+                        self.clients[i].last_active = Instant::now();
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(_) => {
@@ -495,6 +500,10 @@ impl Server {
                 let _ = self.clients[i]
                     .stream
                     .write_all(format!("{reply}\n").as_bytes());
+                closed = true;
+            }
+            let idle = Duration::from_millis(self.config.daemon.idle_timeout_ms);
+            if self.clients[i].last_active.elapsed() > idle {
                 closed = true;
             }
             if closed {

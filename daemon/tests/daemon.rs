@@ -541,3 +541,33 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
     );
     drop(a);
 }
+
+#[test]
+fn idle_clients_are_closed_and_max_workers_is_enforced() {
+    let d = start_with(
+        "limits",
+        "daemon:\n  idle_timeout_ms: 200\n  max_workers: 1\n",
+    );
+    let _a = engine(&d.dir, 1);
+    let refused = ProducerSession::connect(
+        d.dir.join("control.sock"),
+        &hello(2),
+        Duration::from_secs(5),
+    );
+    let msg = refused
+        .err()
+        .expect("a second worker is refused")
+        .to_string();
+    assert!(
+        msg.contains("no free worker slot (at most 1 workers)"),
+        "{msg}"
+    );
+    let mut c = Client::connect(&d.dir);
+    assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 1);
+    std::thread::sleep(Duration::from_millis(600));
+    // The daemon closed the idle connection: the next read sees EOF.
+    c.writer.write_all(b"{\"op\": \"stats\"}\n").ok();
+    let mut line = String::new();
+    let n = c.reader.read_line(&mut line).unwrap_or(0);
+    assert_eq!(n, 0, "expected EOF, got {line}");
+}
