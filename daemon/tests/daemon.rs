@@ -27,9 +27,10 @@ impl Drop for Daemon {
 }
 
 fn start(name: &str) -> Daemon {
+    // Test engines send no heartbeats: a long deadline keeps them available.
     start_with(
         name,
-        "daemon:\n  max_frame_bytes: 4096\n  ring_capacity: 1048576\n",
+        "daemon:\n  max_frame_bytes: 4096\n  ring_capacity: 1048576\n  heartbeat_timeout_ms: 600000\n",
     )
 }
 
@@ -295,7 +296,10 @@ fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
     // A 64 KiB ring: publishing 2,000 events of 40 blocks (1.6 MB) back to
     // back overflows it (the daemon indexes an event slower than it is
     // pushed).
-    let d = start_with("resync", "daemon:\n  ring_capacity: 65536\n");
+    let d = start_with(
+        "resync",
+        "daemon:\n  ring_capacity: 65536\n  heartbeat_timeout_ms: 600000\n",
+    );
     let mut a = engine(&d.dir, 1);
     let mut held: Vec<u64> = Vec::new();
     for i in 0..2000u64 {
@@ -345,7 +349,7 @@ fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
 fn rules_from_the_config_answer_with_the_rule_and_provider() {
     let d = start_with(
         "rules",
-        "policy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
+        "daemon:\n  heartbeat_timeout_ms: 600000\npolicy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
     );
     let mut a = engine(&d.dir, 1);
     a.publish_load(&kvedge_shm::messages::Load::default())
@@ -546,7 +550,7 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
 fn idle_clients_are_closed_and_max_workers_is_enforced() {
     let d = start_with(
         "limits",
-        "daemon:\n  idle_timeout_ms: 200\n  max_workers: 1\n",
+        "daemon:\n  idle_timeout_ms: 200\n  max_workers: 1\n  heartbeat_timeout_ms: 600000\n",
     );
     let _a = engine(&d.dir, 1);
     let refused = ProducerSession::connect(
@@ -554,10 +558,7 @@ fn idle_clients_are_closed_and_max_workers_is_enforced() {
         &hello(2),
         Duration::from_secs(5),
     );
-    let msg = refused
-        .err()
-        .expect("a second worker is refused")
-        .to_string();
+    let msg = refused.expect_err("a second worker is refused").to_string();
     assert!(
         msg.contains("no free worker slot (at most 1 workers)"),
         "{msg}"
