@@ -124,6 +124,12 @@ enum QueryCommand {
         role: Option<String>,
         #[arg(long)]
         session: Option<String>,
+        /// Tenant, for the rule language.
+        #[arg(long)]
+        tenant: Option<String>,
+        /// A `type-degree` tag for the rule language (repeatable).
+        #[arg(long = "tag")]
+        tags: Vec<String>,
         /// Answer without reserving the worker.
         #[arg(long)]
         dry_run: bool,
@@ -256,6 +262,8 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                     hashes,
                     role,
                     session,
+                    tenant,
+                    tags,
                     dry_run,
                 } => {
                     let mut req =
@@ -285,6 +293,12 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                     }
                     if let Some(s) = session {
                         req["session"] = serde_json::json!(s);
+                    }
+                    if let Some(t) = tenant {
+                        req["tenant"] = serde_json::json!(t);
+                    }
+                    if !tags.is_empty() {
+                        req["tags"] = serde_json::json!(tags);
                     }
                     req
                 }
