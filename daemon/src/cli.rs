@@ -133,6 +133,10 @@ enum QueryCommand {
         /// Answer without reserving the worker.
         #[arg(long)]
         dry_run: bool,
+        /// Include how the choice was made (candidates, stage counts,
+        /// per-worker signals).
+        #[arg(long)]
+        explain: bool,
     },
     /// The request's prefill is done.
     PrefillDone { request_id: u64 },
@@ -265,9 +269,11 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                     tenant,
                     tags,
                     dry_run,
+                    explain,
                 } => {
-                    let mut req =
-                        serde_json::json!({"op": "select", "model": model, "dry_run": dry_run});
+                    let mut req = serde_json::json!({
+                        "op": "select", "model": model, "dry_run": dry_run, "explain": explain
+                    });
                     match (tokens, hashes) {
                         (Some(t), None) => match numbers::<u32>(&t) {
                             Ok(v) => req["tokens"] = serde_json::json!(v),

@@ -96,6 +96,22 @@ pub struct SelectResult {
     pub cost: f64,
 }
 
+/// How the last selection went, for `explain`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Explain {
+    /// Workers of the request's model and role that were available.
+    pub candidates: usize,
+    /// Candidates left after the policy's filters (policy path).
+    pub survivors: usize,
+    /// Rule path: the deciding rule and tier, the candidates after
+    /// `consider` and after `exclude`, and rules that fell through.
+    pub rule: Option<usize>,
+    pub tier: Option<usize>,
+    pub considered: usize,
+    pub after_exclude: usize,
+    pub fell_through: usize,
+}
+
 /// All routing state.
 #[derive(Debug)]
 pub struct Router {
@@ -111,6 +127,7 @@ pub struct Router {
     next_request_id: u64,
     /// Registrations allowed at once (at most `MAX_WORKERS`).
     max_workers: usize,
+    last: Explain,
     rules: Option<RuleEngine>,
     rule_policy: Option<std::sync::Arc<RulePolicy>>,
     /// Per slot: learned prefill throughput, and prompt tokens admitted
@@ -140,12 +157,27 @@ impl Router {
             overlap: Overlap::default(),
             next_request_id: 1,
             max_workers: MAX_WORKERS,
+            last: Explain::default(),
             rules: None,
             rule_policy: None,
             throughput: [PrefillThroughputEstimator::default(); MAX_WORKERS],
             admitted_tokens: [0; MAX_WORKERS],
             rule_buf: Vec::new(),
         }
+    }
+
+    /// How the last selection went.
+    pub fn last_explain(&self) -> Explain {
+        self.last
+    }
+
+    /// Overlap of `slot` computed by the last selection, per tier.
+    pub fn last_overlap(&self, slot: Slot) -> [u32; 3] {
+        [
+            self.overlap.get(slot, Tier::Device),
+            self.overlap.get(slot, Tier::Host),
+            self.overlap.get(slot, Tier::Disk),
+        ]
     }
 
     /// Allows at most `n` registered workers (clamped to 1..=64).
@@ -379,7 +411,12 @@ impl Router {
         if ctx.pinned_worker().is_none() && self.rules.is_some() {
             return self.select_by_rules(req, request_id, block_size);
         }
+        self.last = Explain {
+            candidates: self.rows.len(),
+            ..Explain::default()
+        };
         let selection = policy.select(&ctx, &self.table)?;
+        self.last.survivors = selection.candidates;
         let slot = self.rows[selection.row];
         let overlap_blocks = self.commit(req, request_id, slot)?;
         Ok(SelectResult {
@@ -465,6 +502,15 @@ impl Router {
             tags: req.tags,
         };
         let decision = engine.decide(&rule_request, &candidates);
+        self.last = Explain {
+            candidates: candidates.len(),
+            survivors: decision.after_exclude,
+            rule: decision.rule,
+            tier: decision.tier,
+            considered: decision.considered,
+            after_exclude: decision.after_exclude,
+            fell_through: decision.fell_through,
+        };
         candidates.clear();
         self.rule_buf = candidates
             .into_iter()

@@ -856,7 +856,40 @@ impl Server {
             (None, None) => (String::new(), Value::Null),
         };
         let local = r.slot.is_some();
+        let explain = if s.explain {
+            let e = self.router.last_explain();
+            let candidates: Vec<Value> = self
+                .router
+                .workers()
+                .filter(|(_, w)| w.available && w.role == role)
+                .map(|(slot, w)| {
+                    let load = self.router.load.projected(slot);
+                    let overlap = self.router.last_overlap(slot);
+                    json!({
+                        "worker_id": w.worker.worker_id,
+                        "dp_rank": w.worker.dp_rank,
+                        "model": w.model,
+                        "overlap_blocks": {"device": overlap[0], "host": overlap[1], "disk": overlap[2]},
+                        "active_requests": load.active_requests,
+                        "active_prefill_tokens": load.active_prefill_tokens,
+                        "active_decode_blocks": load.active_decode_blocks,
+                    })
+                })
+                .collect();
+            json!({
+                "candidates": e.candidates,
+                "survivors": e.survivors,
+                "tier": e.tier,
+                "considered": e.considered,
+                "after_exclude": e.after_exclude,
+                "fell_through": e.fell_through,
+                "workers": candidates,
+            })
+        } else {
+            Value::Null
+        };
         Ok(json!({
+            "explain": explain,
             "worker_id": if local { json!(r.worker.worker_id) } else { Value::Null },
             "dp_rank": if local { json!(r.worker.dp_rank) } else { Value::Null },
             "provider": provider,
@@ -911,6 +944,8 @@ struct Request {
     lora: Option<String>,
     #[serde(default)]
     dry_run: bool,
+    #[serde(default)]
+    explain: bool,
     request_id: Option<u64>,
 }
 
@@ -933,6 +968,7 @@ struct SelectQuery {
     tags: Vec<String>,
     lora: Option<String>,
     dry_run: bool,
+    explain: bool,
 }
 
 impl Request {
@@ -954,6 +990,7 @@ impl Request {
                 tags: self.tags,
                 lora: self.lora,
                 dry_run: self.dry_run,
+                explain: self.explain,
             }),
             "prefill_done" => Query::PrefillDone {
                 request_id: need_id(self.request_id, "prefill_done")?,

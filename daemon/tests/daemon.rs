@@ -162,6 +162,18 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     );
     let workers = c.ask(json!({"op": "workers"}));
     assert_eq!(workers["workers"].as_array().unwrap().len(), 2);
+    // Explain: the candidates and their signals, as the policy saw them.
+    let mut explained = dry.clone();
+    explained["explain"] = json!(true);
+    let e = c.ask(explained)["explain"].clone();
+    assert_eq!(
+        (e["candidates"].as_u64(), e["survivors"].as_u64()),
+        (Some(2), Some(2))
+    );
+    let rows = e["workers"].as_array().unwrap();
+    let a_row = rows.iter().find(|w| w["worker_id"] == 1).unwrap();
+    assert_eq!(a_row["overlap_blocks"]["device"], 24);
+    assert!(c.ask(dry.clone())["explain"].is_null(), "only when asked");
 
     // Engine A dies (its control connection closes): its blocks stop
     // counting. A's reservations were finished above.
@@ -367,6 +379,15 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     );
     assert_eq!(r["endpoint"], "https://cloud.example");
     assert!(r["worker_id"].is_null());
+    let e = c.ask(json!({"op": "select", "model": "llama", "tokens": [1, 2, 3], "tenant": "burst", "dry_run": true, "explain": true}))["explain"].clone();
+    assert_eq!(
+        (
+            e["tier"].as_u64(),
+            e["considered"].as_u64(),
+            e["after_exclude"].as_u64()
+        ),
+        (Some(0), Some(1), Some(1))
+    );
     drop(a);
 }
 
