@@ -69,6 +69,10 @@ pub struct SelectRequest<'a> {
     pub tenant: Option<&'a str>,
     /// `type-degree` tags for the rule language.
     pub tags: &'a [&'a str],
+    /// Ingress headers (lowercase names) and the request's priority, for
+    /// rules and policies.
+    pub headers: Option<&'a kvedge_policies::AgentHeaders>,
+    pub priority: i32,
     pub role: WorkerType,
     /// The prompt's sequence hashes (full blocks, in order).
     pub hashes: &'a [u64],
@@ -400,7 +404,11 @@ impl Router {
         let mut id_buf = [0u8; 20];
         let id_str = format_u64(request_id, &mut id_buf);
         let mut ctx = WorkerSelectionContext::new(id_str, req.prompt_tokens, block_size)
-            .with_now_ms(req.now_ms);
+            .with_now_ms(req.now_ms)
+            .with_priority(req.priority);
+        if let Some(h) = req.headers {
+            ctx = ctx.with_agent_headers(h);
+        }
         if let Some(s) = req.session {
             ctx = ctx.with_session(s);
         }
@@ -497,8 +505,8 @@ impl Router {
             prompt_tokens: req.prompt_tokens,
             block_size: block_size.max(1),
             session_id: req.session.map(|s| s.session_id()),
-            priority: 0,
-            headers: None,
+            priority: req.priority,
+            headers: req.headers,
             tags: req.tags,
         };
         let decision = engine.decide(&rule_request, &candidates);

@@ -610,6 +610,8 @@ impl Server {
                     model,
                     tenant: None,
                     tags: &[],
+                    headers: None,
+                    priority: 0,
                     role,
                     hashes: &hashes,
                     prompt_tokens: if prompt_tokens > 0 {
@@ -732,7 +734,7 @@ impl Server {
 
     fn dispatch(&mut self, q: Query) -> Result<Value, (&'static str, String)> {
         match q {
-            Query::Select(s) => self.select(s),
+            Query::Select(s) => self.select(*s),
             Query::PrefillDone { request_id } => self
                 .router
                 .load
@@ -814,10 +816,17 @@ impl Server {
             .as_deref()
             .map(|id| SessionContext::new(id, InputTrigger::UserMessage));
         let tags: Vec<&str> = s.tags.iter().map(String::as_str).collect();
+        let headers = (!s.headers.is_empty()).then(|| {
+            kvedge_policies::AgentHeaders::from_pairs(
+                s.headers.iter().map(|(k, v)| (k, v.as_str())),
+            )
+        });
         let req = SelectRequest {
             model: &s.model,
             tenant: s.tenant.as_deref(),
             tags: &tags,
+            headers: headers.as_ref(),
+            priority: s.priority,
             role,
             hashes: &hashes,
             prompt_tokens,
@@ -946,11 +955,15 @@ struct Request {
     dry_run: bool,
     #[serde(default)]
     explain: bool,
+    #[serde(default)]
+    priority: i32,
+    #[serde(default)]
+    headers: std::collections::BTreeMap<String, String>,
     request_id: Option<u64>,
 }
 
 enum Query {
-    Select(SelectQuery),
+    Select(Box<SelectQuery>),
     PrefillDone { request_id: u64 },
     Finish { request_id: u64 },
     Workers,
@@ -969,6 +982,8 @@ struct SelectQuery {
     lora: Option<String>,
     dry_run: bool,
     explain: bool,
+    priority: i32,
+    headers: std::collections::BTreeMap<String, String>,
 }
 
 impl Request {
@@ -977,7 +992,7 @@ impl Request {
             id.ok_or(("bad_request", format!("`{op}` needs `request_id`")))
         };
         Ok(match self.op.as_str() {
-            "select" => Query::Select(SelectQuery {
+            "select" => Query::Select(Box::new(SelectQuery {
                 model: self
                     .model
                     .ok_or(("bad_request", "`select` needs `model`".to_owned()))?,
@@ -991,7 +1006,9 @@ impl Request {
                 lora: self.lora,
                 dry_run: self.dry_run,
                 explain: self.explain,
-            }),
+                priority: self.priority,
+                headers: self.headers,
+            })),
             "prefill_done" => Query::PrefillDone {
                 request_id: need_id(self.request_id, "prefill_done")?,
             },

@@ -361,7 +361,7 @@ fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
 fn rules_from_the_config_answer_with_the_rule_and_provider() {
     let d = start_with(
         "rules",
-        "daemon:\n  heartbeat_timeout_ms: 600000\npolicy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
+        "daemon:\n  heartbeat_timeout_ms: 600000\npolicy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }, { header.x-team: research }, { priority: { greaterThan: 5 } }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
     );
     let mut a = engine(&d.dir, 1);
     a.publish_load(&kvedge_shm::messages::Load::default())

@@ -54,6 +54,8 @@ fn req<'a>(hashes: &'a [u64], tokens: u32) -> SelectRequest<'a> {
         model: "llama",
         tenant: None,
         tags: &[],
+        headers: None,
+        priority: 0,
         role: WorkerType::Aggregated,
         hashes,
         prompt_tokens: tokens,
