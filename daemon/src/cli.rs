@@ -75,30 +75,7 @@ enum Command {
     /// Registers as an engine and publishes KV events written as JSON lines,
     /// then holds the registration (answering resync requests) until stdin
     /// closes or `--hold` seconds pass.
-    Publish {
-        #[arg(long)]
-        worker_id: u64,
-        #[arg(long)]
-        model: String,
-        #[arg(long, default_value_t = 0)]
-        dp_rank: u32,
-        #[arg(long, default_value = "aggregated")]
-        role: String,
-        #[arg(long, default_value_t = 16)]
-        block_size: u32,
-        #[arg(long, default_value = "")]
-        endpoint: String,
-        /// JSON lines: {"stored":{"tokens":[..]}} or {"stored":{"hashes":[..],"parent":null}}
-        /// (optional "tier": device|host|disk), {"removed":{"hashes":[..]}},
-        /// {"cleared":{}}, {"load":{"active_requests":3,...}}.
-        #[arg(long)]
-        events: PathBuf,
-        /// Seconds to hold the registration (default: until stdin closes).
-        #[arg(long)]
-        hold: Option<f64>,
-        #[arg(long, default_value = "/run/kvedge")]
-        runtime_dir: PathBuf,
-    },
+    Publish(crate::publish::PublishArgs),
     /// Loads and validates a configuration file; exit code 1 on any error.
     CheckConfig {
         file: PathBuf,
@@ -349,27 +326,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             }
             ExitCode::SUCCESS
         }
-        Command::Publish {
-            worker_id,
-            model,
-            dp_rank,
-            role,
-            block_size,
-            endpoint,
-            events,
-            hold,
-            runtime_dir,
-        } => match crate::publish::run(crate::publish::PublishArgs {
-            worker_id,
-            model,
-            dp_rank,
-            role,
-            block_size,
-            endpoint,
-            events,
-            hold,
-            runtime_dir,
-        }) {
+        Command::Publish(args) => match crate::publish::run(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvedge publish: {e}");

@@ -16,16 +16,29 @@ use kvedge_shm::{PublishError, Publisher};
 use serde::Deserialize;
 
 /// The command's arguments.
-#[derive(Debug)]
+#[derive(Debug, clap::Args)]
 pub struct PublishArgs {
+    #[arg(long)]
     pub worker_id: u64,
+    #[arg(long)]
     pub model: String,
+    #[arg(long, default_value_t = 0)]
     pub dp_rank: u32,
+    #[arg(long, default_value = "aggregated")]
     pub role: String,
+    #[arg(long, default_value_t = 16)]
     pub block_size: u32,
+    #[arg(long, default_value = "")]
     pub endpoint: String,
+    /// JSON lines: {"stored":{"tokens":[..]}} or {"stored":{"hashes":[..],"parent":null}}
+    /// (optional "tier": device|host|disk), {"removed":{"hashes":[..]}},
+    /// {"cleared":{}}, {"load":{"active_requests":3,...}}.
+    #[arg(long)]
     pub events: PathBuf,
+    /// Seconds to hold the registration (default: until stdin closes).
+    #[arg(long)]
     pub hold: Option<f64>,
+    #[arg(long, default_value = "/run/kvedge")]
     pub runtime_dir: PathBuf,
 }
 

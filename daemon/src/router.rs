@@ -138,8 +138,10 @@ pub struct Router {
     /// since the last load report.
     throughput: [PrefillThroughputEstimator; MAX_WORKERS],
     admitted_tokens: [u64; MAX_WORKERS],
-    /// Retained (empty) buffer for the rule candidates of one request.
+    /// Retained (empty) buffer for the rule candidates of one request, and
+    /// what each candidate stands for (a worker slot or a provider index).
     rule_buf: Vec<RuleCandidate<'static>>,
+    rule_targets: Vec<Result<Slot, usize>>,
 }
 
 impl Router {
@@ -167,6 +169,7 @@ impl Router {
             throughput: [PrefillThroughputEstimator::default(); MAX_WORKERS],
             admitted_tokens: [0; MAX_WORKERS],
             rule_buf: Vec::new(),
+            rule_targets: Vec::new(),
         }
     }
 
@@ -461,7 +464,9 @@ impl Router {
         self.index.overlap(req.hashes, mask, &mut self.overlap);
         // Reuse the retained allocation for this request's candidates.
         let mut candidates: Vec<RuleCandidate<'_>> = std::mem::take(&mut self.rule_buf);
-        let mut slots = [None; MAX_WORKERS + 64];
+        // What each candidate stands for: a worker slot or a provider index.
+        let targets = &mut self.rule_targets;
+        targets.clear();
         for (i, w) in self.workers.iter().enumerate() {
             let Some(w) = w else { continue };
             if mask & (1u64 << i) == 0 {
@@ -482,17 +487,13 @@ impl Router {
             c.host_overlap_blocks = Some(self.overlap.get(slot, Tier::Host));
             c.disk_overlap_blocks = Some(self.overlap.get(slot, Tier::Disk));
             c.prefill_tokens_per_second = self.throughput[i].tokens_per_second();
-            if candidates.len() < slots.len() {
-                slots[candidates.len()] = Some(Ok(slot));
-            }
+            targets.push(Ok(slot));
             candidates.push(c);
         }
         let policy = self.rule_policy.as_deref().expect("set with the engine");
         for (p, spec) in policy.providers.iter().enumerate() {
             for model in &spec.models {
-                if candidates.len() < slots.len() {
-                    slots[candidates.len()] = Some(Err(p));
-                }
+                targets.push(Err(p));
                 let mut c = RuleCandidate::provider(&spec.name, model);
                 c.labels = &[];
                 candidates.push(c);
@@ -530,7 +531,7 @@ impl Router {
                 .unwrap_or_default()
         };
         let chosen = match decision.outcome {
-            Outcome::Chosen(i) => slots.get(i).copied().flatten(),
+            Outcome::Chosen(i) => self.rule_targets.get(i).copied(),
             Outcome::Rejected => {
                 return Err(RouterError::RejectedByRule {
                     rule: rule_name(decision.rule),

@@ -555,6 +555,34 @@ impl Server {
         closed
     }
 
+    /// Block size of the workers serving `model` in `role` (16 when none is
+    /// registered): how token ids are cut into blocks.
+    fn block_size_for(&self, model: &str, role: WorkerType) -> u32 {
+        self.router
+            .workers()
+            .find(|(_, w)| w.model == model && w.role == role)
+            .map_or(16, |(_, w)| w.block_size)
+    }
+
+    /// Where a selection sends the request: the endpoint, and the provider's
+    /// name when a rule chose a provider rather than a worker.
+    fn target(&self, r: &crate::router::SelectResult) -> (&str, Option<&str>) {
+        match (r.slot, r.provider) {
+            (Some(slot), _) => (
+                self.router.worker(slot).map_or("", |w| w.endpoint.as_str()),
+                None,
+            ),
+            (None, Some(p)) => match self.router.rules() {
+                Some(rules) => (
+                    rules.providers[p].endpoint.as_str(),
+                    Some(rules.providers[p].name.as_str()),
+                ),
+                None => ("", None),
+            },
+            (None, None) => ("", None),
+        }
+    }
+
     fn handle_binary(&mut self, body: &[u8], out: &mut Vec<u8>) {
         use crate::wire::{Ids, Request, SelectReply, status};
         let request = match crate::wire::parse_request(body) {
@@ -590,18 +618,14 @@ impl Server {
                                 .chunks_exact(8)
                                 .map(|b| u64::from_le_bytes(b.try_into().expect("8 bytes"))),
                         );
-                        hashes.len() as u32 * 16
+                        hashes.len() as u32 * self.block_size_for(model, role)
                     }
                     Ids::Tokens(bytes) => {
                         let tokens: Vec<u32> = bytes
                             .chunks_exact(4)
                             .map(|b| u32::from_le_bytes(b.try_into().expect("4 bytes")))
                             .collect();
-                        let bs = self
-                            .router
-                            .workers()
-                            .find(|(_, w)| w.model == model && w.role == role)
-                            .map_or(16, |(_, w)| w.block_size as usize);
+                        let bs = self.block_size_for(model, role) as usize;
                         hashes.extend(kvedge_shm::hash::sequence_hashes(&tokens, bs, None, None));
                         tokens.len() as u32
                     }
@@ -629,23 +653,7 @@ impl Server {
                 match r {
                     Ok(r) => {
                         self.selects += 1;
-                        let (endpoint, provider) = match (r.slot, r.provider) {
-                            (Some(slot), _) => (
-                                self.router
-                                    .worker(slot)
-                                    .map(|w| w.endpoint.as_str())
-                                    .unwrap_or(""),
-                                false,
-                            ),
-                            (None, Some(p)) => (
-                                self.router
-                                    .rules()
-                                    .map(|rules| rules.providers[p].endpoint.as_str())
-                                    .unwrap_or(""),
-                                true,
-                            ),
-                            (None, None) => ("", false),
-                        };
+                        let (endpoint, provider) = self.target(&r);
                         crate::wire::write_select_reply(
                             out,
                             &SelectReply {
@@ -654,7 +662,7 @@ impl Server {
                                 request_id: r.request_id,
                                 cost: r.cost,
                                 overlap_blocks: r.overlap_blocks,
-                                provider,
+                                provider: provider.is_some(),
                                 endpoint: endpoint.to_owned(),
                             },
                         );
@@ -662,13 +670,7 @@ impl Server {
                     }
                     Err(e) => {
                         self.errors += 1;
-                        let code = match e {
-                            crate::router::RouterError::RejectedByRule { .. } => status::REJECTED,
-                            crate::router::RouterError::NoRuleMatched => status::NO_RULE,
-                            crate::router::RouterError::Session(_) => status::BAD_REQUEST,
-                            _ => status::NO_WORKER,
-                        };
-                        crate::wire::write_error(out, code, &e.to_string());
+                        crate::wire::write_error(out, error_code(&e).1, &e.to_string());
                         return;
                     }
                 }
@@ -787,21 +789,15 @@ impl Server {
                 WorkerType::parse(r).ok_or(("bad_request", format!("unknown role `{r}`")))?
             }
         };
-        let block_size = self
-            .router
-            .workers()
-            .find(|(_, w)| w.model == s.model && w.role == role)
-            .map(|(_, w)| w.block_size);
+        let block_size = self.block_size_for(&s.model, role);
         let (hashes, prompt_tokens) = match (s.tokens, s.hashes) {
             (Some(tokens), None) => {
-                let bs = block_size.unwrap_or(16) as usize;
+                let bs = block_size as usize;
                 let h = kvedge_shm::hash::sequence_hashes(&tokens, bs, s.lora.as_deref(), None);
                 (h, tokens.len() as u32)
             }
             (None, Some(hashes)) => {
-                let tokens = s
-                    .prompt_tokens
-                    .unwrap_or(hashes.len() as u32 * block_size.unwrap_or(16));
+                let tokens = s.prompt_tokens.unwrap_or(hashes.len() as u32 * block_size);
                 (hashes, tokens)
             }
             _ => {
@@ -835,35 +831,18 @@ impl Server {
             now_ms: self.now_ms(),
             dry_run: s.dry_run,
         };
-        let r = self.router.select(&req).map_err(|e| {
-            let code = match e {
-                crate::router::RouterError::RejectedByRule { .. } => "rejected",
-                crate::router::RouterError::NoRuleMatched => "no_rule",
-                crate::router::RouterError::Session(_) => "bad_request",
-                _ => "no_worker",
-            };
-            (code, e.to_string())
-        })?;
+        let r = self
+            .router
+            .select(&req)
+            .map_err(|e| (error_code(&e).0, e.to_string()))?;
         self.selects += 1;
         let rules = self.router.rules();
         let rule = r
             .rule
             .and_then(|i| rules.and_then(|p| p.rules.get(i)))
             .map_or(Value::Null, |rule| json!(rule.name));
-        let (endpoint, provider) = match (r.slot, r.provider) {
-            (Some(slot), _) => (
-                self.router
-                    .worker(slot)
-                    .map(|w| w.endpoint.clone())
-                    .unwrap_or_default(),
-                Value::Null,
-            ),
-            (None, Some(p)) => {
-                let spec = &rules.expect("a provider comes from rules").providers[p];
-                (spec.endpoint.clone(), json!(spec.name))
-            }
-            (None, None) => (String::new(), Value::Null),
-        };
+        let (endpoint, provider) = self.target(&r);
+        let (endpoint, provider) = (endpoint.to_owned(), json!(provider));
         let local = r.slot.is_some();
         let explain = if s.explain {
             let e = self.router.last_explain();
@@ -928,6 +907,20 @@ fn write_reply(stream: &mut UnixStream, bytes: &[u8]) -> io::Result<()> {
     let result = stream.write_all(&bytes[written..]);
     stream.set_nonblocking(true)?;
     result
+}
+
+/// A selection error's code in JSON replies and in binary status codes.
+fn error_code(e: &crate::router::RouterError) -> (&'static str, u16) {
+    use crate::router::RouterError;
+    use crate::wire::status;
+    match e {
+        RouterError::RejectedByRule { .. } => ("rejected", status::REJECTED),
+        RouterError::NoRuleMatched => ("no_rule", status::NO_RULE),
+        RouterError::Session(_) => ("bad_request", status::BAD_REQUEST),
+        RouterError::NoWorkers { .. } | RouterError::Selection(_) => {
+            ("no_worker", status::NO_WORKER)
+        }
+    }
 }
 
 fn error(code: &str, message: &str) -> Value {
