@@ -92,3 +92,31 @@ fn check_config_exit_codes_and_messages() {
     assert!(err.contains("cannot read"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn the_all_roles_environment_variable_is_honoured() {
+    let dir = std::env::temp_dir().join(format!("kvedge-cli-env-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("k.yaml");
+    std::fs::write(
+        &file,
+        "worker_selection:\n  instances:\n    - name: rr\n      type: round-robin\n",
+    )
+    .unwrap();
+    let run = |value: &str| {
+        Command::new(env!("CARGO_BIN_EXE_kvedge"))
+            .args(["check-config", file.to_str().unwrap()])
+            .env("KVEDGE_ROUTER_WORKER_SELECTION_POLICY", value)
+            .output()
+            .unwrap()
+    };
+    assert_eq!(run("rr").status.code(), Some(0));
+    let out = run("nope");
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("KVEDGE_ROUTER_WORKER_SELECTION_POLICY): selects `nope`"),
+        "{err}"
+    );
+    std::fs::remove_dir_all(&dir).unwrap();
+}
