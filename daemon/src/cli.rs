@@ -44,18 +44,18 @@ enum Command {
     Query {
         #[command(subcommand)]
         query: QueryCommand,
-        #[arg(long, default_value = "/run/kvedge", global = true)]
-        runtime_dir: PathBuf,
+        #[command(flatten)]
+        target: Target,
     },
     /// Lists the registered workers of a running daemon.
     Workers {
-        #[arg(long, default_value = "/run/kvedge")]
-        runtime_dir: PathBuf,
+        #[command(flatten)]
+        target: Target,
     },
     /// Counters of a running daemon.
     Stats {
-        #[arg(long, default_value = "/run/kvedge")]
-        runtime_dir: PathBuf,
+        #[command(flatten)]
+        target: Target,
     },
     /// Prints the sequence hashes of a token list, one per full block, in decimal.
     Hash {
@@ -71,6 +71,9 @@ enum Command {
         /// Token ids, separated by commas or spaces (one or more arguments).
         #[arg(required = true)]
         tokens: Vec<String>,
+        /// Print `{"hashes": [...]}` instead of one hash a line.
+        #[arg(long)]
+        json: bool,
     },
     /// Registers as an engine and publishes KV events written as JSON lines,
     /// then holds the registration (answering resync requests) until stdin
@@ -83,6 +86,31 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+}
+
+/// Where a running daemon listens, and how to print its answer.
+#[derive(clap::Args)]
+struct Target {
+    /// The daemon's runtime directory (its `query.sock`).
+    #[arg(long, default_value = "/run/kvedge", global = true)]
+    runtime_dir: PathBuf,
+    /// The query socket itself (overrides `--runtime-dir`).
+    #[arg(long, global = true)]
+    socket: Option<PathBuf>,
+    /// Print the daemon's JSON reply as it is.
+    #[arg(long, global = true)]
+    json: bool,
+}
+
+impl Target {
+    fn query_socket(&self) -> PathBuf {
+        self.socket.clone().unwrap_or_else(|| {
+            RuntimeDir {
+                dir: self.runtime_dir.clone(),
+            }
+            .query()
+        })
+    }
 }
 
 #[derive(Subcommand)]
@@ -121,13 +149,11 @@ enum QueryCommand {
     Finish { request_id: u64 },
 }
 
-/// Sends one JSON request line and prints the reply; non-zero exit on an
-/// error reply.
-fn ask(runtime_dir: &std::path::Path, request: &serde_json::Value) -> ExitCode {
-    let path = RuntimeDir {
-        dir: runtime_dir.to_owned(),
-    }
-    .query();
+/// Sends one JSON request line and prints the reply (as it is with
+/// `--json`, else for people); exit code 1 on an error reply or an
+/// unreachable daemon.
+fn ask(target: &Target, request: &serde_json::Value) -> ExitCode {
+    let path = target.query_socket();
     let result = (|| -> std::io::Result<String> {
         let mut stream = UnixStream::connect(&path)?;
         stream.write_all(format!("{request}\n").as_bytes())?;
@@ -135,22 +161,32 @@ fn ask(runtime_dir: &std::path::Path, request: &serde_json::Value) -> ExitCode {
         BufReader::new(stream).read_line(&mut line)?;
         Ok(line)
     })();
-    match result {
-        Ok(line) => {
-            print!("{line}");
-            if line.starts_with("{\"error\"") {
-                ExitCode::from(1)
-            } else {
-                ExitCode::SUCCESS
-            }
+    let reply: serde_json::Value = match result
+        .map_err(|e| format!("{}: {e}", path.display()))
+        .and_then(|line| {
+            serde_json::from_str(&line).map_err(|e| format!("unreadable reply `{line}`: {e}"))
+        }) {
+        Ok(v) => v,
+        Err(message) => {
+            serde_json::json!({"error": {"code": "unreachable", "message": message}})
         }
-        Err(e) => {
-            println!(
-                "{{\"error\": {{\"code\": \"unreachable\", \"message\": {}}}}}",
-                json_string(&format!("{}: {e}", path.display()))
-            );
-            ExitCode::from(1)
-        }
+    };
+    let failed = reply.get("error").is_some();
+    if target.json {
+        println!("{reply}");
+    } else if failed {
+        eprintln!(
+            "kvedge: {}: {}",
+            reply["error"]["code"].as_str().unwrap_or("error"),
+            reply["error"]["message"].as_str().unwrap_or("")
+        );
+    } else {
+        print!("{}", crate::human::render(request, &reply));
+    }
+    if failed {
+        ExitCode::from(1)
+    } else {
+        ExitCode::SUCCESS
     }
 }
 
@@ -170,22 +206,6 @@ fn parse_tokens(args: &[String]) -> Result<Vec<u32>, String> {
                 .map_err(|_| format!("`{t}` is not a token id (0..=4294967295)"))
         })
         .collect()
-}
-
-fn json_string(s: &str) -> String {
-    let mut out = String::with_capacity(s.len() + 2);
-    out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            '\n' => out.push_str("\\n"),
-            c if (c as u32) < 0x20 => out.push_str(&format!("\\u{:04x}", c as u32)),
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
 }
 
 /// Runs the `kvedge` command line with `registry` (the shipped policies
@@ -235,7 +255,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 }
             }
         }
-        Command::Query { query, runtime_dir } => {
+        Command::Query { query, target } => {
             let request = match query {
                 QueryCommand::Select {
                     model,
@@ -292,17 +312,16 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                     serde_json::json!({"op": "finish", "request_id": request_id})
                 }
             };
-            ask(&runtime_dir, &request)
+            ask(&target, &request)
         }
-        Command::Workers { runtime_dir } => {
-            ask(&runtime_dir, &serde_json::json!({"op": "workers"}))
-        }
-        Command::Stats { runtime_dir } => ask(&runtime_dir, &serde_json::json!({"op": "stats"})),
+        Command::Workers { target } => ask(&target, &serde_json::json!({"op": "workers"})),
+        Command::Stats { target } => ask(&target, &serde_json::json!({"op": "stats"})),
         Command::Hash {
             block_size,
             lora,
             namespace,
             tokens,
+            json,
         } => {
             if block_size == 0 {
                 eprintln!("kvedge hash: --block-size must be positive");
@@ -321,18 +340,37 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 lora.as_deref(),
                 namespace.as_deref(),
             );
-            for h in hashes {
-                println!("{h}");
+            if json {
+                println!("{}", serde_json::json!({ "hashes": hashes }));
+            } else {
+                for h in hashes {
+                    println!("{h}");
+                }
             }
             ExitCode::SUCCESS
         }
-        Command::Publish(args) => match crate::publish::run(args) {
-            Ok(()) => ExitCode::SUCCESS,
-            Err(e) => {
-                eprintln!("kvedge publish: {e}");
-                ExitCode::from(1)
+        Command::Publish(args) => {
+            let json = args.json;
+            match crate::publish::run(args) {
+                Ok(summary) => {
+                    if json {
+                        println!("{summary}");
+                    }
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    if json {
+                        println!(
+                            "{}",
+                            serde_json::json!({"error": {"code": "publish", "message": e}})
+                        );
+                    } else {
+                        eprintln!("kvedge publish: {e}");
+                    }
+                    ExitCode::from(1)
+                }
             }
-        },
+        }
         Command::CheckConfig { file, json } => {
             match Config::load_file(
                 &file,
@@ -342,7 +380,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 Ok(config) => {
                     let rules = config.rules.as_ref().map_or(0, |r| r.rules.len());
                     if json {
-                        println!("{{\"ok\": true, \"rules\": {rules}}}");
+                        println!("{}", serde_json::json!({"ok": true, "rules": rules}));
                     } else {
                         println!("{}: ok ({rules} rules)", file.display());
                     }
@@ -351,8 +389,8 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 Err(e) => {
                     if json {
                         println!(
-                            "{{\"error\": {{\"code\": \"config\", \"message\": {}}}}}",
-                            json_string(&e.to_string())
+                            "{}",
+                            serde_json::json!({"error": {"code": "config", "message": e.to_string()}})
                         );
                     } else {
                         eprintln!("{e}");

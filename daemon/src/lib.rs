@@ -7,6 +7,7 @@
 
 pub mod cli;
 pub mod config;
+pub mod human;
 pub mod index;
 pub mod load;
 pub mod publish;

@@ -38,8 +38,15 @@ pub struct PublishArgs {
     /// Seconds to hold the registration (default: until stdin closes).
     #[arg(long)]
     pub hold: Option<f64>,
+    /// The daemon's runtime directory (its `control.sock`).
     #[arg(long, default_value = "/run/kvedge")]
     pub runtime_dir: PathBuf,
+    /// The control socket itself (overrides `--runtime-dir`).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Print a JSON summary (events published, records dropped) at the end.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Deserialize)]
@@ -101,8 +108,8 @@ fn tier(name: Option<&str>) -> Result<Tier, String> {
 #[derive(Default)]
 struct Held([BTreeSet<u64>; 3]);
 
-/// Runs the command.
-pub fn run(args: PublishArgs) -> Result<(), String> {
+/// Runs the command; returns a summary of what was published.
+pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
     let role = match args.role.as_str() {
         "aggregated" => Role::Aggregated,
         "prefill" => Role::Prefill,
@@ -127,11 +134,15 @@ pub fn run(args: PublishArgs) -> Result<(), String> {
         endpoint: args.endpoint,
         ring_capacity: 0,
     };
-    let control = args.runtime_dir.join("control.sock");
+    let control = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
     let (session, producer) = ProducerSession::connect(&control, &hello, Duration::from_secs(5))
         .map_err(|e| format!("{}: {e}", control.display()))?;
     let mut publisher = Publisher::new(Some(session), producer);
     let mut held = Held::default();
+    let mut events = 0u64;
     let publish_err = |e: PublishError| e.to_string();
     for (n, line) in std::io::BufReader::new(file).lines().enumerate() {
         let line = line.map_err(|e| e.to_string())?;
@@ -140,6 +151,7 @@ pub fn run(args: PublishArgs) -> Result<(), String> {
         }
         let at = |m: String| format!("{}:{}: {m}", args.events.display(), n + 1);
         let parsed: Line = serde_json::from_str(&line).map_err(|e| at(e.to_string()))?;
+        events += 1;
         match parsed {
             Line::Stored(s) => {
                 let t = tier(s.tier.as_deref()).map_err(at)?;
@@ -203,12 +215,15 @@ pub fn run(args: PublishArgs) -> Result<(), String> {
     let start = Instant::now();
     let mut last_beat = Instant::now();
     loop {
-        if let Some(secs) = args.hold {
-            if start.elapsed().as_secs_f64() >= secs {
-                return Ok(());
-            }
-        } else if stdin_closed() {
-            return Ok(());
+        let done = match args.hold {
+            Some(secs) => start.elapsed().as_secs_f64() >= secs,
+            None => stdin_closed(),
+        };
+        if done {
+            return Ok(serde_json::json!({
+                "events": events,
+                "dropped_records": publisher.dropped(),
+            }));
         }
         publisher
             .serve_resync(|p| {

@@ -42,6 +42,17 @@ fn hash_prints_the_sequence_hashes_of_full_blocks() {
     // A LoRA name changes the seed, so the hashes.
     let (_, lora, _) = kvedge(&["hash", "--block-size", "16", "--lora", "a", &list.join(",")]);
     assert_ne!(lora, out);
+    // --json: the same hashes as one object.
+    let (code, json, _) = kvedge(&["hash", "--json", "--block-size", "16", &list.join(",")]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&json).unwrap();
+    let from_json: Vec<String> = v["hashes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_u64().unwrap().to_string())
+        .collect();
+    assert_eq!(from_json, expected);
 }
 
 #[test]
@@ -82,8 +93,13 @@ fn check_config_exit_codes_and_messages() {
     );
     let (code, out, _) = kvedge(&["check-config", "--json", bad.to_str().unwrap()]);
     assert_eq!(code, 1);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["error"]["code"], "config");
     assert!(
-        out.starts_with("{\"error\": {\"code\": \"config\", \"message\": \""),
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("unknown type `nope`"),
         "{out}"
     );
 

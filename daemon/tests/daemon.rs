@@ -272,11 +272,25 @@ fn a_second_daemon_is_refused_and_sigterm_cleans_up() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("belongs to a running daemon"));
     // The CLI client.
     let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .args(["stats", "--runtime-dir", d.dir.to_str().unwrap()])
+        .args(["stats", "--json", "--runtime-dir", d.dir.to_str().unwrap()])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(0));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("\"index_entries\""));
+    let stats: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(stats["index_entries"], 0);
+    // For people; and `--socket` names the query socket directly.
+    let socket = d.dir.join("query.sock");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["stats", "--socket", socket.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.lines()
+            .any(|l| l.split_whitespace().eq(["index_entries", "0"])),
+        "{text}"
+    );
     let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
         .args([
             "query",
@@ -285,13 +299,32 @@ fn a_second_daemon_is_refused_and_sigterm_cleans_up() {
             "none",
             "--tokens",
             "1,2,3",
+            "--json",
             "--runtime-dir",
             d.dir.to_str().unwrap(),
         ])
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stdout).starts_with("{\"error\":"));
+    let reply: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reply["error"]["code"], "no_worker");
+    // Without --json the error goes to stderr for people.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["query", "select", "--model", "none", "--tokens", "1"])
+        .args(["--runtime-dir", d.dir.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(out.stdout.is_empty());
+    assert!(String::from_utf8_lossy(&out.stderr).starts_with("kvedge: no_worker: "));
+    // A daemon that is not there: the same error shape, exit code 1.
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["workers", "--json", "--socket", "/nonexistent/query.sock"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let reply: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(reply["error"]["code"], "unreachable");
     // SIGTERM: a clean exit that removes the sockets.
     let pid = d.child.id();
     Command::new("kill")

@@ -1,0 +1,158 @@
+//! Renders the daemon's JSON replies for people: what `kvedge query`,
+//! `kvedge workers` and `kvedge stats` print without `--json`. Scripts
+//! should use `--json`; this layout may change.
+
+use serde_json::Value;
+use std::fmt::Write;
+
+/// The text for `reply`, the daemon's answer to `request`.
+pub fn render(request: &Value, reply: &Value) -> String {
+    let mut out = String::new();
+    match request["op"].as_str() {
+        Some("select") => select(&mut out, reply),
+        Some("workers") => workers(&mut out, reply),
+        Some("stats") => stats(&mut out, reply),
+        _ => out.push_str("ok\n"),
+    }
+    out
+}
+
+fn text(v: &Value) -> String {
+    match v {
+        Value::Null => "-".into(),
+        Value::String(s) if s.is_empty() => "-".into(),
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn select(out: &mut String, r: &Value) {
+    let target = if r["worker_id"].is_null() {
+        format!("provider {}", text(&r["provider"]))
+    } else {
+        format!(
+            "worker {} (dp rank {})",
+            text(&r["worker_id"]),
+            text(&r["dp_rank"])
+        )
+    };
+    let o = &r["overlap_blocks"];
+    let _ = writeln!(out, "{target} at {}", text(&r["endpoint"]));
+    let _ = writeln!(
+        out,
+        "overlap blocks: device {}, host {}, disk {}",
+        text(&o["device"]),
+        text(&o["host"]),
+        text(&o["disk"])
+    );
+    let _ = writeln!(
+        out,
+        "cost {}  policy {}  rule {}  request id {}",
+        text(&r["cost"]),
+        text(&r["policy"]),
+        text(&r["rule"]),
+        text(&r["request_id"])
+    );
+    let e = &r["explain"];
+    if !e.is_null() {
+        let _ = writeln!(
+            out,
+            "candidates {}, survivors {}, tier {}, considered {}, after exclude {}, fell through {}",
+            text(&e["candidates"]),
+            text(&e["survivors"]),
+            text(&e["tier"]),
+            text(&e["considered"]),
+            text(&e["after_exclude"]),
+            text(&e["fell_through"])
+        );
+        let _ = writeln!(
+            out,
+            "{:>10} {:>4} {:>8} {:>6} {:>6} {:>8} {:>14}",
+            "worker", "dp", "device", "host", "disk", "active", "prefill tokens"
+        );
+        for w in e["workers"].as_array().into_iter().flatten() {
+            let o = &w["overlap_blocks"];
+            let _ = writeln!(
+                out,
+                "{:>10} {:>4} {:>8} {:>6} {:>6} {:>8} {:>14}",
+                text(&w["worker_id"]),
+                text(&w["dp_rank"]),
+                text(&o["device"]),
+                text(&o["host"]),
+                text(&o["disk"]),
+                text(&w["active_requests"]),
+                text(&w["active_prefill_tokens"])
+            );
+        }
+    }
+}
+
+fn workers(out: &mut String, r: &Value) {
+    let list = r["workers"].as_array().map_or(&[][..], Vec::as_slice);
+    if list.is_empty() {
+        out.push_str("no workers registered\n");
+        return;
+    }
+    let _ = writeln!(
+        out,
+        "{:>10} {:>4} {:<16} {:<10} {:<9} {:>13} {:>8} {:>14}  endpoint",
+        "worker", "dp", "model", "role", "available", "device blocks", "active", "prefill tokens"
+    );
+    for w in list {
+        let _ = writeln!(
+            out,
+            "{:>10} {:>4} {:<16} {:<10} {:<9} {:>13} {:>8} {:>14}  {}",
+            text(&w["worker_id"]),
+            text(&w["dp_rank"]),
+            text(&w["model"]),
+            text(&w["role"]),
+            text(&w["available"]),
+            text(&w["device_blocks"]),
+            text(&w["active_requests"]),
+            text(&w["active_prefill_tokens"]),
+            text(&w["endpoint"])
+        );
+    }
+}
+
+fn stats(out: &mut String, r: &Value) {
+    if let Some(map) = r.as_object() {
+        let width = map.keys().map(String::len).max().unwrap_or(0);
+        for (k, v) in map {
+            let _ = writeln!(out, "{k:<width$}  {}", text(v));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_select_reply_reads_as_one_line_per_fact() {
+        let r = json!({"worker_id": 5, "dp_rank": 0, "provider": null, "endpoint": "http://five",
+            "overlap_blocks": {"device": 4, "host": 2, "disk": 0}, "cost": 0.5,
+            "policy": "default", "rule": null, "request_id": 9, "explain": null});
+        let text = render(&json!({"op": "select"}), &r);
+        assert_eq!(
+            text,
+            "worker 5 (dp rank 0) at http://five\noverlap blocks: device 4, host 2, disk 0\n\
+             cost 0.5  policy default  rule -  request id 9\n"
+        );
+    }
+
+    #[test]
+    fn an_off_cluster_answer_names_the_provider() {
+        let r = json!({"worker_id": null, "provider": "openai", "endpoint": "https://x",
+            "overlap_blocks": {"device": 0, "host": 0, "disk": 0}, "cost": null,
+            "policy": "default", "rule": "burst", "request_id": 1, "explain": null});
+        assert!(render(&json!({"op": "select"}), &r).starts_with("provider openai at https://x\n"));
+    }
+
+    #[test]
+    fn no_workers_says_so() {
+        let text = render(&json!({"op": "workers"}), &json!({"workers": []}));
+        assert_eq!(text, "no workers registered\n");
+    }
+}
