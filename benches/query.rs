@@ -222,6 +222,40 @@ fn main() {
             total
         })
     });
+    // The same over the binary protocol, the path for programs: first the
+    // floor (a one-hash select round trip with nothing new to see), then
+    // commit-to-visible.
+    let mut fast = kvedge_daemon::wire::Client::connect(rd.query()).unwrap();
+    fast.set_spinning(true).unwrap();
+    g.bench_function("binary_select_1_hash_round_trip_spinning_client", |b| {
+        b.iter(|| {
+            fast.select_hashes("llama", 0, &[1], 16, true)
+                .unwrap()
+                .unwrap()
+        })
+    });
+    g.bench_function("engine_commit_to_visible_in_binary_select", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let hash = 0xBEEF_0000_0000 + k;
+                let start = Instant::now();
+                engines[0]
+                    .publish_stored_hashes(Tier::Device, None, &[hash])
+                    .unwrap();
+                while fast
+                    .select_hashes("llama", 0, &[hash], 16, true)
+                    .unwrap()
+                    .unwrap()
+                    .overlap_blocks[0]
+                    != 1
+                {}
+                total += start.elapsed();
+            }
+            total
+        })
+    });
     g.finish();
     stop.store(true, Ordering::Relaxed);
     drop(engines);

@@ -194,12 +194,29 @@ pub fn write_error(out: &mut Vec<u8>, code: u16, message: &str) {
     write_frame(out, code, |o| o.extend_from_slice(message.as_bytes()));
 }
 
-/// A blocking client of the binary protocol.
+/// A client of the binary protocol. It blocks in `read` by default;
+/// [`Client::set_spinning`] makes it spin on a non-blocking socket instead
+/// (lower latency, one core busy while waiting).
 #[derive(Debug)]
 pub struct Client {
     stream: UnixStream,
     out: Vec<u8>,
     body: Vec<u8>,
+    spinning: bool,
+}
+
+/// `read_exact` that retries on `WouldBlock` (a spinning client).
+fn read_exact_spinning(stream: &mut UnixStream, mut buf: &mut [u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match stream.read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 impl Client {
@@ -211,16 +228,52 @@ impl Client {
             stream,
             out: Vec::with_capacity(4096),
             body: Vec::with_capacity(256),
+            spinning: false,
         })
     }
 
+    /// Spin on a non-blocking socket while waiting for replies (`true`), or
+    /// block in `read` (`false`, the default).
+    pub fn set_spinning(&mut self, spinning: bool) -> io::Result<()> {
+        self.stream.set_nonblocking(spinning)?;
+        self.spinning = spinning;
+        Ok(())
+    }
+
+    /// Bounds how long a blocking client waits for a reply (`None`: forever).
+    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+        self.stream.set_read_timeout(timeout)?;
+        self.stream.set_write_timeout(timeout)
+    }
+
     fn round_trip(&mut self) -> io::Result<(u16, &[u8])> {
-        self.stream.write_all(&self.out)?;
+        if self.spinning {
+            // A non-blocking write may be partial; finish it by spinning.
+            let mut out = &self.out[..];
+            while !out.is_empty() {
+                match self.stream.write(out) {
+                    Ok(n) => out = &out[n..],
+                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(e),
+                }
+            }
+        } else {
+            self.stream.write_all(&self.out)?;
+        }
         let mut len = [0u8; 4];
-        self.stream.read_exact(&mut len)?;
+        if self.spinning {
+            read_exact_spinning(&mut self.stream, &mut len)?;
+        } else {
+            self.stream.read_exact(&mut len)?;
+        }
         let len = u32::from_le_bytes(len) as usize;
         self.body.resize(len, 0);
-        self.stream.read_exact(&mut self.body)?;
+        if self.spinning {
+            read_exact_spinning(&mut self.stream, &mut self.body)?;
+        } else {
+            self.stream.read_exact(&mut self.body)?;
+        }
         if len < 4 {
             return Err(io::Error::new(io::ErrorKind::InvalidData, "short reply"));
         }
