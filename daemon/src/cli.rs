@@ -79,6 +79,10 @@ enum Command {
     /// then holds the registration (answering resync requests) until stdin
     /// closes or `--hold` seconds pass.
     Publish(crate::publish::PublishArgs),
+    /// Replays a workload (a Mooncake trace or the synthetic generator)
+    /// through the real router and engine models in virtual time, and
+    /// prints a table per policy.
+    Sim(crate::sim_cmd::SimArgs),
     /// Loads and validates a configuration file; exit code 1 on any error.
     CheckConfig {
         file: PathBuf,
@@ -371,6 +375,19 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 }
             }
         }
+        Command::Sim(args) => match crate::sim_cmd::execute(&args, &registry) {
+            Ok(text) => {
+                print!("{text}");
+                if !text.ends_with('\n') {
+                    println!();
+                }
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvedge sim: {e}");
+                ExitCode::from(1)
+            }
+        },
         Command::CheckConfig { file, json } => {
             match Config::load_file(
                 &file,

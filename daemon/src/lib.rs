@@ -13,4 +13,6 @@ pub mod load;
 pub mod publish;
 pub mod router;
 pub mod server;
+pub mod sim;
+pub mod sim_cmd;
 pub mod wire;

@@ -173,6 +173,26 @@ impl Router {
         }
     }
 
+    /// The router a configuration describes: its policies, index capacity,
+    /// reservation TTL, session affinity, worker limit and rules.
+    pub fn from_config(config: &crate::config::Config) -> Self {
+        let mut router = Router::new(
+            config.plugins.clone(),
+            config.daemon.index_capacity,
+            config.daemon.reservation_ttl_ms,
+            SessionAffinityTable::new(
+                config.session_affinity.mode,
+                config.session_affinity.ttl_ms,
+                config.session_affinity.max_sessions,
+            ),
+        );
+        router.set_max_workers(config.daemon.max_workers);
+        if let Some(rules) = config.rules.clone() {
+            router.set_rules(rules);
+        }
+        router
+    }
+
     /// How the last selection went.
     pub fn last_explain(&self) -> Explain {
         self.last
@@ -278,47 +298,61 @@ impl Router {
             EventRef::Stored(s) => {
                 let tier = s.tier.to_native();
                 for b in s.blocks.iter() {
-                    self.index.store(
-                        slot,
-                        tier,
-                        std::slice::from_ref(&b.sequence_hash.to_native()),
-                    );
+                    self.apply_stored(slot, tier, &[b.sequence_hash.to_native()]);
                 }
             }
             EventRef::Removed(r) => {
                 let tier = r.tier.to_native();
                 for h in r.hashes.iter() {
-                    self.index
-                        .remove(slot, tier, std::slice::from_ref(&h.to_native()));
+                    self.apply_removed(slot, tier, &[h.to_native()]);
                 }
             }
             EventRef::Cleared(c) => {
-                let tier = c.tier.as_ref().map(|t| t.to_native());
-                self.index.clear(slot, tier);
+                self.apply_cleared(slot, c.tier.as_ref().map(|t| t.to_native()));
             }
-            EventRef::Load(l) => {
-                // Learn the worker's prefill speed from its reports (engine
-                // clock) and the prompt tokens admitted to it in between.
-                let i = slot.index();
-                self.throughput[i].observe(
-                    l.timestamp_ns.to_native() / 1_000_000,
-                    l.active_prefill_tokens.to_native(),
-                    std::mem::take(&mut self.admitted_tokens[i]),
-                );
-                self.load.report(
-                    slot,
-                    LoadReport {
-                        active_requests: l.active_requests.to_native(),
-                        waiting_requests: l.waiting_requests.to_native(),
-                        active_prefill_tokens: l.active_prefill_tokens.to_native(),
-                        active_decode_blocks: l.active_decode_blocks.to_native(),
-                        kv_used_blocks: l.kv_used_blocks.to_native(),
-                        kv_total_blocks: l.kv_total_blocks.to_native(),
-                    },
-                )
-            }
+            EventRef::Load(l) => self.apply_load(
+                slot,
+                LoadReport {
+                    active_requests: l.active_requests.to_native(),
+                    waiting_requests: l.waiting_requests.to_native(),
+                    active_prefill_tokens: l.active_prefill_tokens.to_native(),
+                    active_decode_blocks: l.active_decode_blocks.to_native(),
+                    kv_used_blocks: l.kv_used_blocks.to_native(),
+                    kv_total_blocks: l.kv_total_blocks.to_native(),
+                },
+                l.timestamp_ns.to_native() / 1_000_000,
+            ),
             EventRef::Heartbeat(_) | EventRef::SnapshotBegin(_) | EventRef::SnapshotEnd(_) => {}
         }
+    }
+
+    /// The worker in `slot` stored `hashes` in `tier` (the native form of a
+    /// Stored event, used by the simulator).
+    pub fn apply_stored(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) {
+        self.index.store(slot, tier, hashes);
+    }
+
+    /// The worker in `slot` removed `hashes` from `tier`.
+    pub fn apply_removed(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) {
+        self.index.remove(slot, tier, hashes);
+    }
+
+    /// The worker in `slot` cleared `tier` (every tier with `None`).
+    pub fn apply_cleared(&mut self, slot: Slot, tier: Option<Tier>) {
+        self.index.clear(slot, tier);
+    }
+
+    /// The worker in `slot` reported its load at `engine_ms` (its clock).
+    pub fn apply_load(&mut self, slot: Slot, report: LoadReport, engine_ms: u64) {
+        // Learn the worker's prefill speed from its reports and the prompt
+        // tokens admitted to it in between.
+        let i = slot.index();
+        self.throughput[i].observe(
+            engine_ms,
+            report.active_prefill_tokens,
+            std::mem::take(&mut self.admitted_tokens[i]),
+        );
+        self.load.report(slot, report);
     }
 
     /// Chooses a worker for `req`, reserves it (unless a dry run) and

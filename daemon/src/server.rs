@@ -157,21 +157,7 @@ impl Server {
         std::fs::create_dir_all(&dir.dir)?;
         let control = bind(&dir.control())?;
         let query = bind(&dir.query())?;
-        let router = Router::new(
-            config.plugins.clone(),
-            config.daemon.index_capacity,
-            config.daemon.reservation_ttl_ms,
-            kvedge_policies::SessionAffinityTable::new(
-                config.session_affinity.mode,
-                config.session_affinity.ttl_ms,
-                config.session_affinity.max_sessions,
-            ),
-        );
-        let mut router = router;
-        router.set_max_workers(config.daemon.max_workers);
-        if let Some(rules) = config.rules.clone() {
-            router.set_rules(rules);
-        }
+        let router = Router::from_config(&config);
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
         watch(&epoll, &control)?;
         watch(&epoll, &query)?;

@@ -1,0 +1,318 @@
+//! The `kvedge sim` command: reads or generates the workload, runs one
+//! replay per policy (in parallel, each on its own router and engines), and
+//! prints the table, JSON, and optionally the charts.
+
+use std::path::PathBuf;
+
+use kvedge_policies::RouterPluginRegistry;
+use kvedge_sim::engine::EngineParams;
+use kvedge_sim::report::{Summary, table};
+use kvedge_sim::workload::{
+    Arrivals, SyntheticParams, TraceRequest, oracle_hit_rate, read_mooncake, synthetic,
+};
+use serde::Serialize;
+
+use crate::config::Config;
+use crate::sim::{PRESETS, Run, Setup, preset_config, run};
+
+/// Engine model parameters, shared by `sim`, `mock-engine` and `demo`.
+#[derive(Debug, Clone, clap::Args)]
+pub struct EngineArgs {
+    /// Tokens per KV block.
+    #[arg(long, default_value_t = 16)]
+    pub block_size: u32,
+    /// Device KV blocks per engine (default: ~500k tokens, an 80 GB card
+    /// serving an 8B model).
+    #[arg(long, default_value_t = 32_768)]
+    pub device_blocks: u32,
+    /// Host-tier KV blocks per engine (0: none).
+    #[arg(long, default_value_t = 0)]
+    pub host_blocks: u32,
+    /// Prefill speed, tokens per second.
+    #[arg(long, default_value_t = 25_000.0)]
+    pub prefill_tokens_per_s: f64,
+    /// Fixed cost of a step (the decode time per token at low load), µs.
+    #[arg(long, default_value_t = 6_000.0)]
+    pub step_base_us: f64,
+    /// Decode cost per context token of each decoding sequence, µs.
+    #[arg(long, default_value_t = 0.044)]
+    pub decode_us_per_context_token: f64,
+    /// Token budget of a step.
+    #[arg(long, default_value_t = 8_192)]
+    pub max_batch_tokens: u32,
+    /// Sequences running at once.
+    #[arg(long, default_value_t = 256)]
+    pub max_running: u32,
+}
+
+impl EngineArgs {
+    pub fn params(&self) -> Result<EngineParams, String> {
+        if self.block_size == 0 || self.device_blocks == 0 {
+            return Err("--block-size and --device-blocks must be positive".into());
+        }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        let non_negative = |x: f64| x.is_finite() && x >= 0.0;
+        if !positive(self.prefill_tokens_per_s)
+            || !non_negative(self.step_base_us)
+            || !non_negative(self.decode_us_per_context_token)
+        {
+            return Err("engine speeds must be positive and times non-negative".into());
+        }
+        if self.max_batch_tokens == 0 || self.max_running == 0 {
+            return Err("--max-batch-tokens and --max-running must be positive".into());
+        }
+        Ok(EngineParams {
+            block_size: self.block_size,
+            device_blocks: self.device_blocks,
+            host_blocks: self.host_blocks,
+            max_batch_tokens: self.max_batch_tokens,
+            max_running: self.max_running,
+            prefill_tokens_per_s: self.prefill_tokens_per_s,
+            step_base_us: self.step_base_us,
+            decode_us_per_context_token: self.decode_us_per_context_token,
+            ..EngineParams::default()
+        })
+    }
+}
+
+/// The synthetic workload's knobs.
+#[derive(Debug, Clone, clap::Args)]
+pub struct SyntheticArgs {
+    /// Requests to generate.
+    #[arg(long, default_value_t = 2_000)]
+    pub requests: usize,
+    /// Seed of the generator.
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Mean arrivals per second.
+    #[arg(long, default_value_t = 12.0)]
+    pub rate: f64,
+    /// Bursty arrivals (2 s of every 8 at 2.5x the rate) instead of Poisson.
+    #[arg(long)]
+    pub bursty: bool,
+    /// Shared-prefix groups.
+    #[arg(long, default_value_t = 32)]
+    pub prefix_groups: u32,
+    /// Tokens of each shared prefix.
+    #[arg(long, default_value_t = 2_048)]
+    pub prefix_tokens: u32,
+}
+
+impl SyntheticArgs {
+    pub fn params(&self, block_size: u32) -> Result<SyntheticParams, String> {
+        if self.requests == 0
+            || !(self.rate.is_finite() && self.rate > 0.0)
+            || self.prefix_groups == 0
+        {
+            return Err("--requests, --rate and --prefix-groups must be positive".into());
+        }
+        Ok(SyntheticParams {
+            requests: self.requests,
+            seed: self.seed,
+            rate_per_s: self.rate,
+            arrivals: if self.bursty {
+                Arrivals::Bursty
+            } else {
+                Arrivals::Poisson
+            },
+            prefix_groups: self.prefix_groups,
+            prefix_tokens: self.prefix_tokens,
+            block_size: block_size as usize,
+            ..SyntheticParams::default()
+        })
+    }
+}
+
+/// `kvedge sim`'s arguments.
+#[derive(Debug, clap::Args)]
+pub struct SimArgs {
+    /// A Mooncake-format trace (JSON lines with timestamp, input_length,
+    /// output_length, hash_ids); without it, the synthetic workload.
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Multiplies the trace's arrival times (0.5 replays twice as fast).
+    #[arg(long, default_value_t = 1.0)]
+    pub time_scale: f64,
+    /// Replay only the first N requests of the trace.
+    #[arg(long)]
+    pub limit: Option<usize>,
+    #[command(flatten)]
+    pub synthetic: SyntheticArgs,
+    /// Engines on the simulated node.
+    #[arg(long, default_value_t = 8)]
+    pub workers: usize,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+    /// A shipped policy to compare (repeatable); default: all of them.
+    #[arg(long = "policy")]
+    pub policies: Vec<String>,
+    /// A kvedge configuration file to compare (repeatable); its row is named
+    /// after the file.
+    #[arg(long = "config")]
+    pub configs: Vec<PathBuf>,
+    /// Print JSON instead of the table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// The JSON that `kvedge sim --json` prints.
+#[derive(Debug, Serialize)]
+pub struct SimReport {
+    pub workload: String,
+    pub requests: usize,
+    pub workers: usize,
+    pub oracle_hit_rate: f64,
+    pub policies: Vec<PolicyRow>,
+}
+
+#[derive(Debug, Serialize)]
+pub struct PolicyRow {
+    #[serde(flatten)]
+    pub summary: Summary,
+    pub unplaced: usize,
+    pub refused: usize,
+}
+
+/// Loads the workload `args` describe.
+pub fn workload(args: &SimArgs) -> Result<(String, Vec<TraceRequest>), String> {
+    let block_size = args.engine.block_size;
+    match &args.trace {
+        Some(path) => {
+            if !(args.time_scale.is_finite() && args.time_scale > 0.0) {
+                return Err("--time-scale must be positive".into());
+            }
+            let name = path.display().to_string();
+            let file = std::fs::File::open(path).map_err(|e| format!("{name}: {e}"))?;
+            let mut r = read_mooncake(
+                &name,
+                std::io::BufReader::new(file),
+                args.time_scale,
+                block_size as usize,
+            )
+            .map_err(|e| e.to_string())?;
+            if let Some(n) = args.limit {
+                r.truncate(n);
+            }
+            Ok((format!("{name} (time scale {})", args.time_scale), r))
+        }
+        None => {
+            let p = args.synthetic.params(block_size)?;
+            let name = format!(
+                "synthetic ({} requests, seed {}, {} req/s{})",
+                p.requests,
+                p.seed,
+                p.rate_per_s,
+                if args.synthetic.bursty {
+                    ", bursty"
+                } else {
+                    ""
+                }
+            );
+            Ok((name, synthetic(&p)))
+        }
+    }
+}
+
+/// Runs the command; returns the text to print.
+pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String, String> {
+    if args.workers == 0 || args.workers > crate::index::MAX_WORKERS {
+        return Err(format!(
+            "--workers must be 1..={}",
+            crate::index::MAX_WORKERS
+        ));
+    }
+    let engine = args.engine.params()?;
+    // The policies first: a bad name fails before the workload is built.
+    let mut configs: Vec<(String, Config)> = Vec::new();
+    let names: Vec<String> = if args.policies.is_empty() && args.configs.is_empty() {
+        PRESETS.iter().map(|(n, _)| (*n).to_owned()).collect()
+    } else {
+        args.policies.clone()
+    };
+    for name in names {
+        let c = preset_config(&name, registry).map_err(|e| e.to_string())?;
+        configs.push((name, c));
+    }
+    for path in &args.configs {
+        let c =
+            Config::load_file(path, registry, &Default::default()).map_err(|e| e.to_string())?;
+        configs.push((path.display().to_string(), c));
+    }
+    let (name, requests) = workload(args)?;
+    let oracle = oracle_hit_rate(&requests, engine.block_size);
+    let setup = Setup {
+        workers: args.workers,
+        engine,
+        sample_us: 1_000_000,
+    };
+    let runs = run_all(&configs, &setup, &requests, oracle);
+    if args.json {
+        let report = SimReport {
+            workload: name,
+            requests: requests.len(),
+            workers: args.workers,
+            oracle_hit_rate: oracle,
+            policies: runs
+                .into_iter()
+                .map(|r| PolicyRow {
+                    summary: r.summary,
+                    unplaced: r.unplaced,
+                    refused: r.refused,
+                })
+                .collect(),
+        };
+        return serde_json::to_string_pretty(&report).map_err(|e| e.to_string());
+    }
+    let mut text = format!(
+        "{name}: {} requests on {} workers\n",
+        requests.len(),
+        args.workers
+    );
+    let rows: Vec<Summary> = runs.iter().map(|r| r.summary.clone()).collect();
+    text.push_str(&table(&rows, oracle));
+    for r in &runs {
+        if r.unplaced + r.refused > 0 {
+            text.push_str(&format!(
+                "{}: {} requests not placed by the router, {} refused by an engine\n",
+                r.summary.policy, r.unplaced, r.refused
+            ));
+        }
+    }
+    Ok(text)
+}
+
+/// Runs every configuration, on as many threads as there are cores; rows
+/// come back in the order given.
+pub fn run_all(
+    configs: &[(String, Config)],
+    setup: &Setup,
+    requests: &[TraceRequest],
+    oracle: f64,
+) -> Vec<Run> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(configs.len().max(1));
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: std::sync::Mutex<Vec<Option<Run>>> =
+        std::sync::Mutex::new((0..configs.len()).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..threads {
+            s.spawn(|| {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some((label, config)) = configs.get(i) else {
+                        return;
+                    };
+                    let r = run(config, label, setup, requests, oracle);
+                    results.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                }
+            });
+        }
+    });
+    results
+        .into_inner()
+        .unwrap_or_else(|e| e.into_inner())
+        .into_iter()
+        .map(|r| r.expect("every configuration ran"))
+        .collect()
+}
