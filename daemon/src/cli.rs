@@ -83,6 +83,12 @@ enum Command {
     /// through the real router and engine models in virtual time, and
     /// prints a table per policy.
     Sim(crate::sim_cmd::SimArgs),
+    /// A simulated engine (the model of `kvedge sim`) as a real process:
+    /// registers, publishes through its ring, serves requests on --listen.
+    MockEngine(crate::mock_engine::MockEngineArgs),
+    /// The daemon, mock engines and a load generator on this machine, with
+    /// a bundled configuration; prints the routing table at the end.
+    Demo(crate::demo::DemoArgs),
     /// Loads and validates a configuration file; exit code 1 on any error.
     CheckConfig {
         file: PathBuf,
@@ -385,6 +391,23 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             }
             Err(e) => {
                 eprintln!("kvedge sim: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::MockEngine(args) => match crate::mock_engine::run(args) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("kvedge mock-engine: {e}");
+                ExitCode::from(1)
+            }
+        },
+        Command::Demo(args) => match crate::demo::run(&args) {
+            Ok(text) => {
+                println!("{}", text.trim_end());
+                ExitCode::SUCCESS
+            }
+            Err(e) => {
+                eprintln!("kvedge demo: {e}");
                 ExitCode::from(1)
             }
         },

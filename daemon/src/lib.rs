@@ -7,9 +7,12 @@
 
 pub mod cli;
 pub mod config;
+pub mod demo;
 pub mod human;
 pub mod index;
+pub mod latency;
 pub mod load;
+pub mod mock_engine;
 pub mod publish;
 pub mod router;
 pub mod server;

@@ -116,6 +116,8 @@ pub struct Server {
     epoch: u64,
     selects: u64,
     errors: u64,
+    /// Time in the router core per selection.
+    select_latency: crate::latency::Histogram,
     /// Retained buffers of the binary protocol.
     reply: Vec<u8>,
     hashes: Vec<u64>,
@@ -172,6 +174,7 @@ impl Server {
             epoch: 0,
             selects: 0,
             errors: 0,
+            select_latency: Default::default(),
             reply: Vec::with_capacity(4096),
             hashes: Vec::with_capacity(4096),
             epoll,
@@ -674,7 +677,9 @@ impl Server {
                     now_ms: self.started.elapsed().as_millis() as u64,
                     dry_run,
                 };
+                let t = Instant::now();
                 let r = self.router.select(&req);
+                self.select_latency.record(t.elapsed().as_nanos() as u64);
                 self.hashes = hashes;
                 match r {
                     Ok(r) => {
@@ -804,6 +809,7 @@ impl Server {
                 "reservations": self.router.load.reservations(),
                 "selects": self.selects,
                 "errors": self.errors,
+                "select_latency": self.select_latency.to_json(),
             })),
         }
     }
@@ -857,10 +863,10 @@ impl Server {
             now_ms: self.now_ms(),
             dry_run: s.dry_run,
         };
-        let r = self
-            .router
-            .select(&req)
-            .map_err(|e| (error_code(&e).0, e.to_string()))?;
+        let t = Instant::now();
+        let r = self.router.select(&req);
+        self.select_latency.record(t.elapsed().as_nanos() as u64);
+        let r = r.map_err(|e| (error_code(&e).0, e.to_string()))?;
         self.selects += 1;
         let rules = self.router.rules();
         let rule = r

@@ -155,8 +155,10 @@ pub fn summarise(
             0.0
         },
         load_imbalance: load.imbalance(end),
+        // Not measured (a run without access to the router): NaN, shown as
+        // "-" in the table and null in JSON.
         router_us_mean: if router.is_empty() {
-            0.0
+            f64::NAN
         } else {
             router.iter().sum::<f64>() / router.len() as f64
         },
@@ -185,9 +187,14 @@ pub fn table(rows: &[Summary], oracle_hit_rate: f64) -> String {
         "router µs"
     );
     for r in rows {
+        let router = if r.router_us_mean.is_nan() {
+            "-".to_owned()
+        } else {
+            format!("{:.2}", r.router_us_mean)
+        };
         let _ = writeln!(
             s,
-            "{:<24} {:>8} {:>7.1} {:>7.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.0} {:>8.2} {:>9.2}",
+            "{:<24} {:>8} {:>7.1} {:>7.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.0} {:>8.2} {:>9}",
             r.policy,
             r.requests,
             r.hit_rate * 100.0,
@@ -199,7 +206,7 @@ pub fn table(rows: &[Summary], oracle_hit_rate: f64) -> String {
             r.e2e_ms_p99,
             r.output_tokens_per_s,
             r.load_imbalance,
-            r.router_us_mean
+            router
         );
     }
     let _ = writeln!(

@@ -1,0 +1,363 @@
+//! `kvedge mock-engine`: the engine model ([`kvedge_sim::engine`]) as a
+//! real process. It registers over `control.sock` like any engine, publishes
+//! Stored/Removed events exactly when its block pool changes and a Load
+//! after every step through its shared-memory ring, answers resync requests
+//! from its real block sets, and serves requests on its own Unix socket.
+//!
+//! Request protocol (JSON lines on `--listen`):
+//!
+//! ```text
+//! -> {"id":7,"hashes":[..],"prompt_tokens":2048,"output_tokens":64}
+//! <- {"id":7,"event":"first_token","ttft_ms":41.2,"cached_tokens":1024}
+//! <- {"id":7,"event":"finished","e2e_ms":512.9}
+//! <- {"id":7,"error":"..."}            (refused; nothing else changes)
+//! ```
+//!
+//! Times are the engine's, in simulated milliseconds; `--speed` runs the
+//! simulated clock that many times faster than the wall clock.
+
+use std::collections::HashMap;
+use std::io::{self, Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvedge_shm::Publisher;
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Load, Role, Tier};
+use kvedge_sim::engine::{Completion, EngineModel, EngineRequest, KvEvent, Outputs};
+use serde::Deserialize;
+use serde_json::json;
+
+use crate::sim_cmd::EngineArgs;
+
+/// The command's arguments.
+#[derive(Debug, Clone, clap::Args)]
+pub struct MockEngineArgs {
+    #[arg(long)]
+    pub worker_id: u64,
+    #[arg(long)]
+    pub model: String,
+    #[arg(long, default_value_t = 0)]
+    pub dp_rank: u32,
+    /// Where this engine takes requests (a Unix socket it creates).
+    #[arg(long)]
+    pub listen: PathBuf,
+    /// The daemon's runtime directory (its `control.sock`).
+    #[arg(long, default_value = "/run/kvedge")]
+    pub runtime_dir: PathBuf,
+    /// The control socket itself (overrides `--runtime-dir`).
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Simulated seconds per wall-clock second.
+    #[arg(long, default_value_t = 1.0)]
+    pub speed: f64,
+    #[command(flatten)]
+    pub engine: EngineArgs,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RequestLine {
+    id: u64,
+    hashes: Vec<u64>,
+    prompt_tokens: u32,
+    output_tokens: u32,
+}
+
+struct Conn {
+    stream: UnixStream,
+    buf: Vec<u8>,
+    out: Vec<u8>,
+    closed: bool,
+}
+
+/// Hashes per Stored/Removed record (well under the ring's record limit).
+const CHUNK: usize = 256;
+
+/// Runs the engine until SIGTERM/SIGINT or until the daemon goes away.
+pub fn run(args: MockEngineArgs) -> Result<(), String> {
+    let params = args.engine.params()?;
+    if !(args.speed.is_finite() && args.speed > 0.0) {
+        return Err("--speed must be positive".into());
+    }
+    let stop = Arc::new(AtomicBool::new(false));
+    for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
+        signal_hook::flag::register(signal, Arc::clone(&stop)).map_err(|e| e.to_string())?;
+    }
+    if args.listen.exists() {
+        std::fs::remove_file(&args.listen)
+            .map_err(|e| format!("{}: {e}", args.listen.display()))?;
+    }
+    let listener =
+        UnixListener::bind(&args.listen).map_err(|e| format!("{}: {e}", args.listen.display()))?;
+    listener.set_nonblocking(true).map_err(|e| e.to_string())?;
+    let _cleanup = RemoveOnDrop(args.listen.clone());
+    let hello = Hello {
+        worker_id: args.worker_id,
+        dp_rank: args.dp_rank,
+        model: args.model.clone(),
+        role: Role::Aggregated,
+        block_size: params.block_size,
+        kv_blocks: [
+            u64::from(params.device_blocks),
+            u64::from(params.host_blocks),
+            0,
+        ],
+        labels: vec![],
+        taints: vec![],
+        endpoint: format!("unix:{}", args.listen.display()),
+        ring_capacity: 0,
+    };
+    let control = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
+    let (session, producer) = ProducerSession::connect(&control, &hello, Duration::from_secs(5))
+        .map_err(|e| format!("{}: {e}", control.display()))?;
+    let mut publisher = Publisher::new(Some(session), producer);
+    let mut engine = EngineModel::new(params);
+    let start = Instant::now();
+    let sim_now = |speed: f64| (start.elapsed().as_secs_f64() * 1e6 * speed) as u64;
+    let mut conns: Vec<Conn> = Vec::new();
+    // Request id -> (connection index, arrival in simulated µs).
+    let mut owners: HashMap<u64, (usize, u64)> = HashMap::new();
+    let mut out = Outputs::default();
+    let mut next_step: Option<u64> = None;
+    let mut last_beat = Instant::now();
+    while !stop.load(Ordering::Relaxed) {
+        // New connections and request lines.
+        loop {
+            match listener.accept() {
+                Ok((s, _)) => {
+                    if s.set_nonblocking(true).is_ok() {
+                        conns.push(Conn {
+                            stream: s,
+                            buf: Vec::new(),
+                            out: Vec::new(),
+                            closed: false,
+                        });
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+                Err(e) => return Err(format!("accept: {e}")),
+            }
+        }
+        let now = sim_now(args.speed);
+        let mut submitted = false;
+        for (ci, c) in conns.iter_mut().enumerate() {
+            read_available(c);
+            while let Some(pos) = c.buf.iter().position(|&b| b == b'\n') {
+                let line: Vec<u8> = c.buf.drain(..=pos).collect();
+                let reply = match serde_json::from_slice::<RequestLine>(&line) {
+                    Err(e) => Some(json!({"id": null, "error": e.to_string()})),
+                    Ok(r) if owners.contains_key(&r.id) => {
+                        Some(json!({"id": r.id, "error": "duplicate request id"}))
+                    }
+                    Ok(r) => {
+                        let id = r.id;
+                        match engine.submit(
+                            EngineRequest {
+                                id,
+                                hashes: r.hashes,
+                                prompt_tokens: r.prompt_tokens,
+                                output_tokens: r.output_tokens,
+                            },
+                            now,
+                        ) {
+                            Ok(()) => {
+                                owners.insert(id, (ci, now));
+                                submitted = true;
+                                None
+                            }
+                            Err(e) => Some(json!({"id": id, "error": e.to_string()})),
+                        }
+                    }
+                };
+                if let Some(v) = reply {
+                    c.out.extend_from_slice(format!("{v}\n").as_bytes());
+                }
+            }
+        }
+        // Steps due.
+        if submitted || next_step.is_some_and(|t| t <= now) {
+            out.clear();
+            next_step = engine.advance(now, &mut out);
+            publish(&mut publisher, &out)?;
+            for c in &out.completions {
+                let (id, line) = match *c {
+                    Completion::FirstToken {
+                        id,
+                        at_us,
+                        cached_tokens,
+                    } => {
+                        let arrival = owners.get(&id).map_or(at_us, |o| o.1);
+                        (
+                            id,
+                            json!({"id": id, "event": "first_token",
+                                "ttft_ms": at_us.saturating_sub(arrival) as f64 / 1e3,
+                                "cached_tokens": cached_tokens}),
+                        )
+                    }
+                    Completion::Finished { id, at_us } => {
+                        let arrival = owners.get(&id).map_or(at_us, |o| o.1);
+                        (
+                            id,
+                            json!({"id": id, "event": "finished",
+                                "e2e_ms": at_us.saturating_sub(arrival) as f64 / 1e3}),
+                        )
+                    }
+                };
+                let Some(&(ci, _)) = owners.get(&id) else {
+                    continue;
+                };
+                if matches!(c, Completion::Finished { .. }) {
+                    owners.remove(&id);
+                }
+                if let Some(conn) = conns.get_mut(ci) {
+                    conn.out.extend_from_slice(format!("{line}\n").as_bytes());
+                }
+            }
+        }
+        for c in &mut conns {
+            flush(c);
+        }
+        // Connections that hung up keep their index (requests in flight
+        // point at it) but stop being read.
+        // Resync requests: republish every block held, per tier.
+        let served = publisher.serve_resync(|p| {
+            p.publish_cleared(None)?;
+            let device: Vec<u64> = engine.device_hashes().collect();
+            let host: Vec<u64> = engine.host_hashes().collect();
+            for (tier, set) in [(Tier::Device, device), (Tier::Host, host)] {
+                for chunk in set.chunks(CHUNK) {
+                    p.publish_stored_hashes(tier, None, chunk)?;
+                }
+            }
+            Ok(())
+        });
+        if served.is_err() {
+            return Ok(()); // the daemon is gone
+        }
+        if last_beat.elapsed() >= Duration::from_millis(500) {
+            if publisher.heartbeat(sim_now(args.speed) * 1000).is_err() {
+                return Ok(());
+            }
+            last_beat = Instant::now();
+        }
+        // Sleep until the next step is due or a socket has something.
+        let wait_us = match next_step {
+            Some(t) => ((t.saturating_sub(sim_now(args.speed))) as f64 / args.speed) as u64,
+            None => 50_000,
+        }
+        .min(50_000);
+        wait_readable(&listener, &conns, Duration::from_micros(wait_us));
+    }
+    Ok(())
+}
+
+fn publish(p: &mut Publisher, out: &Outputs) -> Result<(), String> {
+    let err = |e: kvedge_shm::PublishError| format!("publish: {e}");
+    for e in &out.events {
+        match e {
+            KvEvent::Stored {
+                tier,
+                parent,
+                hashes,
+            } => {
+                let mut parent = *parent;
+                for chunk in hashes.chunks(CHUNK) {
+                    p.publish_stored_hashes(*tier, parent, chunk).map_err(err)?;
+                    parent = chunk.last().copied();
+                }
+            }
+            KvEvent::Removed { tier, hashes } => {
+                for chunk in hashes.chunks(CHUNK) {
+                    p.publish_removed(*tier, chunk).map_err(err)?;
+                }
+            }
+        }
+    }
+    for l in &out.loads {
+        p.publish_load(&Load {
+            active_requests: l.active_requests,
+            waiting_requests: l.waiting_requests,
+            active_prefill_tokens: l.active_prefill_tokens,
+            active_decode_blocks: l.active_decode_blocks,
+            kv_used_blocks: l.kv_used_blocks,
+            kv_total_blocks: l.kv_total_blocks,
+            timestamp_ns: l.timestamp_us * 1000,
+        })
+        .map_err(err)?;
+    }
+    Ok(())
+}
+
+fn read_available(c: &mut Conn) {
+    if c.closed {
+        return;
+    }
+    let mut chunk = [0u8; 8192];
+    loop {
+        match c.stream.read(&mut chunk) {
+            Ok(0) => {
+                c.closed = true;
+                return;
+            }
+            Ok(n) => c.buf.extend_from_slice(&chunk[..n]),
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                c.closed = true;
+                return;
+            }
+        }
+    }
+}
+
+fn flush(c: &mut Conn) {
+    while !c.out.is_empty() && !c.closed {
+        match c.stream.write(&c.out) {
+            Ok(n) => {
+                c.out.drain(..n);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => return,
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(_) => {
+                c.closed = true;
+                c.out.clear();
+            }
+        }
+    }
+}
+
+fn wait_readable(listener: &UnixListener, conns: &[Conn], timeout: Duration) {
+    use rustix::event::{PollFd, PollFlags};
+    let mut fds = Vec::with_capacity(1 + conns.len());
+    fds.push(PollFd::new(listener, PollFlags::IN));
+    for c in conns.iter().filter(|c| !c.closed) {
+        let flags = if c.out.is_empty() {
+            PollFlags::IN
+        } else {
+            PollFlags::IN | PollFlags::OUT
+        };
+        fds.push(PollFd::new(&c.stream, flags));
+    }
+    let ts = rustix::time::Timespec {
+        tv_sec: timeout.as_secs() as i64,
+        tv_nsec: i64::from(timeout.subsec_nanos()),
+    };
+    let _ = rustix::event::poll(&mut fds, Some(&ts));
+}
+
+/// Removes the request socket when the engine exits.
+struct RemoveOnDrop(PathBuf);
+
+impl Drop for RemoveOnDrop {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
