@@ -13,6 +13,7 @@ pub mod index;
 pub mod latency;
 pub mod load;
 pub mod mock_engine;
+pub mod plot;
 pub mod publish;
 pub mod router;
 pub mod server;

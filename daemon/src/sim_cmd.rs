@@ -153,6 +153,10 @@ pub struct SimArgs {
     /// Print JSON instead of the table.
     #[arg(long)]
     pub json: bool,
+    /// Also write PNG charts into this directory: hit rate and TTFT per
+    /// policy, and active requests per worker over time for each policy.
+    #[arg(long)]
+    pub plot: Option<PathBuf>,
 }
 
 /// The JSON that `kvedge sim --json` prints.
@@ -246,6 +250,11 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
         sample_us: 1_000_000,
     };
     let runs = run_all(&configs, &setup, &requests, oracle);
+    let charts = match &args.plot {
+        Some(dir) => crate::plot::write_charts(dir, &runs, oracle)
+            .map_err(|e| format!("--plot {}: {e}", dir.display()))?,
+        None => Vec::new(),
+    };
     if args.json {
         let report = SimReport {
             workload: name,
@@ -262,6 +271,9 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
                 .collect(),
         };
         return serde_json::to_string_pretty(&report).map_err(|e| e.to_string());
+    }
+    for chart in &charts {
+        eprintln!("kvedge sim: wrote {}", chart.display());
     }
     let mut text = format!(
         "{name}: {} requests on {} workers\n",

@@ -106,3 +106,43 @@ fn bad_arguments_fail_with_a_message() {
     assert_eq!(code, 1);
     assert!(err.contains("/nonexistent.jsonl: No such file"), "{err}");
 }
+
+#[test]
+fn plot_writes_png_charts() {
+    let dir = std::env::temp_dir().join(format!("kvedge-plot-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (code, _, err) = sim(&[
+        "--requests",
+        "200",
+        "--workers",
+        "2",
+        "--policy",
+        "default",
+        "--policy",
+        "round-robin",
+        "--plot",
+        dir.to_str().unwrap(),
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let mut names: Vec<String> = std::fs::read_dir(&dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(
+        names,
+        [
+            "hit_rate.png",
+            "load-default.png",
+            "load-round-robin.png",
+            "ttft.png"
+        ]
+    );
+    for n in &names {
+        let bytes = std::fs::read(dir.join(n)).unwrap();
+        assert!(bytes.starts_with(b"\x89PNG\r\n\x1a\n"), "{n} is not a PNG");
+        assert!(bytes.len() > 5_000, "{n} is nearly empty");
+    }
+    assert!(err.contains("wrote"), "{err}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
