@@ -13,9 +13,7 @@ use kvedge_sim::engine::EngineParams;
 use kvedge_sim::workload::{SyntheticParams, synthetic};
 
 fn main() {
-    let mut c = Criterion::default()
-        .configure_from_args()
-        .sample_size(10);
+    let mut c = Criterion::default().configure_from_args().sample_size(10);
     let requests = synthetic(&SyntheticParams {
         requests: 12_000,
         ..SyntheticParams::default()
@@ -29,9 +27,16 @@ fn main() {
     let mut g = c.benchmark_group("sim");
     for policy in ["default", "round-robin"] {
         let config = preset_config(policy, &registry).unwrap();
-        g.bench_function(format!("synthetic_12000_requests_8_workers_{policy}"), |b| {
-            b.iter(|| run(&config, policy, &setup, &requests, 0.0).summary.requests)
-        });
+        g.bench_function(
+            format!("synthetic_12000_requests_8_workers_{policy}"),
+            |b| {
+                b.iter(|| {
+                    run(&config, policy, &setup, &requests, 0.0)
+                        .summary
+                        .requests
+                })
+            },
+        );
     }
     g.finish();
     c.final_summary();
