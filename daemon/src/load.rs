@@ -36,6 +36,19 @@ struct Reservation {
     expires_ms: u64,
 }
 
+impl From<&kvedge_shm::messages::Load> for LoadReport {
+    fn from(l: &kvedge_shm::messages::Load) -> Self {
+        LoadReport {
+            active_requests: l.active_requests,
+            waiting_requests: l.waiting_requests,
+            active_prefill_tokens: l.active_prefill_tokens,
+            active_decode_blocks: l.active_decode_blocks,
+            kv_used_blocks: l.kv_used_blocks,
+            kv_total_blocks: l.kv_total_blocks,
+        }
+    }
+}
+
 /// Why a release did nothing.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 pub enum LoadError {

@@ -25,9 +25,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use kvedge_shm::Publisher;
-use kvedge_shm::control::ProducerSession;
 use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Load, Role, Tier};
+use kvedge_shm::messages::{Role, Tier};
 use kvedge_sim::engine::{Completion, EngineModel, EngineRequest, KvEvent, Outputs};
 use serde::Deserialize;
 use serde_json::json;
@@ -112,13 +111,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         endpoint: format!("unix:{}", args.listen.display()),
         ring_capacity: 0,
     };
-    let control = args
-        .socket
-        .clone()
-        .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
-    let (session, producer) = ProducerSession::connect(&control, &hello, Duration::from_secs(5))
-        .map_err(|e| format!("{}: {e}", control.display()))?;
-    let mut publisher = Publisher::new(Some(session), producer);
+    let mut publisher = crate::publish::connect(&args.runtime_dir, args.socket.as_deref(), &hello)?;
     let mut engine = EngineModel::new(params);
     let start = Instant::now();
     let sim_now = |speed: f64| (start.elapsed().as_secs_f64() * 1e6 * speed) as u64;
@@ -282,16 +275,7 @@ fn publish(p: &mut Publisher, out: &Outputs) -> Result<(), String> {
         }
     }
     for l in &out.loads {
-        p.publish_load(&Load {
-            active_requests: l.active_requests,
-            waiting_requests: l.waiting_requests,
-            active_prefill_tokens: l.active_prefill_tokens,
-            active_decode_blocks: l.active_decode_blocks,
-            kv_used_blocks: l.kv_used_blocks,
-            kv_total_blocks: l.kv_total_blocks,
-            timestamp_ns: l.timestamp_us * 1000,
-        })
-        .map_err(err)?;
+        p.publish_load(l).map_err(err)?;
     }
     Ok(())
 }

@@ -108,6 +108,19 @@ fn tier(name: Option<&str>) -> Result<Tier, String> {
 #[derive(Default)]
 struct Held([BTreeSet<u64>; 3]);
 
+/// Registers `hello` with the daemon of `runtime_dir` (or at the control
+/// socket `socket`) and returns the engine's publisher.
+pub fn connect(
+    runtime_dir: &std::path::Path,
+    socket: Option<&std::path::Path>,
+    hello: &Hello,
+) -> Result<Publisher, String> {
+    let control = socket.map_or_else(|| runtime_dir.join("control.sock"), Into::into);
+    let (session, producer) = ProducerSession::connect(&control, hello, Duration::from_secs(5))
+        .map_err(|e| format!("{}: {e}", control.display()))?;
+    Ok(Publisher::new(Some(session), producer))
+}
+
 /// Runs the command; returns a summary of what was published.
 pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
     let role = match args.role.as_str() {
@@ -134,13 +147,7 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
         endpoint: args.endpoint,
         ring_capacity: 0,
     };
-    let control = args
-        .socket
-        .clone()
-        .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
-    let (session, producer) = ProducerSession::connect(&control, &hello, Duration::from_secs(5))
-        .map_err(|e| format!("{}: {e}", control.display()))?;
-    let mut publisher = Publisher::new(Some(session), producer);
+    let mut publisher = connect(&args.runtime_dir, args.socket.as_deref(), &hello)?;
     let mut held = Held::default();
     let mut events = 0u64;
     let publish_err = |e: PublishError| e.to_string();

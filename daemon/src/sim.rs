@@ -248,18 +248,7 @@ pub fn run(
             }
         }
         for l in &out.loads {
-            router.apply_load(
-                slot,
-                LoadReport {
-                    active_requests: l.active_requests,
-                    waiting_requests: l.waiting_requests,
-                    active_prefill_tokens: l.active_prefill_tokens,
-                    active_decode_blocks: l.active_decode_blocks,
-                    kv_used_blocks: l.kv_used_blocks,
-                    kv_total_blocks: l.kv_total_blocks,
-                },
-                l.timestamp_us / 1000,
-            );
+            router.apply_load(slot, LoadReport::from(l), l.timestamp_ns / 1_000_000);
         }
         for c in &out.completions {
             match *c {

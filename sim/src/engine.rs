@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use kvedge_shm::messages::Tier;
+use kvedge_shm::messages::{Load, Tier};
 
 /// The engine's hardware and scheduler, as parameters.
 ///
@@ -116,20 +116,6 @@ pub enum KvEvent {
     },
 }
 
-/// The engine's load, as published after every step.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct LoadSnapshot {
-    pub active_requests: u32,
-    pub waiting_requests: u32,
-    /// Prompt tokens still to prefill, waiting requests included.
-    pub active_prefill_tokens: u64,
-    /// Blocks held by decoding sequences.
-    pub active_decode_blocks: u64,
-    pub kv_used_blocks: u64,
-    pub kv_total_blocks: u64,
-    pub timestamp_us: u64,
-}
-
 /// What happened to a request.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Completion {
@@ -148,7 +134,8 @@ pub enum Completion {
 #[derive(Debug, Default)]
 pub struct Outputs {
     pub events: Vec<KvEvent>,
-    pub loads: Vec<LoadSnapshot>,
+    /// A Load after every step, stamped with the engine clock.
+    pub loads: Vec<Load>,
     pub completions: Vec<Completion>,
 }
 
@@ -699,8 +686,9 @@ impl EngineModel {
         out.loads.push(self.load(end));
     }
 
-    /// The engine's load now.
-    pub fn load(&self, now_us: u64) -> LoadSnapshot {
+    /// The engine's load now, as published after every step (waiting
+    /// requests' prompts count in `active_prefill_tokens`).
+    pub fn load(&self, now_us: u64) -> Load {
         let waiting_prefill: u64 = self
             .waiting
             .iter()
@@ -717,14 +705,14 @@ impl EngineModel {
             .filter(|s| s.prefilled == s.prompt_tokens)
             .map(|s| s.blocks.len() as u64)
             .sum();
-        LoadSnapshot {
+        Load {
             active_requests: self.running.len() as u32,
             waiting_requests: self.waiting.len() as u32,
             active_prefill_tokens: waiting_prefill + running_prefill,
             active_decode_blocks: decode_blocks,
             kv_used_blocks: u64::from(self.params.device_blocks - self.allocatable()),
             kv_total_blocks: u64::from(self.params.device_blocks),
-            timestamp_us: now_us,
+            timestamp_ns: now_us * 1000,
         }
     }
 

@@ -77,7 +77,7 @@ fn step_arithmetic_gives_ttft_and_finish() {
             hashes: h.clone()
         }]
     );
-    let loads: Vec<u64> = out.loads.iter().map(|l| l.timestamp_us).collect();
+    let loads: Vec<u64> = out.loads.iter().map(|l| l.timestamp_ns / 1000).collect();
     assert_eq!(loads, vec![8_100, 10_200, 10_311, 10_423]);
     assert_eq!(out.loads[0].active_prefill_tokens, 2);
     assert_eq!(out.loads[3].active_requests, 0);
