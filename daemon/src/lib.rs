@@ -19,4 +19,6 @@ pub mod router;
 pub mod server;
 pub mod sim;
 pub mod sim_cmd;
-pub mod wire;
+/// The binary query protocol (the `kvedge-wire` crate, shared with the C
+/// library).
+pub use kvedge_wire as wire;

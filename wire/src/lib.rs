@@ -15,6 +15,11 @@
 //! codes are in [`status`]. A frame longer than the daemon's
 //! `max_frame_bytes` gets `FRAME_TOO_LARGE` and the connection is closed;
 //! any other bad frame gets its error and the connection stays usable.
+//!
+//! A crate of its own (std only) so that the C library links the client
+//! without the daemon's dependencies.
+
+#![forbid(unsafe_code)]
 
 use std::io::{self, Read, Write};
 use std::os::unix::net::UnixStream;
@@ -172,6 +177,54 @@ pub struct SelectReply {
     pub endpoint: String,
 }
 
+/// The ids of a select.
+#[derive(Clone, Copy, Debug)]
+pub enum QueryIds<'a> {
+    /// Sequence hashes of the prompt's full blocks.
+    Hashes(&'a [u64]),
+    /// Token ids; the daemon hashes them with the model's block size.
+    Tokens(&'a [u32]),
+}
+
+/// A select, as a client sends it.
+#[derive(Clone, Copy, Debug)]
+pub struct SelectQuery<'a> {
+    pub model: &'a str,
+    /// 0 aggregated, 1 prefill, 2 decode, 3 encode.
+    pub role: u8,
+    pub session: Option<&'a str>,
+    pub ids: QueryIds<'a>,
+    /// 0: derived from the ids.
+    pub prompt_tokens: u32,
+    pub dry_run: bool,
+}
+
+/// A select answer borrowed from the client's buffer.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SelectView<'a> {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub request_id: u64,
+    pub cost: f64,
+    pub overlap_blocks: [u32; 3],
+    pub provider: bool,
+    pub endpoint: &'a str,
+}
+
+impl SelectView<'_> {
+    pub fn to_owned(&self) -> SelectReply {
+        SelectReply {
+            worker_id: self.worker_id,
+            dp_rank: self.dp_rank,
+            request_id: self.request_id,
+            cost: self.cost,
+            overlap_blocks: self.overlap_blocks,
+            provider: self.provider,
+            endpoint: self.endpoint.to_owned(),
+        }
+    }
+}
+
 /// Encodes a select answer.
 pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectReply) {
     write_frame(out, status::OK, |o| {
@@ -203,7 +256,13 @@ pub struct Client {
     out: Vec<u8>,
     body: Vec<u8>,
     spinning: bool,
+    /// An earlier call failed mid-frame.
+    broken: bool,
 }
+
+/// Longest reply a client accepts (a select reply is ~50 bytes plus the
+/// endpoint; an error, its message).
+pub const MAX_REPLY_BYTES: usize = 1 << 20;
 
 /// `read_exact` that retries on `WouldBlock` (a spinning client).
 fn read_exact_spinning(stream: &mut UnixStream, mut buf: &mut [u8]) -> io::Result<()> {
@@ -229,6 +288,7 @@ impl Client {
             out: Vec::with_capacity(4096),
             body: Vec::with_capacity(256),
             spinning: false,
+            broken: false,
         })
     }
 
@@ -246,7 +306,17 @@ impl Client {
         self.stream.set_write_timeout(timeout)
     }
 
+    /// Sends `out` and reads one reply frame. After an I/O error (a
+    /// timeout included) the stream may be mid-frame, so the client refuses
+    /// every later call: close it and connect again.
     fn round_trip(&mut self) -> io::Result<(u16, &[u8])> {
+        if self.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "an earlier call failed mid-frame; reconnect",
+            ));
+        }
+        self.broken = true;
         if self.spinning {
             // A non-blocking write may be partial; finish it by spinning.
             let mut out = &self.out[..];
@@ -268,20 +338,98 @@ impl Client {
             self.stream.read_exact(&mut len)?;
         }
         let len = u32::from_le_bytes(len) as usize;
+        if !(4..=MAX_REPLY_BYTES).contains(&len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("reply frame of {len} bytes (expected 4..={MAX_REPLY_BYTES})"),
+            ));
+        }
         self.body.resize(len, 0);
         if self.spinning {
             read_exact_spinning(&mut self.stream, &mut self.body)?;
         } else {
             self.stream.read_exact(&mut self.body)?;
         }
-        if len < 4 {
-            return Err(io::Error::new(io::ErrorKind::InvalidData, "short reply"));
-        }
+        self.broken = false;
         let code = u16::from_le_bytes([self.body[0], self.body[1]]);
         Ok((code, &self.body[4..]))
     }
 
-    /// Selects a worker for a prompt given as sequence hashes.
+    /// Selects a worker. The answer borrows the client's buffer (no
+    /// allocation after warm-up); an error status comes back with its
+    /// message.
+    pub fn select(
+        &mut self,
+        q: &SelectQuery<'_>,
+    ) -> io::Result<Result<SelectView<'_>, (u16, &str)>> {
+        self.out.clear();
+        let (flag, count) = match q.ids {
+            QueryIds::Hashes(h) => (0u8, h.len()),
+            QueryIds::Tokens(t) => (2u8, t.len()),
+        };
+        let session = q.session.unwrap_or("");
+        let too_long =
+            |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{what} is too long"));
+        let model_len = u16::try_from(q.model.len()).map_err(|_| too_long("model"))?;
+        let session_len = u16::try_from(session.len()).map_err(|_| too_long("session"))?;
+        let count = u32::try_from(count).map_err(|_| too_long("the prompt"))?;
+        write_frame(&mut self.out, op::SELECT, |o| {
+            o.push(u8::from(q.dry_run) | flag);
+            o.push(q.role);
+            o.extend_from_slice(&model_len.to_le_bytes());
+            o.extend_from_slice(q.model.as_bytes());
+            o.extend_from_slice(&session_len.to_le_bytes());
+            o.extend_from_slice(session.as_bytes());
+            o.extend_from_slice(&q.prompt_tokens.to_le_bytes());
+            o.extend_from_slice(&count.to_le_bytes());
+            match q.ids {
+                QueryIds::Hashes(h) => {
+                    for x in h {
+                        o.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+                QueryIds::Tokens(t) => {
+                    for x in t {
+                        o.extend_from_slice(&x.to_le_bytes());
+                    }
+                }
+            }
+        });
+        let (code, p) = self.round_trip()?;
+        if code != status::OK {
+            return Ok(Err((
+                code,
+                std::str::from_utf8(p).unwrap_or("(message not UTF-8)"),
+            )));
+        }
+        let mut c = Cursor(p);
+        let parse = |c: &mut Cursor<'_>| -> Result<(u64, u32, u64, f64, [u32; 3], bool, usize), &'static str> {
+            let worker_id = c.u64()?;
+            let dp_rank = c.u32()?;
+            let request_id = c.u64()?;
+            let cost = f64::from_bits(c.u64()?);
+            let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
+            let provider = c.u8()? & 1 != 0;
+            let n = c.u16()? as usize;
+            Ok((worker_id, dp_rank, request_id, cost, overlap_blocks, provider, n))
+        };
+        let bad = |m: &'static str| io::Error::new(io::ErrorKind::InvalidData, m);
+        let (worker_id, dp_rank, request_id, cost, overlap_blocks, provider, n) =
+            parse(&mut c).map_err(bad)?;
+        let endpoint = c.str(n).map_err(bad)?;
+        Ok(Ok(SelectView {
+            worker_id,
+            dp_rank,
+            request_id,
+            cost,
+            overlap_blocks,
+            provider,
+            endpoint,
+        }))
+    }
+
+    /// Selects a worker for a prompt given as sequence hashes (an owned
+    /// answer; see [`Client::select`] for the general form).
     pub fn select_hashes(
         &mut self,
         model: &str,
@@ -290,46 +438,18 @@ impl Client {
         prompt_tokens: u32,
         dry_run: bool,
     ) -> io::Result<Result<SelectReply, (u16, String)>> {
-        self.out.clear();
-        write_frame(&mut self.out, op::SELECT, |o| {
-            o.push(u8::from(dry_run));
-            o.push(role);
-            o.extend_from_slice(&(model.len() as u16).to_le_bytes());
-            o.extend_from_slice(model.as_bytes());
-            o.extend_from_slice(&0u16.to_le_bytes());
-            o.extend_from_slice(&prompt_tokens.to_le_bytes());
-            o.extend_from_slice(&(hashes.len() as u32).to_le_bytes());
-            for h in hashes {
-                o.extend_from_slice(&h.to_le_bytes());
-            }
-        });
-        let (code, p) = self.round_trip()?;
-        if code != status::OK {
-            return Ok(Err((code, String::from_utf8_lossy(p).into_owned())));
-        }
-        let mut c = Cursor(p);
-        let parse = |c: &mut Cursor<'_>| -> Result<SelectReply, &'static str> {
-            let worker_id = c.u64()?;
-            let dp_rank = c.u32()?;
-            let request_id = c.u64()?;
-            let cost = f64::from_bits(c.u64()?);
-            let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
-            let provider = c.u8()? & 1 != 0;
-            let n = c.u16()? as usize;
-            let endpoint = c.str(n)?.to_owned();
-            Ok(SelectReply {
-                worker_id,
-                dp_rank,
-                request_id,
-                cost,
-                overlap_blocks,
-                provider,
-                endpoint,
-            })
+        let q = SelectQuery {
+            model,
+            role,
+            session: None,
+            ids: QueryIds::Hashes(hashes),
+            prompt_tokens,
+            dry_run,
         };
-        parse(&mut c)
-            .map(Ok)
-            .map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))
+        Ok(match self.select(&q)? {
+            Ok(v) => Ok(v.to_owned()),
+            Err((code, m)) => Err((code, m.to_owned())),
+        })
     }
 
     /// Sends raw bytes and reads one reply frame (tests of bad input).
@@ -340,10 +460,20 @@ impl Client {
         Ok((code, p.to_vec()))
     }
 
+    /// The request's prefill is done: its prefill tokens leave the
+    /// worker's projected load.
+    pub fn prefill_done(&mut self, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
+        self.release(op::PREFILL_DONE, request_id)
+    }
+
     /// Releases a request.
     pub fn finish(&mut self, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
+        self.release(op::FINISH, request_id)
+    }
+
+    fn release(&mut self, op: u16, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
         self.out.clear();
-        write_frame(&mut self.out, op::FINISH, |o| {
+        write_frame(&mut self.out, op, |o| {
             o.extend_from_slice(&request_id.to_le_bytes())
         });
         let (code, p) = self.round_trip()?;
