@@ -225,6 +225,27 @@ impl SelectView<'_> {
     }
 }
 
+/// Decodes the payload of a select answer.
+pub fn parse_select_reply(p: &[u8]) -> Result<SelectView<'_>, &'static str> {
+    let mut c = Cursor(p);
+    let worker_id = c.u64()?;
+    let dp_rank = c.u32()?;
+    let request_id = c.u64()?;
+    let cost = f64::from_bits(c.u64()?);
+    let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
+    let provider = c.u8()? & 1 != 0;
+    let n = c.u16()? as usize;
+    Ok(SelectView {
+        worker_id,
+        dp_rank,
+        request_id,
+        cost,
+        overlap_blocks,
+        provider,
+        endpoint: c.str(n)?,
+    })
+}
+
 /// Encodes a select answer.
 pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectReply) {
     write_frame(out, status::OK, |o| {
@@ -402,30 +423,9 @@ impl Client {
                 std::str::from_utf8(p).unwrap_or("(message not UTF-8)"),
             )));
         }
-        let mut c = Cursor(p);
-        let parse = |c: &mut Cursor<'_>| -> Result<(u64, u32, u64, f64, [u32; 3], bool, usize), &'static str> {
-            let worker_id = c.u64()?;
-            let dp_rank = c.u32()?;
-            let request_id = c.u64()?;
-            let cost = f64::from_bits(c.u64()?);
-            let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
-            let provider = c.u8()? & 1 != 0;
-            let n = c.u16()? as usize;
-            Ok((worker_id, dp_rank, request_id, cost, overlap_blocks, provider, n))
-        };
-        let bad = |m: &'static str| io::Error::new(io::ErrorKind::InvalidData, m);
-        let (worker_id, dp_rank, request_id, cost, overlap_blocks, provider, n) =
-            parse(&mut c).map_err(bad)?;
-        let endpoint = c.str(n).map_err(bad)?;
-        Ok(Ok(SelectView {
-            worker_id,
-            dp_rank,
-            request_id,
-            cost,
-            overlap_blocks,
-            provider,
-            endpoint,
-        }))
+        parse_select_reply(p)
+            .map(Ok)
+            .map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))
     }
 
     /// Selects a worker for a prompt given as sequence hashes (an owned
