@@ -81,6 +81,10 @@ struct Engine {
     resync: Option<u64>,
     /// A gap inside the snapshot being received: it must be asked again.
     resync_broken: bool,
+    /// Records known lost when the last resync was asked for. Their gap
+    /// shows on the next committed record (the snapshot's first, when the
+    /// drops ended a burst); it is already covered and is not a new loss.
+    acked_missing: u64,
     /// Last time a record arrived (heartbeats included), ms.
     last_seen_ms: u64,
     /// The control stream had something (or hung up) at the last check.
@@ -359,6 +363,7 @@ impl Server {
             ring,
             resync: None,
             resync_broken: false,
+            acked_missing: 0,
             last_seen_ms: now,
             readable: false,
         });
@@ -402,9 +407,11 @@ impl Server {
             let mut n = 0;
             let mut gap = false;
             while n < 4096 {
+                let missing_so_far = e.ring.missing_total();
                 match e.ring.poll() {
                     Ok(Some(r)) => {
-                        if r.missing_before > 0 {
+                        let missing = missing_so_far.saturating_add(r.missing_before);
+                        if r.missing_before > 0 && missing > e.acked_missing {
                             gap = true;
                             e.resync_broken |= e.resync.is_some();
                         }
@@ -448,6 +455,7 @@ impl Server {
                     missing_from_seq: 0,
                 };
                 e.resync = Some(self.epoch);
+                e.acked_missing = e.ring.missing_total().max(e.ring.producer_dropped());
                 let _ = e.stream.set_nonblocking(false);
                 let _ = kvedge_shm::control::send_resync(&e.stream, &request);
                 let _ = e.stream.set_nonblocking(true);

@@ -87,6 +87,31 @@ pub fn hash_blocks_into(
     n
 }
 
+/// Writes the sequence hash of every full block of `tokens` into `out`
+/// (which must hold [`full_blocks`] entries), continuing the chain after
+/// `parent` when given; returns how many were written. No allocation.
+pub fn sequence_hashes_into(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    parent: Option<u64>,
+    out: &mut [u64],
+) -> usize {
+    if block_size == 0 {
+        return 0;
+    }
+    let mut prev = parent;
+    let mut n = 0;
+    for (block, slot) in tokens.chunks_exact(block_size).zip(out.iter_mut()) {
+        let local = local_hash(block, seed);
+        let seq = prev.map_or(local, |p| chain(p, local));
+        *slot = seq;
+        prev = Some(seq);
+        n += 1;
+    }
+    n
+}
+
 /// Sequence hashes of every full block of `tokens` (allocating convenience).
 pub fn sequence_hashes(
     tokens: &[u32],
@@ -94,15 +119,16 @@ pub fn sequence_hashes(
     lora_name: Option<&str>,
     namespace: Option<&str>,
 ) -> Vec<u64> {
-    let mut out = vec![(0, 0); full_blocks(tokens.len(), block_size)];
-    let n = hash_blocks_into(
+    let mut out = vec![0; full_blocks(tokens.len(), block_size)];
+    let n = sequence_hashes_into(
         tokens,
         block_size,
         block_seed(lora_name, namespace),
         None,
         &mut out,
     );
-    out[..n].iter().map(|&(s, _)| s).collect()
+    out.truncate(n);
+    out
 }
 
 #[cfg(test)]

@@ -16,12 +16,12 @@
 //! `max_frame_bytes` gets `FRAME_TOO_LARGE` and the connection is closed;
 //! any other bad frame gets its error and the connection stays usable.
 //!
-//! A crate of its own (std only) so that the C library links the client
+//! A crate of its own (std and rustix only) so that the C library links the client
 //! without the daemon's dependencies.
 
 #![forbid(unsafe_code)]
 
-use std::io::{self, Read, Write};
+use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
 
@@ -285,6 +285,22 @@ pub struct Client {
 /// endpoint; an error, its message).
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
 
+/// Writes all of `buf` with `send(MSG_NOSIGNAL)`: a peer that went away is
+/// an `EPIPE` error, never a SIGPIPE (which would kill a C host process that
+/// does not ignore it). Spins on `WouldBlock` (a non-blocking client).
+fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match rustix::net::send(stream, buf, rustix::net::SendFlags::NOSIGNAL) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(rustix::io::Errno::AGAIN) => std::hint::spin_loop(),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
 /// `read_exact` that retries on `WouldBlock` (a spinning client).
 fn read_exact_spinning(stream: &mut UnixStream, mut buf: &mut [u8]) -> io::Result<()> {
     while !buf.is_empty() {
@@ -302,8 +318,8 @@ fn read_exact_spinning(stream: &mut UnixStream, mut buf: &mut [u8]) -> io::Resul
 impl Client {
     /// Connects to a daemon's `query.sock`.
     pub fn connect(path: impl AsRef<Path>) -> io::Result<Client> {
-        let mut stream = UnixStream::connect(path)?;
-        stream.write_all(MAGIC)?;
+        let stream = UnixStream::connect(path)?;
+        send_all(&stream, MAGIC)?;
         Ok(Client {
             stream,
             out: Vec::with_capacity(4096),
@@ -338,20 +354,7 @@ impl Client {
             ));
         }
         self.broken = true;
-        if self.spinning {
-            // A non-blocking write may be partial; finish it by spinning.
-            let mut out = &self.out[..];
-            while !out.is_empty() {
-                match self.stream.write(out) {
-                    Ok(n) => out = &out[n..],
-                    Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
-                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-                    Err(e) => return Err(e),
-                }
-            }
-        } else {
-            self.stream.write_all(&self.out)?;
-        }
+        send_all(&self.stream, &self.out)?;
         let mut len = [0u8; 4];
         if self.spinning {
             read_exact_spinning(&mut self.stream, &mut len)?;

@@ -1,0 +1,213 @@
+/* Against a running daemon: an engine publishes through its ring, a
+ * frontend selects and finds its blocks, releases the request, and every
+ * bogus argument on live handles is an error; a ring overflowed on purpose
+ * is resynced through the callback. Then the harness stops the daemon and
+ * every call returns an error code instead of crashing. The harness runs
+ * the daemon's loop and answers "pause", "resume" and "stop" on stdin.
+ * Usage: live CONTROL_SOCKET QUERY_SOCKET */
+#define _POSIX_C_SOURCE 200809L
+#include <string.h>
+#include <time.h>
+
+#include "check.h"
+
+/* Says `say` to the harness and waits for its one-line answer. */
+static int harness(const char *say) {
+    char line[32];
+    printf("%s\n", say);
+    fflush(stdout);
+    return fgets(line, sizeof line, stdin) != NULL;
+}
+
+static void sleep_ms(long ms) {
+    struct timespec t = {ms / 1000, (ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+typedef struct {
+    const uint32_t *tokens;
+    int calls;
+} resync_state;
+
+static kvedge_status republish(kvedge_publisher *p, void *user) {
+    resync_state *s = (resync_state *)user;
+    s->calls++;
+    return kvedge_publish_stored_tokens(p, KVEDGE_TIER_DEVICE, NULL, s->tokens, 64, 16);
+}
+
+int main(int argc, char **argv) {
+    CHECK(argc == 3);
+    kvedge_hello h;
+    memset(&h, 0, sizeof h);
+    h.worker_id = 7;
+    h.model = "llama";
+    h.endpoint = "http://seven";
+    h.block_size = 16;
+    h.kv_blocks_device = 1000;
+    kvedge_publisher *p = NULL;
+    EXPECT(kvedge_publisher_open(argv[1], &h, &p), KVEDGE_OK);
+    CHECK(p != NULL);
+    /* The same (worker, rank) twice is refused while the first is live. */
+    kvedge_publisher *twin = NULL;
+    EXPECT(kvedge_publisher_open(argv[1], &h, &twin), KVEDGE_ERR_REJECTED);
+    CHECK(twin == NULL);
+
+    uint32_t tokens[64];
+    for (uint32_t i = 0; i < 64; i++) tokens[i] = 1000 + i;
+    EXPECT(kvedge_publish_stored_tokens(p, KVEDGE_TIER_DEVICE, NULL, tokens, 64, 16),
+           KVEDGE_OK);
+    uint64_t host[2] = {11, 12};
+    EXPECT(kvedge_publish_stored(p, KVEDGE_TIER_HOST, NULL, host, 2), KVEDGE_OK);
+    kvedge_load load;
+    memset(&load, 0, sizeof load);
+    load.active_requests = 2;
+    load.kv_total_blocks = 1000;
+    EXPECT(kvedge_publish_load(p, &load), KVEDGE_OK);
+    /* Bogus arguments on a live publisher change nothing. */
+    EXPECT(kvedge_publish_stored(p, 7, NULL, host, 2), KVEDGE_ERR_INVALID_ARGUMENT);
+    EXPECT(kvedge_publish_stored(p, KVEDGE_TIER_DEVICE, NULL, NULL, 3),
+           KVEDGE_ERR_NULL_ARGUMENT);
+    EXPECT(kvedge_publish_stored_tokens(p, KVEDGE_TIER_DEVICE, NULL, tokens, 64, 0),
+           KVEDGE_ERR_INVALID_ARGUMENT);
+    EXPECT(kvedge_publish_cleared(p, -5), KVEDGE_ERR_INVALID_ARGUMENT);
+    EXPECT(kvedge_publish_load(p, NULL), KVEDGE_ERR_NULL_ARGUMENT);
+    uint32_t flags = 99;
+    EXPECT(kvedge_publisher_poll(p, NULL, NULL, &flags), KVEDGE_OK);
+    CHECK(flags == 0);
+    CHECK(kvedge_publisher_dropped(p) == 0);
+
+    kvedge_client *c = NULL;
+    EXPECT(kvedge_client_connect(argv[2], &c), KVEDGE_OK);
+    EXPECT(kvedge_client_set_timeout_ms(c, 5000), KVEDGE_OK);
+    kvedge_select_request r;
+    memset(&r, 0, sizeof r);
+    r.model = "llama";
+    r.tokens = tokens;
+    r.n_tokens = 64;
+    r.dry_run = 1;
+    kvedge_select_result res;
+    int tries = 0;
+    do {
+        EXPECT(kvedge_select(c, &r, &res), KVEDGE_OK);
+        if (res.overlap_device == 4) break;
+        sleep_ms(2);
+    } while (++tries < 1000);
+    CHECK(res.overlap_device == 4);
+    CHECK(res.worker_id == 7 && res.dp_rank == 0 && res.is_provider == 0);
+    CHECK(strcmp(res.endpoint, "http://seven") == 0 && res.endpoint_len == 12);
+
+    /* The same prompt as hashes computed here. */
+    uint64_t hashes[4];
+    size_t n = 0;
+    EXPECT(kvedge_hash_blocks(tokens, 64, 16, NULL, NULL, hashes, 4, &n), KVEDGE_OK);
+    kvedge_select_request rh;
+    memset(&rh, 0, sizeof rh);
+    rh.model = "llama";
+    rh.session = "conversation-1";
+    rh.hashes = hashes;
+    rh.n_hashes = n;
+    EXPECT(kvedge_select(c, &rh, &res), KVEDGE_OK);
+    CHECK(res.overlap_device == 4 && res.worker_id == 7);
+    /* Reserved: release it, once. */
+    EXPECT(kvedge_prefill_done(c, res.request_id), KVEDGE_OK);
+    EXPECT(kvedge_finish(c, res.request_id), KVEDGE_OK);
+    EXPECT(kvedge_finish(c, res.request_id), KVEDGE_ERR_UNKNOWN_REQUEST);
+
+    /* Bogus selects: errors, and the connection keeps working. */
+    kvedge_select_request bad = r;
+    bad.model = "no-such-model";
+    EXPECT(kvedge_select(c, &bad, &res), KVEDGE_ERR_NO_WORKER);
+    bad = r;
+    bad.hashes = hashes;
+    bad.n_hashes = 4;
+    EXPECT(kvedge_select(c, &bad, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    bad = r;
+    bad.n_tokens = 0;
+    EXPECT(kvedge_select(c, &bad, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    bad = r;
+    bad.role = 42;
+    EXPECT(kvedge_select(c, &bad, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    bad = r;
+    bad.model = NULL;
+    EXPECT(kvedge_select(c, &bad, &res), KVEDGE_ERR_NULL_ARGUMENT);
+    EXPECT(kvedge_select(c, NULL, &res), KVEDGE_ERR_NULL_ARGUMENT);
+    EXPECT(kvedge_select(c, &r, NULL), KVEDGE_ERR_NULL_ARGUMENT);
+    EXPECT(kvedge_select(c, &r, &res), KVEDGE_OK);
+    CHECK(res.overlap_device == 4);
+
+    /* Removed: the overlap drops. */
+    EXPECT(kvedge_publish_removed(p, KVEDGE_TIER_DEVICE, &hashes[3], 1), KVEDGE_OK);
+    tries = 0;
+    do {
+        EXPECT(kvedge_select(c, &r, &res), KVEDGE_OK);
+        if (res.overlap_device == 3) break;
+        sleep_ms(2);
+    } while (++tries < 1000);
+    CHECK(res.overlap_device == 3);
+
+    /* No resync pending: the callback is not called. */
+    resync_state st = {tokens, 0};
+    EXPECT(kvedge_publisher_poll(p, republish, &st, &flags), KVEDGE_OK);
+    CHECK(st.calls == 0 && flags == 0);
+
+    /* Overflow the (4 KiB) ring on purpose while the harness holds the
+     * daemon's loop: records are dropped and counted, never blocking. When
+     * the daemon runs again it sees the gap and asks for a resync. Polling
+     * without a callback reports it pending; with the callback the snapshot
+     * is served, and the daemon's view is the engine's state again (all 4
+     * blocks). */
+    CHECK(harness("pause"));
+    uint64_t burst[32];
+    for (uint64_t i = 0; i < 32; i++) burst[i] = 5000 + i;
+    for (int i = 0; i < 1000; i++) {
+        EXPECT(kvedge_publish_stored(p, KVEDGE_TIER_DEVICE, NULL, burst, 32), KVEDGE_OK);
+    }
+    CHECK(kvedge_publisher_dropped(p) > 0);
+    CHECK(harness("resume"));
+    tries = 0;
+    do {
+        EXPECT(kvedge_publisher_poll(p, NULL, NULL, &flags), KVEDGE_OK);
+        if (flags & KVEDGE_POLL_RESYNC_PENDING) break;
+        sleep_ms(2);
+    } while (++tries < 2500);
+    CHECK(flags == KVEDGE_POLL_RESYNC_PENDING && st.calls == 0);
+    EXPECT(kvedge_publisher_poll(p, republish, &st, &flags), KVEDGE_OK);
+    CHECK(flags == KVEDGE_POLL_RESYNC_SERVED && st.calls == 1);
+    tries = 0;
+    do {
+        EXPECT(kvedge_publisher_poll(p, republish, &st, &flags), KVEDGE_OK);
+        EXPECT(kvedge_select(c, &r, &res), KVEDGE_OK);
+        if (res.overlap_device == 4) break;
+        sleep_ms(2);
+    } while (++tries < 1000);
+    if (res.overlap_device != 4 || st.calls != 1)
+        fprintf(stderr, "overlap %u after %d resyncs\n", res.overlap_device, st.calls);
+    /* One resync: the gap the snapshot's first record reports is the one
+     * the resync was asked for. */
+    CHECK(res.overlap_device == 4 && st.calls == 1);
+
+    /* The daemon goes away. */
+    CHECK(harness("stop"));
+
+    kvedge_status rc = kvedge_select(c, &r, &res);
+    CHECK(rc == KVEDGE_ERR_CLOSED || rc == KVEDGE_ERR_IO);
+    /* The client refuses further use; still no crash. */
+    rc = kvedge_finish(c, 1);
+    CHECK(rc != KVEDGE_OK);
+    /* Publishing into the ring never fails or blocks; polling says closed. */
+    EXPECT(kvedge_publish_stored_tokens(p, KVEDGE_TIER_DEVICE, NULL, tokens, 64, 16),
+           KVEDGE_OK);
+    tries = 0;
+    do {
+        rc = kvedge_publisher_poll(p, republish, &st, &flags);
+        if (rc != KVEDGE_OK) break;
+        sleep_ms(2);
+    } while (++tries < 1000);
+    CHECK(rc == KVEDGE_ERR_CLOSED);
+    kvedge_client_close(c);
+    kvedge_publisher_close(p);
+    /* A new connection is refused. */
+    EXPECT(kvedge_client_connect(argv[2], &c), KVEDGE_ERR_CONNECT);
+    printf("ok\n");
+    return 0;
+}
