@@ -313,3 +313,95 @@ fn under_valgrind() {
     run_api(&compile("api", &[], ""), &vg);
     run_live(&compile("live", &[], ""), &vg, "live-valgrind");
 }
+
+/// `install.sh` into a temporary prefix; the two examples build with
+/// `cc $(pkg-config --cflags --libs kvedge)` and, against a daemon, the
+/// query example finds the publisher example's blocks.
+#[test]
+fn examples_build_with_pkg_config_and_find_each_other() {
+    lib_dir();
+    let prefix = out_dir().join("prefix");
+    let out = Command::new(format!("{DIR}/install.sh"))
+        .arg(&prefix)
+        .env("KVEDGE_PROFILE", "test")
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "install.sh: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    for f in [
+        "lib/libkvedge.so",
+        "lib/libkvedge.a",
+        "include/kvedge.h",
+        "lib/pkgconfig/kvedge.pc",
+    ] {
+        assert!(prefix.join(f).exists(), "{f} not installed");
+    }
+    let pc = prefix.join("lib/pkgconfig");
+    let flags = Command::new("pkg-config")
+        .args(["--cflags", "--libs", "kvedge"])
+        .env("PKG_CONFIG_PATH", &pc)
+        .output()
+        .expect("pkg-config");
+    assert!(flags.status.success());
+    let flags = String::from_utf8(flags.stdout).unwrap();
+    assert!(flags.contains("-lkvedge"), "{flags}");
+    let build = |name: &str| -> PathBuf {
+        let exe = out_dir().join(format!("example-{name}"));
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(format!(
+                "cc -std=c99 -Wall -Wextra -Werror {DIR}/examples/{name}.c $(pkg-config --cflags --libs kvedge) -o {}",
+                exe.display()
+            ))
+            .env("PKG_CONFIG_PATH", &pc)
+            .status()
+            .unwrap();
+        assert!(status.success(), "building examples/{name}.c");
+        exe
+    };
+    let (publisher, query) = (build("publisher"), build("query"));
+    let daemon = Daemon::start("examples");
+    let libs = prefix.join("lib");
+    let mut engine = Command::new(&publisher)
+        .arg(daemon.dir.join("control.sock"))
+        .arg("7")
+        .env("LD_LIBRARY_PATH", &libs)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut first = String::new();
+    BufReader::new(engine.stdout.take().unwrap())
+        .read_line(&mut first)
+        .unwrap();
+    assert_eq!(first.trim(), "published 16 blocks as worker 7");
+    let mut answer = String::new();
+    for _ in 0..500 {
+        let out = Command::new(&query)
+            .arg(daemon.dir.join("query.sock"))
+            .env("LD_LIBRARY_PATH", &libs)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        answer = String::from_utf8(out.stdout).unwrap();
+        if answer.contains("overlap device 16") {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        answer.starts_with(
+            "worker 7 dp 0 endpoint http://127.0.0.1:8000 overlap device 16 host 0 disk 0 request "
+        ),
+        "{answer}"
+    );
+    drop(engine.stdin.take());
+    assert!(engine.wait().unwrap().success());
+}
