@@ -12,11 +12,9 @@ use std::process::ExitCode;
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use crate::config::Config;
-use crate::server::{RuntimeDir, Server};
+use crate::server::RuntimeDir;
 use clap::{Parser, Subcommand};
 use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
 
@@ -54,6 +52,12 @@ enum Command {
     },
     /// Counters of a running daemon.
     Stats {
+        #[command(flatten)]
+        target: Target,
+    },
+    /// Makes a running daemon load its configuration file again (as
+    /// SIGHUP does); an invalid file is refused and the old one serves on.
+    Reload {
         #[command(flatten)]
         target: Target,
     },
@@ -226,45 +230,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         Command::Run {
             config,
             runtime_dir,
-        } => {
-            let config = match Config::load_file(
-                &config,
-                &registry,
-                &SelectionOverrides::default().with_env_fallback(),
-            ) {
-                Ok(c) => c,
-                Err(e) => {
-                    eprintln!("kvedge: {e}");
-                    return ExitCode::from(1);
-                }
-            };
-            let dir = RuntimeDir { dir: runtime_dir };
-            let mut server = match Server::bind(config, &dir) {
-                Ok(s) => s,
-                Err(e) => {
-                    eprintln!("kvedge: cannot listen in {}: {e}", dir.dir.display());
-                    return ExitCode::from(1);
-                }
-            };
-            let stop = Arc::new(AtomicBool::new(false));
-            for signal in [signal_hook::consts::SIGTERM, signal_hook::consts::SIGINT] {
-                if let Err(e) = signal_hook::flag::register(signal, Arc::clone(&stop)) {
-                    eprintln!("kvedge: cannot handle signal {signal}: {e}");
-                    return ExitCode::from(1);
-                }
-            }
-            eprintln!("kvedge: listening in {}", dir.dir.display());
-            let result = server.run(|| stop.load(Ordering::Relaxed));
-            let _ = std::fs::remove_file(dir.control());
-            let _ = std::fs::remove_file(dir.query());
-            match result {
-                Ok(()) => ExitCode::SUCCESS,
-                Err(e) => {
-                    eprintln!("kvedge: {e}");
-                    ExitCode::from(1)
-                }
-            }
-        }
+        } => ExitCode::from(crate::service::run(&config, runtime_dir, registry)),
         Command::Query { query, target } => {
             let request = match query {
                 QueryCommand::Select {
@@ -326,6 +292,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         }
         Command::Workers { target } => ask(&target, &serde_json::json!({"op": "workers"})),
         Command::Stats { target } => ask(&target, &serde_json::json!({"op": "stats"})),
+        Command::Reload { target } => ask(&target, &serde_json::json!({"op": "reload"})),
         Command::Hash {
             block_size,
             lora,

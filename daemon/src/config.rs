@@ -80,11 +80,40 @@ impl Default for AffinitySection {
     }
 }
 
+/// `log:`: how the daemon logs (`KVEDGE_LOG` overrides `level`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSection {
+    /// `human` (the default) or `json` (one object per line).
+    pub format: LogFormat,
+    /// A tracing filter: `info`, `debug`, `kvedge_daemon=debug,warn`, ...
+    pub level: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        LogSection {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Document {
     #[serde(default)]
     daemon: DaemonSection,
+    #[serde(default)]
+    log: LogSection,
     #[serde(default)]
     router: RouterConfig,
     #[serde(default)]
@@ -111,6 +140,7 @@ struct Document {
 #[derive(Debug)]
 pub struct Config {
     pub daemon: DaemonSection,
+    pub log: LogSection,
     pub session_affinity: AffinitySection,
     pub plugins: RouterPlugins,
     /// The rule policy, when a `policy:` section is present.
@@ -177,8 +207,15 @@ impl Config {
         } else {
             None
         };
+        if tracing_subscriber::EnvFilter::try_new(&doc.log.level).is_err() {
+            return Err(err(format!(
+                "log.level `{}` is not a filter (e.g. info, debug, kvedge_daemon=debug,warn)",
+                doc.log.level
+            )));
+        }
         Ok(Config {
             daemon: doc.daemon,
+            log: doc.log,
             session_affinity: doc.session_affinity,
             plugins,
             rules,

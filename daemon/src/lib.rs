@@ -13,10 +13,12 @@ pub mod index;
 pub mod latency;
 pub mod load;
 pub mod mock_engine;
+pub mod notify;
 pub mod plot;
 pub mod publish;
 pub mod router;
 pub mod server;
+pub mod service;
 pub mod sim;
 pub mod sim_cmd;
 /// The binary query protocol (the `kvedge-wire` crate, shared with the C

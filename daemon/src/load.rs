@@ -77,6 +77,11 @@ impl LoadTable {
         }
     }
 
+    /// The TTL of reservations made from now on.
+    pub fn set_ttl(&mut self, ttl_ms: u64) {
+        self.ttl_ms = ttl_ms;
+    }
+
     /// A worker's Load report: the truth, superseding earlier reservations.
     pub fn report(&mut self, slot: Slot, report: LoadReport) {
         self.reports[slot.index()] = report;

@@ -212,6 +212,30 @@ impl Router {
         self.max_workers = n.clamp(1, MAX_WORKERS);
     }
 
+    /// Applies a reloaded configuration between two selections: the
+    /// worker-selection policies are rebuilt from the new plugins (fresh
+    /// instances, on first use per partition), the rules replaced, the
+    /// session affinity settings updated. The index, load table,
+    /// reservations, session bindings and registered workers are kept.
+    /// `index_capacity` and `max_workers` take effect at restart.
+    pub fn reconfigure(&mut self, config: &crate::config::Config) {
+        self.plugins = config.plugins.clone();
+        self.policies.clear();
+        match config.rules.clone() {
+            Some(rules) => self.set_rules(rules),
+            None => {
+                self.rules = None;
+                self.rule_policy = None;
+            }
+        }
+        self.affinity.reconfigure(
+            config.session_affinity.mode,
+            config.session_affinity.ttl_ms,
+            config.session_affinity.max_sessions,
+        );
+        self.load.set_ttl(config.daemon.reservation_ttl_ms);
+    }
+
     /// Routes with the rule language from now on.
     pub fn set_rules(&mut self, policy: RulePolicy) {
         let engine = RuleEngine::new(policy);

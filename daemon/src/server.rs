@@ -134,7 +134,14 @@ pub struct Server {
     /// (retained: a fresh 16 KiB array per client per turn was a memset
     /// that showed up as a tenth of the loop's time).
     scratch: Vec<u8>,
+    /// Loads the configuration again (SIGHUP, `kvedge reload`).
+    reloader: Option<Reloader>,
+    reloads: u64,
+    reload_failures: u64,
 }
+
+/// Produces a freshly loaded configuration, or the loader's error.
+pub type Reloader = Box<dyn FnMut() -> Result<Config, String> + Send>;
 
 /// Adds `fd` to the loop's epoll set, keyed by its number.
 fn watch(epoll: &OwnedFd, fd: impl AsFd) -> io::Result<()> {
@@ -163,6 +170,17 @@ impl Server {
         std::fs::create_dir_all(&dir.dir)?;
         let control = bind(&dir.control())?;
         let query = bind(&dir.query())?;
+        Server::from_listeners(config, control, query)
+    }
+
+    /// Serves on sockets bound elsewhere (socket activation).
+    pub fn from_listeners(
+        config: Config,
+        control: UnixListener,
+        query: UnixListener,
+    ) -> io::Result<Server> {
+        control.set_nonblocking(true)?;
+        query.set_nonblocking(true)?;
         let router = Router::from_config(&config);
         let epoll = epoll::create(epoll::CreateFlags::CLOEXEC)?;
         watch(&epoll, &control)?;
@@ -184,6 +202,9 @@ impl Server {
             epoll,
             ready_fds: Vec::new(),
             scratch: vec![0; 16384],
+            reloader: None,
+            reloads: 0,
+            reload_failures: 0,
         })
     }
 
@@ -193,13 +214,29 @@ impl Server {
 
     /// Runs until `stop` returns true (checked every loop).
     pub fn run(&mut self, mut stop: impl FnMut() -> bool) -> io::Result<()> {
+        self.run_with(|_| stop())
+    }
+
+    /// Runs until `tick` returns true. `tick` is called about once a
+    /// millisecond while busy and at least every 100 ms while idle, with
+    /// the server, so it can reload, report status and ping a watchdog. On
+    /// the way out, requests already received are answered (a drain).
+    pub fn run_with(&mut self, mut tick: impl FnMut(&mut Server) -> bool) -> io::Result<()> {
         // Spin this long after the last activity before sleeping: waking a
         // sleeping thread costs tens of microseconds here, and a busy engine
         // would otherwise pay it on every burst.
         const SPIN: Duration = Duration::from_micros(200);
         let mut last_busy = Instant::now();
-        let mut last_expiry = 0;
-        while !stop() {
+        let mut last_expiry = u64::MAX;
+        loop {
+            let now = self.now_ms();
+            if now != last_expiry {
+                self.router.load.expire(now);
+                last_expiry = now;
+                if tick(self) {
+                    break;
+                }
+            }
             // One readiness check for every socket, instead of a syscall per
             // socket per turn (accept, peek, read), which dominated latency.
             let (control_ready, query_ready) = self.readiness();
@@ -212,11 +249,6 @@ impl Server {
             }
             busy |= self.ingest();
             busy |= self.serve_clients();
-            let now = self.now_ms();
-            if now != last_expiry {
-                self.router.load.expire(now);
-                last_expiry = now;
-            }
             if busy {
                 last_busy = Instant::now();
             } else if last_busy.elapsed() > SPIN {
@@ -226,7 +258,55 @@ impl Server {
                 std::hint::spin_loop();
             }
         }
+        // Drain: answer what the clients already sent.
+        let _ = self.readiness();
+        self.serve_clients();
         Ok(())
+    }
+
+    /// Sets how the configuration is loaded again (SIGHUP, `kvedge reload`).
+    pub fn set_reloader(&mut self, reloader: Reloader) {
+        self.reloader = Some(reloader);
+    }
+
+    /// Loads the configuration again and, if it is valid, applies it
+    /// between two requests (fresh policy instances; index, load,
+    /// reservations and session bindings kept). An invalid one is logged
+    /// and the old one keeps serving. Tells systemd RELOADING=1, then
+    /// READY=1 either way.
+    pub fn reload(&mut self) -> Result<(), String> {
+        let Some(reloader) = self.reloader.as_mut() else {
+            return Err("this daemon has no configuration file to reload".into());
+        };
+        crate::notify::reloading();
+        let result = reloader();
+        let outcome = match result {
+            Ok(config) => {
+                self.router.reconfigure(&config);
+                self.config = config;
+                self.reloads += 1;
+                tracing::info!(reloads = self.reloads, "configuration reloaded");
+                Ok(())
+            }
+            Err(e) => {
+                self.reload_failures += 1;
+                tracing::error!("reload refused, the previous configuration keeps serving: {e}");
+                Err(e)
+            }
+        };
+        crate::notify::ready(&self.status());
+        outcome
+    }
+
+    /// One line for `systemctl status`.
+    pub fn status(&self) -> String {
+        format!(
+            "{} workers, {} clients, {} selects, {} index entries",
+            self.engines.len(),
+            self.clients.len(),
+            self.selects,
+            self.router.index.entries()
+        )
     }
 
     /// Asks the epoll set, without waiting, which sockets are readable (or
@@ -276,12 +356,12 @@ impl Server {
                 Ok((stream, _)) => {
                     any = true;
                     if let Err(e) = self.register(stream) {
-                        eprintln!("kvedge: engine registration failed: {e}");
+                        tracing::warn!("engine registration refused: {e}");
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return any,
                 Err(e) => {
-                    eprintln!("kvedge: accept on control socket: {e}");
+                    tracing::warn!("accept on control socket: {e}");
                     return any;
                 }
             }
@@ -436,7 +516,10 @@ impl Server {
                         break;
                     }
                     Err(err) => {
-                        eprintln!("kvedge: ring of slot {} is broken: {err}", e.slot.index());
+                        tracing::warn!(
+                            slot = e.slot.index(),
+                            "ring is broken, dropping the worker: {err}"
+                        );
                         break;
                     }
                 }
@@ -809,6 +892,10 @@ impl Server {
                     .collect();
                 Ok(json!({ "workers": list }))
             }
+            Query::Reload => self
+                .reload()
+                .map(|_| json!({"ok": true, "reloads": self.reloads}))
+                .map_err(|e| ("reload_failed", e)),
             Query::Stats => Ok(json!({
                 "workers": self.engines.len(),
                 "clients": self.clients.len(),
@@ -818,6 +905,8 @@ impl Server {
                 "selects": self.selects,
                 "errors": self.errors,
                 "select_latency": self.select_latency.to_json(),
+                "reloads": self.reloads,
+                "reload_failures": self.reload_failures,
             })),
         }
     }
@@ -1001,6 +1090,7 @@ enum Query {
     Finish { request_id: u64 },
     Workers,
     Stats,
+    Reload,
 }
 
 struct SelectQuery {
@@ -1050,10 +1140,13 @@ impl Request {
             },
             "workers" => Query::Workers,
             "stats" => Query::Stats,
+            "reload" => Query::Reload,
             other => {
                 return Err((
                     "bad_request",
-                    format!("unknown op `{other}` (select, prefill_done, finish, workers, stats)"),
+                    format!(
+                        "unknown op `{other}` (select, prefill_done, finish, workers, stats, reload)"
+                    ),
                 ));
             }
         })

@@ -73,6 +73,15 @@ impl SessionAffinityTable {
         self.mode
     }
 
+    /// New settings for a live table (a configuration reload): bindings are
+    /// kept; the new TTL applies from their next refresh, and a smaller
+    /// capacity only stops new sessions until the table shrinks by expiry.
+    pub fn reconfigure(&mut self, mode: AffinityMode, ttl_ms: u64, capacity: usize) {
+        self.mode = mode;
+        self.ttl_ms = ttl_ms;
+        self.capacity = capacity.clamp(1, MAX_SESSIONS);
+    }
+
     pub fn len(&self) -> usize {
         self.map.len()
     }

@@ -12,6 +12,7 @@
 //! This crate has no async runtime: the daemon drives the consumer from its
 //! own loop, engines call the publisher from theirs.
 
+pub mod activation;
 pub mod control;
 pub mod error;
 #[doc(hidden)]

@@ -1,0 +1,164 @@
+//! `kvedge run` as a service: logging, the listening sockets (bound here,
+//! or passed by systemd socket activation), signals (SIGTERM/SIGINT stop
+//! after a drain, SIGHUP reloads), and what systemd is told (READY=1,
+//! STATUS=, WATCHDOG=1, RELOADING=1, STOPPING=1).
+
+use std::os::fd::OwnedFd;
+use std::os::unix::net::UnixListener;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+
+use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
+use tracing::{error, info, warn};
+
+use crate::config::{Config, LogFormat, LogSection};
+use crate::server::{RuntimeDir, Server};
+
+/// Installs the process's log subscriber: `log.format`, and `KVEDGE_LOG`
+/// (a tracing filter) over `log.level`. Logs go to stderr (the journal
+/// under systemd).
+pub fn init_logging(log: &LogSection) {
+    let filter = std::env::var("KVEDGE_LOG")
+        .ok()
+        .and_then(|f| tracing_subscriber::EnvFilter::try_new(f).ok())
+        .unwrap_or_else(|| {
+            tracing_subscriber::EnvFilter::try_new(&log.level)
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
+        });
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    let _ = match log.format {
+        LogFormat::Human => builder.try_init(),
+        LogFormat::Json => builder.json().try_init(),
+    };
+}
+
+/// Which passed socket is which: by `FileDescriptorName=` (`control`,
+/// `query`), else by the socket's path (`…/control.sock`, `…/query.sock`).
+fn activated_listeners(
+    fds: Vec<(String, OwnedFd)>,
+) -> Result<(UnixListener, UnixListener), String> {
+    let mut control = None;
+    let mut query = None;
+    for (name, fd) in fds {
+        let path = rustix::net::getsockname(&fd)
+            .ok()
+            .and_then(|a| rustix::net::SocketAddrUnix::try_from(a).ok())
+            .and_then(|u| u.path().map(|p| p.to_string_lossy().into_owned()));
+        let is = |what: &str| {
+            name == what
+                || path
+                    .as_deref()
+                    .is_some_and(|p| p.ends_with(&format!("{what}.sock")))
+        };
+        let slot = if is("control") {
+            &mut control
+        } else if is("query") {
+            &mut query
+        } else {
+            return Err(format!(
+                "passed socket `{name}` ({}) is neither control nor query",
+                path.as_deref().unwrap_or("no path")
+            ));
+        };
+        if slot.is_some() {
+            return Err(format!("two passed sockets for `{name}`"));
+        }
+        *slot = Some(UnixListener::from(fd));
+    }
+    match (control, query) {
+        (Some(c), Some(q)) => Ok((c, q)),
+        _ => Err("socket activation passed no control socket or no query socket".into()),
+    }
+}
+
+/// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
+pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
+    let overrides = SelectionOverrides::default().with_env_fallback();
+    let config = match Config::load_file(config_path, &registry, &overrides) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("kvedge: {e}");
+            return 1;
+        }
+    };
+    init_logging(&config.log);
+    let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
+        Ok(fds) => fds,
+        Err(e) => {
+            error!("{e}");
+            return 1;
+        }
+    };
+    let dir = RuntimeDir { dir: runtime_dir };
+    // Sockets systemd passed are systemd's to remove.
+    let bound_here = passed.is_empty();
+    let server = if bound_here {
+        Server::bind(config, &dir)
+            .map_err(|e| format!("cannot listen in {}: {e}", dir.dir.display()))
+    } else {
+        activated_listeners(passed).and_then(|(c, q)| {
+            Server::from_listeners(config, c, q).map_err(|e| format!("passed sockets: {e}"))
+        })
+    };
+    let mut server = match server {
+        Ok(s) => s,
+        Err(e) => {
+            error!("{e}");
+            return 1;
+        }
+    };
+    let path = config_path.to_owned();
+    server.set_reloader(Box::new(move || {
+        Config::load_file(&path, &registry, &overrides).map_err(|e| e.to_string())
+    }));
+    let stop = Arc::new(AtomicBool::new(false));
+    let reload = Arc::new(AtomicBool::new(false));
+    for (signal, flag) in [
+        (signal_hook::consts::SIGTERM, &stop),
+        (signal_hook::consts::SIGINT, &stop),
+        (signal_hook::consts::SIGHUP, &reload),
+    ] {
+        if let Err(e) = signal_hook::flag::register(signal, Arc::clone(flag)) {
+            error!("cannot handle signal {signal}: {e}");
+            return 1;
+        }
+    }
+    info!(
+        runtime_dir = %dir.dir.display(),
+        config = %config_path.display(),
+        "listening"
+    );
+    crate::notify::ready(&server.status());
+    let mut heartbeat = crate::notify::Heartbeat::default();
+    let result = server.run_with(|s| {
+        if stop.load(Ordering::Relaxed) {
+            info!("stopping: answering what clients already sent");
+            crate::notify::stopping();
+            return true;
+        }
+        if reload.swap(false, Ordering::Relaxed) {
+            info!("SIGHUP: reloading the configuration");
+            // An invalid configuration was logged; the old one serves on.
+            let _ = s.reload();
+        }
+        heartbeat.tick(|| s.status());
+        false
+    });
+    if bound_here {
+        let _ = std::fs::remove_file(dir.control());
+        let _ = std::fs::remove_file(dir.query());
+    }
+    match result {
+        Ok(()) => {
+            info!("stopped");
+            0
+        }
+        Err(e) => {
+            warn!("{e}");
+            1
+        }
+    }
+}
