@@ -41,8 +41,45 @@ pub struct DaemonSection {
     pub max_query_connections: usize,
     pub max_frame_bytes: usize,
     pub idle_timeout_ms: u64,
-    /// Engine uids allowed on the control socket (empty: any).
+    /// Engine uids allowed on the control socket (with `allowed_gids`;
+    /// both empty: any).
     pub allowed_uids: Vec<u32>,
+    /// Engine gids allowed on the control socket.
+    pub allowed_gids: Vec<u32>,
+    /// Client uids allowed on the query socket (with `query_allowed_gids`;
+    /// both empty: any).
+    pub query_allowed_uids: Vec<u32>,
+    /// Client gids allowed on the query socket.
+    pub query_allowed_gids: Vec<u32>,
+    /// Requests selected and not yet finished (reservations), at most;
+    /// beyond it a select is refused with `too_many_requests`.
+    pub max_reservations: usize,
+}
+
+impl DaemonSection {
+    /// Whether a peer with `uid`/`gid` may use the control socket.
+    pub fn engine_allowed(&self, uid: u32, gid: u32) -> bool {
+        allowed(&self.allowed_uids, &self.allowed_gids, uid, gid)
+    }
+
+    /// Whether a peer with `uid`/`gid` may use the query socket.
+    pub fn client_allowed(&self, uid: u32, gid: u32) -> bool {
+        allowed(&self.query_allowed_uids, &self.query_allowed_gids, uid, gid)
+    }
+
+    /// Whether any peer-credential policy applies to the control socket.
+    pub fn engine_policy(&self) -> bool {
+        !self.allowed_uids.is_empty() || !self.allowed_gids.is_empty()
+    }
+
+    /// Whether any peer-credential policy applies to the query socket.
+    pub fn client_policy(&self) -> bool {
+        !self.query_allowed_uids.is_empty() || !self.query_allowed_gids.is_empty()
+    }
+}
+
+fn allowed(uids: &[u32], gids: &[u32], uid: u32, gid: u32) -> bool {
+    (uids.is_empty() && gids.is_empty()) || uids.contains(&uid) || gids.contains(&gid)
 }
 
 impl Default for DaemonSection {
@@ -57,6 +94,10 @@ impl Default for DaemonSection {
             max_frame_bytes: 1 << 20,
             idle_timeout_ms: 300_000,
             allowed_uids: Vec::new(),
+            allowed_gids: Vec::new(),
+            query_allowed_uids: Vec::new(),
+            query_allowed_gids: Vec::new(),
+            max_reservations: 1_000_000,
         }
     }
 }

@@ -138,7 +138,15 @@ pub struct Server {
     reloader: Option<Reloader>,
     reloads: u64,
     reload_failures: u64,
+    /// Engine connections whose Hello has not fully arrived, since when.
+    pending: Vec<(UnixStream, Instant)>,
+    refused_registrations: u64,
+    refused_connections: u64,
+    last_refusal_log: Instant,
 }
+
+/// Engine connections waiting for their Hello at once, at most.
+const MAX_PENDING_REGISTRATIONS: usize = 64;
 
 /// Produces a freshly loaded configuration, or the loader's error.
 pub type Reloader = Box<dyn FnMut() -> Result<Config, String> + Send>;
@@ -205,6 +213,12 @@ impl Server {
             reloader: None,
             reloads: 0,
             reload_failures: 0,
+            pending: Vec::new(),
+            refused_registrations: 0,
+            refused_connections: 0,
+            last_refusal_log: Instant::now()
+                .checked_sub(Duration::from_secs(10))
+                .unwrap_or_else(Instant::now),
         })
     }
 
@@ -243,6 +257,8 @@ impl Server {
             let mut busy = false;
             if control_ready {
                 busy |= self.accept_engines();
+            } else if !self.pending.is_empty() {
+                busy |= self.progress_registrations();
             }
             if query_ready {
                 busy |= self.accept_clients();
@@ -298,6 +314,13 @@ impl Server {
         outcome
     }
 
+    fn too_many_requests(&self) -> String {
+        format!(
+            "{} requests are selected and not finished (daemon.max_reservations); finish some first",
+            self.router.load.reservations()
+        )
+    }
+
     /// One line for `systemctl status`.
     pub fn status(&self) -> String {
         format!(
@@ -349,23 +372,72 @@ impl Server {
         (control, query)
     }
 
+    /// Accepts engine connections into `pending`: their Hello is read only
+    /// once it has fully arrived, so a slow or silent peer on control.sock
+    /// cannot stall the routing loop.
     fn accept_engines(&mut self) -> bool {
         let mut any = false;
         loop {
             match self.control.accept() {
                 Ok((stream, _)) => {
                     any = true;
-                    if let Err(e) = self.register(stream) {
-                        tracing::warn!("engine registration refused: {e}");
+                    if self.pending.len() >= MAX_PENDING_REGISTRATIONS {
+                        self.refused_registrations += 1;
+                        tracing::warn!(
+                            "engine connection refused: {MAX_PENDING_REGISTRATIONS} registrations already pending"
+                        );
+                        continue;
                     }
+                    if stream.set_nonblocking(true).is_err() || watch(&self.epoll, &stream).is_err()
+                    {
+                        continue;
+                    }
+                    self.pending.push((stream, Instant::now()));
                 }
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return any,
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
                     tracing::warn!("accept on control socket: {e}");
-                    return any;
+                    break;
                 }
             }
         }
+        any | self.progress_registrations()
+    }
+
+    /// Registers the pending connections whose Hello has arrived; drops the
+    /// ones that closed or stayed silent past the deadline.
+    fn progress_registrations(&mut self) -> bool {
+        const DEADLINE: Duration = Duration::from_secs(2);
+        let mut any = false;
+        let mut i = 0;
+        while i < self.pending.len() {
+            let state = kvedge_shm::control::frame_ready(&self.pending[i].0);
+            let late = self.pending[i].1.elapsed() > DEADLINE;
+            match state {
+                Ok(kvedge_shm::control::FrameReady::NotYet) if !late => {
+                    i += 1;
+                    continue;
+                }
+                _ => {}
+            }
+            let (stream, _) = self.pending.swap_remove(i);
+            let _ = epoll::delete(&self.epoll, &stream);
+            any = true;
+            match state {
+                Ok(kvedge_shm::control::FrameReady::Ready) => {
+                    if let Err(e) = self.register(stream) {
+                        self.refused_registrations += 1;
+                        tracing::warn!("engine registration refused: {e}");
+                    }
+                }
+                Ok(kvedge_shm::control::FrameReady::NotYet) => {
+                    self.refused_registrations += 1;
+                    tracing::warn!("engine connection closed: no Hello within {DEADLINE:?}");
+                }
+                Ok(kvedge_shm::control::FrameReady::Closed) | Err(_) => {}
+            }
+        }
+        any
     }
 
     fn register(&mut self, stream: UnixStream) -> Result<(), Box<dyn std::error::Error>> {
@@ -373,13 +445,15 @@ impl Server {
         stream.set_read_timeout(Some(Duration::from_secs(2)))?;
         stream.set_write_timeout(Some(Duration::from_secs(2)))?;
         let hello = read_hello(&stream)?;
-        if let Some(allowed) = (!self.config.daemon.allowed_uids.is_empty())
-            .then_some(&self.config.daemon.allowed_uids)
-        {
+        if self.config.daemon.engine_policy() {
             let cred = kvedge_shm::control::peer_credentials(&stream)?;
-            if !allowed.contains(&cred.uid) {
-                send_reject(&stream, reject::NOT_PERMITTED, "uid not allowed")?;
-                return Err("uid not allowed".into());
+            if !self.config.daemon.engine_allowed(cred.uid, cred.gid) {
+                send_reject(&stream, reject::NOT_PERMITTED, "uid/gid not allowed")?;
+                return Err(format!(
+                    "worker {} (pid {}, uid {}, gid {}) is not in allowed_uids/allowed_gids",
+                    hello.worker_id, cred.pid, cred.uid, cred.gid
+                )
+                .into());
             }
         }
         let role = match hello.role {
@@ -456,9 +530,35 @@ impl Server {
             match self.query.accept() {
                 Ok((stream, _)) => {
                     any = true;
-                    if self.clients.len() >= self.config.daemon.max_query_connections
-                        || stream.set_nonblocking(true).is_err()
-                        || watch(&self.epoll, &stream).is_err()
+                    let d = &self.config.daemon;
+                    let refusal = if self.clients.len() >= d.max_query_connections {
+                        Some((
+                            "too_many_connections",
+                            format!(
+                                "the daemon serves at most {} connections",
+                                d.max_query_connections
+                            ),
+                        ))
+                    } else if d.client_policy() {
+                        match kvedge_shm::control::peer_credentials(&stream) {
+                            Ok(c) if d.client_allowed(c.uid, c.gid) => None,
+                            Ok(c) => Some((
+                                "not_permitted",
+                                format!(
+                                    "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
+                                    c.uid, c.gid, c.pid
+                                ),
+                            )),
+                            Err(e) => Some(("not_permitted", format!("no peer credentials: {e}"))),
+                        }
+                    } else {
+                        None
+                    };
+                    if let Some((code, message)) = refusal {
+                        self.refuse_client(stream, code, &message);
+                        continue;
+                    }
+                    if stream.set_nonblocking(true).is_err() || watch(&self.epoll, &stream).is_err()
                     {
                         continue; // dropped: closes the connection
                     }
@@ -472,6 +572,22 @@ impl Server {
                 }
                 Err(_) => return any,
             }
+        }
+    }
+
+    /// Closes a refused query connection after one JSON error line (never
+    /// blocking), and logs it; a flood is logged once a second.
+    fn refuse_client(&mut self, stream: UnixStream, code: &str, message: &str) {
+        self.refused_connections += 1;
+        let line = format!("{}\n", error(code, message));
+        let _ = stream.set_nonblocking(true);
+        let _ = rustix::net::send(&stream, line.as_bytes(), rustix::net::SendFlags::NOSIGNAL);
+        if self.last_refusal_log.elapsed() >= Duration::from_secs(1) {
+            tracing::warn!(
+                refused_total = self.refused_connections,
+                "query connection refused ({code}): {message}"
+            );
+            self.last_refusal_log = Instant::now();
         }
     }
 
@@ -768,6 +884,15 @@ impl Server {
                     now_ms: self.started.elapsed().as_millis() as u64,
                     dry_run,
                 };
+                if !req.dry_run
+                    && self.router.load.reservations() >= self.config.daemon.max_reservations
+                {
+                    self.hashes = hashes;
+                    self.errors += 1;
+                    let m = self.too_many_requests();
+                    crate::wire::write_error(out, status::TOO_MANY_REQUESTS, &m);
+                    return;
+                }
                 let t = Instant::now();
                 let r = self.router.select(&req);
                 self.select_latency.record(t.elapsed().as_nanos() as u64);
@@ -830,6 +955,9 @@ impl Server {
             }
             for c in &self.clients {
                 fds.push(PollFd::new(&c.stream, PollFlags::IN));
+            }
+            for (p, _) in &self.pending {
+                fds.push(PollFd::new(p, PollFlags::IN));
             }
             let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
                 tv_sec: 0,
@@ -907,6 +1035,8 @@ impl Server {
                 "select_latency": self.select_latency.to_json(),
                 "reloads": self.reloads,
                 "reload_failures": self.reload_failures,
+                "refused_registrations": self.refused_registrations,
+                "refused_connections": self.refused_connections,
             })),
         }
     }
@@ -960,6 +1090,9 @@ impl Server {
             now_ms: self.now_ms(),
             dry_run: s.dry_run,
         };
+        if !req.dry_run && self.router.load.reservations() >= self.config.daemon.max_reservations {
+            return Err(("too_many_requests", self.too_many_requests()));
+        }
         let t = Instant::now();
         let r = self.router.select(&req);
         self.select_latency.record(t.elapsed().as_nanos() as u64);

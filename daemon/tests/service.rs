@@ -276,3 +276,163 @@ fn socket_activation_with_systemd_socket_activate() {
     drop(_guard);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+fn start_daemon(dir: &Path, yaml: &str) -> (Proc, PathBuf) {
+    let config = dir.join("kvedge.yaml");
+    std::fs::write(&config, yaml).unwrap();
+    let run = dir.join("run");
+    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .arg("run")
+        .arg("--config")
+        .arg(&config)
+        .arg("--runtime-dir")
+        .arg(&run)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(run.join("query.sock")).is_err() {
+        assert!(Instant::now() < deadline, "daemon did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    (Proc(child), run)
+}
+
+fn engine(run: &Path, id: u64) -> kvedge_shm::Publisher {
+    let hello = kvedge_shm::messages::control::Hello {
+        worker_id: id,
+        dp_rank: 0,
+        model: "m".into(),
+        role: kvedge_shm::messages::Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [100, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: format!("http://{id}"),
+        ring_capacity: 0,
+    };
+    let (s, p) = kvedge_shm::control::ProducerSession::connect(
+        run.join("control.sock"),
+        &hello,
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    kvedge_shm::Publisher::new(Some(s), p)
+}
+
+/// One JSON-lines connection.
+struct Conn {
+    reader: BufReader<UnixStream>,
+    writer: UnixStream,
+}
+
+impl Conn {
+    fn new(path: &Path) -> Conn {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        Conn {
+            reader: BufReader::new(s.try_clone().unwrap()),
+            writer: s,
+        }
+    }
+    fn ask(&mut self, v: &Value) -> std::io::Result<Value> {
+        self.writer.write_all(format!("{v}\n").as_bytes())?;
+        let mut line = String::new();
+        if self.reader.read_line(&mut line)? == 0 {
+            return Err(std::io::ErrorKind::UnexpectedEof.into());
+        }
+        serde_json::from_str(&line).map_err(std::io::Error::other)
+    }
+}
+
+const POLICY_A: &str = "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selection:\n  aggregated: a\n  instances:\n    - name: a\n      type: least-busy\n      parameters: { min_device_overlap_blocks: 0 }\n";
+const POLICY_B: &str = "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selection:\n  aggregated: b\n  instances:\n    - name: b\n      type: round-robin\n";
+
+#[test]
+fn reload_under_continuous_load_loses_no_request() {
+    let dir = temp("reload");
+    let (child, run) = start_daemon(&dir, POLICY_A);
+    let _engines = [engine(&run, 1), engine(&run, 2)];
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let clients: Vec<_> = (0..4)
+        .map(|_| {
+            let (run, stop) = (run.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut c = Conn::new(&run.join("query.sock"));
+                let (mut answered, mut policies) = (0u64, std::collections::BTreeSet::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    let r = c
+                        .ask(&json!({"op": "select", "model": "m", "hashes": [1, 2, 3]}))
+                        .expect("every select is answered");
+                    let id = r["request_id"]
+                        .as_u64()
+                        .unwrap_or_else(|| panic!("select failed: {r}"));
+                    policies.insert(r["policy"].as_str().unwrap().to_owned());
+                    let f = c
+                        .ask(&json!({"op": "finish", "request_id": id}))
+                        .expect("every finish is answered");
+                    assert_eq!(f["ok"], true, "{f}");
+                    answered += 1;
+                }
+                (answered, policies)
+            })
+        })
+        .collect();
+    let config = dir.join("kvedge.yaml");
+    let (mut good, mut bad) = (0, 0);
+    for i in 0..20 {
+        std::thread::sleep(Duration::from_millis(15));
+        let yaml = match i {
+            7 | 13 => {
+                bad += 1;
+                "worker_selection:\n  aggregated: missing\n"
+            }
+            i if i % 2 == 0 => POLICY_B,
+            _ => POLICY_A,
+        };
+        std::fs::write(&config, yaml).unwrap();
+        if i % 3 == 0 {
+            signal(&child.0, "HUP");
+        } else {
+            let _ = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+                .args(["reload", "--runtime-dir"])
+                .arg(&run)
+                .output()
+                .unwrap();
+        }
+        if !matches!(i, 7 | 13) {
+            good += 1;
+        }
+        // Let this reload land before the next file is written.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = ask(&run.join("query.sock"), &json!({"op": "stats"}));
+            if s["reloads"].as_u64() == Some(good) && s["reload_failures"].as_u64() == Some(bad) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "reload {i} did not land: {s}");
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(20));
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    let mut seen = std::collections::BTreeSet::new();
+    for c in clients {
+        let (n, p) = c.join().unwrap();
+        total += n;
+        seen.extend(p);
+    }
+    assert!(total > 100, "only {total} selects ran during the reloads");
+    // Both policies served, each swap between two requests.
+    assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a", "b"]);
+    let s = ask(&run.join("query.sock"), &json!({"op": "stats"}));
+    // The only error replies were the two refused reloads.
+    assert_eq!(s["errors"], bad, "{s}");
+    assert_eq!(
+        s["reservations"], 0,
+        "reservations survived the reloads: {s}"
+    );
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}

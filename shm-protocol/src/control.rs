@@ -134,6 +134,47 @@ where
     Ok(())
 }
 
+/// Whether a whole frame is waiting on a non-blocking stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FrameReady {
+    /// `read_frame` will not block (it may still reject the frame).
+    Ready,
+    /// Part of a frame, or nothing, has arrived.
+    NotYet,
+    /// The peer closed the connection.
+    Closed,
+}
+
+/// Peeks (without consuming) whether a whole frame has arrived, so a
+/// single-threaded server reads a registration only when it cannot block on
+/// a slow or hostile peer.
+pub fn frame_ready(stream: &UnixStream) -> io::Result<FrameReady> {
+    let flags = RecvFlags::PEEK | RecvFlags::DONTWAIT;
+    let mut header = [0u8; FRAME_HEADER];
+    let n = match rustix::net::recv(stream, &mut header, flags) {
+        Ok((n, _)) => n,
+        Err(rustix::io::Errno::AGAIN) => return Ok(FrameReady::NotYet),
+        Err(e) => return Err(e.into()),
+    };
+    if n == 0 {
+        return Ok(FrameReady::Closed);
+    }
+    if n < FRAME_HEADER {
+        return Ok(FrameReady::NotYet);
+    }
+    let len = u32::from_le_bytes(header[..4].try_into().expect("4 bytes"));
+    if len > MAX_CONTROL_FRAME {
+        return Ok(FrameReady::Ready); // read_frame rejects it at once
+    }
+    let total = FRAME_HEADER + len as usize;
+    let mut whole = vec![0u8; total];
+    match rustix::net::recv(stream, &mut whole, flags) {
+        Ok((n, _)) if n >= total => Ok(FrameReady::Ready),
+        Ok(_) | Err(rustix::io::Errno::AGAIN) => Ok(FrameReady::NotYet),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// Reads one frame, collecting any descriptors sent with it. Rejects
 /// oversized frames and other protocol versions before reading the payload.
 pub fn read_frame(stream: &UnixStream) -> Result<Frame, ControlError> {

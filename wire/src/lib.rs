@@ -48,6 +48,7 @@ pub mod status {
     pub const FRAME_TOO_LARGE: u16 = 6;
     pub const UNSUPPORTED_VERSION: u16 = 7;
     pub const UNKNOWN_OP: u16 = 8;
+    pub const TOO_MANY_REQUESTS: u16 = 9;
 }
 
 /// The ids of a select: raw little-endian bytes, decoded by the server.
