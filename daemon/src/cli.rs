@@ -54,6 +54,9 @@ enum Command {
     Stats {
         #[command(flatten)]
         target: Target,
+        /// Print the Prometheus / OpenMetrics text exposition instead.
+        #[arg(long)]
+        prometheus: bool,
     },
     /// Makes a running daemon load its configuration file again (as
     /// SIGHUP does); an invalid file is refused and the old one serves on.
@@ -163,10 +166,8 @@ enum QueryCommand {
     Finish { request_id: u64 },
 }
 
-/// Sends one JSON request line and prints the reply (as it is with
-/// `--json`, else for people); exit code 1 on an error reply or an
-/// unreachable daemon.
-fn ask(target: &Target, request: &serde_json::Value) -> ExitCode {
+/// Sends one JSON request line; the reply, or an `unreachable` error.
+fn request(target: &Target, request: &serde_json::Value) -> serde_json::Value {
     let path = target.query_socket();
     let result = (|| -> std::io::Result<String> {
         let mut stream = UnixStream::connect(&path)?;
@@ -175,7 +176,7 @@ fn ask(target: &Target, request: &serde_json::Value) -> ExitCode {
         BufReader::new(stream).read_line(&mut line)?;
         Ok(line)
     })();
-    let reply: serde_json::Value = match result
+    match result
         .map_err(|e| format!("{}: {e}", path.display()))
         .and_then(|line| {
             serde_json::from_str(&line).map_err(|e| format!("unreadable reply `{line}`: {e}"))
@@ -184,7 +185,14 @@ fn ask(target: &Target, request: &serde_json::Value) -> ExitCode {
         Err(message) => {
             serde_json::json!({"error": {"code": "unreachable", "message": message}})
         }
-    };
+    }
+}
+
+/// Sends one JSON request line and prints the reply (as it is with
+/// `--json`, else for people); exit code 1 on an error reply or an
+/// unreachable daemon.
+fn ask(target: &Target, query: &serde_json::Value) -> ExitCode {
+    let reply = request(target, query);
     let failed = reply.get("error").is_some();
     if target.json {
         println!("{reply}");
@@ -195,7 +203,7 @@ fn ask(target: &Target, request: &serde_json::Value) -> ExitCode {
             reply["error"]["message"].as_str().unwrap_or("")
         );
     } else {
-        print!("{}", crate::human::render(request, &reply));
+        print!("{}", crate::human::render(query, &reply));
     }
     if failed {
         ExitCode::from(1)
@@ -291,7 +299,30 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             ask(&target, &request)
         }
         Command::Workers { target } => ask(&target, &serde_json::json!({"op": "workers"})),
-        Command::Stats { target } => ask(&target, &serde_json::json!({"op": "stats"})),
+        Command::Stats {
+            target,
+            prometheus: false,
+        } => ask(&target, &serde_json::json!({"op": "stats"})),
+        Command::Stats {
+            target,
+            prometheus: true,
+        } => {
+            let reply = request(&target, &serde_json::json!({"op": "metrics"}));
+            match reply["text"].as_str() {
+                Some(text) => {
+                    print!("{text}");
+                    ExitCode::SUCCESS
+                }
+                None => {
+                    eprintln!(
+                        "kvedge: {}: {}",
+                        reply["error"]["code"].as_str().unwrap_or("error"),
+                        reply["error"]["message"].as_str().unwrap_or("")
+                    );
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Reload { target } => ask(&target, &serde_json::json!({"op": "reload"})),
         Command::Hash {
             block_size,

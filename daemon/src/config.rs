@@ -148,9 +148,21 @@ impl Default for LogSection {
     }
 }
 
+/// `metrics:`.
+#[derive(Clone, Debug, PartialEq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// `host:port` of an HTTP listener serving `GET /metrics` (off when
+    /// absent). Use a loopback address; the shipped systemd unit allows
+    /// only Unix sockets (see docs/operations.md).
+    pub listen: Option<String>,
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct Document {
+    #[serde(default)]
+    metrics: MetricsSection,
     #[serde(default)]
     daemon: DaemonSection,
     #[serde(default)]
@@ -182,6 +194,7 @@ struct Document {
 pub struct Config {
     pub daemon: DaemonSection,
     pub log: LogSection,
+    pub metrics: MetricsSection,
     pub session_affinity: AffinitySection,
     pub plugins: RouterPlugins,
     /// The rule policy, when a `policy:` section is present.
@@ -254,9 +267,17 @@ impl Config {
                 doc.log.level
             )));
         }
+        if let Some(addr) = &doc.metrics.listen
+            && addr.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(err(format!(
+                "metrics.listen `{addr}` is not host:port (e.g. 127.0.0.1:9464)"
+            )));
+        }
         Ok(Config {
             daemon: doc.daemon,
             log: doc.log,
+            metrics: doc.metrics,
             session_affinity: doc.session_affinity,
             plugins,
             rules,

@@ -81,6 +81,32 @@ impl Histogram {
         self.max_ns
     }
 
+    /// Total of all recorded values, ns.
+    pub fn sum_ns(&self) -> u64 {
+        self.sum_ns
+    }
+
+    /// Counts per `bounds` bucket (seconds, ascending), each internal
+    /// bucket going to the first bound at or above its upper edge, and the
+    /// rest to a final `+Inf`: the (non-cumulative) buckets of a Prometheus
+    /// histogram. A value is never counted below its true bucket.
+    pub fn prometheus_buckets(&self, bounds: &[f64]) -> Vec<(f64, u64)> {
+        let mut out: Vec<(f64, u64)> = bounds.iter().map(|&b| (b, 0)).collect();
+        out.push((f64::INFINITY, 0));
+        for (b, &n) in self.buckets.iter().enumerate() {
+            if n == 0 {
+                continue;
+            }
+            let edge = upper(b) as f64 / 1e9;
+            let i = bounds
+                .iter()
+                .position(|&x| edge <= x)
+                .unwrap_or(bounds.len());
+            out[i].1 += n;
+        }
+        out
+    }
+
     /// `{count, mean_us, p50_us, p90_us, p99_us, max_us}`.
     pub fn to_json(&self) -> serde_json::Value {
         let us = |ns: u64| ns as f64 / 1e3;

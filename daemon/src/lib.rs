@@ -12,6 +12,7 @@ pub mod human;
 pub mod index;
 pub mod latency;
 pub mod load;
+pub mod metrics;
 pub mod mock_engine;
 pub mod notify;
 pub mod plot;

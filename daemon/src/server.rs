@@ -143,6 +143,39 @@ pub struct Server {
     refused_registrations: u64,
     refused_connections: u64,
     last_refusal_log: Instant,
+    /// Ring records applied, by `EVENT_KINDS` index.
+    events: [u64; 7],
+    ring_gaps: u64,
+    resyncs: u64,
+    /// Drops counted by engines that have left.
+    departed_drops: u64,
+    /// (policy, rule, outcome, count): grows by one entry per new
+    /// combination, so the selection path does not allocate after warm-up.
+    selections: Vec<(String, Option<String>, &'static str, u64)>,
+}
+
+/// Names of the ring record kinds, for metrics.
+const EVENT_KINDS: [&str; 7] = [
+    "stored",
+    "removed",
+    "cleared",
+    "load",
+    "heartbeat",
+    "snapshot_begin",
+    "snapshot_end",
+];
+
+fn event_kind(e: &kvedge_shm::EventRef<'_>) -> usize {
+    use kvedge_shm::EventRef as E;
+    match e {
+        E::Stored(_) => 0,
+        E::Removed(_) => 1,
+        E::Cleared(_) => 2,
+        E::Load(_) => 3,
+        E::Heartbeat(_) => 4,
+        E::SnapshotBegin(_) => 5,
+        E::SnapshotEnd(_) => 6,
+    }
 }
 
 /// Engine connections waiting for their Hello at once, at most.
@@ -219,6 +252,11 @@ impl Server {
             last_refusal_log: Instant::now()
                 .checked_sub(Duration::from_secs(10))
                 .unwrap_or_else(Instant::now),
+            events: [0; 7],
+            ring_gaps: 0,
+            resyncs: 0,
+            departed_drops: 0,
+            selections: Vec::new(),
         })
     }
 
@@ -312,6 +350,87 @@ impl Server {
         };
         crate::notify::ready(&self.status());
         outcome
+    }
+
+    /// Counts a selection for the metrics (allocates only for a new
+    /// (policy, rule, outcome) combination).
+    fn count_selection(&mut self, role: WorkerType, rule: Option<usize>, outcome: &'static str) {
+        let policy = self.router.policy_name(role).0;
+        let rule = rule
+            .and_then(|i| self.router.rules().and_then(|p| p.rules.get(i)))
+            .map(|r| r.name.as_str());
+        match self
+            .selections
+            .iter_mut()
+            .find(|(p, r, o, _)| p == policy && r.as_deref() == rule && *o == outcome)
+        {
+            Some(e) => e.3 += 1,
+            None => self
+                .selections
+                .push((policy.to_owned(), rule.map(str::to_owned), outcome, 1)),
+        }
+    }
+
+    /// The counters and gauges a scrape reports.
+    pub fn metrics(&self) -> crate::metrics::Snapshot {
+        let workers = self
+            .router
+            .workers()
+            .map(|(slot, w)| {
+                let load = self.router.load.projected(slot);
+                let report = self.router.load.reported(slot);
+                crate::metrics::WorkerRow {
+                    worker_id: w.worker.worker_id,
+                    dp_rank: w.worker.dp_rank,
+                    model: w.model.clone(),
+                    available: w.available,
+                    active_requests: load.active_requests,
+                    waiting_requests: report.waiting_requests,
+                    active_prefill_tokens: load.active_prefill_tokens,
+                    kv_used_blocks: report.kv_used_blocks,
+                    kv_total_blocks: report.kv_total_blocks,
+                    device_blocks: self
+                        .router
+                        .index
+                        .worker_blocks(slot, kvedge_shm::messages::Tier::Device)
+                        as u64,
+                }
+            })
+            .collect();
+        crate::metrics::Snapshot {
+            selections: self
+                .selections
+                .iter()
+                .map(|(p, r, o, n)| {
+                    (
+                        p.clone(),
+                        r.clone().unwrap_or_default(),
+                        (*o).to_owned(),
+                        *n,
+                    )
+                })
+                .collect(),
+            select_latency: self.select_latency.clone(),
+            events: EVENT_KINDS.iter().copied().zip(self.events).collect(),
+            ring_gaps: self.ring_gaps,
+            ring_drops: self.departed_drops
+                + self
+                    .engines
+                    .iter()
+                    .map(|e| e.ring.producer_dropped())
+                    .sum::<u64>(),
+            resyncs: self.resyncs,
+            index_entries: self.router.index.entries() as u64,
+            index_refused_full: self.router.index.refused_full(),
+            workers,
+            clients: self.clients.len() as u64,
+            reservations: self.router.load.reservations() as u64,
+            reservations_expired: self.router.load.expired(),
+            reloads: self.reloads,
+            reload_failures: self.reload_failures,
+            refused_connections: self.refused_connections,
+            refused_registrations: self.refused_registrations,
+        }
     }
 
     fn too_many_requests(&self) -> String {
@@ -607,11 +726,13 @@ impl Server {
                 match e.ring.poll() {
                     Ok(Some(r)) => {
                         let missing = missing_so_far.saturating_add(r.missing_before);
+                        self.ring_gaps += r.missing_before;
                         if r.missing_before > 0 && missing > e.acked_missing {
                             gap = true;
                             e.resync_broken |= e.resync.is_some();
                         }
                         if let Ok(event) = kvedge_shm::decode(r.kind, r.payload) {
+                            self.events[event_kind(&event)] += 1;
                             self.router.apply(e.slot, &event);
                             if let kvedge_shm::EventRef::SnapshotEnd(end) = &event
                                 && e.resync == Some(end.snapshot_id.to_native())
@@ -654,6 +775,7 @@ impl Server {
                     missing_from_seq: 0,
                 };
                 e.resync = Some(self.epoch);
+                self.resyncs += 1;
                 e.acked_missing = e.ring.missing_total().max(e.ring.producer_dropped());
                 let _ = e.stream.set_nonblocking(false);
                 let _ = kvedge_shm::control::send_resync(&e.stream, &request);
@@ -665,6 +787,7 @@ impl Server {
                 || e.ring.poisoned().is_some();
             if closed {
                 let e = self.engines.swap_remove(i);
+                self.departed_drops += e.ring.producer_dropped();
                 let _ = epoll::delete(&self.epoll, &e.stream);
                 self.router.unregister(e.slot);
                 any = true;
@@ -900,6 +1023,7 @@ impl Server {
                 match r {
                     Ok(r) => {
                         self.selects += 1;
+                        self.count_selection(role, r.rule, "ok");
                         let (endpoint, provider) = self.target(&r);
                         crate::wire::write_select_reply(
                             out,
@@ -917,6 +1041,7 @@ impl Server {
                     }
                     Err(e) => {
                         self.errors += 1;
+                        self.count_selection(role, None, error_code(&e).0);
                         crate::wire::write_error(out, error_code(&e).1, &e.to_string());
                         return;
                     }
@@ -1020,6 +1145,7 @@ impl Server {
                     .collect();
                 Ok(json!({ "workers": list }))
             }
+            Query::Metrics => Ok(json!({"text": crate::metrics::render(&self.metrics())})),
             Query::Reload => self
                 .reload()
                 .map(|_| json!({"ok": true, "reloads": self.reloads}))
@@ -1096,7 +1222,16 @@ impl Server {
         let t = Instant::now();
         let r = self.router.select(&req);
         self.select_latency.record(t.elapsed().as_nanos() as u64);
-        let r = r.map_err(|e| (error_code(&e).0, e.to_string()))?;
+        let r = match r {
+            Ok(r) => {
+                self.count_selection(role, r.rule, "ok");
+                r
+            }
+            Err(e) => {
+                self.count_selection(role, None, error_code(&e).0);
+                return Err((error_code(&e).0, e.to_string()));
+            }
+        };
         self.selects += 1;
         let rules = self.router.rules();
         let rule = r
@@ -1224,6 +1359,7 @@ enum Query {
     Workers,
     Stats,
     Reload,
+    Metrics,
 }
 
 struct SelectQuery {
@@ -1274,11 +1410,12 @@ impl Request {
             "workers" => Query::Workers,
             "stats" => Query::Stats,
             "reload" => Query::Reload,
+            "metrics" => Query::Metrics,
             other => {
                 return Err((
                     "bad_request",
                     format!(
-                        "unknown op `{other}` (select, prefill_done, finish, workers, stats, reload)"
+                        "unknown op `{other}` (select, prefill_done, finish, workers, stats, metrics, reload)"
                     ),
                 ));
             }

@@ -85,6 +85,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         }
     };
     init_logging(&config.log);
+    let metrics_listen = config.metrics.listen.clone();
     let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
         Ok(fds) => fds,
         Err(e) => {
@@ -110,6 +111,19 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
             return 1;
         }
     };
+    // The optional HTTP metrics listener serves a rendering the loop
+    // refreshes every second.
+    let metrics_text = Arc::new(std::sync::Mutex::new(String::new()));
+    if let Some(addr) = &metrics_listen {
+        if let Err(e) = crate::metrics::serve_http(addr, Arc::clone(&metrics_text)) {
+            error!("metrics.listen {addr}: {e}");
+            return 1;
+        }
+        info!("metrics on http://{addr}/metrics");
+    }
+    let mut last_metrics = std::time::Instant::now()
+        .checked_sub(std::time::Duration::from_secs(2))
+        .unwrap_or_else(std::time::Instant::now);
     let path = config_path.to_owned();
     server.set_reloader(Box::new(move || {
         Config::load_file(&path, &registry, &overrides).map_err(|e| e.to_string())
@@ -145,6 +159,13 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
             let _ = s.reload();
         }
         heartbeat.tick(|| s.status());
+        if metrics_listen.is_some() && last_metrics.elapsed() >= std::time::Duration::from_secs(1) {
+            let text = crate::metrics::render(&s.metrics());
+            if let Ok(mut m) = metrics_text.lock() {
+                *m = text;
+            }
+            last_metrics = std::time::Instant::now();
+        }
         false
     });
     if bound_here {

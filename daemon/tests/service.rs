@@ -436,3 +436,69 @@ fn reload_under_continuous_load_loses_no_request() {
     drop(child);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn prometheus_metrics_over_the_socket_and_http() {
+    let dir = temp("metrics");
+    // A free loopback port for the HTTP listener.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (child, run) = start_daemon(
+        &dir,
+        &format!("daemon:\n  heartbeat_timeout_ms: 600000\nmetrics:\n  listen: 127.0.0.1:{port}\n"),
+    );
+    let mut e = engine(&run, 6);
+    e.publish_stored_hashes(kvedge_shm::Tier::Device, None, &[1, 2, 3])
+        .unwrap();
+    let q = run.join("query.sock");
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while ask(
+        &q,
+        &json!({"op": "select", "model": "m", "hashes": [1, 2, 3], "dry_run": true}),
+    )["overlap_blocks"]["device"]
+        != 3
+    {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let _ = ask(&q, &json!({"op": "select", "model": "nope", "hashes": [1]}));
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["stats", "--prometheus", "--runtime-dir"])
+        .arg(&run)
+        .output()
+        .unwrap();
+    assert!(out.status.success());
+    let text = String::from_utf8(out.stdout).unwrap();
+    let has = |text: &str, prefix: &str| text.lines().any(|l| l.starts_with(prefix));
+    for line in [
+        "kvedge_selections_total{policy=\"default\",rule=\"\",outcome=\"ok\"} ",
+        "kvedge_selections_total{policy=\"default\",rule=\"\",outcome=\"no_worker\"} 1",
+        "kvedge_ring_events_applied_total{kind=\"stored\"} 1",
+        "kvedge_index_entries 3",
+        "kvedge_workers_live 1",
+        "kvedge_worker_device_blocks{worker_id=\"6\",dp_rank=\"0\",model=\"m\"} 3",
+        "kvedge_selection_duration_seconds_count ",
+        "# EOF",
+    ] {
+        assert!(has(&text, line), "no `{line}` in:\n{text}");
+    }
+    // The HTTP listener serves the same families (refreshed each second).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let mut s = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        s.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+        let mut body = String::new();
+        std::io::Read::read_to_string(&mut s, &mut body).unwrap();
+        assert!(body.starts_with("HTTP/1.0 200 OK"), "{body}");
+        if has(&body, "kvedge_index_entries 3") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{body}");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    drop(child);
+    let _ = std::fs::remove_dir_all(&dir);
+}

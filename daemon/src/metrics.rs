@@ -1,0 +1,356 @@
+//! Prometheus metrics. The routing loop keeps plain counters (nothing on
+//! the selection path allocates or locks); a scrape copies them into a
+//! [`Snapshot`] and renders it here with prometheus-client as OpenMetrics
+//! text: `kvedge stats --prometheus` (the `metrics` op of query.sock) and,
+//! when `metrics.listen` is set, a loopback HTTP listener.
+
+use std::fmt::Write as _;
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::MetricType;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::registry::Registry;
+
+use crate::latency::Histogram;
+
+/// Bounds of the selection latency histogram, seconds.
+const LATENCY_BOUNDS: [f64; 14] = [
+    1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 1e-1,
+];
+
+/// One worker's gauges.
+#[derive(Clone, Debug, Default)]
+pub struct WorkerRow {
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub model: String,
+    pub available: bool,
+    pub active_requests: u32,
+    pub waiting_requests: u32,
+    pub active_prefill_tokens: u64,
+    pub kv_used_blocks: u64,
+    pub kv_total_blocks: u64,
+    pub device_blocks: u64,
+}
+
+/// Everything a scrape reports, copied out of the routing loop.
+#[derive(Clone, Debug, Default)]
+pub struct Snapshot {
+    /// (policy, rule or "", outcome, count).
+    pub selections: Vec<(String, String, String, u64)>,
+    pub select_latency: Histogram,
+    /// (event kind, records applied).
+    pub events: Vec<(&'static str, u64)>,
+    pub ring_gaps: u64,
+    pub ring_drops: u64,
+    pub resyncs: u64,
+    pub index_entries: u64,
+    pub index_refused_full: u64,
+    pub workers: Vec<WorkerRow>,
+    pub clients: u64,
+    pub reservations: u64,
+    pub reservations_expired: u64,
+    pub reloads: u64,
+    pub reload_failures: u64,
+    pub refused_connections: u64,
+    pub refused_registrations: u64,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct SelectionLabels {
+    policy: String,
+    rule: String,
+    outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct KindLabels {
+    kind: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WorkerLabels {
+    worker_id: String,
+    dp_rank: String,
+    model: String,
+}
+
+/// The selection latency histogram as prometheus-client sees it.
+#[derive(Debug)]
+struct LatencyMetric {
+    sum: f64,
+    count: u64,
+    buckets: Vec<(f64, u64)>,
+}
+
+impl EncodeMetric for LatencyMetric {
+    fn encode(&self, mut encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        encoder.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+            self.sum,
+            self.count,
+            &self.buckets,
+            None,
+        )
+    }
+
+    fn metric_type(&self) -> MetricType {
+        MetricType::Histogram
+    }
+}
+
+fn counter(v: u64) -> Counter {
+    let c = Counter::default();
+    c.inc_by(v);
+    c
+}
+
+fn gauge(v: u64) -> Gauge {
+    let g = Gauge::default();
+    g.set(i64::try_from(v).unwrap_or(i64::MAX));
+    g
+}
+
+/// Renders `s` as OpenMetrics text.
+pub fn render(s: &Snapshot) -> String {
+    let mut r = Registry::with_prefix("kvedge");
+    let selections = Family::<SelectionLabels, Counter>::default();
+    for (policy, rule, outcome, n) in &s.selections {
+        selections
+            .get_or_create(&SelectionLabels {
+                policy: policy.clone(),
+                rule: rule.clone(),
+                outcome: outcome.clone(),
+            })
+            .inc_by(*n);
+    }
+    r.register(
+        "selections",
+        "Selections by policy, rule (empty: none) and outcome (ok or the error code)",
+        selections,
+    );
+    r.register(
+        "selection_duration_seconds",
+        "Time in the router core per selection",
+        LatencyMetric {
+            sum: s.select_latency.sum_ns() as f64 / 1e9,
+            count: s.select_latency.count(),
+            buckets: s.select_latency.prometheus_buckets(&LATENCY_BOUNDS),
+        },
+    );
+    let events = Family::<KindLabels, Counter>::default();
+    for (kind, n) in &s.events {
+        events
+            .get_or_create(&KindLabels {
+                kind: (*kind).to_owned(),
+            })
+            .inc_by(*n);
+    }
+    r.register(
+        "ring_events_applied",
+        "Ring records applied, by kind",
+        events,
+    );
+    r.register(
+        "ring_gap_records",
+        "Records found missing in rings (sequence gaps)",
+        counter(s.ring_gaps),
+    );
+    r.register(
+        "ring_dropped_records",
+        "Records engines dropped on a full ring (live engines)",
+        counter(s.ring_drops),
+    );
+    r.register(
+        "resyncs",
+        "Resync requests sent to engines",
+        counter(s.resyncs),
+    );
+    r.register(
+        "index_entries",
+        "(block, worker, tier) entries in the KV index",
+        gauge(s.index_entries),
+    );
+    r.register(
+        "index_refused_full",
+        "Stored blocks refused because the index was at capacity",
+        counter(s.index_refused_full),
+    );
+    r.register(
+        "workers_registered",
+        "Registered workers (engine ranks)",
+        gauge(s.workers.len() as u64),
+    );
+    r.register(
+        "workers_live",
+        "Registered workers available for routing",
+        gauge(s.workers.iter().filter(|w| w.available).count() as u64),
+    );
+    let per_worker: [(&str, &str, fn(&WorkerRow) -> u64); 6] = [
+        (
+            "worker_active_requests",
+            "Active requests (report plus projection)",
+            |w| u64::from(w.active_requests),
+        ),
+        (
+            "worker_waiting_requests",
+            "Queued requests (last report)",
+            |w| u64::from(w.waiting_requests),
+        ),
+        (
+            "worker_active_prefill_tokens",
+            "Prompt tokens still to prefill (report plus projection)",
+            |w| w.active_prefill_tokens,
+        ),
+        (
+            "worker_kv_used_blocks",
+            "KV blocks in use (last report)",
+            |w| w.kv_used_blocks,
+        ),
+        (
+            "worker_kv_total_blocks",
+            "KV blocks in total (last report)",
+            |w| w.kv_total_blocks,
+        ),
+        (
+            "worker_device_blocks",
+            "Device-tier blocks in the index",
+            |w| w.device_blocks,
+        ),
+    ];
+    for (name, help, value) in per_worker {
+        let family = Family::<WorkerLabels, Gauge>::default();
+        for w in &s.workers {
+            family
+                .get_or_create(&WorkerLabels {
+                    worker_id: w.worker_id.to_string(),
+                    dp_rank: w.dp_rank.to_string(),
+                    model: w.model.clone(),
+                })
+                .set(i64::try_from(value(w)).unwrap_or(i64::MAX));
+        }
+        r.register(name, help, family);
+    }
+    r.register("query_clients", "Open query connections", gauge(s.clients));
+    r.register(
+        "reservations",
+        "Selected requests not yet finished",
+        gauge(s.reservations),
+    );
+    r.register(
+        "reservations_expired",
+        "Reservations that expired without finish",
+        counter(s.reservations_expired),
+    );
+    r.register(
+        "reloads",
+        "Configuration reloads applied",
+        counter(s.reloads),
+    );
+    r.register(
+        "reload_failures",
+        "Configuration reloads refused (invalid file)",
+        counter(s.reload_failures),
+    );
+    r.register(
+        "refused_connections",
+        "Query connections refused (limit or credentials)",
+        counter(s.refused_connections),
+    );
+    r.register(
+        "refused_registrations",
+        "Engine registrations refused",
+        counter(s.refused_registrations),
+    );
+    let mut out = String::new();
+    if prometheus_client::encoding::text::encode(&mut out, &r).is_err() {
+        let _ = writeln!(out, "# encoding failed");
+    }
+    out
+}
+
+/// Serves the latest rendering on `addr` over HTTP (`GET /metrics`), from a
+/// thread of its own; the routing loop refreshes `latest` about once a
+/// second. Binding errors are returned at once.
+pub fn serve_http(addr: &str, latest: Arc<Mutex<String>>) -> std::io::Result<()> {
+    let listener = TcpListener::bind(addr)?;
+    std::thread::Builder::new()
+        .name("kvedge-metrics".into())
+        .spawn(move || {
+            for stream in listener.incoming() {
+                let Ok(mut stream) = stream else { continue };
+                let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
+                let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
+                let mut req = [0u8; 1024];
+                let n = stream.read(&mut req).unwrap_or(0);
+                let head = String::from_utf8_lossy(&req[..n]);
+                let (status, body) = if head.starts_with("GET /metrics") {
+                    let text = latest.lock().map(|t| t.clone()).unwrap_or_default();
+                    ("200 OK", text)
+                } else {
+                    ("404 Not Found", "try /metrics\n".to_owned())
+                };
+                let _ = write!(
+                    stream,
+                    "HTTP/1.0 {status}\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                    body.len()
+                );
+            }
+        })?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_families_labels_and_the_histogram() {
+        let mut h = Histogram::default();
+        for ns in [800, 1_500, 30_000, 3_000_000_000] {
+            h.record(ns);
+        }
+        let s = Snapshot {
+            selections: vec![
+                ("default".into(), "".into(), "ok".into(), 7),
+                ("default".into(), "burst".into(), "no_worker".into(), 2),
+            ],
+            select_latency: h,
+            events: vec![("stored", 10), ("load", 3)],
+            workers: vec![WorkerRow {
+                worker_id: 4,
+                dp_rank: 1,
+                model: "llama".into(),
+                available: true,
+                active_requests: 2,
+                ..WorkerRow::default()
+            }],
+            reloads: 1,
+            ..Snapshot::default()
+        };
+        let text = render(&s);
+        for line in [
+            "kvedge_selections_total{policy=\"default\",rule=\"\",outcome=\"ok\"} 7",
+            "kvedge_selections_total{policy=\"default\",rule=\"burst\",outcome=\"no_worker\"} 2",
+            "kvedge_ring_events_applied_total{kind=\"stored\"} 10",
+            "kvedge_worker_active_requests{worker_id=\"4\",dp_rank=\"1\",model=\"llama\"} 2",
+            "kvedge_workers_live 1",
+            "kvedge_reloads_total 1",
+            "kvedge_selection_duration_seconds_count 4",
+            "kvedge_selection_duration_seconds_bucket{le=\"0.000001\"} 1",
+            "kvedge_selection_duration_seconds_bucket{le=\"0.000002\"} 2",
+            "kvedge_selection_duration_seconds_bucket{le=\"+Inf\"} 4",
+            "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing `{line}` in:\n{text}"
+            );
+        }
+    }
+}
