@@ -116,6 +116,9 @@ fn gauge(v: u64) -> Gauge {
     g
 }
 
+/// Reads one gauge of a worker row.
+type WorkerValue = fn(&WorkerRow) -> u64;
+
 /// Renders `s` as OpenMetrics text.
 pub fn render(s: &Snapshot) -> String {
     let mut r = Registry::with_prefix("kvedge");
@@ -191,7 +194,7 @@ pub fn render(s: &Snapshot) -> String {
         "Registered workers available for routing",
         gauge(s.workers.iter().filter(|w| w.available).count() as u64),
     );
-    let per_worker: [(&str, &str, fn(&WorkerRow) -> u64); 6] = [
+    let per_worker: [(&str, &str, WorkerValue); 6] = [
         (
             "worker_active_requests",
             "Active requests (report plus projection)",
