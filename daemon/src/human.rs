@@ -67,16 +67,20 @@ fn select(out: &mut String, r: &Value) {
         );
         let _ = writeln!(
             out,
-            "{:>10} {:>4} {:>8} {:>6} {:>6} {:>8} {:>14}",
-            "worker", "dp", "device", "host", "disk", "active", "prefill tokens"
+            "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14}",
+            "worker", "dp", "cost", "device", "host", "disk", "active", "prefill tokens"
         );
         for w in e["workers"].as_array().into_iter().flatten() {
             let o = &w["overlap_blocks"];
+            let cost = w["cost"]
+                .as_f64()
+                .map_or_else(|| "-".to_owned(), |c| format!("{c:.3}"));
             let _ = writeln!(
                 out,
-                "{:>10} {:>4} {:>8} {:>6} {:>6} {:>8} {:>14}",
+                "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14}",
                 text(&w["worker_id"]),
                 text(&w["dp_rank"]),
+                cost,
                 text(&o["device"]),
                 text(&o["host"]),
                 text(&o["disk"]),

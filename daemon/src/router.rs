@@ -142,6 +142,12 @@ pub struct Router {
     /// what each candidate stands for (a worker slot or a provider index).
     rule_buf: Vec<RuleCandidate<'static>>,
     rule_targets: Vec<Result<Slot, usize>>,
+    /// Compute every candidate's cost on the next selections (explain).
+    explain_costs: bool,
+    cost_buf: Vec<f64>,
+    /// Per slot: the total cost under the partition's policy at the last
+    /// explained selection (NaN: filtered out or not computed).
+    last_costs: [f64; MAX_WORKERS],
 }
 
 impl Router {
@@ -170,6 +176,9 @@ impl Router {
             admitted_tokens: [0; MAX_WORKERS],
             rule_buf: Vec::new(),
             rule_targets: Vec::new(),
+            explain_costs: false,
+            cost_buf: Vec::new(),
+            last_costs: [f64::NAN; MAX_WORKERS],
         }
     }
 
@@ -196,6 +205,20 @@ impl Router {
     /// How the last selection went.
     pub fn last_explain(&self) -> Explain {
         self.last
+    }
+
+    /// Computes every candidate's total cost on the selections that follow
+    /// (for `explain`; off by default, it costs a second scoring pass).
+    pub fn set_explain_costs(&mut self, on: bool) {
+        self.explain_costs = on;
+    }
+
+    /// The cost of `slot` under its partition's worker-selection policy at
+    /// the last selection made with explain costs on (`None`: not a
+    /// candidate, filtered out, or chosen by the rule language).
+    pub fn last_cost(&self, slot: Slot) -> Option<f64> {
+        let c = self.last_costs[slot.index()];
+        (!c.is_nan()).then_some(c)
     }
 
     /// Overlap of `slot` computed by the last selection, per tier.
@@ -382,6 +405,9 @@ impl Router {
     /// Chooses a worker for `req`, reserves it (unless a dry run) and
     /// rebinds the session after success.
     pub fn select(&mut self, req: &SelectRequest<'_>) -> Result<SelectResult, RouterError> {
+        if self.explain_costs {
+            self.last_costs = [f64::NAN; MAX_WORKERS];
+        }
         // The partition's policy, built on first use.
         if !self.policies.contains_key(req.model) {
             self.policies
@@ -484,6 +510,16 @@ impl Router {
             candidates: self.rows.len(),
             ..Explain::default()
         };
+        if self.explain_costs {
+            if policy
+                .costs_into(&ctx, &self.table, &mut self.cost_buf)
+                .is_ok()
+            {
+                for (&slot, &c) in self.rows.iter().zip(&self.cost_buf) {
+                    self.last_costs[slot.index()] = c;
+                }
+            }
+        }
         let selection = policy.select(&ctx, &self.table)?;
         self.last.survivors = selection.candidates;
         let slot = self.rows[selection.row];

@@ -1219,9 +1219,11 @@ impl Server {
         if !req.dry_run && self.router.load.reservations() >= self.config.daemon.max_reservations {
             return Err(("too_many_requests", self.too_many_requests()));
         }
+        self.router.set_explain_costs(s.explain);
         let t = Instant::now();
         let r = self.router.select(&req);
         self.select_latency.record(t.elapsed().as_nanos() as u64);
+        self.router.set_explain_costs(false);
         let r = match r {
             Ok(r) => {
                 self.count_selection(role, r.rule, "ok");
@@ -1254,6 +1256,7 @@ impl Server {
                         "worker_id": w.worker.worker_id,
                         "dp_rank": w.worker.dp_rank,
                         "model": w.model,
+                        "cost": self.router.last_cost(slot),
                         "overlap_blocks": {"device": overlap[0], "host": overlap[1], "disk": overlap[2]},
                         "active_requests": load.active_requests,
                         "active_prefill_tokens": load.active_prefill_tokens,

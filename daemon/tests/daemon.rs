@@ -173,6 +173,16 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     let rows = e["workers"].as_array().unwrap();
     let a_row = rows.iter().find(|w| w["worker_id"] == 1).unwrap();
     assert_eq!(a_row["overlap_blocks"]["device"], 24);
+    // Each candidate's cost under the policy; the chosen one is the lowest
+    // (temperature 0) and equals the reply's cost.
+    let b_row = rows.iter().find(|w| w["worker_id"] == 2).unwrap();
+    let (a_cost, b_cost) = (
+        a_row["cost"].as_f64().unwrap(),
+        b_row["cost"].as_f64().unwrap(),
+    );
+    assert!(a_cost < b_cost, "A holds the prefix: {a_cost} vs {b_cost}");
+    let chosen = c.ask(dry.clone())["cost"].as_f64().unwrap();
+    assert_eq!(chosen, a_cost);
     assert!(c.ask(dry.clone())["explain"].is_null(), "only when asked");
 
     // Engine A dies (its control connection closes): its blocks stop
