@@ -510,14 +510,13 @@ impl Router {
             candidates: self.rows.len(),
             ..Explain::default()
         };
-        if self.explain_costs {
-            if policy
+        if self.explain_costs
+            && policy
                 .costs_into(&ctx, &self.table, &mut self.cost_buf)
                 .is_ok()
-            {
-                for (&slot, &c) in self.rows.iter().zip(&self.cost_buf) {
-                    self.last_costs[slot.index()] = c;
-                }
+        {
+            for (&slot, &c) in self.rows.iter().zip(&self.cost_buf) {
+                self.last_costs[slot.index()] = c;
             }
         }
         let selection = policy.select(&ctx, &self.table)?;
