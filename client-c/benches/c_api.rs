@@ -190,7 +190,13 @@ fn main() {
         tokens: std::ptr::null(),
         n_tokens: 0,
         prompt_tokens: 2048,
-        reserved: 0,
+        priority: 0,
+        tenant: std::ptr::null(),
+        tags: std::ptr::null(),
+        n_tags: 0,
+        header_names: std::ptr::null(),
+        header_values: std::ptr::null(),
+        n_headers: 0,
     };
     // SAFETY: all-zero bytes are a valid kvedge_select_result.
     let mut res: kvedge_select_result = unsafe { std::mem::zeroed() };
@@ -202,6 +208,10 @@ fn main() {
         ids: kvedge_daemon::wire::QueryIds::Hashes(&out),
         prompt_tokens: 2048,
         dry_run: true,
+        priority: 0,
+        tenant: None,
+        tags: &[],
+        headers: &[],
     };
     // Alternating, three rounds each, so drift on this shared machine hits
     // both alike.

@@ -62,6 +62,12 @@
 
 #define KVEDGE_VERSION_PATCH 0
 
+// Most tags in a `kvedge_select_request`.
+#define KVEDGE_MAX_TAGS 32
+
+// Most headers in a `kvedge_select_request`.
+#define KVEDGE_MAX_HEADERS 32
+
 // A connection to the daemon's `query.sock`. Opaque.
 typedef struct kvedge_client kvedge_client;
 
@@ -127,7 +133,17 @@ typedef struct kvedge_select_request {
   size_t n_tokens;
   // Prompt length in tokens (0: derived from the ids).
   uint32_t prompt_tokens;
-  uint32_t reserved;
+  // Request priority, for the rules and policies (0: default).
+  int32_t priority;
+  // Tenant, for the rule language; NULL for none.
+  const char *tenant;
+  // `type-degree` tags for the rule language (at most `KVEDGE_MAX_TAGS`).
+  const char *const *tags;
+  size_t n_tags;
+  // Request headers as parallel arrays (at most `KVEDGE_MAX_HEADERS`).
+  const char *const *header_names;
+  const char *const *header_values;
+  size_t n_headers;
 } kvedge_select_request;
 
 // The daemon's answer.

@@ -821,8 +821,23 @@ pub struct kvedge_select_request {
     pub n_tokens: usize,
     /// Prompt length in tokens (0: derived from the ids).
     pub prompt_tokens: u32,
-    pub reserved: u32,
+    /// Request priority, for the rules and policies (0: default).
+    pub priority: i32,
+    /// Tenant, for the rule language; NULL for none.
+    pub tenant: *const c_char,
+    /// `type-degree` tags for the rule language (at most `KVEDGE_MAX_TAGS`).
+    pub tags: *const *const c_char,
+    pub n_tags: usize,
+    /// Request headers as parallel arrays (at most `KVEDGE_MAX_HEADERS`).
+    pub header_names: *const *const c_char,
+    pub header_values: *const *const c_char,
+    pub n_headers: usize,
 }
+
+/// Most tags in a `kvedge_select_request`.
+pub const KVEDGE_MAX_TAGS: usize = 32;
+/// Most headers in a `kvedge_select_request`.
+pub const KVEDGE_MAX_HEADERS: usize = 32;
 
 /// The daemon's answer.
 #[repr(C)]
@@ -963,6 +978,30 @@ pub unsafe extern "C" fn kvedge_select(
             }
         };
         parse_role(r.role)?;
+        if r.n_tags > KVEDGE_MAX_TAGS || r.n_headers > KVEDGE_MAX_HEADERS {
+            return Err(Error::invalid(format!(
+                "at most {KVEDGE_MAX_TAGS} tags and {KVEDGE_MAX_HEADERS} headers"
+            )));
+        }
+        // SAFETY: caller contract on the fields.
+        let (tenant, tag_ptrs, names, values) = unsafe {
+            (
+                optional_text(r.tenant, "request.tenant")?,
+                slice(r.tags, r.n_tags, "request.tags")?,
+                slice(r.header_names, r.n_headers, "request.header_names")?,
+                slice(r.header_values, r.n_headers, "request.header_values")?,
+            )
+        };
+        let mut tags = [""; KVEDGE_MAX_TAGS];
+        for (slot, &p) in tags.iter_mut().zip(tag_ptrs) {
+            // SAFETY: each element is a NUL-terminated string (caller).
+            *slot = unsafe { text(p, "a tag")? };
+        }
+        let mut headers = [("", ""); KVEDGE_MAX_HEADERS];
+        for (slot, (&n, &v)) in headers.iter_mut().zip(names.iter().zip(values)) {
+            // SAFETY: each element is a NUL-terminated string (caller).
+            *slot = unsafe { (text(n, "a header name")?, text(v, "a header value")?) };
+        }
         let q = SelectQuery {
             model,
             role: r.role as u8,
@@ -970,6 +1009,10 @@ pub unsafe extern "C" fn kvedge_select(
             ids,
             prompt_tokens: r.prompt_tokens,
             dry_run: r.dry_run != 0,
+            priority: r.priority,
+            tenant,
+            tags: &tags[..r.n_tags],
+            headers: &headers[..r.n_headers],
         };
         let v = match c.inner.select(&q).map_err(io_error)? {
             Ok(v) => v,

@@ -101,7 +101,13 @@ fn publish_hash_and_select_allocate_nothing_after_warm_up() {
         tokens: std::ptr::null(),
         n_tokens: 0,
         prompt_tokens: 2048,
-        reserved: 0,
+        priority: 0,
+        tenant: std::ptr::null(),
+        tags: std::ptr::null(),
+        n_tags: 0,
+        header_names: std::ptr::null(),
+        header_values: std::ptr::null(),
+        n_headers: 0,
     };
     // SAFETY: all-zero bytes are a valid kvedge_select_result.
     let mut res: kvedge_select_result = unsafe { std::mem::zeroed() };

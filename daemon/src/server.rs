@@ -962,6 +962,7 @@ impl Server {
                 session,
                 prompt_tokens,
                 ids,
+                context,
             } => {
                 let Some(role) = WorkerType::ALL.get(usize::from(role)).copied() else {
                     self.errors += 1;
@@ -989,12 +990,19 @@ impl Server {
                         tokens.len() as u32
                     }
                 };
+                // Tags on the stack (at most MAX_TAGS); headers only when sent.
+                let mut tag_buf = [""; crate::wire::MAX_TAGS];
+                for (slot, tag) in tag_buf.iter_mut().zip(context.tags()) {
+                    *slot = tag;
+                }
+                let headers = (context.header_count() > 0)
+                    .then(|| kvedge_policies::AgentHeaders::from_pairs(context.headers()));
                 let req = SelectRequest {
                     model,
-                    tenant: None,
-                    tags: &[],
-                    headers: None,
-                    priority: 0,
+                    tenant: context.tenant,
+                    tags: &tag_buf[..context.tag_count()],
+                    headers: headers.as_ref(),
+                    priority: context.priority,
                     role,
                     hashes: &hashes,
                     prompt_tokens: if prompt_tokens > 0 {

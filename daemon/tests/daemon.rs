@@ -431,6 +431,63 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
         ),
         (Some(0), Some(1), Some(1))
     );
+    // The binary protocol carries the same context: tenant, a header, a
+    // priority each send the request to the provider; none keeps it local.
+    let mut w = kvedge_daemon::wire::Client::connect(d.dir.join("query.sock")).unwrap();
+    let base = kvedge_daemon::wire::SelectQuery {
+        model: "llama",
+        role: 0,
+        session: None,
+        ids: kvedge_daemon::wire::QueryIds::Tokens(&[1, 2, 3]),
+        prompt_tokens: 0,
+        dry_run: true,
+        priority: 0,
+        tenant: None,
+        tags: &[],
+        headers: &[],
+    };
+    let target = |w: &mut kvedge_daemon::wire::Client, q| {
+        let r = w.select(&q).unwrap().unwrap();
+        (r.provider, r.endpoint.to_owned())
+    };
+    assert_eq!(target(&mut w, base), (false, "http://engine-1".to_owned()));
+    let cloud = (true, "https://cloud.example".to_owned());
+    let burst = kvedge_daemon::wire::SelectQuery {
+        tenant: Some("burst"),
+        tags: &["pii-none", "len-short"],
+        ..base
+    };
+    assert_eq!(target(&mut w, burst), cloud);
+    let team = kvedge_daemon::wire::SelectQuery {
+        headers: &[("X-Team", "research")],
+        ..base
+    };
+    assert_eq!(target(&mut w, team), cloud);
+    let urgent = kvedge_daemon::wire::SelectQuery {
+        priority: 9,
+        ..base
+    };
+    assert_eq!(target(&mut w, urgent), cloud);
+    // Malformed context: an error reply, and the connection keeps working.
+    let (code, _) = w
+        .raw(&{
+            let mut f = Vec::new();
+            kvedge_daemon::wire::write_frame(&mut f, kvedge_daemon::wire::op::SELECT, |o| {
+                o.extend_from_slice(&[4, 0]); // context follows
+                o.extend_from_slice(&5u16.to_le_bytes());
+                o.extend_from_slice(b"llama");
+                o.extend_from_slice(&0u16.to_le_bytes());
+                o.extend_from_slice(&0u32.to_le_bytes());
+                o.extend_from_slice(&0u32.to_le_bytes());
+                o.extend_from_slice(&1i32.to_le_bytes());
+                o.extend_from_slice(&9u16.to_le_bytes()); // tenant of 9 bytes, 2 sent
+                o.extend_from_slice(b"ab");
+            });
+            f
+        })
+        .unwrap();
+    assert_eq!(code, kvedge_daemon::wire::status::BAD_REQUEST);
+    assert_eq!(target(&mut w, base), (false, "http://engine-1".to_owned()));
     drop(a);
 }
 

@@ -7,7 +7,7 @@
 //!
 //! | op | request payload | reply payload (status 0) |
 //! |---|---|---|
-//! | 1 select | `flags: u8` (bit 0 dry run, bit 1 ids are token ids rather than sequence hashes), `role: u8` (0 aggregated, 1 prefill, 2 decode, 3 encode), `model_len: u16`, model, `session_len: u16`, session (0 = none), `prompt_tokens: u32` (0 = from the ids), `count: u32`, then `count` ids (`u32` tokens or `u64` hashes) | `worker_id: u64`, `dp_rank: u32`, `request_id: u64`, `cost: f64` (NaN: none), overlap `device, host, disk: u32`, `flags: u8` (bit 0: a provider, not a worker), `endpoint_len: u16`, endpoint |
+//! | 1 select | `flags: u8` (bit 0 dry run, bit 1 ids are token ids rather than sequence hashes, bit 2 the request context follows the ids), `role: u8` (0 aggregated, 1 prefill, 2 decode, 3 encode), `model_len: u16`, model, `session_len: u16`, session (0 = none), `prompt_tokens: u32` (0 = from the ids), `count: u32`, then `count` ids (`u32` tokens or `u64` hashes); with bit 2: `priority: i32`, `tenant_len: u16`, tenant (0 = none), `tag_count: u16` then each `len: u16`, tag, `header_count: u16` then each `name_len: u16`, name, `value_len: u16`, value | `worker_id: u64`, `dp_rank: u32`, `request_id: u64`, `cost: f64` (NaN: none), overlap `device, host, disk: u32`, `flags: u8` (bit 0: a provider, not a worker), `endpoint_len: u16`, endpoint |
 //! | 2 prefill_done | `request_id: u64` | empty |
 //! | 3 finish | `request_id: u64` | empty |
 //!
@@ -68,9 +68,89 @@ pub enum Request<'a> {
         session: Option<&'a str>,
         prompt_tokens: u32,
         ids: Ids<'a>,
+        /// The request context for rules and policies (flag bit 2).
+        context: Context<'a>,
     },
     PrefillDone(u64),
     Finish(u64),
+}
+
+/// Tags and headers of a select, validated, read in place.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Context<'a> {
+    pub priority: i32,
+    pub tenant: Option<&'a str>,
+    tag_count: u16,
+    tags: &'a [u8],
+    header_count: u16,
+    headers: &'a [u8],
+}
+
+impl<'a> Context<'a> {
+    /// The tags, in order.
+    pub fn tags(&self) -> impl Iterator<Item = &'a str> + 'a {
+        let mut c = Cursor(self.tags);
+        (0..self.tag_count).map(move |_| {
+            let n = c.u16().expect("validated") as usize;
+            c.str(n).expect("validated")
+        })
+    }
+
+    pub fn tag_count(&self) -> usize {
+        usize::from(self.tag_count)
+    }
+
+    /// The headers, (name, value), in order.
+    pub fn headers(&self) -> impl Iterator<Item = (&'a str, &'a str)> + 'a {
+        let mut c = Cursor(self.headers);
+        (0..self.header_count).map(move |_| {
+            let n = c.u16().expect("validated") as usize;
+            let name = c.str(n).expect("validated");
+            let n = c.u16().expect("validated") as usize;
+            (name, c.str(n).expect("validated"))
+        })
+    }
+
+    pub fn header_count(&self) -> usize {
+        usize::from(self.header_count)
+    }
+}
+
+/// Most tags a select may carry.
+pub const MAX_TAGS: usize = 32;
+
+/// Reads and validates the context fields.
+fn parse_context<'a>(c: &mut Cursor<'a>) -> Result<Context<'a>, &'static str> {
+    let priority = c.u32()? as i32;
+    let n = c.u16()? as usize;
+    let tenant = c.str(n)?;
+    let tag_count = c.u16()?;
+    if usize::from(tag_count) > MAX_TAGS {
+        return Err("more than 32 tags");
+    }
+    let start = c.0;
+    for _ in 0..tag_count {
+        let n = c.u16()? as usize;
+        c.str(n)?;
+    }
+    let tags = &start[..start.len() - c.0.len()];
+    let header_count = c.u16()?;
+    let start = c.0;
+    for _ in 0..header_count {
+        let n = c.u16()? as usize;
+        c.str(n)?;
+        let n = c.u16()? as usize;
+        c.str(n)?;
+    }
+    let headers = &start[..start.len() - c.0.len()];
+    Ok(Context {
+        priority,
+        tenant: (!tenant.is_empty()).then_some(tenant),
+        tag_count,
+        tags,
+        header_count,
+        headers,
+    })
 }
 
 /// A bounds-checked reader over a frame.
@@ -132,7 +212,13 @@ pub fn parse_request(body: &[u8]) -> Result<Request<'_>, (u16, &'static str)> {
             let bytes = c
                 .take(count.checked_mul(width).ok_or(bad("id count overflows"))?)
                 .map_err(bad)?;
+            let context = if flags & 4 != 0 {
+                parse_context(&mut c).map_err(bad)?
+            } else {
+                Context::default()
+            };
             Request::Select {
+                context,
                 dry_run: flags & 1 != 0,
                 role,
                 model,
@@ -198,6 +284,11 @@ pub struct SelectQuery<'a> {
     /// 0: derived from the ids.
     pub prompt_tokens: u32,
     pub dry_run: bool,
+    /// For the rule language and policies; sent only when any is set.
+    pub priority: i32,
+    pub tenant: Option<&'a str>,
+    pub tags: &'a [&'a str],
+    pub headers: &'a [(&'a str, &'a str)],
 }
 
 /// A select answer borrowed from the client's buffer.
@@ -393,13 +484,35 @@ impl Client {
             QueryIds::Tokens(t) => (2u8, t.len()),
         };
         let session = q.session.unwrap_or("");
+        let tenant = q.tenant.unwrap_or("");
+        let extended =
+            q.priority != 0 || !tenant.is_empty() || !q.tags.is_empty() || !q.headers.is_empty();
+        let short = |s: &str, what: &str| -> io::Result<u16> {
+            u16::try_from(s.len()).map_err(|_| {
+                io::Error::new(io::ErrorKind::InvalidInput, format!("{what} is too long"))
+            })
+        };
+        if q.tags.len() > MAX_TAGS || q.headers.len() > usize::from(u16::MAX) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "at most 32 tags and 65535 headers",
+            ));
+        }
+        short(tenant, "tenant")?;
+        for t in q.tags {
+            short(t, "a tag")?;
+        }
+        for (n, v) in q.headers {
+            short(n, "a header name")?;
+            short(v, "a header value")?;
+        }
         let too_long =
             |what: &str| io::Error::new(io::ErrorKind::InvalidInput, format!("{what} is too long"));
         let model_len = u16::try_from(q.model.len()).map_err(|_| too_long("model"))?;
         let session_len = u16::try_from(session.len()).map_err(|_| too_long("session"))?;
         let count = u32::try_from(count).map_err(|_| too_long("the prompt"))?;
         write_frame(&mut self.out, op::SELECT, |o| {
-            o.push(u8::from(q.dry_run) | flag);
+            o.push(u8::from(q.dry_run) | flag | if extended { 4 } else { 0 });
             o.push(q.role);
             o.extend_from_slice(&model_len.to_le_bytes());
             o.extend_from_slice(q.model.as_bytes());
@@ -417,6 +530,23 @@ impl Client {
                     for x in t {
                         o.extend_from_slice(&x.to_le_bytes());
                     }
+                }
+            }
+            if extended {
+                let put = |o: &mut Vec<u8>, s: &str| {
+                    o.extend_from_slice(&(s.len() as u16).to_le_bytes());
+                    o.extend_from_slice(s.as_bytes());
+                };
+                o.extend_from_slice(&q.priority.to_le_bytes());
+                put(o, tenant);
+                o.extend_from_slice(&(q.tags.len() as u16).to_le_bytes());
+                for t in q.tags {
+                    put(o, t);
+                }
+                o.extend_from_slice(&(q.headers.len() as u16).to_le_bytes());
+                for (n, v) in q.headers {
+                    put(o, n);
+                    put(o, v);
                 }
             }
         });
@@ -449,6 +579,10 @@ impl Client {
             ids: QueryIds::Hashes(hashes),
             prompt_tokens,
             dry_run,
+            priority: 0,
+            tenant: None,
+            tags: &[],
+            headers: &[],
         };
         Ok(match self.select(&q)? {
             Ok(v) => Ok(v.to_owned()),

@@ -135,6 +135,26 @@ int main(int argc, char **argv) {
     EXPECT(kvedge_select(c, &r, &res), KVEDGE_OK);
     CHECK(res.overlap_device == 4);
 
+    /* The request context (tenant, tags, headers, priority) travels too. */
+    const char *tags[2] = {"pii-none", "len-short"};
+    const char *names[1] = {"X-Team"};
+    const char *values[1] = {"research"};
+    kvedge_select_request ctx = r;
+    ctx.tenant = "acme";
+    ctx.priority = 3;
+    ctx.tags = tags;
+    ctx.n_tags = 2;
+    ctx.header_names = names;
+    ctx.header_values = values;
+    ctx.n_headers = 1;
+    EXPECT(kvedge_select(c, &ctx, &res), KVEDGE_OK);
+    CHECK(res.overlap_device == 4 && res.worker_id == 7);
+    ctx.n_tags = KVEDGE_MAX_TAGS + 1;
+    EXPECT(kvedge_select(c, &ctx, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    ctx.n_tags = 2;
+    ctx.header_values = NULL;
+    EXPECT(kvedge_select(c, &ctx, &res), KVEDGE_ERR_NULL_ARGUMENT);
+
     /* Removed: the overlap drops. */
     EXPECT(kvedge_publish_removed(p, KVEDGE_TIER_DEVICE, &hashes[3], 1), KVEDGE_OK);
     tries = 0;
