@@ -1038,6 +1038,25 @@ pub unsafe extern "C" fn kvedge_select(
     })
 }
 
+/// Releases `request_id` with `op` (prefill done or finished).
+///
+/// # Safety
+/// `client` is a live handle used by this thread only.
+unsafe fn release(
+    client: *mut kvedge_client,
+    request_id: u64,
+    op: fn(&mut Client, u64) -> kvedge_wire::Reply<()>,
+) -> kvedge_status {
+    guard(|| {
+        // SAFETY: caller contract.
+        let c = unsafe { handle(client, "client")? };
+        match op(&mut c.inner, request_id).map_err(io_error)? {
+            Ok(()) => Ok(()),
+            Err((code, m)) => Err(daemon_error(code, &m)),
+        }
+    })
+}
+
 /// The request's prefill finished (its prompt tokens leave the worker's
 /// projected load).
 ///
@@ -1048,14 +1067,8 @@ pub unsafe extern "C" fn kvedge_prefill_done(
     client: *mut kvedge_client,
     request_id: u64,
 ) -> kvedge_status {
-    guard(|| {
-        // SAFETY: caller contract.
-        let c = unsafe { handle(client, "client")? };
-        match c.inner.prefill_done(request_id).map_err(io_error)? {
-            Ok(()) => Ok(()),
-            Err((code, m)) => Err(daemon_error(code, &m)),
-        }
-    })
+    // SAFETY: the caller's contract is `release`'s.
+    unsafe { release(client, request_id, Client::prefill_done) }
 }
 
 /// The request finished (it leaves the worker's projected load).
@@ -1067,14 +1080,8 @@ pub unsafe extern "C" fn kvedge_finish(
     client: *mut kvedge_client,
     request_id: u64,
 ) -> kvedge_status {
-    guard(|| {
-        // SAFETY: caller contract.
-        let c = unsafe { handle(client, "client")? };
-        match c.inner.finish(request_id).map_err(io_error)? {
-            Ok(()) => Ok(()),
-            Err((code, m)) => Err(daemon_error(code, &m)),
-        }
-    })
+    // SAFETY: the caller's contract is `release`'s.
+    unsafe { release(client, request_id, Client::finish) }
 }
 
 /// Closes the connection and frees the client. NULL is a no-op.

@@ -373,6 +373,10 @@ pub struct Client {
     broken: bool,
 }
 
+/// A call's outcome: an I/O error, or the daemon's answer, which is the
+/// value or an error status with its message.
+pub type Reply<T> = io::Result<Result<T, (u16, String)>>;
+
 /// Longest reply a client accepts (a select reply is ~50 bytes plus the
 /// endpoint; an error, its message).
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
@@ -571,7 +575,7 @@ impl Client {
         hashes: &[u64],
         prompt_tokens: u32,
         dry_run: bool,
-    ) -> io::Result<Result<SelectReply, (u16, String)>> {
+    ) -> Reply<SelectReply> {
         let q = SelectQuery {
             model,
             role,
@@ -600,16 +604,16 @@ impl Client {
 
     /// The request's prefill is done: its prefill tokens leave the
     /// worker's projected load.
-    pub fn prefill_done(&mut self, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
+    pub fn prefill_done(&mut self, request_id: u64) -> Reply<()> {
         self.release(op::PREFILL_DONE, request_id)
     }
 
     /// Releases a request.
-    pub fn finish(&mut self, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
+    pub fn finish(&mut self, request_id: u64) -> Reply<()> {
         self.release(op::FINISH, request_id)
     }
 
-    fn release(&mut self, op: u16, request_id: u64) -> io::Result<Result<(), (u16, String)>> {
+    fn release(&mut self, op: u16, request_id: u64) -> Reply<()> {
         self.out.clear();
         write_frame(&mut self.out, op, |o| {
             o.extend_from_slice(&request_id.to_le_bytes())
