@@ -1,141 +1,45 @@
 //! `kvedge run` as a real process: engines register over the control socket
 //! and publish through their rings, frontends ask over the query socket.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
-use kvedge_shm::control::ProducerSession;
+use std::io::{BufRead, Write};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use common::{Conn, Daemon, start as start_with, wait_for};
+use kvedge_shm::Publisher;
 use kvedge_shm::messages::Tier;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::{Publisher, messages::Role};
-use serde_json::{Value, json};
+use serde_json::json;
 
-struct Daemon {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
+/// A daemon with the test defaults. Test engines send no heartbeats: a
+/// long deadline keeps them available.
 fn start(name: &str) -> Daemon {
-    // Test engines send no heartbeats: a long deadline keeps them available.
     start_with(
         name,
         "daemon:\n  max_frame_bytes: 4096\n  ring_capacity: 1048576\n  heartbeat_timeout_ms: 600000\n",
     )
 }
 
-fn start_with(name: &str, yaml: &str) -> Daemon {
-    let dir = std::env::temp_dir().join(format!("kvedge-it-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    let config = dir.join("kvedge.yaml");
-    std::fs::write(&config, yaml).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .args([
-            "run",
-            "--config",
-            config.to_str().unwrap(),
-            "--runtime-dir",
-            dir.to_str().unwrap(),
-        ])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let d = Daemon { child, dir };
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while UnixStream::connect(d.dir.join("query.sock")).is_err() {
-        assert!(Instant::now() < deadline, "daemon did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    d
-}
-
-fn hello(id: u64) -> Hello {
-    Hello {
-        worker_id: id,
-        dp_rank: 0,
-        model: "llama".into(),
-        role: Role::Aggregated,
-        block_size: 16,
-        kv_blocks: [1024, 0, 0],
-        labels: vec![],
-        taints: vec![],
-        endpoint: format!("http://engine-{id}"),
-        ring_capacity: 0,
-    }
-}
-
-fn engine(dir: &Path, id: u64) -> Publisher {
-    let (session, producer) =
-        ProducerSession::connect(dir.join("control.sock"), &hello(id), Duration::from_secs(5))
-            .unwrap();
-    Publisher::new(Some(session), producer)
-}
-
-struct Client {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Client {
-    fn connect(dir: &Path) -> Client {
-        let s = UnixStream::connect(dir.join("query.sock")).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Client {
-            reader: BufReader::new(s.try_clone().unwrap()),
-            writer: s,
-        }
-    }
-
-    fn raw(&mut self, bytes: &[u8]) -> Value {
-        self.writer.write_all(bytes).unwrap();
-        let mut line = String::new();
-        self.reader.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or(Value::Null)
-    }
-
-    fn ask(&mut self, v: Value) -> Value {
-        self.raw(format!("{v}\n").as_bytes())
-    }
+fn engine(d: &Daemon, id: u64) -> Publisher {
+    common::engine(&d.control(), id, "llama")
 }
 
 fn prompt(prefix: u32, len: u32) -> Vec<u32> {
     (0..len).map(|i| prefix * 100_000 + i).collect()
 }
 
-fn wait_for(mut cond: impl FnMut() -> bool, what: &str) -> Duration {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < Duration::from_secs(5),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    start.elapsed()
-}
-
 #[test]
 fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     let d = start("main");
     let seed = kvedge_shm::hash::block_seed(None, None);
-    let mut a = engine(&d.dir, 1);
-    let mut b = engine(&d.dir, 2);
+    let mut a = engine(&d, 1);
+    let mut b = engine(&d, 2);
     a.publish_stored_tokens(Tier::Device, None, &prompt(1, 512), 16, seed)
         .unwrap();
     b.publish_stored_tokens(Tier::Device, None, &prompt(2, 512), 16, seed)
         .unwrap();
-    let mut c = Client::connect(&d.dir);
+    let mut c = Conn::connect(&d.query());
     let mut tokens = prompt(1, 384);
     tokens.extend(prompt(9, 128));
     let select = json!({"op": "select", "model": "llama", "tokens": tokens});
@@ -202,10 +106,10 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
 fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
     let d = start("garbage");
     let seed = kvedge_shm::hash::block_seed(None, None);
-    let mut a = engine(&d.dir, 1);
+    let mut a = engine(&d, 1);
     a.publish_stored_tokens(Tier::Device, None, &prompt(1, 64), 16, seed)
         .unwrap();
-    let mut c = Client::connect(&d.dir);
+    let mut c = Conn::connect(&d.query());
     let ok = json!({"op": "select", "model": "llama", "tokens": prompt(1, 64), "dry_run": true});
     wait_for(
         || c.ask(ok.clone())["overlap_blocks"]["device"] == 4,
@@ -228,7 +132,7 @@ fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
         );
     }
     // A giant line closes only that connection.
-    let mut giant = Client::connect(&d.dir);
+    let mut giant = Conn::connect(&d.query());
     let reply = giant.raw(&vec![b'x'; 10_000]);
     assert_eq!(reply["error"]["code"], "frame_too_large");
     // 64 clients doing 10,000 selects each (binary protocol), while garbage
@@ -251,7 +155,7 @@ fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
             })
         })
         .collect();
-    let mut noisy = Client::connect(&d.dir);
+    let mut noisy = Conn::connect(&d.query());
     for _ in 0..200 {
         assert!(noisy.raw(b"{not json\n")["error"]["code"].is_string());
     }
@@ -355,7 +259,7 @@ fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
         "resync",
         "daemon:\n  ring_capacity: 65536\n  heartbeat_timeout_ms: 600000\n",
     );
-    let mut a = engine(&d.dir, 1);
+    let mut a = engine(&d, 1);
     let mut held: Vec<u64> = Vec::new();
     for i in 0..2000u64 {
         let hashes: Vec<u64> = (0..40).map(|k| (i << 8 | k) + 1).collect();
@@ -374,9 +278,9 @@ fn an_overflowed_ring_is_resynced_to_the_engines_real_state() {
         dropped > 0,
         "the ring must have overflowed for this test to mean anything"
     );
-    let mut c = Client::connect(&d.dir);
+    let mut c = Conn::connect(&d.query());
     let blocks =
-        |c: &mut Client| c.ask(json!({"op": "workers"}))["workers"][0]["device_blocks"].as_u64();
+        |c: &mut Conn| c.ask(json!({"op": "workers"}))["workers"][0]["device_blocks"].as_u64();
     // The engine answers resync requests with its real state, until the
     // daemon's view matches it exactly.
     wait_for(
@@ -406,10 +310,10 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
         "rules",
         "daemon:\n  heartbeat_timeout_ms: 600000\npolicy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }, { header.x-team: research }, { priority: { greaterThan: 5 } }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
     );
-    let mut a = engine(&d.dir, 1);
+    let mut a = engine(&d, 1);
     a.publish_load(&kvedge_shm::messages::Load::default())
         .unwrap();
-    let mut c = Client::connect(&d.dir);
+    let mut c = Conn::connect(&d.query());
     let local = json!({"op": "select", "model": "llama", "tokens": [1, 2, 3], "dry_run": true});
     wait_for(|| c.ask(local.clone())["worker_id"] == 1, "the engine");
     let r = c.ask(local.clone());
@@ -525,7 +429,7 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
         .stdin(Stdio::null())
         .spawn()
         .unwrap();
-    let mut c = Client::connect(&d.dir);
+    let mut c = Conn::connect(&d.query());
     let q = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
     wait_for(
         || c.ask(q.clone())["overlap_blocks"]["device"] == 4,
@@ -581,7 +485,7 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
 fn the_binary_protocol_answers_and_survives_bad_frames() {
     use kvedge_daemon::wire::{self, Client as Wire, status};
     let d = start("binary");
-    let mut a = engine(&d.dir, 1);
+    let mut a = engine(&d, 1);
     let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
     a.publish_stored_hashes(Tier::Device, None, &hashes)
         .unwrap();
@@ -657,7 +561,7 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
     let mut giant = Wire::connect(d.dir.join("query.sock")).unwrap();
     let (code, _) = giant.raw(&u32::MAX.to_le_bytes()).unwrap();
     assert_eq!(code, status::FRAME_TOO_LARGE);
-    let mut json = Client::connect(&d.dir);
+    let mut json = Conn::connect(&d.query());
     assert_eq!(json.ask(json!({"op": "stats"}))["workers"], 1);
     assert!(
         w.select_hashes("llama", 0, &hashes, 256, true)
@@ -673,18 +577,14 @@ fn idle_clients_are_closed_and_max_workers_is_enforced() {
         "limits",
         "daemon:\n  idle_timeout_ms: 200\n  max_workers: 1\n  heartbeat_timeout_ms: 600000\n",
     );
-    let _a = engine(&d.dir, 1);
-    let refused = ProducerSession::connect(
-        d.dir.join("control.sock"),
-        &hello(2),
-        Duration::from_secs(5),
-    );
+    let _a = engine(&d, 1);
+    let refused = common::try_engine(&d.control(), 2, "llama").map(drop);
     let msg = refused.expect_err("a second worker is refused").to_string();
     assert!(
         msg.contains("no free worker slot (at most 1 workers)"),
         "{msg}"
     );
-    let mut c = Client::connect(&d.dir);
+    let mut c = Conn::connect(&d.query());
     assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 1);
     std::thread::sleep(Duration::from_millis(600));
     // The daemon closed the idle connection: the next read sees EOF.

@@ -2,12 +2,13 @@
 //! (every request answered, dispatched and finished; nothing left behind)
 //! and seed 000's soft-pin walkthrough with two mock engines.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+mod common;
 
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+
+use common::{Conn, wait_for};
 use serde_json::{Value, json};
 
 #[test]
@@ -74,45 +75,6 @@ impl Drop for Node {
     }
 }
 
-fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
-    let start = Instant::now();
-    while !f() {
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "timed out: {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-struct Lines {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Lines {
-    fn connect(path: &Path) -> Lines {
-        let s = UnixStream::connect(path).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        Lines {
-            reader: BufReader::new(s.try_clone().unwrap()),
-            writer: s,
-        }
-    }
-    fn send(&mut self, v: &Value) {
-        self.writer.write_all(format!("{v}\n").as_bytes()).unwrap();
-    }
-    fn recv(&mut self) -> Value {
-        let mut line = String::new();
-        self.reader.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
-    }
-    fn ask(&mut self, v: &Value) -> Value {
-        self.send(v);
-        self.recv()
-    }
-}
-
 /// Seed 000's walkthrough: soft session affinity with the `soft-pin`
 /// policy (threshold 0 active requests). The first request is held open on
 /// A; the second, same session, finds A overloaded and goes to B, which
@@ -144,9 +106,10 @@ fn soft_pin_walkthrough_with_two_mock_engines_goes_a_b_b() {
             .spawn()
             .unwrap(),
     );
-    wait_for("the daemon", || {
-        UnixStream::connect(run.join("query.sock")).is_ok()
-    });
+    wait_for(
+        || UnixStream::connect(run.join("query.sock")).is_ok(),
+        "the daemon",
+    );
     for id in [1, 2] {
         node.children.push(
             Command::new(env!("CARGO_BIN_EXE_kvedge"))
@@ -166,32 +129,35 @@ fn soft_pin_walkthrough_with_two_mock_engines_goes_a_b_b() {
                 .unwrap(),
         );
     }
-    let mut q = Lines::connect(&run.join("query.sock"));
-    wait_for("two engines", || {
-        q.ask(&json!({"op": "workers"}))["workers"]
-            .as_array()
-            .is_some_and(|w| w.len() == 2)
-    });
-    let mut engines: Vec<Lines> = [1, 2]
+    let mut q = Conn::connect(&run.join("query.sock"));
+    wait_for(
+        || {
+            q.ask(json!({"op": "workers"}))["workers"]
+                .as_array()
+                .is_some_and(|w| w.len() == 2)
+        },
+        "two engines",
+    );
+    let mut engines: Vec<Conn> = [1, 2]
         .iter()
         .map(|id| {
             let p = dir.join(format!("engine-{id}.sock"));
-            wait_for("the engine socket", || p.exists());
-            Lines::connect(&p)
+            wait_for(|| p.exists(), "the engine socket");
+            Conn::connect(&p)
         })
         .collect();
     let tokens: Vec<u32> = (0..256).collect();
     let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
-    let select = |q: &mut Lines| -> (u64, u64) {
-        let r = q.ask(&json!({"op": "select", "model": "m", "hashes": hashes,
+    let select = |q: &mut Conn| -> (u64, u64) {
+        let r = q.ask(json!({"op": "select", "model": "m", "hashes": hashes,
             "prompt_tokens": 256, "session": "conversation-1"}));
         (
             r["worker_id"].as_u64().unwrap(),
             r["request_id"].as_u64().unwrap(),
         )
     };
-    let dispatch = |engines: &mut [Lines], worker: u64, id: u64, output: u32| {
-        engines[worker as usize - 1].send(&json!({"id": id, "hashes": hashes,
+    let dispatch = |engines: &mut [Conn], worker: u64, id: u64, output: u32| {
+        engines[worker as usize - 1].send(json!({"id": id, "hashes": hashes,
             "prompt_tokens": 256, "output_tokens": output}));
     };
     let mut sequence = Vec::new();
@@ -207,29 +173,26 @@ fn soft_pin_walkthrough_with_two_mock_engines_goes_a_b_b() {
     let e2 = &mut engines[b as usize - 1];
     assert_eq!(e2.recv()["event"], "first_token");
     assert_eq!(
-        q.ask(&json!({"op": "prefill_done", "request_id": r2}))["ok"],
+        q.ask(json!({"op": "prefill_done", "request_id": r2}))["ok"],
         true
     );
     assert_eq!(e2.recv()["event"], "finished");
-    assert_eq!(
-        q.ask(&json!({"op": "finish", "request_id": r2}))["ok"],
-        true
-    );
+    assert_eq!(q.ask(json!({"op": "finish", "request_id": r2}))["ok"], true);
     // Drain 1 as well: both workers idle.
     let e1 = &mut engines[a as usize - 1];
     assert_eq!(e1.recv()["event"], "first_token");
     assert_eq!(e1.recv()["event"], "finished");
-    assert_eq!(
-        q.ask(&json!({"op": "finish", "request_id": r1}))["ok"],
-        true
+    assert_eq!(q.ask(json!({"op": "finish", "request_id": r1}))["ok"], true);
+    wait_for(
+        || {
+            q.ask(json!({"op": "workers"}))["workers"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|w| w["active_requests"] == 0)
+        },
+        "the load to drain",
     );
-    wait_for("the load to drain", || {
-        q.ask(&json!({"op": "workers"}))["workers"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|w| w["active_requests"] == 0)
-    });
     // 3: no overload anywhere; the session's binding says B.
     let (c, _) = select(&mut q);
     sequence.push(c);

@@ -5,99 +5,15 @@
 //! unavailable and recovers when it resumes; a worker cannot register under
 //! a live worker's identity; reservations are bounded.
 
-use std::io::{BufRead, BufReader, Write};
+mod common;
+
+use std::io::BufRead;
 use std::os::unix::net::UnixStream;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
-use serde_json::{Value, json};
-
-struct Daemon {
-    child: Child,
-    dir: PathBuf,
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
-fn start(name: &str, yaml: &str) -> Daemon {
-    let dir = std::env::temp_dir().join(format!("kvedge-lim-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .arg("run")
-        .arg("--config")
-        .arg(dir.join("kvedge.yaml"))
-        .arg("--runtime-dir")
-        .arg(&dir)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while UnixStream::connect(dir.join("query.sock")).is_err() {
-        assert!(Instant::now() < deadline, "daemon did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    Daemon { child, dir }
-}
-
-struct Conn {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Conn {
-    fn new(path: &Path) -> Conn {
-        let s = UnixStream::connect(path).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Conn {
-            reader: BufReader::new(s.try_clone().unwrap()),
-            writer: s,
-        }
-    }
-    fn ask(&mut self, v: &Value) -> Value {
-        self.writer.write_all(format!("{v}\n").as_bytes()).unwrap();
-        self.recv()
-    }
-    fn recv(&mut self) -> Value {
-        let mut line = String::new();
-        self.reader.read_line(&mut line).unwrap();
-        serde_json::from_str(&line).unwrap_or_else(|e| panic!("{e}: {line:?}"))
-    }
-}
-
-fn hello(id: u64) -> Hello {
-    Hello {
-        worker_id: id,
-        dp_rank: 0,
-        model: "m".into(),
-        role: Role::Aggregated,
-        block_size: 16,
-        kv_blocks: [100, 0, 0],
-        labels: vec![],
-        taints: vec![],
-        endpoint: format!("http://{id}"),
-        ring_capacity: 0,
-    }
-}
-
-fn engine(dir: &Path, id: u64) -> Result<kvedge_shm::Publisher, kvedge_shm::ControlError> {
-    let (s, p) = kvedge_shm::control::ProducerSession::connect(
-        dir.join("control.sock"),
-        &hello(id),
-        Duration::from_secs(5),
-    )?;
-    Ok(kvedge_shm::Publisher::new(Some(s), p))
-}
+use common::{Conn, engine, start, try_engine};
+use kvedge_shm::messages::Tier;
+use serde_json::json;
 
 #[test]
 fn a_connection_flood_is_refused_and_existing_clients_keep_their_answers() {
@@ -106,14 +22,14 @@ fn a_connection_flood_is_refused_and_existing_clients_keep_their_answers() {
         "daemon:\n  max_query_connections: 8\n  heartbeat_timeout_ms: 600000\n",
     );
     let query = d.dir.join("query.sock");
-    let _engine = engine(&d.dir, 1).unwrap();
-    let mut kept: Vec<Conn> = (0..8).map(|_| Conn::new(&query)).collect();
+    let _engine = engine(&d.control(), 1, "m");
+    let mut kept: Vec<Conn> = (0..8).map(|_| Conn::connect(&query)).collect();
     for c in &mut kept {
-        assert_eq!(c.ask(&json!({"op": "stats"}))["workers"], 1);
+        assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 1);
     }
     // 100 more: each gets one error line and is closed.
     for _ in 0..100 {
-        let mut extra = Conn::new(&query);
+        let mut extra = Conn::connect(&query);
         let refused = extra.recv();
         assert_eq!(
             refused["error"]["code"], "too_many_connections",
@@ -127,15 +43,15 @@ fn a_connection_flood_is_refused_and_existing_clients_keep_their_answers() {
     for c in &mut kept {
         assert_eq!(c.ask(&select)["worker_id"], 1);
     }
-    let stats = kept[0].ask(&json!({"op": "stats"}));
+    let stats = kept[0].ask(json!({"op": "stats"}));
     assert_eq!(stats["refused_connections"], 100, "{stats}");
     assert_eq!(stats["clients"], 8);
     // Closing one frees a place.
     kept.pop();
     let deadline = Instant::now() + Duration::from_secs(5);
     loop {
-        let mut c = Conn::new(&query);
-        let r = c.ask(&json!({"op": "stats"}));
+        let mut c = Conn::connect(&query);
+        let r = c.ask(json!({"op": "stats"}));
         if r.get("error").is_none() {
             break;
         }
@@ -151,14 +67,14 @@ fn peers_outside_the_allowed_uids_and_gids_are_refused() {
         "creds",
         "daemon:\n  allowed_uids: [4000000001]\n  query_allowed_uids: [4000000001]\n  query_allowed_gids: [4000000002]\n",
     );
-    let mut c = Conn::new(&d.dir.join("query.sock"));
+    let mut c = Conn::connect(&d.dir.join("query.sock"));
     let r = c.recv();
     assert_eq!(r["error"]["code"], "not_permitted", "{r}");
     assert!(
         r["error"]["message"].as_str().unwrap().contains("uid"),
         "{r}"
     );
-    match engine(&d.dir, 1) {
+    match try_engine(&d.control(), 1, "m") {
         Err(kvedge_shm::ControlError::Rejected { message, .. }) => {
             assert!(message.contains("not allowed"), "{message}")
         }
@@ -170,9 +86,9 @@ fn peers_outside_the_allowed_uids_and_gids_are_refused() {
         "creds-ok",
         &format!("daemon:\n  allowed_uids: [{uid}]\n  query_allowed_uids: [{uid}]\n"),
     );
-    let mut c = Conn::new(&d2.dir.join("query.sock"));
-    assert_eq!(c.ask(&json!({"op": "stats"}))["workers"], 0);
-    assert!(engine(&d2.dir, 1).is_ok());
+    let mut c = Conn::connect(&d2.dir.join("query.sock"));
+    assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 0);
+    assert!(try_engine(&d2.control(), 1, "m").is_ok());
 }
 
 #[test]
@@ -182,10 +98,10 @@ fn a_silent_engine_connection_does_not_stall_the_daemon() {
     let _silent: Vec<UnixStream> = (0..5)
         .map(|_| UnixStream::connect(d.dir.join("control.sock")).unwrap())
         .collect();
-    let mut c = Conn::new(&d.dir.join("query.sock"));
+    let mut c = Conn::connect(&d.dir.join("query.sock"));
     for _ in 0..50 {
         let t = Instant::now();
-        assert_eq!(c.ask(&json!({"op": "stats"}))["workers"], 0);
+        assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 0);
         assert!(
             t.elapsed() < Duration::from_millis(500),
             "stalled {:?}",
@@ -193,21 +109,21 @@ fn a_silent_engine_connection_does_not_stall_the_daemon() {
         );
     }
     // A real engine registers meanwhile.
-    let _e = engine(&d.dir, 9).unwrap();
-    assert_eq!(c.ask(&json!({"op": "stats"}))["workers"], 1);
+    let _e = engine(&d.control(), 9, "m");
+    assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 1);
     // After the 2 s deadline the silent ones are dropped and counted.
     std::thread::sleep(Duration::from_millis(2300));
-    let stats = c.ask(&json!({"op": "stats"}));
+    let stats = c.ask(json!({"op": "stats"}));
     assert_eq!(stats["refused_registrations"], 5, "{stats}");
 }
 
 #[test]
 fn an_engine_that_stops_heartbeating_is_unavailable_until_it_resumes() {
     let d = start("heartbeat", "daemon:\n  heartbeat_timeout_ms: 300\n");
-    let mut e = engine(&d.dir, 4).unwrap();
+    let mut e = engine(&d.control(), 4, "m");
     e.publish_stored_hashes(Tier::Device, None, &[1, 2])
         .unwrap();
-    let mut c = Conn::new(&d.dir.join("query.sock"));
+    let mut c = Conn::connect(&d.dir.join("query.sock"));
     let select = json!({"op": "select", "model": "m", "hashes": [1, 2], "dry_run": true});
     assert_eq!(c.ask(&select)["worker_id"], 4);
     // Silence: past the deadline the worker leaves routing (still registered).
@@ -220,7 +136,7 @@ fn an_engine_that_stops_heartbeating_is_unavailable_until_it_resumes() {
         assert!(Instant::now() < deadline, "never marked unavailable: {r}");
         std::thread::sleep(Duration::from_millis(20));
     }
-    let workers = c.ask(&json!({"op": "workers"}));
+    let workers = c.ask(json!({"op": "workers"}));
     assert_eq!(workers["workers"][0]["available"], false, "{workers}");
     // A heartbeat: available again, with its blocks.
     e.heartbeat(0).unwrap();
@@ -239,8 +155,8 @@ fn an_engine_that_stops_heartbeating_is_unavailable_until_it_resumes() {
 #[test]
 fn a_worker_cannot_register_under_a_live_workers_identity() {
     let d = start("identity", "daemon:\n  heartbeat_timeout_ms: 600000\n");
-    let _first = engine(&d.dir, 5).unwrap();
-    match engine(&d.dir, 5) {
+    let _first = engine(&d.control(), 5, "m");
+    match try_engine(&d.control(), 5, "m") {
         Err(kvedge_shm::ControlError::Rejected { message, .. }) => {
             assert!(message.contains("already registered"), "{message}")
         }
@@ -248,8 +164,8 @@ fn a_worker_cannot_register_under_a_live_workers_identity() {
     }
     // Events reach the index only through the ring the daemon handed to the
     // registration, so they are always the registered worker's own.
-    let mut c = Conn::new(&d.dir.join("query.sock"));
-    assert_eq!(c.ask(&json!({"op": "stats"}))["workers"], 1);
+    let mut c = Conn::connect(&d.dir.join("query.sock"));
+    assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 1);
 }
 
 #[test]
@@ -258,8 +174,8 @@ fn reservations_are_bounded() {
         "reservations",
         "daemon:\n  max_reservations: 3\n  heartbeat_timeout_ms: 600000\n",
     );
-    let _e = engine(&d.dir, 1).unwrap();
-    let mut c = Conn::new(&d.dir.join("query.sock"));
+    let _e = engine(&d.control(), 1, "m");
+    let mut c = Conn::connect(&d.dir.join("query.sock"));
     let select = json!({"op": "select", "model": "m", "hashes": [1]});
     let ids: Vec<u64> = (0..3)
         .map(|_| c.ask(&select)["request_id"].as_u64().unwrap())
@@ -270,7 +186,7 @@ fn reservations_are_bounded() {
     let dry = json!({"op": "select", "model": "m", "hashes": [1], "dry_run": true});
     assert_eq!(c.ask(&dry)["worker_id"], 1);
     assert_eq!(
-        c.ask(&json!({"op": "finish", "request_id": ids[0]}))["ok"],
+        c.ask(json!({"op": "finish", "request_id": ids[0]}))["ok"],
         true
     );
     assert!(c.ask(&select)["request_id"].as_u64().is_some());

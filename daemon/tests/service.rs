@@ -3,12 +3,15 @@
 //! socket activation with `systemd-socket-activate`, SIGHUP reloads, SIGTERM
 //! drains and exits 0.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::net::{UnixDatagram, UnixStream};
+mod common;
+
+use std::io::Write;
+use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::{Conn, Daemon, ask, engine, start, temp_dir};
 use serde_json::{Value, json};
 
 const UNITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/systemd");
@@ -29,13 +32,6 @@ fn have(tool: &str) -> bool {
     ok
 }
 
-fn temp(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvedge-svc-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
-}
-
 /// The units as shipped, with `/usr/bin/kvedge` pointed at the binary
 /// under test (verify checks that ExecStart is executable).
 fn units_for_test(dir: &Path) -> (PathBuf, PathBuf) {
@@ -54,7 +50,7 @@ fn units_verify_clean_and_exposure_is_at_most_3() {
     if !have("systemd-analyze") {
         return;
     }
-    let dir = temp("units");
+    let dir = temp_dir("units");
     let (service, socket) = units_for_test(&dir);
     let out = Command::new("systemd-analyze")
         .args(["verify", "--man=no", "--generators=no"])
@@ -88,24 +84,6 @@ fn units_verify_clean_and_exposure_is_at_most_3() {
     std::fs::remove_dir_all(&dir).unwrap();
 }
 
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn ask(path: &Path, v: &Value) -> Value {
-    let mut s = UnixStream::connect(path).unwrap();
-    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-    s.write_all(format!("{v}\n").as_bytes()).unwrap();
-    let mut line = String::new();
-    BufReader::new(s).read_line(&mut line).unwrap();
-    serde_json::from_str(&line).unwrap()
-}
-
 /// Receives notify datagrams until one contains `what`.
 fn expect_notify(sock: &UnixDatagram, what: &str) -> String {
     let deadline = Instant::now() + Duration::from_secs(10);
@@ -121,19 +99,9 @@ fn expect_notify(sock: &UnixDatagram, what: &str) -> String {
     }
 }
 
-fn signal(child: &Child, sig: &str) {
-    assert!(
-        Command::new("kill")
-            .args([&format!("-{sig}"), &child.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-}
-
 #[test]
 fn sd_notify_ready_watchdog_reload_and_stopping() {
-    let dir = temp("notify");
+    let dir = temp_dir("notify");
     let notify_path = dir.join("notify.sock");
     let notify = UnixDatagram::bind(&notify_path).unwrap();
     notify
@@ -155,12 +123,15 @@ fn sd_notify_ready_watchdog_reload_and_stopping() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let mut child = Proc(child);
+    let mut d = Daemon {
+        child,
+        dir: dir.clone(),
+    };
     let ready = expect_notify(&notify, "READY=1");
     assert!(ready.contains("STATUS=0 workers"), "{ready}");
     // The sockets are up when READY=1 arrives.
     assert_eq!(
-        ask(&run.join("query.sock"), &json!({"op": "stats"}))["workers"],
+        ask(&run.join("query.sock"), json!({"op": "stats"}))["workers"],
         0
     );
     expect_notify(&notify, "WATCHDOG=1");
@@ -171,11 +142,11 @@ fn sd_notify_ready_watchdog_reload_and_stopping() {
         "worker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\n",
     )
     .unwrap();
-    signal(&child.0, "HUP");
+    d.signal("HUP");
     let reloading = expect_notify(&notify, "RELOADING=1");
     assert!(reloading.contains("MONOTONIC_USEC="), "{reloading}");
     expect_notify(&notify, "READY=1");
-    let stats = ask(&run.join("query.sock"), &json!({"op": "stats"}));
+    let stats = ask(&run.join("query.sock"), json!({"op": "stats"}));
     assert_eq!(
         (stats["reloads"].as_u64(), stats["reload_failures"].as_u64()),
         (Some(1), Some(0))
@@ -183,10 +154,10 @@ fn sd_notify_ready_watchdog_reload_and_stopping() {
 
     // An invalid one: refused, READY=1 again, the old one serves on.
     std::fs::write(&config, "worker_selection:\n  aggregated: nope\n").unwrap();
-    signal(&child.0, "HUP");
+    d.signal("HUP");
     expect_notify(&notify, "RELOADING=1");
     expect_notify(&notify, "READY=1");
-    let stats = ask(&run.join("query.sock"), &json!({"op": "stats"}));
+    let stats = ask(&run.join("query.sock"), json!({"op": "stats"}));
     assert_eq!(
         (stats["reloads"].as_u64(), stats["reload_failures"].as_u64()),
         (Some(1), Some(1))
@@ -206,9 +177,9 @@ fn sd_notify_ready_watchdog_reload_and_stopping() {
     );
 
     // SIGTERM: STOPPING=1, exit 0, sockets removed.
-    signal(&child.0, "TERM");
+    d.signal("TERM");
     expect_notify(&notify, "STOPPING=1");
-    let status = child.0.wait().unwrap();
+    let status = d.child.wait().unwrap();
     assert_eq!(status.code(), Some(0));
     assert!(!run.join("query.sock").exists());
     std::fs::remove_dir_all(&dir).unwrap();
@@ -219,7 +190,7 @@ fn socket_activation_with_systemd_socket_activate() {
     if !have("systemd-socket-activate") {
         return;
     }
-    let dir = temp("activate");
+    let dir = temp_dir("activate");
     let config = dir.join("kvedge.yaml");
     std::fs::write(&config, "daemon:\n  heartbeat_timeout_ms: 600000\n").unwrap();
     let (control, query) = (dir.join("control.sock"), dir.join("query.sock"));
@@ -240,109 +211,29 @@ fn socket_activation_with_systemd_socket_activate() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
-    let _guard = Proc(child);
+    let guard = Daemon {
+        child,
+        dir: dir.clone(),
+    };
     let deadline = Instant::now() + Duration::from_secs(10);
     while !query.exists() {
         assert!(Instant::now() < deadline, "no socket");
         std::thread::sleep(Duration::from_millis(10));
     }
     // The first query starts the daemon and is answered by it.
-    let stats = ask(&query, &json!({"op": "stats"}));
+    let stats = ask(&query, json!({"op": "stats"}));
     assert_eq!(stats["workers"], 0, "{stats}");
     // An engine registers on the passed control socket and is routed to.
-    let hello = kvedge_shm::messages::control::Hello {
-        worker_id: 3,
-        dp_rank: 0,
-        model: "m".into(),
-        role: kvedge_shm::messages::Role::Aggregated,
-        block_size: 16,
-        kv_blocks: [100, 0, 0],
-        labels: vec![],
-        taints: vec![],
-        endpoint: "http://three".into(),
-        ring_capacity: 0,
-    };
-    let (session, producer) =
-        kvedge_shm::control::ProducerSession::connect(&control, &hello, Duration::from_secs(5))
-            .unwrap();
-    let _engine = kvedge_shm::Publisher::new(Some(session), producer);
+    let _engine = engine(&control, 3, "m");
     let r = ask(
         &query,
-        &json!({"op": "select", "model": "m", "hashes": [1, 2], "dry_run": true}),
+        json!({"op": "select", "model": "m", "hashes": [1, 2], "dry_run": true}),
     );
     assert_eq!(r["worker_id"], 3, "{r}");
     // The daemon did not bind in its --runtime-dir: it used what it was given.
     assert!(!dir.join("unused/query.sock").exists());
-    drop(_guard);
+    drop(guard);
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-fn start_daemon(dir: &Path, yaml: &str) -> (Proc, PathBuf) {
-    let config = dir.join("kvedge.yaml");
-    std::fs::write(&config, yaml).unwrap();
-    let run = dir.join("run");
-    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .arg("run")
-        .arg("--config")
-        .arg(&config)
-        .arg("--runtime-dir")
-        .arg(&run)
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(10);
-    while UnixStream::connect(run.join("query.sock")).is_err() {
-        assert!(Instant::now() < deadline, "daemon did not start");
-        std::thread::sleep(Duration::from_millis(10));
-    }
-    (Proc(child), run)
-}
-
-fn engine(run: &Path, id: u64) -> kvedge_shm::Publisher {
-    let hello = kvedge_shm::messages::control::Hello {
-        worker_id: id,
-        dp_rank: 0,
-        model: "m".into(),
-        role: kvedge_shm::messages::Role::Aggregated,
-        block_size: 16,
-        kv_blocks: [100, 0, 0],
-        labels: vec![],
-        taints: vec![],
-        endpoint: format!("http://{id}"),
-        ring_capacity: 0,
-    };
-    let (s, p) = kvedge_shm::control::ProducerSession::connect(
-        run.join("control.sock"),
-        &hello,
-        Duration::from_secs(5),
-    )
-    .unwrap();
-    kvedge_shm::Publisher::new(Some(s), p)
-}
-
-/// One JSON-lines connection.
-struct Conn {
-    reader: BufReader<UnixStream>,
-    writer: UnixStream,
-}
-
-impl Conn {
-    fn new(path: &Path) -> Conn {
-        let s = UnixStream::connect(path).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
-        Conn {
-            reader: BufReader::new(s.try_clone().unwrap()),
-            writer: s,
-        }
-    }
-    fn ask(&mut self, v: &Value) -> std::io::Result<Value> {
-        self.writer.write_all(format!("{v}\n").as_bytes())?;
-        let mut line = String::new();
-        if self.reader.read_line(&mut line)? == 0 {
-            return Err(std::io::ErrorKind::UnexpectedEof.into());
-        }
-        serde_json::from_str(&line).map_err(std::io::Error::other)
-    }
 }
 
 const POLICY_A: &str = "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selection:\n  aggregated: a\n  instances:\n    - name: a\n      type: least-busy\n      parameters: { min_device_overlap_blocks: 0 }\n";
@@ -350,27 +241,23 @@ const POLICY_B: &str = "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selectio
 
 #[test]
 fn reload_under_continuous_load_loses_no_request() {
-    let dir = temp("reload");
-    let (child, run) = start_daemon(&dir, POLICY_A);
-    let _engines = [engine(&run, 1), engine(&run, 2)];
+    let d = start("reload", POLICY_A);
+    let run = d.dir.clone();
+    let _engines = [engine(&d.control(), 1, "m"), engine(&d.control(), 2, "m")];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let clients: Vec<_> = (0..4)
         .map(|_| {
             let (run, stop) = (run.clone(), stop.clone());
             std::thread::spawn(move || {
-                let mut c = Conn::new(&run.join("query.sock"));
+                let mut c = Conn::connect(&run.join("query.sock"));
                 let (mut answered, mut policies) = (0u64, std::collections::BTreeSet::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
-                    let r = c
-                        .ask(&json!({"op": "select", "model": "m", "hashes": [1, 2, 3]}))
-                        .expect("every select is answered");
+                    let r = c.ask(json!({"op": "select", "model": "m", "hashes": [1, 2, 3]}));
                     let id = r["request_id"]
                         .as_u64()
                         .unwrap_or_else(|| panic!("select failed: {r}"));
                     policies.insert(r["policy"].as_str().unwrap().to_owned());
-                    let f = c
-                        .ask(&json!({"op": "finish", "request_id": id}))
-                        .expect("every finish is answered");
+                    let f = c.ask(json!({"op": "finish", "request_id": id}));
                     assert_eq!(f["ok"], true, "{f}");
                     answered += 1;
                 }
@@ -378,7 +265,7 @@ fn reload_under_continuous_load_loses_no_request() {
             })
         })
         .collect();
-    let config = dir.join("kvedge.yaml");
+    let config = d.config();
     let (mut good, mut bad) = (0, 0);
     for i in 0..20 {
         std::thread::sleep(Duration::from_millis(15));
@@ -392,7 +279,7 @@ fn reload_under_continuous_load_loses_no_request() {
         };
         std::fs::write(&config, yaml).unwrap();
         if i % 3 == 0 {
-            signal(&child.0, "HUP");
+            d.signal("HUP");
         } else {
             let _ = Command::new(env!("CARGO_BIN_EXE_kvedge"))
                 .args(["reload", "--runtime-dir"])
@@ -406,7 +293,7 @@ fn reload_under_continuous_load_loses_no_request() {
         // Let this reload land before the next file is written.
         let deadline = Instant::now() + Duration::from_secs(5);
         loop {
-            let s = ask(&run.join("query.sock"), &json!({"op": "stats"}));
+            let s = ask(&run.join("query.sock"), json!({"op": "stats"}));
             if s["reloads"].as_u64() == Some(good) && s["reload_failures"].as_u64() == Some(bad) {
                 break;
             }
@@ -426,45 +313,43 @@ fn reload_under_continuous_load_loses_no_request() {
     assert!(total > 100, "only {total} selects ran during the reloads");
     // Both policies served, each swap between two requests.
     assert_eq!(seen.into_iter().collect::<Vec<_>>(), ["a", "b"]);
-    let s = ask(&run.join("query.sock"), &json!({"op": "stats"}));
+    let s = ask(&run.join("query.sock"), json!({"op": "stats"}));
     // The only error replies were the two refused reloads.
     assert_eq!(s["errors"], bad, "{s}");
     assert_eq!(
         s["reservations"], 0,
         "reservations survived the reloads: {s}"
     );
-    drop(child);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
 fn prometheus_metrics_over_the_socket_and_http() {
-    let dir = temp("metrics");
     // A free loopback port for the HTTP listener.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let (child, run) = start_daemon(
-        &dir,
+    let d = start(
+        "metrics",
         &format!("daemon:\n  heartbeat_timeout_ms: 600000\nmetrics:\n  listen: 127.0.0.1:{port}\n"),
     );
-    let mut e = engine(&run, 6);
+    let run = d.dir.clone();
+    let mut e = engine(&d.control(), 6, "m");
     e.publish_stored_hashes(kvedge_shm::Tier::Device, None, &[1, 2, 3])
         .unwrap();
     let q = run.join("query.sock");
     let deadline = Instant::now() + Duration::from_secs(5);
     while ask(
         &q,
-        &json!({"op": "select", "model": "m", "hashes": [1, 2, 3], "dry_run": true}),
+        json!({"op": "select", "model": "m", "hashes": [1, 2, 3], "dry_run": true}),
     )["overlap_blocks"]["device"]
         != 3
     {
         assert!(Instant::now() < deadline);
         std::thread::sleep(Duration::from_millis(5));
     }
-    let _ = ask(&q, &json!({"op": "select", "model": "nope", "hashes": [1]}));
+    let _ = ask(&q, json!({"op": "select", "model": "nope", "hashes": [1]}));
     let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
         .args(["stats", "--prometheus", "--runtime-dir"])
         .arg(&run)
@@ -499,6 +384,4 @@ fn prometheus_metrics_over_the_socket_and_http() {
         assert!(Instant::now() < deadline, "{body}");
         std::thread::sleep(Duration::from_millis(100));
     }
-    drop(child);
-    let _ = std::fs::remove_dir_all(&dir);
 }

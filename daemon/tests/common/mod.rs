@@ -1,0 +1,173 @@
+//! Helpers shared by the daemon's process-level tests: a `kvedge run` child
+//! in a directory of its own, JSON-lines connections to its query socket,
+//! and engines registered through the real control socket.
+
+#![allow(dead_code)] // each test file uses a subset
+
+use std::borrow::Borrow;
+use std::io::{BufRead, BufReader, Write};
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvedge_shm::messages::Role;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::{ControlError, Publisher};
+use serde_json::Value;
+
+/// A fresh, empty directory for one test.
+pub fn temp_dir(name: &str) -> PathBuf {
+    let d = std::env::temp_dir().join(format!("kvedge-t-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&d);
+    std::fs::create_dir_all(&d).unwrap();
+    d
+}
+
+/// A `kvedge run` child; its runtime directory (sockets) and config are in
+/// `dir`. Killed and cleaned up on drop.
+pub struct Daemon {
+    pub child: Child,
+    pub dir: PathBuf,
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+impl Daemon {
+    pub fn query(&self) -> PathBuf {
+        self.dir.join("query.sock")
+    }
+
+    pub fn control(&self) -> PathBuf {
+        self.dir.join("control.sock")
+    }
+
+    pub fn config(&self) -> PathBuf {
+        self.dir.join("kvedge.yaml")
+    }
+
+    /// Sends signal `sig` (`HUP`, `TERM`, ...).
+    pub fn signal(&self, sig: &str) {
+        let ok = Command::new("kill")
+            .args([&format!("-{sig}"), &self.child.id().to_string()])
+            .status()
+            .unwrap()
+            .success();
+        assert!(ok, "kill -{sig}");
+    }
+}
+
+/// Starts `kvedge run` with `yaml` and waits for its query socket.
+pub fn start(name: &str, yaml: &str) -> Daemon {
+    let dir = temp_dir(name);
+    std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .arg("run")
+        .arg("--config")
+        .arg(dir.join("kvedge.yaml"))
+        .arg("--runtime-dir")
+        .arg(&dir)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let d = Daemon { child, dir };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while UnixStream::connect(d.query()).is_err() {
+        assert!(Instant::now() < deadline, "daemon did not start");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    d
+}
+
+/// One JSON-lines connection.
+pub struct Conn {
+    pub reader: BufReader<UnixStream>,
+    pub writer: UnixStream,
+}
+
+impl Conn {
+    pub fn connect(path: &Path) -> Conn {
+        let s = UnixStream::connect(path).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        Conn {
+            reader: BufReader::new(s.try_clone().unwrap()),
+            writer: s,
+        }
+    }
+
+    pub fn send(&mut self, v: impl Borrow<Value>) {
+        let line = format!("{}\n", v.borrow());
+        self.writer.write_all(line.as_bytes()).unwrap();
+    }
+
+    /// The next reply line (Null if it is not JSON).
+    pub fn recv(&mut self) -> Value {
+        let mut line = String::new();
+        self.reader.read_line(&mut line).unwrap();
+        serde_json::from_str(&line).unwrap_or(Value::Null)
+    }
+
+    /// Sends raw bytes, reads one reply line.
+    pub fn raw(&mut self, bytes: &[u8]) -> Value {
+        self.writer.write_all(bytes).unwrap();
+        self.recv()
+    }
+
+    pub fn ask(&mut self, v: impl Borrow<Value>) -> Value {
+        self.send(v);
+        self.recv()
+    }
+}
+
+/// One request on a connection of its own.
+pub fn ask(path: &Path, v: impl Borrow<Value>) -> Value {
+    Conn::connect(path).ask(v)
+}
+
+pub fn hello(id: u64, model: &str) -> Hello {
+    Hello {
+        worker_id: id,
+        dp_rank: 0,
+        model: model.into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [1024, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: format!("http://engine-{id}"),
+        ring_capacity: 0,
+    }
+}
+
+/// Registers worker `id` serving `model` on the control socket `control`.
+pub fn try_engine(control: &Path, id: u64, model: &str) -> Result<Publisher, ControlError> {
+    let (s, p) = kvedge_shm::control::ProducerSession::connect(
+        control,
+        &hello(id, model),
+        Duration::from_secs(5),
+    )?;
+    Ok(Publisher::new(Some(s), p))
+}
+
+pub fn engine(control: &Path, id: u64, model: &str) -> Publisher {
+    try_engine(control, id, model).unwrap()
+}
+
+/// Waits (up to 5 s) for `cond`; returns how long it took.
+pub fn wait_for(mut cond: impl FnMut() -> bool, what: &str) -> Duration {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(5),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    start.elapsed()
+}
