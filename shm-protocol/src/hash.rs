@@ -69,6 +69,20 @@ pub fn hash_blocks_into(
     parent: Option<u64>,
     out: &mut [(u64, u64)],
 ) -> usize {
+    chain_blocks(tokens, block_size, seed, parent, out, |seq, local| (seq, local))
+}
+
+/// Walks the full blocks of `tokens` (at most `out.len()`), chaining each
+/// block's local hash after the previous sequence hash, and stores
+/// `make(sequence, local)` for each; returns how many were written.
+fn chain_blocks<T>(
+    tokens: &[u32],
+    block_size: usize,
+    seed: u64,
+    parent: Option<u64>,
+    out: &mut [T],
+    make: impl Fn(u64, u64) -> T,
+) -> usize {
     if block_size == 0 {
         return 0;
     }
@@ -76,11 +90,8 @@ pub fn hash_blocks_into(
     let mut n = 0;
     for (block, slot) in tokens.chunks_exact(block_size).zip(out.iter_mut()) {
         let local = local_hash(block, seed);
-        let seq = match prev {
-            None => local,
-            Some(p) => chain(p, local),
-        };
-        *slot = (seq, local);
+        let seq = prev.map_or(local, |p| chain(p, local));
+        *slot = make(seq, local);
         prev = Some(seq);
         n += 1;
     }
@@ -97,19 +108,7 @@ pub fn sequence_hashes_into(
     parent: Option<u64>,
     out: &mut [u64],
 ) -> usize {
-    if block_size == 0 {
-        return 0;
-    }
-    let mut prev = parent;
-    let mut n = 0;
-    for (block, slot) in tokens.chunks_exact(block_size).zip(out.iter_mut()) {
-        let local = local_hash(block, seed);
-        let seq = prev.map_or(local, |p| chain(p, local));
-        *slot = seq;
-        prev = Some(seq);
-        n += 1;
-    }
-    n
+    chain_blocks(tokens, block_size, seed, parent, out, |seq, _| seq)
 }
 
 /// Sequence hashes of every full block of `tokens` (allocating convenience).
