@@ -385,3 +385,27 @@ fn prometheus_metrics_over_the_socket_and_http() {
         std::thread::sleep(Duration::from_millis(100));
     }
 }
+
+#[test]
+fn sigterm_answers_what_clients_already_sent_then_exits_0() {
+    let mut d = start("drain", "daemon:\n  heartbeat_timeout_ms: 600000\n");
+    let _e = engine(&d.control(), 1, "m");
+    let mut c = Conn::connect(&d.query());
+    // Let the engine register, then pipeline 200 requests in one write
+    // and signal at once.
+    assert_eq!(c.ask(json!({"op": "stats"}))["workers"], 1);
+    let mut burst = String::new();
+    for _ in 0..200 {
+        burst.push_str(
+            &json!({"op": "select", "model": "m", "hashes": [1, 2], "dry_run": true}).to_string(),
+        );
+        burst.push('\n');
+    }
+    c.writer.write_all(burst.as_bytes()).unwrap();
+    d.signal("TERM");
+    for i in 0..200 {
+        let r = c.recv();
+        assert_eq!(r["worker_id"], 1, "reply {i}: {r}");
+    }
+    assert_eq!(d.child.wait().unwrap().code(), Some(0));
+}

@@ -69,7 +69,9 @@ pub fn hash_blocks_into(
     parent: Option<u64>,
     out: &mut [(u64, u64)],
 ) -> usize {
-    chain_blocks(tokens, block_size, seed, parent, out, |seq, local| (seq, local))
+    chain_blocks(tokens, block_size, seed, parent, out, |seq, local| {
+        (seq, local)
+    })
 }
 
 /// Walks the full blocks of `tokens` (at most `out.len()`), chaining each
