@@ -16,7 +16,8 @@ use serde_json::{Value, json};
 
 const UNITS: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../packaging/systemd");
 
-/// Whether a systemd tool is here; CI requires them (KVEDGE_REQUIRE_SYSTEMD).
+/// Whether a systemd tool is here; CI installs and requires them
+/// (KVEDGE_REQUIRE_TOOLS).
 fn have(tool: &str) -> bool {
     let ok = Command::new(tool)
         .arg("--version")
@@ -24,8 +25,8 @@ fn have(tool: &str) -> bool {
         .is_ok_and(|o| o.status.success());
     if !ok {
         assert!(
-            std::env::var_os("KVEDGE_REQUIRE_SYSTEMD").is_none(),
-            "{tool} is required (KVEDGE_REQUIRE_SYSTEMD is set) but missing"
+            std::env::var_os("KVEDGE_REQUIRE_TOOLS").is_none(),
+            "{tool} is required (KVEDGE_REQUIRE_TOOLS is set) but missing"
         );
         eprintln!("{tool} not installed: skipped (CI installs and requires it)");
     }
