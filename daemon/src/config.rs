@@ -54,6 +54,20 @@ pub struct DaemonSection {
     /// Requests selected and not yet finished (reservations), at most;
     /// beyond it a select is refused with `too_many_requests`.
     pub max_reservations: usize,
+    /// How query.sock is served: `epoll` (the routing loop itself, the
+    /// default) or `io-uring` (a listener thread on io_uring; needs the
+    /// `io-uring` build feature, falls back to epoll where io_uring is
+    /// refused).
+    pub query_io: QueryIo,
+}
+
+/// `daemon.query_io`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum QueryIo {
+    #[default]
+    Epoll,
+    IoUring,
 }
 
 impl DaemonSection {
@@ -98,6 +112,7 @@ impl Default for DaemonSection {
             query_allowed_uids: Vec::new(),
             query_allowed_gids: Vec::new(),
             max_reservations: 1_000_000,
+            query_io: QueryIo::Epoll,
         }
     }
 }
@@ -241,6 +256,11 @@ impl Config {
             return Err(err(
                 "daemon.index_capacity and daemon.max_query_connections must be positive, and daemon.max_frame_bytes at least 64"
                     .into(),
+            ));
+        }
+        if d.query_io == QueryIo::IoUring && !cfg!(feature = "io-uring") {
+            return Err(err(
+                "daemon.query_io: io-uring needs a kvedge built with `--features io-uring`".into(),
             ));
         }
         let a = &doc.session_affinity;

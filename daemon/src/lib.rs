@@ -22,6 +22,8 @@ pub mod server;
 pub mod service;
 pub mod sim;
 pub mod sim_cmd;
+#[cfg(feature = "io-uring")]
+pub mod uring;
 /// The binary query protocol (the `kvedge-wire` crate, shared with the C
 /// library).
 pub use kvedge_wire as wire;

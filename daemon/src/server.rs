@@ -113,7 +113,11 @@ pub struct Server {
     router: Router,
     config: Config,
     control: UnixListener,
-    query: UnixListener,
+    /// `None` when another frontend (the io_uring listener) owns it and
+    /// hands requests over as [`Job`]s.
+    query: Option<UnixListener>,
+    /// Requests from another frontend, and the eventfd it signals.
+    jobs: Option<(std::sync::mpsc::Receiver<Job>, OwnedFd)>,
     engines: Vec<Engine>,
     clients: Vec<Client>,
     started: Instant,
@@ -138,6 +142,8 @@ pub struct Server {
     reloader: Option<Reloader>,
     reloads: u64,
     reload_failures: u64,
+    /// The jobs eventfd was readable at the last readiness check.
+    jobs_ready: bool,
     /// Engine connections whose Hello has not fully arrived, since when.
     pending: Vec<(UnixStream, Instant)>,
     refused_registrations: u64,
@@ -180,6 +186,52 @@ fn event_kind(e: &kvedge_shm::EventRef<'_>) -> usize {
 
 /// Engine connections waiting for their Hello at once, at most.
 const MAX_PENDING_REGISTRATIONS: usize = 64;
+
+/// One request from a frontend other than the loop's own query socket
+/// handling: a JSON line (without its newline) or a binary frame body, and
+/// where the reply bytes go.
+pub struct Job {
+    pub request: Vec<u8>,
+    pub binary: bool,
+    pub reply: Box<dyn FnOnce(Vec<u8>) + Send>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("bytes", &self.request.len())
+            .field("binary", &self.binary)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The sending end of [`Server::take_query_listener`]: queue a job, then
+/// signal the eventfd so a sleeping loop wakes.
+#[derive(Debug)]
+pub struct JobSender {
+    tx: std::sync::mpsc::Sender<Job>,
+    wake: OwnedFd,
+}
+
+impl JobSender {
+    /// Queues `job`; false once the server is gone.
+    pub fn send(&self, job: Job) -> bool {
+        if self.tx.send(job).is_err() {
+            return false;
+        }
+        let _ = rustix::io::write(&self.wake, &1u64.to_ne_bytes());
+        true
+    }
+}
+
+impl Clone for JobSender {
+    fn clone(&self) -> Self {
+        JobSender {
+            tx: self.tx.clone(),
+            wake: self.wake.try_clone().expect("dup of an eventfd"),
+        }
+    }
+}
 
 /// Produces a freshly loaded configuration, or the loader's error.
 pub type Reloader = Box<dyn FnMut() -> Result<Config, String> + Send>;
@@ -230,7 +282,8 @@ impl Server {
             router,
             config,
             control,
-            query,
+            query: Some(query),
+            jobs: None,
             engines: Vec::new(),
             clients: Vec::new(),
             started: Instant::now(),
@@ -246,6 +299,7 @@ impl Server {
             reloader: None,
             reloads: 0,
             reload_failures: 0,
+            jobs_ready: false,
             pending: Vec::new(),
             refused_registrations: 0,
             refused_connections: 0,
@@ -303,6 +357,9 @@ impl Server {
             }
             busy |= self.ingest();
             busy |= self.serve_clients();
+            if self.jobs_ready {
+                busy |= self.serve_jobs();
+            }
             if busy {
                 last_busy = Instant::now();
             } else if last_busy.elapsed() > SPIN {
@@ -315,7 +372,66 @@ impl Server {
         // Drain: answer what the clients already sent.
         let _ = self.readiness();
         self.serve_clients();
+        self.serve_jobs();
         Ok(())
+    }
+
+    /// Hands the query socket to another frontend (the io_uring listener):
+    /// from now on requests arrive through the returned sender.
+    pub fn take_query_listener(&mut self) -> io::Result<Option<(UnixListener, JobSender)>> {
+        let Some(query) = self.query.take() else {
+            return Ok(None);
+        };
+        let _ = epoll::delete(&self.epoll, &query);
+        let wake = rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )?;
+        watch(&self.epoll, &wake)?;
+        let (tx, rx) = std::sync::mpsc::channel();
+        let sender = JobSender {
+            tx,
+            wake: wake.try_clone()?,
+        };
+        self.jobs = Some((rx, wake));
+        Ok(Some((query, sender)))
+    }
+
+    /// Gives the query socket back (the other frontend could not start).
+    pub fn restore_query_listener(&mut self, query: UnixListener) -> io::Result<()> {
+        if let Some((_, wake)) = self.jobs.take() {
+            let _ = epoll::delete(&self.epoll, &wake);
+        }
+        query.set_nonblocking(true)?;
+        watch(&self.epoll, &query)?;
+        self.query = Some(query);
+        Ok(())
+    }
+
+    /// Answers every queued job.
+    fn serve_jobs(&mut self) -> bool {
+        let Some((rx, wake)) = self.jobs.take() else {
+            return false;
+        };
+        let mut counter = [0u8; 8];
+        let _ = rustix::io::read(&wake, &mut counter);
+        let mut any = false;
+        let mut out = std::mem::take(&mut self.reply);
+        while let Ok(job) = rx.try_recv() {
+            any = true;
+            let bytes = if job.binary {
+                out.clear();
+                self.handle_binary(&job.request, &mut out);
+                out.clone()
+            } else {
+                let reply = self.handle(&job.request);
+                format!("{reply}\n").into_bytes()
+            };
+            (job.reply)(bytes);
+        }
+        self.reply = out;
+        self.jobs = Some((rx, wake));
+        any
     }
 
     /// Sets how the configuration is loaded again (SIGHUP, `kvedge reload`).
@@ -481,7 +597,9 @@ impl Server {
                 .is_some_and(|r| std::mem::replace(r, false))
         };
         let control = take(self.control.as_fd());
-        let query = take(self.query.as_fd());
+        let query = self.query.as_ref().is_some_and(|q| take(q.as_fd()));
+        let jobs = self.jobs.as_ref().is_some_and(|(_, fd)| take(fd.as_fd()));
+        self.jobs_ready = jobs;
         for e in &mut self.engines {
             e.readable = take(e.stream.as_fd());
         }
@@ -646,7 +764,10 @@ impl Server {
     fn accept_clients(&mut self) -> bool {
         let mut any = false;
         loop {
-            match self.query.accept() {
+            let Some(query) = self.query.as_ref() else {
+                return any;
+            };
+            match query.accept() {
                 Ok((stream, _)) => {
                     any = true;
                     let d = &self.config.daemon;
@@ -1081,7 +1202,12 @@ impl Server {
         {
             let mut fds: Vec<PollFd<'_>> = Vec::new();
             fds.push(PollFd::new(&self.control, PollFlags::IN));
-            fds.push(PollFd::new(&self.query, PollFlags::IN));
+            if let Some(q) = &self.query {
+                fds.push(PollFd::new(q, PollFlags::IN));
+            }
+            if let Some((_, wake)) = &self.jobs {
+                fds.push(PollFd::new(wake, PollFlags::IN));
+            }
             for e in &self.engines {
                 fds.push(PollFd::from_borrowed_fd(e.stream.as_fd(), PollFlags::IN));
                 fds.push(PollFd::from_borrowed_fd(e.ring.wake_fd(), PollFlags::IN));

@@ -26,8 +26,10 @@ pub fn init_logging(log: &LogSection) {
             tracing_subscriber::EnvFilter::try_new(&log.level)
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"))
         });
+    use std::io::IsTerminal;
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stderr().is_terminal())
         .with_writer(std::io::stderr);
     let _ = match log.format {
         LogFormat::Human => builder.try_init(),
@@ -74,6 +76,30 @@ fn activated_listeners(
     }
 }
 
+/// Moves query.sock to the io_uring listener, or leaves it on epoll (with a
+/// warning) where io_uring is refused.
+#[cfg(feature = "io-uring")]
+fn start_uring(server: &mut Server, limits: &crate::config::DaemonSection) {
+    match server.take_query_listener() {
+        Ok(Some((listener, jobs))) => match crate::uring::start(listener, jobs, limits) {
+            Ok(()) => info!("query.sock served on io_uring"),
+            Err((listener, e)) => {
+                warn!("io_uring unavailable ({e}): query.sock stays on epoll");
+                if let Err(e) = server.restore_query_listener(listener) {
+                    error!("cannot restore query.sock: {e}");
+                }
+            }
+        },
+        Ok(None) => {}
+        Err(e) => warn!("io_uring listener not started ({e}): query.sock stays on epoll"),
+    }
+}
+
+#[cfg(not(feature = "io-uring"))]
+fn start_uring(_: &mut Server, _: &crate::config::DaemonSection) {
+    // Refused by the config loader; nothing to do.
+}
+
 /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
 pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
     let overrides = SelectionOverrides::default().with_env_fallback();
@@ -86,6 +112,8 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     };
     init_logging(&config.log);
     let metrics_listen = config.metrics.listen.clone();
+    let query_io = config.daemon.query_io;
+    let limits = config.daemon.clone();
     let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
         Ok(fds) => fds,
         Err(e) => {
@@ -124,6 +152,9 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     let mut last_metrics = std::time::Instant::now()
         .checked_sub(std::time::Duration::from_secs(2))
         .unwrap_or_else(std::time::Instant::now);
+    if query_io == crate::config::QueryIo::IoUring {
+        start_uring(&mut server, &limits);
+    }
     let path = config_path.to_owned();
     server.set_reloader(Box::new(move || {
         Config::load_file(&path, &registry, &overrides).map_err(|e| e.to_string())

@@ -1,0 +1,235 @@
+//! The query listener on io_uring (feature `io-uring`, `daemon.query_io:
+//! io-uring`). A thread accepts on query.sock; a tokio-uring runtime on a
+//! second thread reads and writes every client with io_uring operations and
+//! frames requests (JSON lines, or `KVE1` binary frames); each request goes
+//! to the routing loop as a [`Job`] and its reply comes back through a
+//! oneshot channel. The routing state keeps its single owner. The accept
+//! thread applies the epoll path's admission rules (connection limit, peer
+//! credentials); the frame limit applies per connection.
+//!
+//! If io_uring is unavailable (EPERM or ENOSYS from `io_uring_setup`, as
+//! under default container seccomp profiles) [`start`] says so and the
+//! caller keeps the epoll path.
+
+use std::io;
+use std::os::unix::net::UnixListener;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use crate::config::DaemonSection;
+use crate::server::{Job, JobSender};
+
+/// Starts the listener on `listener`; on error the listener is handed back
+/// with the reason, so the caller can fall back to epoll.
+pub fn start(
+    listener: UnixListener,
+    jobs: JobSender,
+    limits: &DaemonSection,
+) -> Result<(), (UnixListener, io::Error)> {
+    let limits = limits.clone();
+    let max_frame_bytes = limits.max_frame_bytes;
+    let open = Arc::new(AtomicUsize::new(0));
+    // Probe io_uring on this thread first: the clean fallback point.
+    if let Err(e) = tokio_uring::Runtime::new(&tokio_uring::builder()) {
+        return Err((listener, e));
+    }
+    let accept_from = match listener.try_clone() {
+        Ok(l) => l,
+        Err(e) => return Err((listener, e)),
+    };
+    if let Err(e) = accept_from.set_nonblocking(false) {
+        return Err((listener, e));
+    }
+    let (conn_tx, mut conn_rx) =
+        tokio::sync::mpsc::unbounded_channel::<(std::os::unix::net::UnixStream, OpenGuard)>();
+    let spawned = std::thread::Builder::new()
+        .name("kvedge-uring".into())
+        .spawn(move || {
+            tokio_uring::start(async move {
+                while let Some((stream, guard)) = conn_rx.recv().await {
+                    let jobs = jobs.clone();
+                    tokio_uring::spawn(async move {
+                        serve(stream, jobs, max_frame_bytes).await;
+                        drop(guard);
+                    });
+                }
+            })
+        });
+    if let Err(e) = spawned {
+        return Err((listener, e));
+    }
+    let accepting = std::thread::Builder::new()
+        .name("kvedge-accept".into())
+        .spawn(move || {
+            loop {
+                match accept_from.accept() {
+                    Ok((s, _)) => {
+                        if let Some((code, message)) = refusal(&s, &limits, &open) {
+                            refuse(s, code, &message);
+                            continue;
+                        }
+                        open.fetch_add(1, Ordering::Relaxed);
+                        let guard = OpenGuard(Arc::clone(&open));
+                        if conn_tx.send((s, guard)).is_err() {
+                            return;
+                        }
+                    }
+                    Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                    Err(e) => {
+                        tracing::warn!("io_uring listener: accept: {e}");
+                        std::thread::sleep(std::time::Duration::from_millis(10));
+                    }
+                }
+            }
+        });
+    match accepting {
+        // The accept thread's handle on the socket keeps it open.
+        Ok(_) => Ok(()),
+        // Dropping the sender ends the io_uring thread too.
+        Err(e) => Err((listener, e)),
+    }
+}
+
+/// Counts an open connection until dropped.
+struct OpenGuard(Arc<AtomicUsize>);
+
+impl Drop for OpenGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// The same admission rules as the epoll path: the connection limit and
+/// the peer-credential policy.
+fn refusal(
+    s: &std::os::unix::net::UnixStream,
+    limits: &DaemonSection,
+    open: &AtomicUsize,
+) -> Option<(&'static str, String)> {
+    if open.load(Ordering::Relaxed) >= limits.max_query_connections {
+        return Some((
+            "too_many_connections",
+            format!(
+                "the daemon serves at most {} connections",
+                limits.max_query_connections
+            ),
+        ));
+    }
+    if limits.client_policy() {
+        return match kvedge_shm::control::peer_credentials(s) {
+            Ok(c) if limits.client_allowed(c.uid, c.gid) => None,
+            Ok(c) => Some((
+                "not_permitted",
+                format!(
+                    "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
+                    c.uid, c.gid, c.pid
+                ),
+            )),
+            Err(e) => Some(("not_permitted", format!("no peer credentials: {e}"))),
+        };
+    }
+    None
+}
+
+/// One error line, never blocking, then close.
+fn refuse(s: std::os::unix::net::UnixStream, code: &str, message: &str) {
+    tracing::warn!("query connection refused ({code}): {message}");
+    let line = format!(
+        "{}\n",
+        serde_json::json!({"error": {"code": code, "message": message}})
+    );
+    let _ = s.set_nonblocking(true);
+    let _ = rustix::net::send(&s, line.as_bytes(), rustix::net::SendFlags::NOSIGNAL);
+}
+
+/// Asks the routing loop and waits for its reply.
+async fn ask(jobs: &JobSender, request: Vec<u8>, binary: bool) -> Option<Vec<u8>> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let sent = jobs.send(Job {
+        request,
+        binary,
+        reply: Box::new(move |bytes| {
+            let _ = tx.send(bytes);
+        }),
+    });
+    if !sent {
+        return None;
+    }
+    rx.await.ok()
+}
+
+/// One client: read with io_uring, frame, ask, write with io_uring.
+async fn serve(stream: std::os::unix::net::UnixStream, jobs: JobSender, limit: usize) {
+    let stream = tokio_uring::net::UnixStream::from_std(stream);
+    let mut pending: Vec<u8> = Vec::with_capacity(4096);
+    let mut buf = vec![0u8; 16384];
+    let mut binary: Option<bool> = None;
+    loop {
+        let (res, b) = stream.read(buf).await;
+        buf = b;
+        let n = match res {
+            Ok(0) | Err(_) => return,
+            Ok(n) => n,
+        };
+        pending.extend_from_slice(&buf[..n]);
+        if binary.is_none() {
+            let magic = kvedge_wire::MAGIC;
+            if pending.len() >= magic.len() || !magic.starts_with(&pending) {
+                let is_binary = pending.starts_with(magic);
+                if is_binary {
+                    pending.drain(..magic.len());
+                }
+                binary = Some(is_binary);
+            } else {
+                continue;
+            }
+        }
+        loop {
+            let (request, used, too_large) = if binary == Some(true) {
+                if pending.len() < 4 {
+                    break;
+                }
+                let len = u32::from_le_bytes(pending[..4].try_into().expect("4 bytes")) as usize;
+                if len > limit {
+                    (Vec::new(), 0, true)
+                } else if pending.len() < 4 + len {
+                    break;
+                } else {
+                    (pending[4..4 + len].to_vec(), 4 + len, false)
+                }
+            } else {
+                match pending.iter().position(|&c| c == b'\n') {
+                    Some(pos) => (pending[..pos].to_vec(), pos + 1, false),
+                    None if pending.len() > limit => (Vec::new(), 0, true),
+                    None => break,
+                }
+            };
+            if too_large {
+                let mut out = Vec::new();
+                if binary == Some(true) {
+                    kvedge_wire::write_error(
+                        &mut out,
+                        kvedge_wire::status::FRAME_TOO_LARGE,
+                        &format!("a frame is longer than {limit} bytes"),
+                    );
+                } else {
+                    out = format!(
+                        "{{\"error\":{{\"code\":\"frame_too_large\",\"message\":\"a line is longer than {limit} bytes\"}}}}\n"
+                    )
+                    .into_bytes();
+                }
+                let _ = stream.write_all(out).await;
+                return;
+            }
+            pending.drain(..used);
+            let Some(reply) = ask(&jobs, request, binary == Some(true)).await else {
+                return;
+            };
+            let (res, _) = stream.write_all(reply).await;
+            if res.is_err() {
+                return;
+            }
+        }
+    }
+}
