@@ -936,6 +936,13 @@ impl Server {
                         any = true;
                         self.clients[i].buf.extend_from_slice(&chunk[..n]);
                         self.clients[i].last_active = Instant::now();
+                        // A short read drained the socket: skip the read
+                        // that would only say EAGAIN (a syscall per
+                        // request). Anything newer shows at the next
+                        // readiness check (level-triggered).
+                        if n < chunk.len() {
+                            break;
+                        }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(_) => {
