@@ -5,76 +5,34 @@
 //!
 //! `cargo bench -p kvedge-c --bench c_api`
 
+#[path = "../tests/support/mod.rs"]
+mod support;
+
 use std::ffi::CString;
 use std::hint::black_box;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use kvedge::*;
-use kvedge_daemon::config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
+use support::{Daemon, hello, select_request};
 
 fn main() {
     let mut c = Criterion::default().configure_from_args();
-    let dir = std::env::temp_dir().join(format!("kvedge-bench-c-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     // A 4 MiB ring: a measured batch (4,000 records, ~1.2 MB) never fills
     // it, so no record is dropped (dropping is cheaper than publishing and
     // would flatter), and it stays in the last-level cache as a busy ring
-    // does.
-    let config = Config::load(
-        "bench.yaml",
-        "daemon:\n  ring_capacity: 4194304\n  heartbeat_timeout_ms: 600000\n",
-        &kvedge_policies::router_plugin_registry(),
-        &Default::default(),
-    )
-    .unwrap();
-    let mut server = Server::bind(config, &RuntimeDir { dir: dir.clone() }).unwrap();
-    // The daemon's loop can be held (`pause`), so a publish batch can be
+    // does. The daemon's loop can be held, so a publish batch can be
     // measured with no consumer racing for the ring's cache lines, as
     // `ring/publish_stored_16` is; the ring is drained between batches.
-    let stop = Arc::new(AtomicBool::new(false));
-    let pause = Arc::new(AtomicBool::new(false));
-    let paused = Arc::new(AtomicBool::new(false));
-    let thread = {
-        let (stop, pause, paused) = (stop.clone(), pause.clone(), paused.clone());
-        std::thread::spawn(move || {
-            while !stop.load(Ordering::SeqCst) {
-                server
-                    .run(|| pause.load(Ordering::SeqCst) || stop.load(Ordering::SeqCst))
-                    .unwrap();
-                paused.store(true, Ordering::SeqCst);
-                while pause.load(Ordering::SeqCst) && !stop.load(Ordering::SeqCst) {
-                    std::thread::sleep(Duration::from_micros(100));
-                }
-                paused.store(false, Ordering::SeqCst);
-            }
-        })
-    };
-    let hold = |on: bool| {
-        pause.store(on, Ordering::SeqCst);
-        while paused.load(Ordering::SeqCst) != on {
-            std::thread::yield_now();
-        }
-    };
-    let control = CString::new(dir.join("control.sock").to_str().unwrap()).unwrap();
-    let query = CString::new(dir.join("query.sock").to_str().unwrap()).unwrap();
+    let daemon = Daemon::start(
+        "bench",
+        "daemon:\n  ring_capacity: 4194304\n  heartbeat_timeout_ms: 600000\n",
+    );
+    let dir = daemon.dir.clone();
+    let hold = |on: bool| daemon.hold(on);
+    let (control, query) = (daemon.control(), daemon.query());
     let model = CString::new("llama").unwrap();
-    let hello = kvedge_hello {
-        worker_id: 1,
-        dp_rank: 0,
-        role: KVEDGE_ROLE_AGGREGATED,
-        model: model.as_ptr(),
-        endpoint: std::ptr::null(),
-        block_size: 16,
-        reserved: 0,
-        kv_blocks_device: 1 << 20,
-        kv_blocks_host: 0,
-        kv_blocks_disk: 0,
-        ring_capacity: 0,
-    };
+    let hello = hello(model.as_ptr());
     let mut p = std::ptr::null_mut();
     // SAFETY: valid strings and out pointer.
     let rc = unsafe { kvedge_publisher_open(control.as_ptr(), &hello, &mut p) };
@@ -180,24 +138,7 @@ fn main() {
     // SAFETY: a valid path and out pointer.
     let rc = unsafe { kvedge_client_connect(query.as_ptr(), &mut client) };
     assert_eq!(rc, KVEDGE_OK);
-    let req = kvedge_select_request {
-        model: model.as_ptr(),
-        session: std::ptr::null(),
-        role: KVEDGE_ROLE_AGGREGATED,
-        dry_run: 1,
-        hashes: out.as_ptr(),
-        n_hashes: 128,
-        tokens: std::ptr::null(),
-        n_tokens: 0,
-        prompt_tokens: 2048,
-        priority: 0,
-        tenant: std::ptr::null(),
-        tags: std::ptr::null(),
-        n_tags: 0,
-        header_names: std::ptr::null(),
-        header_values: std::ptr::null(),
-        n_headers: 0,
-    };
+    let req = select_request(model.as_ptr(), &out, true);
     // SAFETY: all-zero bytes are a valid kvedge_select_result.
     let mut res: kvedge_select_result = unsafe { std::mem::zeroed() };
     let mut rust = kvedge_daemon::wire::Client::connect(dir.join("query.sock")).unwrap();
@@ -230,8 +171,6 @@ fn main() {
         kvedge_client_close(client);
         kvedge_publisher_close(p);
     }
-    stop.store(true, Ordering::Relaxed);
-    thread.join().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(daemon);
     c.final_summary();
 }

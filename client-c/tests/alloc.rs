@@ -1,48 +1,19 @@
 //! The C library's hot calls allocate nothing after warm-up (counted by
 //! allocation-counter on this thread; the daemon runs in another).
 
+mod support;
+
 use std::ffi::CString;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 use kvedge::*;
-use kvedge_daemon::config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
+use support::{Daemon, hello, select_request};
 
 #[test]
 fn publish_hash_and_select_allocate_nothing_after_warm_up() {
-    let dir = std::env::temp_dir().join(format!("kvedge-c-alloc-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = Config::load(
-        "t.yaml",
-        "daemon:\n  heartbeat_timeout_ms: 600000\n",
-        &kvedge_policies::router_plugin_registry(),
-        &Default::default(),
-    )
-    .unwrap();
-    let mut server = Server::bind(config, &RuntimeDir { dir: dir.clone() }).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let thread = {
-        let stop = stop.clone();
-        std::thread::spawn(move || server.run(|| stop.load(Ordering::Relaxed)).unwrap())
-    };
-
-    let control = CString::new(dir.join("control.sock").to_str().unwrap()).unwrap();
-    let query = CString::new(dir.join("query.sock").to_str().unwrap()).unwrap();
+    let daemon = Daemon::start("alloc", "daemon:\n  heartbeat_timeout_ms: 600000\n");
+    let (control, query) = (daemon.control(), daemon.query());
     let model = CString::new("llama").unwrap();
-    let hello = kvedge_hello {
-        worker_id: 1,
-        dp_rank: 0,
-        role: KVEDGE_ROLE_AGGREGATED,
-        model: model.as_ptr(),
-        endpoint: std::ptr::null(),
-        block_size: 16,
-        reserved: 0,
-        kv_blocks_device: 1 << 20,
-        kv_blocks_host: 0,
-        kv_blocks_disk: 0,
-        ring_capacity: 0,
-    };
+    let hello = hello(model.as_ptr());
     let mut p = std::ptr::null_mut();
     // SAFETY: valid strings and out pointer.
     let rc = unsafe { kvedge_publisher_open(control.as_ptr(), &hello, &mut p) };
@@ -91,24 +62,7 @@ fn publish_hash_and_select_allocate_nothing_after_warm_up() {
     // SAFETY: a valid path and out pointer.
     let rc = unsafe { kvedge_client_connect(query.as_ptr(), &mut c) };
     assert_eq!(rc, KVEDGE_OK);
-    let req = kvedge_select_request {
-        model: model.as_ptr(),
-        session: std::ptr::null(),
-        role: KVEDGE_ROLE_AGGREGATED,
-        dry_run: 0,
-        hashes: out.as_ptr(),
-        n_hashes: 128,
-        tokens: std::ptr::null(),
-        n_tokens: 0,
-        prompt_tokens: 2048,
-        priority: 0,
-        tenant: std::ptr::null(),
-        tags: std::ptr::null(),
-        n_tags: 0,
-        header_names: std::ptr::null(),
-        header_values: std::ptr::null(),
-        n_headers: 0,
-    };
+    let req = select_request(model.as_ptr(), &out, false);
     // SAFETY: all-zero bytes are a valid kvedge_select_result.
     let mut res: kvedge_select_result = unsafe { std::mem::zeroed() };
     let select_and_finish = |c, res: &mut kvedge_select_result| {
@@ -135,7 +89,5 @@ fn publish_hash_and_select_allocate_nothing_after_warm_up() {
         kvedge_client_close(c);
         kvedge_publisher_close(p);
     }
-    stop.store(true, Ordering::Relaxed);
-    thread.join().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    drop(daemon);
 }

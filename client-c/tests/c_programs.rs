@@ -9,12 +9,12 @@
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, OnceLock};
+use std::sync::OnceLock;
 use std::time::Duration;
 
-use kvedge_daemon::config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
+mod support;
+
+use support::Daemon;
 
 const DIR: &str = env!("CARGO_MANIFEST_DIR");
 
@@ -130,90 +130,14 @@ fn run_api(exe: &Path, wrapper: &[&str]) {
     assert_eq!(String::from_utf8_lossy(&out.stdout).trim(), "ok");
 }
 
-/// A daemon in a thread of this process, whose loop the test can hold.
-struct Daemon {
-    dir: PathBuf,
-    pause: Arc<AtomicBool>,
-    paused: Arc<AtomicBool>,
-    quit: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
-}
-
-impl Daemon {
-    fn start(name: &str) -> Daemon {
-        let dir = out_dir().join(format!("daemon-{name}"));
-        let _ = std::fs::remove_dir_all(&dir);
-        // A 4 KiB ring, so the live test can overflow it.
-        let config = Config::load(
-            "test.yaml",
-            "daemon:\n  ring_capacity: 4096\n  heartbeat_timeout_ms: 600000\n",
-            &kvedge_policies::router_plugin_registry(),
-            &Default::default(),
-        )
-        .unwrap();
-        let mut server = Server::bind(config, &RuntimeDir { dir: dir.clone() }).unwrap();
-        let (pause, paused, quit) = (
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicBool::new(false)),
-            Arc::new(AtomicBool::new(false)),
-        );
-        let thread = {
-            let (pause, paused, quit) = (pause.clone(), paused.clone(), quit.clone());
-            std::thread::spawn(move || {
-                while !quit.load(Ordering::SeqCst) {
-                    server
-                        .run(|| pause.load(Ordering::SeqCst) || quit.load(Ordering::SeqCst))
-                        .unwrap();
-                    paused.store(true, Ordering::SeqCst);
-                    while pause.load(Ordering::SeqCst) && !quit.load(Ordering::SeqCst) {
-                        std::thread::sleep(Duration::from_millis(1));
-                    }
-                    paused.store(false, Ordering::SeqCst);
-                }
-                // Dropping the server closes every socket and engine
-                // connection: the daemon is gone.
-                drop(server);
-            })
-        };
-        Daemon {
-            dir,
-            pause,
-            paused,
-            quit,
-            thread: Some(thread),
-        }
-    }
-
-    fn hold(&self) {
-        self.pause.store(true, Ordering::SeqCst);
-        while !self.paused.load(Ordering::SeqCst) {
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    }
-
-    fn release(&self) {
-        self.pause.store(false, Ordering::SeqCst);
-    }
-
-    fn stop(&mut self) {
-        self.quit.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
-            t.join().unwrap();
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        self.stop();
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
-
 /// Runs the live program (optionally under `wrapper`), answering its
 /// "pause", "resume" and "stop" lines.
 fn run_live(exe: &Path, wrapper: &[&str], name: &str) {
-    let mut daemon = Daemon::start(name);
+    // A 4 KiB ring, so the live test can overflow it.
+    let mut daemon = Daemon::start(
+        name,
+        "daemon:\n  ring_capacity: 4096\n  heartbeat_timeout_ms: 600000\n",
+    );
     let mut cmd = match wrapper.split_first() {
         Some((w, rest)) => {
             let mut c = Command::new(w);
@@ -236,8 +160,8 @@ fn run_live(exe: &Path, wrapper: &[&str], name: &str) {
     let mut last = String::new();
     while let Some(Ok(line)) = lines.next() {
         match line.as_str() {
-            "pause" => daemon.hold(),
-            "resume" => daemon.release(),
+            "pause" => daemon.hold(true),
+            "resume" => daemon.hold(false),
             "stop" => daemon.stop(),
             _ => {
                 last = line;
@@ -389,7 +313,7 @@ fn examples_build_with_pkg_config_and_find_each_other() {
         exe
     };
     let (publisher, query) = (build("publisher"), build("query"));
-    let daemon = Daemon::start("examples");
+    let daemon = Daemon::start("examples", "daemon:\n  heartbeat_timeout_ms: 600000\n");
     let libs = prefix.join("lib");
     let mut engine = Command::new(&publisher)
         .arg(daemon.dir.join("control.sock"))
