@@ -236,6 +236,48 @@ impl Clone for JobSender {
 /// Produces a freshly loaded configuration, or the loader's error.
 pub type Reloader = Box<dyn FnMut() -> Result<Config, String> + Send>;
 
+/// Whether a new query connection may stay, with `open` connections
+/// already served: the connection limit and the peer-credential policy.
+/// `Some((code, message))` refuses it. Shared by the epoll loop and the
+/// io_uring listener.
+pub(crate) fn admission(
+    stream: &UnixStream,
+    d: &crate::config::DaemonSection,
+    open: usize,
+) -> Option<(&'static str, String)> {
+    if open >= d.max_query_connections {
+        return Some((
+            "too_many_connections",
+            format!(
+                "the daemon serves at most {} connections",
+                d.max_query_connections
+            ),
+        ));
+    }
+    if !d.client_policy() {
+        return None;
+    }
+    match kvedge_shm::control::peer_credentials(stream) {
+        Ok(c) if d.client_allowed(c.uid, c.gid) => None,
+        Ok(c) => Some((
+            "not_permitted",
+            format!(
+                "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
+                c.uid, c.gid, c.pid
+            ),
+        )),
+        Err(e) => Some(("not_permitted", format!("no peer credentials: {e}"))),
+    }
+}
+
+/// One JSON error line to a refused connection, never blocking (the caller
+/// then drops it).
+pub(crate) fn send_refusal(stream: &UnixStream, code: &str, message: &str) {
+    let line = format!("{}\n", error(code, message));
+    let _ = stream.set_nonblocking(true);
+    let _ = rustix::net::send(stream, line.as_bytes(), rustix::net::SendFlags::NOSIGNAL);
+}
+
 /// Adds `fd` to the loop's epoll set, keyed by its number.
 fn watch(epoll: &OwnedFd, fd: impl AsFd) -> io::Result<()> {
     let key = fd.as_fd().as_raw_fd() as u64;
@@ -770,30 +812,7 @@ impl Server {
             match query.accept() {
                 Ok((stream, _)) => {
                     any = true;
-                    let d = &self.config.daemon;
-                    let refusal = if self.clients.len() >= d.max_query_connections {
-                        Some((
-                            "too_many_connections",
-                            format!(
-                                "the daemon serves at most {} connections",
-                                d.max_query_connections
-                            ),
-                        ))
-                    } else if d.client_policy() {
-                        match kvedge_shm::control::peer_credentials(&stream) {
-                            Ok(c) if d.client_allowed(c.uid, c.gid) => None,
-                            Ok(c) => Some((
-                                "not_permitted",
-                                format!(
-                                    "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
-                                    c.uid, c.gid, c.pid
-                                ),
-                            )),
-                            Err(e) => Some(("not_permitted", format!("no peer credentials: {e}"))),
-                        }
-                    } else {
-                        None
-                    };
+                    let refusal = admission(&stream, &self.config.daemon, self.clients.len());
                     if let Some((code, message)) = refusal {
                         self.refuse_client(stream, code, &message);
                         continue;
@@ -815,13 +834,11 @@ impl Server {
         }
     }
 
-    /// Closes a refused query connection after one JSON error line (never
-    /// blocking), and logs it; a flood is logged once a second.
+    /// Closes a refused query connection after its error line, and logs
+    /// it; a flood is logged once a second.
     fn refuse_client(&mut self, stream: UnixStream, code: &str, message: &str) {
         self.refused_connections += 1;
-        let line = format!("{}\n", error(code, message));
-        let _ = stream.set_nonblocking(true);
-        let _ = rustix::net::send(&stream, line.as_bytes(), rustix::net::SendFlags::NOSIGNAL);
+        send_refusal(&stream, code, message);
         if self.last_refusal_log.elapsed() >= Duration::from_secs(1) {
             tracing::warn!(
                 refused_total = self.refused_connections,

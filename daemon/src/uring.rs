@@ -18,7 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::config::DaemonSection;
-use crate::server::{Job, JobSender};
+use crate::server::{Job, JobSender, admission, send_refusal};
 
 /// Starts the listener on `listener`; on error the listener is handed back
 /// with the reason, so the caller can fall back to epoll.
@@ -65,8 +65,10 @@ pub fn start(
             loop {
                 match accept_from.accept() {
                     Ok((s, _)) => {
-                        if let Some((code, message)) = refusal(&s, &limits, &open) {
-                            refuse(s, code, &message);
+                        let open_now = open.load(Ordering::Relaxed);
+                        if let Some((code, message)) = admission(&s, &limits, open_now) {
+                            tracing::warn!("query connection refused ({code}): {message}");
+                            send_refusal(&s, code, &message);
                             continue;
                         }
                         open.fetch_add(1, Ordering::Relaxed);
@@ -98,49 +100,6 @@ impl Drop for OpenGuard {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::Relaxed);
     }
-}
-
-/// The same admission rules as the epoll path: the connection limit and
-/// the peer-credential policy.
-fn refusal(
-    s: &std::os::unix::net::UnixStream,
-    limits: &DaemonSection,
-    open: &AtomicUsize,
-) -> Option<(&'static str, String)> {
-    if open.load(Ordering::Relaxed) >= limits.max_query_connections {
-        return Some((
-            "too_many_connections",
-            format!(
-                "the daemon serves at most {} connections",
-                limits.max_query_connections
-            ),
-        ));
-    }
-    if limits.client_policy() {
-        return match kvedge_shm::control::peer_credentials(s) {
-            Ok(c) if limits.client_allowed(c.uid, c.gid) => None,
-            Ok(c) => Some((
-                "not_permitted",
-                format!(
-                    "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
-                    c.uid, c.gid, c.pid
-                ),
-            )),
-            Err(e) => Some(("not_permitted", format!("no peer credentials: {e}"))),
-        };
-    }
-    None
-}
-
-/// One error line, never blocking, then close.
-fn refuse(s: std::os::unix::net::UnixStream, code: &str, message: &str) {
-    tracing::warn!("query connection refused ({code}): {message}");
-    let line = format!(
-        "{}\n",
-        serde_json::json!({"error": {"code": code, "message": message}})
-    );
-    let _ = s.set_nonblocking(true);
-    let _ = rustix::net::send(&s, line.as_bytes(), rustix::net::SendFlags::NOSIGNAL);
 }
 
 /// Asks the routing loop and waits for its reply.
