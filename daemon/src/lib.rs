@@ -8,6 +8,7 @@
 pub mod cli;
 pub mod config;
 pub mod demo;
+pub mod framing;
 pub mod human;
 pub mod index;
 pub mod latency;

@@ -36,6 +36,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use crate::config::Config;
+use crate::framing::{self, Mode, Next};
 use crate::index::Slot;
 use crate::router::{Router, SelectRequest, WorkerInfo};
 
@@ -89,14 +90,6 @@ struct Engine {
     last_seen_ms: u64,
     /// The control stream had something (or hung up) at the last check.
     readable: bool,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Mode {
-    /// Not decided yet: fewer than 4 bytes that could still be the magic.
-    Unknown,
-    Json,
-    Binary,
 }
 
 struct Client {
@@ -461,14 +454,9 @@ impl Server {
         let mut out = std::mem::take(&mut self.reply);
         while let Ok(job) = rx.try_recv() {
             any = true;
-            let bytes = if job.binary {
-                out.clear();
-                self.handle_binary(&job.request, &mut out);
-                out.clone()
-            } else {
-                let reply = self.handle(&job.request);
-                format!("{reply}\n").into_bytes()
-            };
+            let mode = if job.binary { Mode::Binary } else { Mode::Json };
+            self.answer(mode, &job.request, &mut out);
+            let bytes = out.clone();
             (job.reply)(bytes);
         }
         self.reply = out;
@@ -970,41 +958,9 @@ impl Server {
             }
             {
                 let c = &mut self.clients[i];
-                if c.mode == Mode::Unknown && !c.buf.is_empty() {
-                    if c.buf.starts_with(crate::wire::MAGIC) {
-                        c.mode = Mode::Binary;
-                        c.buf.drain(..crate::wire::MAGIC.len());
-                    } else if c.buf.len() >= crate::wire::MAGIC.len()
-                        || !crate::wire::MAGIC.starts_with(&c.buf)
-                    {
-                        c.mode = Mode::Json;
-                    }
-                }
+                framing::detect(&mut c.mode, &mut c.buf);
             }
-            if self.clients[i].mode == Mode::Binary {
-                closed |= self.serve_binary(i, limit);
-            }
-            while self.clients[i].mode == Mode::Json
-                && let Some(pos) = self.clients[i].buf.iter().position(|&b| b == b'\n')
-            {
-                let line: Vec<u8> = self.clients[i].buf.drain(..=pos).collect();
-                let reply = self.handle(&line[..line.len() - 1]);
-                let mut out = reply.to_string();
-                out.push('\n');
-                if write_reply(&mut self.clients[i].stream, out.as_bytes()).is_err() {
-                    closed = true;
-                }
-            }
-            if self.clients[i].buf.len() > limit {
-                let reply = error(
-                    "frame_too_large",
-                    &format!("a request line is longer than {limit} bytes"),
-                );
-                let _ = self.clients[i]
-                    .stream
-                    .write_all(format!("{reply}\n").as_bytes());
-                closed = true;
-            }
+            closed |= self.serve_requests(i, limit);
             let idle = Duration::from_millis(self.config.daemon.idle_timeout_ms);
             if self.clients[i].last_active.elapsed() > idle {
                 closed = true;
@@ -1019,44 +975,53 @@ impl Server {
         any
     }
 
-    /// Answers every complete binary frame of client `i`; returns whether the
-    /// connection must close.
-    fn serve_binary(&mut self, i: usize, limit: usize) -> bool {
+    /// Answers every complete request of client `i` (JSON lines or binary
+    /// frames); returns whether the connection must close.
+    fn serve_requests(&mut self, i: usize, limit: usize) -> bool {
+        let mode = self.clients[i].mode;
         let mut buf = std::mem::take(&mut self.clients[i].buf);
         let mut out = std::mem::take(&mut self.reply);
         let mut closed = false;
         let mut consumed = 0;
         loop {
-            let rest = &buf[consumed..];
-            if rest.len() < 4 {
-                break;
-            }
-            let len = u32::from_le_bytes(rest[..4].try_into().expect("4 bytes")) as usize;
-            out.clear();
-            if len > limit {
-                crate::wire::write_error(
-                    &mut out,
-                    crate::wire::status::FRAME_TOO_LARGE,
-                    &format!("a frame is longer than {limit} bytes"),
-                );
-                let _ = write_reply(&mut self.clients[i].stream, &out);
-                closed = true;
-                break;
-            }
-            if rest.len() < 4 + len {
-                break;
-            }
-            self.handle_binary(&rest[4..4 + len], &mut out);
-            consumed += 4 + len;
-            if write_reply(&mut self.clients[i].stream, &out).is_err() {
-                closed = true;
-                break;
+            match framing::next(mode, &buf[consumed..], limit) {
+                Next::NeedMore => break,
+                Next::TooLarge => {
+                    let _ = write_reply(
+                        &mut self.clients[i].stream,
+                        &framing::too_large(mode, limit),
+                    );
+                    closed = true;
+                    break;
+                }
+                Next::Request { body, used } => {
+                    let body = &buf[consumed + body.start..consumed + body.end];
+                    self.answer(mode, body, &mut out);
+                    consumed += used;
+                    if write_reply(&mut self.clients[i].stream, &out).is_err() {
+                        closed = true;
+                        break;
+                    }
+                }
             }
         }
         buf.drain(..consumed);
         self.clients[i].buf = buf;
         self.reply = out;
         closed
+    }
+
+    /// The reply bytes to one request body in `mode`, into `out`.
+    fn answer(&mut self, mode: Mode, body: &[u8], out: &mut Vec<u8>) {
+        out.clear();
+        if mode == Mode::Binary {
+            self.handle_binary(body, out);
+        } else {
+            let reply = self.handle(body);
+            // Writing a Value into a Vec cannot fail.
+            let _ = serde_json::to_writer(&mut *out, &reply);
+            out.push(b'\n');
+        }
     }
 
     /// Block size of the workers serving `model` in `role` (16 when none is

@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use crate::config::DaemonSection;
+use crate::framing::{self, Mode, Next};
 use crate::server::{Job, JobSender, admission, send_refusal};
 
 /// Starts the listener on `listener`; on error the listener is handed back
@@ -123,7 +124,7 @@ async fn serve(stream: std::os::unix::net::UnixStream, jobs: JobSender, limit: u
     let stream = tokio_uring::net::UnixStream::from_std(stream);
     let mut pending: Vec<u8> = Vec::with_capacity(4096);
     let mut buf = vec![0u8; 16384];
-    let mut binary: Option<bool> = None;
+    let mut mode = Mode::Unknown;
     loop {
         let (res, b) = stream.read(buf).await;
         buf = b;
@@ -132,62 +133,25 @@ async fn serve(stream: std::os::unix::net::UnixStream, jobs: JobSender, limit: u
             Ok(n) => n,
         };
         pending.extend_from_slice(&buf[..n]);
-        if binary.is_none() {
-            let magic = kvedge_wire::MAGIC;
-            if pending.len() >= magic.len() || !magic.starts_with(&pending) {
-                let is_binary = pending.starts_with(magic);
-                if is_binary {
-                    pending.drain(..magic.len());
-                }
-                binary = Some(is_binary);
-            } else {
-                continue;
-            }
-        }
+        framing::detect(&mut mode, &mut pending);
         loop {
-            let (request, used, too_large) = if binary == Some(true) {
-                if pending.len() < 4 {
-                    break;
+            match framing::next(mode, &pending, limit) {
+                Next::NeedMore => break,
+                Next::TooLarge => {
+                    let _ = stream.write_all(framing::too_large(mode, limit)).await;
+                    return;
                 }
-                let len = u32::from_le_bytes(pending[..4].try_into().expect("4 bytes")) as usize;
-                if len > limit {
-                    (Vec::new(), 0, true)
-                } else if pending.len() < 4 + len {
-                    break;
-                } else {
-                    (pending[4..4 + len].to_vec(), 4 + len, false)
+                Next::Request { body, used } => {
+                    let request = pending[body].to_vec();
+                    pending.drain(..used);
+                    let Some(reply) = ask(&jobs, request, mode == Mode::Binary).await else {
+                        return;
+                    };
+                    let (res, _) = stream.write_all(reply).await;
+                    if res.is_err() {
+                        return;
+                    }
                 }
-            } else {
-                match pending.iter().position(|&c| c == b'\n') {
-                    Some(pos) => (pending[..pos].to_vec(), pos + 1, false),
-                    None if pending.len() > limit => (Vec::new(), 0, true),
-                    None => break,
-                }
-            };
-            if too_large {
-                let mut out = Vec::new();
-                if binary == Some(true) {
-                    kvedge_wire::write_error(
-                        &mut out,
-                        kvedge_wire::status::FRAME_TOO_LARGE,
-                        &format!("a frame is longer than {limit} bytes"),
-                    );
-                } else {
-                    out = format!(
-                        "{{\"error\":{{\"code\":\"frame_too_large\",\"message\":\"a line is longer than {limit} bytes\"}}}}\n"
-                    )
-                    .into_bytes();
-                }
-                let _ = stream.write_all(out).await;
-                return;
-            }
-            pending.drain(..used);
-            let Some(reply) = ask(&jobs, request, binary == Some(true)).await else {
-                return;
-            };
-            let (res, _) = stream.write_all(reply).await;
-            if res.is_err() {
-                return;
             }
         }
     }
