@@ -30,6 +30,8 @@ pub struct WorkerRow {
     pub worker_id: u64,
     pub dp_rank: u32,
     pub model: String,
+    pub role: &'static str,
+    pub endpoint: String,
     pub available: bool,
     pub active_requests: u32,
     pub waiting_requests: u32,

@@ -517,10 +517,10 @@ impl Server {
         }
     }
 
-    /// The counters and gauges a scrape reports.
-    pub fn metrics(&self) -> crate::metrics::Snapshot {
-        let workers = self
-            .router
+    /// Every registered worker with its load and index counts, as
+    /// `workers` and the metrics report them.
+    fn worker_rows(&self) -> Vec<crate::metrics::WorkerRow> {
+        self.router
             .workers()
             .map(|(slot, w)| {
                 let load = self.router.load.projected(slot);
@@ -529,6 +529,8 @@ impl Server {
                     worker_id: w.worker.worker_id,
                     dp_rank: w.worker.dp_rank,
                     model: w.model.clone(),
+                    role: w.role.as_str(),
+                    endpoint: w.endpoint.clone(),
                     available: w.available,
                     active_requests: load.active_requests,
                     waiting_requests: report.waiting_requests,
@@ -542,7 +544,12 @@ impl Server {
                         as u64,
                 }
             })
-            .collect();
+            .collect()
+    }
+
+    /// The counters and gauges a scrape reports.
+    pub fn metrics(&self) -> crate::metrics::Snapshot {
+        let workers = self.worker_rows();
         crate::metrics::Snapshot {
             selections: self
                 .selections
@@ -1249,20 +1256,19 @@ impl Server {
                 .map_err(|e| ("unknown_request", e.to_string())),
             Query::Workers => {
                 let list: Vec<Value> = self
-                    .router
-                    .workers()
-                    .map(|(slot, w)| {
-                        let load = self.router.load.projected(slot);
+                    .worker_rows()
+                    .into_iter()
+                    .map(|w| {
                         json!({
-                            "worker_id": w.worker.worker_id,
-                            "dp_rank": w.worker.dp_rank,
+                            "worker_id": w.worker_id,
+                            "dp_rank": w.dp_rank,
                             "model": w.model,
-                            "role": w.role.as_str(),
+                            "role": w.role,
                             "endpoint": w.endpoint,
                             "available": w.available,
-                            "device_blocks": self.router.index.worker_blocks(slot, kvedge_shm::messages::Tier::Device),
-                            "active_requests": load.active_requests,
-                            "active_prefill_tokens": load.active_prefill_tokens,
+                            "device_blocks": w.device_blocks,
+                            "active_requests": w.active_requests,
+                            "active_prefill_tokens": w.active_prefill_tokens,
                         })
                     })
                     .collect();
