@@ -109,6 +109,11 @@ impl Error {
     fn invalid(message: impl Into<String>) -> Self {
         Error::new(KVEDGE_ERR_INVALID_ARGUMENT, message)
     }
+    /// The same error, its message prefixed with the socket it concerns.
+    fn at(mut self, socket: &Path) -> Self {
+        self.message = format!("{}: {}", socket.display(), self.message);
+        self
+    }
 }
 
 thread_local! {
@@ -522,11 +527,7 @@ pub unsafe extern "C" fn kvedge_publisher_open(
             ring_capacity: h.ring_capacity,
         };
         let (session, producer) = ProducerSession::connect(socket, &hello, Duration::from_secs(5))
-            .map_err(|e| {
-                let mut e = control_error(e);
-                e.message = format!("{}: {}", socket.display(), e.message);
-                e
-            })?;
+            .map_err(|e| control_error(e).at(socket))?;
         let every = session.welcome().heartbeat_interval_ms.max(1);
         let p = Box::new(kvedge_publisher {
             inner: Publisher::new(Some(session), producer),
@@ -905,11 +906,7 @@ pub unsafe extern "C" fn kvedge_client_connect(
         unsafe { *out = std::ptr::null_mut() };
         // SAFETY: caller contract.
         let socket = unsafe { path(query_socket_path, "query_socket_path")? };
-        let inner = Client::connect(socket).map_err(|e| {
-            let mut e = io_error(e);
-            e.message = format!("{}: {}", socket.display(), e.message);
-            e
-        })?;
+        let inner = Client::connect(socket).map_err(|e| io_error(e).at(socket))?;
         // SAFETY: `out` is writable (checked above).
         unsafe { *out = Box::into_raw(Box::new(kvedge_client { inner })) };
         Ok(())
