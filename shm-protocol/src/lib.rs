@@ -7,12 +7,15 @@
 //! passed over the [`control`] socket. The producer never blocks and never
 //! allocates after warm-up ([`publisher`]); the consumer treats every byte in
 //! shared memory as hostile. Block identity comes from one [`hash`]
-//! implementation shared by engines, daemon, CLI and C library.
+//! implementation shared by engines, daemon, CLI and C library. Frontends
+//! that want select round trips without the kernel in the path attach a
+//! query [`channel`]: the same rings, one each way.
 //!
 //! This crate has no async runtime: the daemon drives the consumer from its
 //! own loop, engines call the publisher from theirs.
 
 pub mod activation;
+pub mod channel;
 pub mod control;
 pub mod error;
 #[doc(hidden)]

@@ -114,6 +114,17 @@ impl Producer {
         self.max_payload
     }
 
+    /// The segment's memfd (a daemon that creates a ring it writes hands
+    /// this to the reading side).
+    pub fn segment_fd(&self) -> BorrowedFd<'_> {
+        self.seg.fd()
+    }
+
+    /// The eventfd this producer signals when the consumer sleeps.
+    pub fn wake_fd(&self) -> Option<BorrowedFd<'_>> {
+        self.wake.as_ref().map(|w| w.as_fd())
+    }
+
     /// Sequence number the next push will carry.
     pub fn next_seq(&self) -> u64 {
         self.next_seq
@@ -262,6 +273,12 @@ impl Producer {
     }
 }
 
+/// A non-blocking, close-on-exec eventfd: what a sleeping consumer waits on.
+pub fn wake_eventfd() -> Result<OwnedFd, SegmentError> {
+    rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
+        .map_err(|e| SegmentError::os("eventfd", e))
+}
+
 /// One record handed out by [`Consumer::poll`], borrowed from the consumer's
 /// private buffer (not from shared memory).
 #[derive(Debug, Clone, Copy)]
@@ -302,10 +319,26 @@ impl Consumer {
     /// Creates a fresh segment and its wake eventfd.
     pub fn create(capacity: u64, attach_epoch: u64) -> Result<Self, SegmentError> {
         let seg = Segment::create(capacity, attach_epoch)?;
-        let wake = rustix::event::eventfd(0, EventfdFlags::CLOEXEC | EventfdFlags::NONBLOCK)
-            .map_err(|e| SegmentError::os("eventfd", e))?;
+        Ok(Self::over(seg, wake_eventfd()?))
+    }
+
+    /// The reading end of a ring the other side created (a query
+    /// channel's reply ring, written by the daemon): `seg` already passed
+    /// [`Segment::open`]'s checks; it must be fresh.
+    pub fn open(seg: Segment, wake: OwnedFd) -> Result<Self, SegmentError> {
+        let h = seg.header();
+        let tail = h.tail.0.load(Ordering::Acquire);
+        let head = h.head.0.load(Ordering::Acquire);
+        if tail != 0 || head != 0 {
+            return Err(SegmentError::NotFresh { tail, head });
+        }
+        Ok(Self::over(seg, wake))
+    }
+
+    fn over(seg: Segment, wake: OwnedFd) -> Self {
+        let capacity = seg.capacity();
         let max_payload = max_payload(capacity);
-        Ok(Consumer {
+        Consumer {
             seg,
             wake,
             capacity,
@@ -319,7 +352,7 @@ impl Consumer {
             buf: vec![0; max_payload.div_ceil(16)],
             poisoned: None,
             force_fence: false,
-        })
+        }
     }
 
     /// The segment's memfd, to hand to the producer.
