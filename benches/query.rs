@@ -256,6 +256,76 @@ fn main() {
             total
         })
     });
+    // The same two over a query channel (shared-memory rings): no system
+    // call per round trip while both sides spin.
+    let mut ring = kvedge_daemon::wire::Client::connect(rd.query()).unwrap();
+    ring.set_spinning(true).unwrap();
+    ring.attach_rings().unwrap().unwrap();
+    g.bench_function("ring_select_1_hash_round_trip_spinning_client", |b| {
+        b.iter(|| {
+            ring.select_hashes("llama", 0, &[1], 16, true)
+                .unwrap()
+                .unwrap()
+        })
+    });
+    g.bench_function("engine_commit_to_visible_in_ring_select", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let hash = 0xBEEF_0000_0000 + k;
+                let start = Instant::now();
+                engines[0]
+                    .publish_stored_hashes(Tier::Device, None, &[hash])
+                    .unwrap();
+                while ring
+                    .select_hashes("llama", 0, &[hash], 16, true)
+                    .unwrap()
+                    .unwrap()
+                    .overlap_blocks[0]
+                    != 1
+                {}
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    // The peer for the socket rows: the kernel's own floor, two threads
+    // echoing a 40-byte message over a Unix socket pair, both spinning on
+    // non-blocking reads (no daemon, no epoll, no parsing).
+    {
+        let (mut a, mut b) = UnixStream::pair().unwrap();
+        a.set_nonblocking(true).unwrap();
+        b.set_nonblocking(true).unwrap();
+        let echo = std::thread::spawn(move || {
+            let mut buf = [0u8; 64];
+            loop {
+                match b.read(&mut buf) {
+                    Ok(0) => return,
+                    Ok(n) => b.write_all(&buf[..n]).unwrap(),
+                    Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+                    Err(_) => return,
+                }
+            }
+        });
+        let msg = [7u8; 40];
+        let mut buf = [0u8; 64];
+        g.bench_function("unix_socket_echo_40_bytes_spinning_floor", |bch| {
+            bch.iter(|| {
+                a.write_all(&msg).unwrap();
+                let mut got = 0;
+                while got < msg.len() {
+                    match a.read(&mut buf[got..]) {
+                        Ok(n) => got += n,
+                        Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        });
+        drop(a);
+        echo.join().unwrap();
+    }
     g.finish();
     stop.store(true, Ordering::Relaxed);
     drop(engines);

@@ -59,6 +59,14 @@ pub struct DaemonSection {
     /// `io-uring` build feature, falls back to epoll where io_uring is
     /// refused).
     pub query_io: QueryIo,
+    /// Query connections that may attach a query channel (shared-memory
+    /// rings, `attach_rings` in the binary protocol) at once; 0 turns
+    /// channels off.
+    pub max_query_rings: usize,
+    /// Size of each of a query channel's two rings, in bytes (a power of
+    /// two); a request or reply larger than a quarter of it uses the
+    /// socket.
+    pub query_ring_capacity: u64,
 }
 
 /// `daemon.query_io`.
@@ -113,6 +121,8 @@ impl Default for DaemonSection {
             query_allowed_gids: Vec::new(),
             max_reservations: 1_000_000,
             query_io: QueryIo::Epoll,
+            max_query_rings: 64,
+            query_ring_capacity: 64 * 1024,
         }
     }
 }
@@ -241,16 +251,20 @@ impl Config {
                 d.max_workers
             )));
         }
-        if !d.ring_capacity.is_power_of_two()
-            || !(kvedge_shm::layout::MIN_CAPACITY..=kvedge_shm::layout::MAX_CAPACITY)
-                .contains(&d.ring_capacity)
-        {
-            return Err(err(format!(
-                "daemon.ring_capacity must be a power of two between {} and {} bytes, got {}",
-                kvedge_shm::layout::MIN_CAPACITY,
-                kvedge_shm::layout::MAX_CAPACITY,
-                d.ring_capacity
-            )));
+        for (name, capacity) in [
+            ("ring_capacity", d.ring_capacity),
+            ("query_ring_capacity", d.query_ring_capacity),
+        ] {
+            if !capacity.is_power_of_two()
+                || !(kvedge_shm::layout::MIN_CAPACITY..=kvedge_shm::layout::MAX_CAPACITY)
+                    .contains(&capacity)
+            {
+                return Err(err(format!(
+                    "daemon.{name} must be a power of two between {} and {} bytes, got {capacity}",
+                    kvedge_shm::layout::MIN_CAPACITY,
+                    kvedge_shm::layout::MAX_CAPACITY,
+                )));
+            }
         }
         if d.index_capacity == 0 || d.max_frame_bytes < 64 || d.max_query_connections == 0 {
             return Err(err(

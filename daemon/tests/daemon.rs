@@ -593,3 +593,187 @@ fn idle_clients_are_closed_and_max_workers_is_enforced() {
     let n = c.reader.read_line(&mut line).unwrap_or(0);
     assert_eq!(n, 0, "expected EOF, got {line}");
 }
+
+/// A raw query channel: the attach frame sent by hand, the descriptors
+/// mapped, so a test can put anything into the request ring.
+fn raw_channel(
+    query: &std::path::Path,
+) -> (
+    std::os::unix::net::UnixStream,
+    kvedge_shm::channel::ClientChannel,
+) {
+    use kvedge_daemon::wire::{self, status};
+    use kvedge_shm::channel;
+    let s = std::os::unix::net::UnixStream::connect(query).unwrap();
+    let mut frame = wire::MAGIC.to_vec();
+    wire::write_frame(&mut frame, wire::op::ATTACH_RINGS, |_| {});
+    (&s).write_all(&frame).unwrap();
+    let mut reply = [0u8; 16]; // len 12 | status | version | capacity: u64
+    let fds = channel::recv_with_fds(&s, &mut reply, false).unwrap();
+    assert_eq!(u16::from_le_bytes([reply[4], reply[5]]), status::OK);
+    (s, channel::ClientChannel::open(fds).unwrap())
+}
+
+/// Pushes one record into the request ring and waits for its reply
+/// frame body.
+fn ring_ask(ch: &mut kvedge_shm::channel::ClientChannel, kind: u16, body: &[u8]) -> Vec<u8> {
+    ch.requests.try_push(kind, 0, body).unwrap();
+    let mut reply = None;
+    wait_for(
+        || match ch.replies.poll().unwrap() {
+            Some(r) => {
+                assert_eq!(r.missing_before, 0);
+                reply = Some(r.payload.to_vec());
+                true
+            }
+            None => false,
+        },
+        "a reply in the reply ring",
+    );
+    reply.unwrap()
+}
+
+#[test]
+fn query_channels_answer_like_the_socket_and_survive_bad_records() {
+    use kvedge_daemon::wire::{self, Client as Wire, status};
+    use kvedge_shm::channel::FRAME;
+    let d = start_with(
+        "rings",
+        "daemon:\n  heartbeat_timeout_ms: 600000\n  max_query_rings: 2\n  query_ring_capacity: 4096\n",
+    );
+    let mut a = engine(&d, 1);
+    let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
+    a.publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    let mut socket = Wire::connect(d.query()).unwrap();
+    let mut ring = Wire::connect(d.query()).unwrap();
+    assert_eq!(ring.attach_rings().unwrap(), Ok(()));
+    assert!(ring.rings_attached());
+    wait_for(
+        || {
+            ring.select_hashes("llama", 0, &hashes, 256, true)
+                .unwrap()
+                .is_ok_and(|r| r.overlap_blocks[0] == 16)
+        },
+        "the blocks, over the rings",
+    );
+    // The same answer both ways; a reservation made over the ring is
+    // released over it too.
+    let over_socket = socket
+        .select_hashes("llama", 0, &hashes, 256, true)
+        .unwrap()
+        .unwrap();
+    let r = ring
+        .select_hashes("llama", 0, &hashes, 256, false)
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (r.worker_id, &r.endpoint, r.overlap_blocks),
+        (
+            over_socket.worker_id,
+            &over_socket.endpoint,
+            over_socket.overlap_blocks
+        )
+    );
+    let mut json = Conn::connect(&d.query());
+    assert_eq!(json.ask(json!({"op": "stats"}))["reservations"], 1);
+    assert_eq!(ring.finish(r.request_id).unwrap(), Ok(()));
+    assert_eq!(
+        ring.finish(r.request_id).unwrap().unwrap_err().0,
+        status::UNKNOWN_REQUEST
+    );
+    // A request larger than a quarter of the 4 KiB ring goes over the
+    // socket, transparently.
+    let long = kvedge_shm::hash::sequence_hashes(&prompt(1, 16 * 200), 16, None, None);
+    let r = ring
+        .select_hashes("llama", 0, &long, 16 * 200, true)
+        .unwrap()
+        .unwrap();
+    assert_eq!(r.overlap_blocks[0], 16);
+
+    // Bad records in a raw channel: each gets its error reply.
+    let (raw_stream, mut raw) = raw_channel(&d.query());
+    let body = |op: u16, version: u16, payload: &[u8]| {
+        let mut f = op.to_le_bytes().to_vec();
+        f.extend_from_slice(&version.to_le_bytes());
+        f.extend_from_slice(payload);
+        f
+    };
+    let code = |reply: Vec<u8>| u16::from_le_bytes([reply[0], reply[1]]);
+    let cases = [
+        (FRAME, vec![1u8], status::BAD_REQUEST),
+        (
+            FRAME,
+            body(wire::op::SELECT, 9, &[]),
+            status::UNSUPPORTED_VERSION,
+        ),
+        (FRAME, body(77, wire::VERSION, &[]), status::UNKNOWN_OP),
+        (
+            FRAME,
+            body(wire::op::FINISH, wire::VERSION, &[1, 2]),
+            status::BAD_REQUEST,
+        ),
+        (
+            FRAME,
+            body(wire::op::ATTACH_RINGS, wire::VERSION, &[]),
+            status::RINGS_UNAVAILABLE,
+        ),
+        (
+            7,
+            body(wire::op::FINISH, wire::VERSION, &[0; 8]),
+            status::BAD_REQUEST,
+        ),
+    ];
+    for (kind, bytes, expected) in cases {
+        assert_eq!(code(ring_ask(&mut raw, kind, &bytes)), expected);
+    }
+    // The limit (2 channels) is reached: a third connection is refused and
+    // stays usable over the socket.
+    let mut third = Wire::connect(d.query()).unwrap();
+    let refused = third.attach_rings().unwrap().unwrap_err();
+    assert_eq!(refused.0, status::RINGS_UNAVAILABLE, "{}", refused.1);
+    assert!(!third.rings_attached());
+    assert!(
+        third
+            .select_hashes("llama", 0, &hashes, 256, true)
+            .unwrap()
+            .is_ok()
+    );
+
+    // A request ring whose framing is broken (a misaligned tail): that
+    // connection is closed, and nobody else notices.
+    let seg =
+        kvedge_shm::segment::Segment::open(raw.requests.segment_fd().try_clone_to_owned().unwrap())
+            .unwrap();
+    seg.header()
+        .tail
+        .0
+        .store(7, std::sync::atomic::Ordering::Release);
+    wait_for(
+        || kvedge_shm::control::connection_closed(&raw_stream).unwrap_or(true),
+        "the broken channel's connection to close",
+    );
+    assert!(
+        ring.select_hashes("llama", 0, &hashes, 256, true)
+            .unwrap()
+            .is_ok()
+    );
+    // Its slot is free again.
+    assert_eq!(third.attach_rings().unwrap(), Ok(()));
+    assert_eq!(
+        json.ask(json!({"op": "stats"}))["query_channels"],
+        2,
+        "the ring client and the third"
+    );
+
+    // The daemon dies: a ring client waiting for a reply gets an error, it
+    // does not hang.
+    let mut d = d;
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    let err = ring
+        .select_hashes("llama", 0, &hashes, 256, true)
+        .unwrap_err();
+    assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
+    drop(a);
+}

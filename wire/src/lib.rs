@@ -10,20 +10,36 @@
 //! | 1 select | `flags: u8` (bit 0 dry run, bit 1 ids are token ids rather than sequence hashes, bit 2 the request context follows the ids), `role: u8` (0 aggregated, 1 prefill, 2 decode, 3 encode), `model_len: u16`, model, `session_len: u16`, session (0 = none), `prompt_tokens: u32` (0 = from the ids), `count: u32`, then `count` ids (`u32` tokens or `u64` hashes); with bit 2: `priority: i32`, `tenant_len: u16`, tenant (0 = none), `tag_count: u16` then each `len: u16`, tag, `header_count: u16` then each `name_len: u16`, name, `value_len: u16`, value | `worker_id: u64`, `dp_rank: u32`, `request_id: u64`, `cost: f64` (NaN: none), overlap `device, host, disk: u32`, `flags: u8` (bit 0: a provider, not a worker), `endpoint_len: u16`, endpoint |
 //! | 2 prefill_done | `request_id: u64` | empty |
 //! | 3 finish | `request_id: u64` | empty |
+//! | 4 attach_rings | empty | `capacity: u64`, with four descriptors attached (SCM_RIGHTS): see below |
 //!
 //! A non-zero status is an error, its payload the message (UTF-8). Status
 //! codes are in [`status`]. A frame longer than the daemon's
 //! `max_frame_bytes` gets `FRAME_TOO_LARGE` and the connection is closed;
 //! any other bad frame gets its error and the connection stays usable.
 //!
-//! A crate of its own (std and rustix only) so that the C library links the client
-//! without the daemon's dependencies.
+//! **Rings.** `attach_rings` moves a connection's requests off the socket:
+//! the daemon answers with the descriptors of a query channel
+//! ([`kvedge_shm::channel`]), a request ring and a reply ring of `capacity`
+//! bytes each. From then on the client may put any request frame body (the
+//! frame without its length) into the request ring as one record and reads
+//! its reply frame body from the reply ring, one request in flight at a
+//! time; the socket still works and stays open, as the liveness signal both
+//! ways. A request larger than a quarter of the ring goes over the socket.
+//! A daemon that cannot attach (its limit reached, or a listener that does
+//! not support it) answers `RINGS_UNAVAILABLE`; the connection is unchanged.
+//!
+//! A crate of its own (std, rustix and the shm contract only) so that the
+//! C library links the client without the daemon's dependencies.
 
 #![forbid(unsafe_code)]
 
 use std::io::{self, Read};
 use std::os::unix::net::UnixStream;
 use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvedge_shm::channel::{self, ClientChannel};
+use kvedge_shm::ring::Push;
 
 /// First bytes of a binary connection.
 pub const MAGIC: &[u8; 4] = b"KVE1";
@@ -35,6 +51,7 @@ pub mod op {
     pub const SELECT: u16 = 1;
     pub const PREFILL_DONE: u16 = 2;
     pub const FINISH: u16 = 3;
+    pub const ATTACH_RINGS: u16 = 4;
 }
 
 /// Reply statuses.
@@ -49,6 +66,7 @@ pub mod status {
     pub const UNSUPPORTED_VERSION: u16 = 7;
     pub const UNKNOWN_OP: u16 = 8;
     pub const TOO_MANY_REQUESTS: u16 = 9;
+    pub const RINGS_UNAVAILABLE: u16 = 10;
 }
 
 /// The ids of a select: raw little-endian bytes, decoded by the server.
@@ -73,6 +91,7 @@ pub enum Request<'a> {
     },
     PrefillDone(u64),
     Finish(u64),
+    AttachRings,
 }
 
 /// Tags and headers of a select, validated, read in place.
@@ -233,6 +252,7 @@ pub fn parse_request(body: &[u8]) -> Result<Request<'_>, (u16, &'static str)> {
         }
         op::PREFILL_DONE => Request::PrefillDone(c.u64().map_err(bad)?),
         op::FINISH => Request::Finish(c.u64().map_err(bad)?),
+        op::ATTACH_RINGS => Request::AttachRings,
         _ => return Err((status::UNKNOWN_OP, "unknown op")),
     };
     if !c.0.is_empty() {
@@ -371,6 +391,9 @@ pub struct Client {
     spinning: bool,
     /// An earlier call failed mid-frame.
     broken: bool,
+    /// The query channel, once attached.
+    rings: Option<ClientChannel>,
+    timeout: Option<Duration>,
 }
 
 /// A call's outcome: an I/O error, or the daemon's answer, which is the
@@ -422,6 +445,8 @@ impl Client {
             body: Vec::with_capacity(256),
             spinning: false,
             broken: false,
+            rings: None,
+            timeout: None,
         })
     }
 
@@ -434,7 +459,8 @@ impl Client {
     }
 
     /// Bounds how long a blocking client waits for a reply (`None`: forever).
-    pub fn set_timeout(&mut self, timeout: Option<std::time::Duration>) -> io::Result<()> {
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        self.timeout = timeout;
         self.stream.set_read_timeout(timeout)?;
         self.stream.set_write_timeout(timeout)
     }
@@ -450,6 +476,11 @@ impl Client {
             ));
         }
         self.broken = true;
+        if let Some(rings) = &mut self.rings
+            && self.out.len() - 4 <= rings.requests.max_payload()
+        {
+            return self.ring_round_trip();
+        }
         send_all(&self.stream, &self.out)?;
         let mut len = [0u8; 4];
         if self.spinning {
@@ -469,6 +500,123 @@ impl Client {
             read_exact_spinning(&mut self.stream, &mut self.body)?;
         } else {
             self.stream.read_exact(&mut self.body)?;
+        }
+        self.broken = false;
+        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
+        Ok((code, &self.body[4..]))
+    }
+
+    /// Moves this connection's requests onto a query channel (shared-memory
+    /// rings; see the module docs): a round trip then costs no system call
+    /// while the daemon is busy. Requests too large for the ring still go
+    /// over the socket. `Ok(Err(RINGS_UNAVAILABLE, ..))` leaves the client
+    /// on the socket, fully usable.
+    pub fn attach_rings(&mut self) -> Reply<()> {
+        if self.rings.is_some() {
+            return Ok(Ok(()));
+        }
+        if self.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "an earlier call failed mid-frame; reconnect",
+            ));
+        }
+        self.out.clear();
+        write_frame(&mut self.out, op::ATTACH_RINGS, |_| {});
+        self.broken = true;
+        send_all(&self.stream, &self.out)?;
+        // The descriptors come with the reply's first byte.
+        let mut len = [0u8; 4];
+        let mut fds = channel::recv_with_fds(&self.stream, &mut len, self.spinning)?;
+        let len = u32::from_le_bytes(len) as usize;
+        if !(4..=MAX_REPLY_BYTES).contains(&len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("reply frame of {len} bytes (expected 4..={MAX_REPLY_BYTES})"),
+            ));
+        }
+        self.body.resize(len, 0);
+        fds.extend(channel::recv_with_fds(
+            &self.stream,
+            &mut self.body,
+            self.spinning,
+        )?);
+        self.broken = false;
+        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
+        if code != status::OK {
+            return Ok(Err((
+                code,
+                String::from_utf8_lossy(&self.body[4..]).into_owned(),
+            )));
+        }
+        let rings = ClientChannel::open(fds).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the daemon's query channel is unusable: {e}"),
+            )
+        })?;
+        self.rings = Some(rings);
+        Ok(Ok(()))
+    }
+
+    /// Whether requests go through a query channel.
+    pub fn rings_attached(&self) -> bool {
+        self.rings.is_some()
+    }
+
+    /// `round_trip` over the rings: one record out, one back. Called with
+    /// `broken` set; clears it on success.
+    fn ring_round_trip(&mut self) -> io::Result<(u16, &[u8])> {
+        let rings = self.rings.as_mut().expect("attached");
+        match rings.requests.try_push(channel::FRAME, 0, &self.out[4..]) {
+            Ok(Push::Committed { .. }) => {}
+            Ok(Push::Dropped { .. }) => {
+                return Err(io::Error::other(
+                    "the request ring is full (the daemon stopped reading it)",
+                ));
+            }
+            Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidInput, e)),
+        }
+        let start = Instant::now();
+        let mut turns = 0u32;
+        loop {
+            match rings.replies.poll() {
+                Ok(Some(r)) => {
+                    if r.kind != channel::FRAME || r.missing_before != 0 || r.payload.len() < 4 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "the reply ring lost or garbled a reply",
+                        ));
+                    }
+                    self.body.clear();
+                    self.body.extend_from_slice(r.payload);
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+            }
+            // Waiting: spin, or (blocking client) sleep on the wake eventfd
+            // in slices; between them, make sure the daemon is still there.
+            turns = turns.wrapping_add(1);
+            if self.spinning {
+                std::hint::spin_loop();
+                if !turns.is_multiple_of(4096) {
+                    continue;
+                }
+            } else {
+                rings
+                    .replies
+                    .wait(Duration::from_micros(50), Duration::from_millis(10));
+            }
+            if kvedge_shm::control::connection_closed(&self.stream)? {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "the daemon closed the connection",
+                ));
+            }
+            if self.timeout.is_some_and(|t| start.elapsed() > t) {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
         }
         self.broken = false;
         let code = u16::from_le_bytes([self.body[0], self.body[1]]);
