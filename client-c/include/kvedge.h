@@ -209,6 +209,11 @@ typedef struct kvedge_select_result {
 // A bug in the library (a caught panic); the handle should be closed.
 #define KVEDGE_ERR_PANIC 13
 
+// The daemon cannot give this client a query channel (its
+// `daemon.max_query_rings` is reached, or its listener does not offer
+// them); the client keeps working over the socket.
+#define KVEDGE_ERR_UNAVAILABLE 14
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
@@ -356,6 +361,18 @@ kvedge_status kvedge_client_connect(const char *query_socket_path, struct kvedge
 // # Safety
 // `client` is a live handle used by this thread only.
 kvedge_status kvedge_client_set_timeout_ms(struct kvedge_client *client, uint32_t timeout_ms);
+
+// Moves this client's requests onto a query channel: a request ring and a
+// reply ring in shared memory, created by the daemon. A select then costs
+// no system call while the daemon is busy (about 1.3 µs instead of 6 µs
+// over the socket on our test VM); while waiting for a reply the calling
+// thread spins for up to 50 µs, then sleeps. Requests too large for the
+// ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves the client
+// working over the socket. Calling it again is a no-op.
+//
+// # Safety
+// `client` is a live handle used by this thread only.
+kvedge_status kvedge_client_attach_rings(struct kvedge_client *client);
 
 // Asks the daemon which worker should serve `request`; fills `result`.
 // Unless `dry_run`, the worker is reserved until `kvedge_finish` (or the

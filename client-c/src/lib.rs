@@ -62,6 +62,10 @@ pub const KVEDGE_ERR_UNKNOWN_REQUEST: kvedge_status = 11;
 pub const KVEDGE_ERR_DAEMON: kvedge_status = 12;
 /// A bug in the library (a caught panic); the handle should be closed.
 pub const KVEDGE_ERR_PANIC: kvedge_status = 13;
+/// The daemon cannot give this client a query channel (its
+/// `daemon.max_query_rings` is reached, or its listener does not offer
+/// them); the client keeps working over the socket.
+pub const KVEDGE_ERR_UNAVAILABLE: kvedge_status = 14;
 
 /// KV tiers.
 pub const KVEDGE_TIER_DEVICE: u32 = 0;
@@ -298,6 +302,7 @@ pub extern "C" fn kvedge_strerror(code: kvedge_status) -> *const c_char {
         KVEDGE_ERR_UNKNOWN_REQUEST => c"unknown request id",
         KVEDGE_ERR_DAEMON => c"the daemon reported an error",
         KVEDGE_ERR_PANIC => c"internal error (panic)",
+        KVEDGE_ERR_UNAVAILABLE => c"the daemon cannot attach a query channel",
         _ => c"unknown status code",
     };
     s.as_ptr()
@@ -883,6 +888,7 @@ fn daemon_error(code: u16, message: &str) -> Error {
         status::NO_WORKER => KVEDGE_ERR_NO_WORKER,
         status::UNKNOWN_REQUEST => KVEDGE_ERR_UNKNOWN_REQUEST,
         status::BAD_REQUEST => KVEDGE_ERR_INVALID_ARGUMENT,
+        status::RINGS_UNAVAILABLE => KVEDGE_ERR_UNAVAILABLE,
         _ => KVEDGE_ERR_DAEMON,
     };
     Error::new(c, format!("daemon: {message}"))
@@ -928,6 +934,28 @@ pub unsafe extern "C" fn kvedge_client_set_timeout_ms(
         let c = unsafe { handle(client, "client")? };
         let t = (timeout_ms > 0).then(|| Duration::from_millis(u64::from(timeout_ms)));
         c.inner.set_timeout(t).map_err(io_error)
+    })
+}
+
+/// Moves this client's requests onto a query channel: a request ring and a
+/// reply ring in shared memory, created by the daemon. A select then costs
+/// no system call while the daemon is busy (about 1.3 µs instead of 6 µs
+/// over the socket on our test VM); while waiting for a reply the calling
+/// thread spins for up to 50 µs, then sleeps. Requests too large for the
+/// ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves the client
+/// working over the socket. Calling it again is a no-op.
+///
+/// # Safety
+/// `client` is a live handle used by this thread only.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvedge_client_attach_rings(client: *mut kvedge_client) -> kvedge_status {
+    guard(|| {
+        // SAFETY: caller contract.
+        let c = unsafe { handle(client, "client")? };
+        match c.inner.attach_rings().map_err(io_error)? {
+            Ok(()) => Ok(()),
+            Err((code, m)) => Err(daemon_error(code, &m)),
+        }
     })
 }
 

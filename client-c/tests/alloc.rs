@@ -84,6 +84,21 @@ fn publish_hash_and_select_allocate_nothing_after_warm_up() {
     );
     assert_eq!(res.worker_id, 1);
 
+    // The same over a query channel (shared-memory rings).
+    // SAFETY: a live client.
+    assert_eq!(unsafe { kvedge_client_attach_rings(c) }, KVEDGE_OK);
+    select_and_finish(c, &mut res);
+    let info = allocation_counter::measure(|| {
+        for _ in 0..100 {
+            select_and_finish(c, &mut res);
+        }
+    });
+    assert_eq!(
+        info.count_total, 0,
+        "kvedge_select + kvedge_finish over rings: {info:?}"
+    );
+    assert_eq!(res.worker_id, 1);
+
     // SAFETY: live handles, closed once.
     unsafe {
         kvedge_client_close(c);

@@ -124,6 +124,7 @@ int main(int argc, char **argv) {
     EXPECT(kvedge_client_set_timeout_ms(NULL, 10), KVEDGE_ERR_NULL_ARGUMENT);
     EXPECT(kvedge_prefill_done(NULL, 1), KVEDGE_ERR_NULL_ARGUMENT);
     EXPECT(kvedge_finish(NULL, 1), KVEDGE_ERR_NULL_ARGUMENT);
+    EXPECT(kvedge_client_attach_rings(NULL), KVEDGE_ERR_NULL_ARGUMENT);
     kvedge_client_close(NULL);
     printf("ok\n");
     return 0;

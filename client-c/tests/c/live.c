@@ -155,6 +155,23 @@ int main(int argc, char **argv) {
     ctx.header_values = NULL;
     EXPECT(kvedge_select(c, &ctx, &res), KVEDGE_ERR_NULL_ARGUMENT);
 
+    /* A second client on a query channel (shared-memory rings) gets the
+     * same answers; a reservation it makes is released through it. */
+    kvedge_client *ringc = NULL;
+    EXPECT(kvedge_client_connect(argv[2], &ringc), KVEDGE_OK);
+    EXPECT(kvedge_client_set_timeout_ms(ringc, 5000), KVEDGE_OK);
+    EXPECT(kvedge_client_attach_rings(ringc), KVEDGE_OK);
+    EXPECT(kvedge_client_attach_rings(ringc), KVEDGE_OK);
+    EXPECT(kvedge_select(ringc, &rh, &res), KVEDGE_OK);
+    CHECK(res.overlap_device == 4 && res.worker_id == 7);
+    CHECK(strcmp(res.endpoint, "http://seven") == 0);
+    EXPECT(kvedge_finish(ringc, res.request_id), KVEDGE_OK);
+    EXPECT(kvedge_finish(ringc, res.request_id), KVEDGE_ERR_UNKNOWN_REQUEST);
+    kvedge_select_request nope = rh;
+    nope.model = "no-such-model";
+    EXPECT(kvedge_select(ringc, &nope, &res), KVEDGE_ERR_NO_WORKER);
+    kvedge_client_close(ringc);
+
     /* Removed: the overlap drops. */
     EXPECT(kvedge_publish_removed(p, KVEDGE_TIER_DEVICE, &hashes[3], 1), KVEDGE_OK);
     tries = 0;
