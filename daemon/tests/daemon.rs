@@ -727,6 +727,37 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     for (kind, bytes, expected) in cases {
         assert_eq!(code(ring_ask(&mut raw, kind, &bytes)), expected);
     }
+    // A sleeping daemon is woken by the request ring's eventfd, not by its
+    // 100 ms poll timeout: five requests, each pushed while the daemon is
+    // seen asleep, take far less than the ~400 ms the timeouts would.
+    let seg =
+        kvedge_shm::segment::Segment::open(raw.requests.segment_fd().try_clone_to_owned().unwrap())
+            .unwrap();
+    let asleep = || {
+        seg.header()
+            .consumer_sleeping
+            .0
+            .load(std::sync::atomic::Ordering::Acquire)
+            & kvedge_shm::layout::CONSUMER_SLEEPING
+            != 0
+    };
+    let mut waited = Duration::ZERO;
+    for _ in 0..5 {
+        wait_for(asleep, "the daemon to sleep");
+        let t = std::time::Instant::now();
+        let reply = ring_ask(
+            &mut raw,
+            FRAME,
+            &body(wire::op::FINISH, wire::VERSION, &[0; 8]),
+        );
+        waited += t.elapsed();
+        assert_eq!(code(reply), status::UNKNOWN_REQUEST);
+    }
+    assert!(
+        waited < Duration::from_millis(250),
+        "five wake-ups took {waited:?}"
+    );
+
     // The limit (2 channels) is reached: a third connection is refused and
     // stays usable over the socket.
     let mut third = Wire::connect(d.query()).unwrap();
