@@ -121,6 +121,18 @@ fn main() {
             black_box(out.blocks[0][0])
         })
     });
+    // Keys are untrusted: an engine publishing 500,000 sequential hashes
+    // must not slow lookups that land near them (with identity hashing they
+    // filled one probe run, and a lookup of an absent hash walked it).
+    let mut ix = KvIndex::new(1 << 22);
+    let sequential: Vec<u64> = (0..500_000u64).map(|k| 0xBEEF_0000_0000 + k).collect();
+    ix.store(Slot::new(0).unwrap(), Tier::Device, &sequential);
+    g.bench_function("overlap_absent_hash_after_500k_sequential_hashes", |b| {
+        b.iter(|| {
+            ix.overlap(black_box(&[1]), u64::MAX, &mut out);
+            black_box(out.blocks[0][0])
+        })
+    });
     g.finish();
     c.final_summary();
 }

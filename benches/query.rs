@@ -290,6 +290,54 @@ fn main() {
             total
         })
     });
+    // The same while another client keeps the daemon busy: a blocking
+    // binary client selecting a 128-hash prompt back to back.
+    let busy_stop = Arc::new(AtomicBool::new(false));
+    let background = {
+        let stop = Arc::clone(&busy_stop);
+        let path = rd.query();
+        let hashes = hashes.clone();
+        std::thread::spawn(move || {
+            let mut c = kvedge_daemon::wire::Client::connect(&path).unwrap();
+            let mut n = 0u64;
+            while !stop.load(Ordering::Relaxed) {
+                c.select_hashes("llama", 0, &hashes, 2048, true)
+                    .unwrap()
+                    .unwrap();
+                n += 1;
+            }
+            n
+        })
+    };
+    let busy_start = Instant::now();
+    g.bench_function("engine_commit_to_visible_in_ring_select_daemon_busy", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let hash = 0xBEEF_0000_0000 + k;
+                let start = Instant::now();
+                engines[0]
+                    .publish_stored_hashes(Tier::Device, None, &[hash])
+                    .unwrap();
+                while ring
+                    .select_hashes("llama", 0, &[hash], 16, true)
+                    .unwrap()
+                    .unwrap()
+                    .overlap_blocks[0]
+                    != 1
+                {}
+                total += start.elapsed();
+            }
+            total
+        })
+    });
+    busy_stop.store(true, Ordering::Relaxed);
+    let background_selects = background.join().unwrap();
+    eprintln!(
+        "background client: {:.0} selects/s during the busy row",
+        background_selects as f64 / busy_start.elapsed().as_secs_f64()
+    );
     // The peer for the socket rows: the kernel's own floor, two threads
     // echoing a 40-byte message over a Unix socket pair, both spinning on
     // non-blocking reads (no daemon, no epoll, no parsing).

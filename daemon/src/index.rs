@@ -4,8 +4,11 @@
 //! Layout, chosen for memory and for the overlap walk:
 //! - one map per tier from sequence hash to a 64-bit mask of worker slots
 //!   (a node routes to at most [`MAX_WORKERS`] workers). A block held by
-//!   several workers costs one entry; keys are already uniform 64-bit hashes,
-//!   so the maps hash them by identity;
+//!   several workers costs one entry. The maps hash their keys with a fast
+//!   seeded hash (foldhash), not by identity: keys come from engines, and
+//!   sequential or crafted ones would otherwise fill one long probe run that
+//!   every lookup landing in it walks (500,000 sequential hashes made an
+//!   unrelated lookup cost 5 µs);
 //! - per worker and tier, the set of hashes it holds, so that `Cleared` and a
 //!   worker's death cost O(that worker's blocks), not a scan of the index.
 //!
@@ -22,34 +25,14 @@
 //! queuing, while a short prefix still stops after a few.
 
 use std::collections::{HashMap, HashSet};
-use std::hash::{BuildHasherDefault, Hasher};
 
 use kvedge_shm::messages::Tier;
 
 /// Most worker slots one index tracks.
 pub const MAX_WORKERS: usize = 64;
 
-/// Hashes a `u64` key that is already a uniform hash: pass it through.
-#[derive(Default, Clone, Copy, Debug)]
-pub struct IdentityHasher(u64);
-
-impl Hasher for IdentityHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        // Only u64 keys are hashed here; fold anything else in defensively.
-        for b in bytes {
-            self.0 = self.0.rotate_left(8) ^ u64::from(*b);
-        }
-    }
-    fn write_u64(&mut self, v: u64) {
-        self.0 = v;
-    }
-}
-
-type IdMap<V> = HashMap<u64, V, BuildHasherDefault<IdentityHasher>>;
-type IdSet = HashSet<u64, BuildHasherDefault<IdentityHasher>>;
+type IdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
+type IdSet = HashSet<u64, foldhash::fast::RandomState>;
 
 /// A worker's position in the index (0..64), assigned at registration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
