@@ -43,6 +43,12 @@ fn queries_are_answered_through_the_io_uring_listener() {
         .unwrap();
     assert_eq!((r.worker_id, r.overlap_blocks[0]), (1, 3));
     assert!(w.finish(r.request_id).unwrap().is_ok());
+    // Query channels are the routing loop's: this listener refuses them,
+    // and the connection stays on the socket.
+    let refused = w.attach_rings().unwrap().unwrap_err();
+    assert_eq!(refused.0, kvedge_daemon::wire::status::RINGS_UNAVAILABLE);
+    assert!(!w.rings_attached());
+    assert!(w.select_hashes("m", 0, &[1], 16, true).unwrap().is_ok());
     // A line over max_frame_bytes: an error, then that connection closes;
     // the others are untouched.
     let mut giant = Conn::connect(&d.query());
