@@ -165,9 +165,32 @@ fn main() {
             b.iter(|| rust.select(&q).unwrap().unwrap().request_id)
         });
     }
+    // The same over query channels (shared-memory rings), both clients
+    // attached: no system call per round trip.
+    let mut ring_client = std::ptr::null_mut();
+    // SAFETY: a valid path and out pointer, then a live client.
+    unsafe {
+        assert_eq!(
+            kvedge_client_connect(query.as_ptr(), &mut ring_client),
+            KVEDGE_OK
+        );
+        assert_eq!(kvedge_client_attach_rings(ring_client), KVEDGE_OK);
+    }
+    let mut rust_ring = kvedge_daemon::wire::Client::connect(dir.join("query.sock")).unwrap();
+    rust_ring.attach_rings().unwrap().unwrap();
+    for round in 1..=3 {
+        g.bench_function(format!("kvedge_select_ring_round_trip/{round}"), |b| {
+            // SAFETY: a live client, a valid request and result.
+            b.iter(|| unsafe { kvedge_select(ring_client, &req, &mut res) })
+        });
+        g.bench_function(format!("rust_client_select_ring_round_trip/{round}"), |b| {
+            b.iter(|| rust_ring.select(&q).unwrap().unwrap().request_id)
+        });
+    }
     g.finish();
     // SAFETY: live handles, closed once.
     unsafe {
+        kvedge_client_close(ring_client);
         kvedge_client_close(client);
         kvedge_publisher_close(p);
     }
