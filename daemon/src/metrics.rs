@@ -56,6 +56,8 @@ pub struct Snapshot {
     pub index_refused_full: u64,
     pub workers: Vec<WorkerRow>,
     pub clients: u64,
+    /// Query connections with a query channel (shared-memory rings).
+    pub query_channels: u64,
     pub reservations: u64,
     pub reservations_expired: u64,
     pub reloads: u64,
@@ -242,6 +244,11 @@ pub fn render(s: &Snapshot) -> String {
         r.register(name, help, family);
     }
     r.register("query_clients", "Open query connections", gauge(s.clients));
+    r.register(
+        "query_channels",
+        "Query connections with a query channel (shared-memory rings)",
+        gauge(s.query_channels),
+    );
     r.register(
         "reservations",
         "Selected requests not yet finished",

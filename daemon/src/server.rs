@@ -611,6 +611,7 @@ impl Server {
             index_refused_full: self.router.index.refused_full(),
             workers,
             clients: self.clients.len() as u64,
+            query_channels: self.clients.iter().filter(|c| c.rings.is_some()).count() as u64,
             reservations: self.router.load.reservations() as u64,
             reservations_expired: self.router.load.expired(),
             reloads: self.reloads,

@@ -796,6 +796,14 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
         2,
         "the ring client and the third"
     );
+    let text = json.ask(json!({"op": "metrics"}))["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        text.lines().any(|l| l == "kvedge_query_channels 2"),
+        "{text}"
+    );
 
     // The daemon dies: a ring client waiting for a reply gets an error, it
     // does not hang.
