@@ -207,6 +207,36 @@ mod tests {
     }
 
     #[test]
+    fn a_hostile_client_cannot_make_the_daemon_write_out_of_place() {
+        use crate::segment::Segment;
+        use std::sync::atomic::Ordering;
+        let (mut server, client) = pair(4096);
+        // The client owns the reply ring's head: it claims to have read
+        // more than was ever written, then sets every flag bit.
+        let reply_seg =
+            Segment::open(client.replies.segment_fd().try_clone_to_owned().unwrap()).unwrap();
+        let h = reply_seg.header();
+        h.head.0.store(u64::MAX - 15, Ordering::Release);
+        h.consumer_sleeping.0.store(u32::MAX, Ordering::Release);
+        // The daemon's producer fills the ring once, then sees the
+        // impossible head when it looks for room: from then on it drops,
+        // never writing anywhere else and never panicking.
+        let mut committed = 0;
+        for _ in 0..1000 {
+            match server.replies.try_push(FRAME, 0, &[7; 100]).unwrap() {
+                Push::Committed { .. } => committed += 1,
+                Push::Dropped { .. } => {}
+            }
+        }
+        assert!(
+            committed < 4096 / 100,
+            "only what fits before the first look at head"
+        );
+        assert_eq!(server.replies.dropped(), 1000 - committed);
+        assert_eq!(h.tail.0.load(Ordering::Acquire), committed as u64 * 128);
+    }
+
+    #[test]
     fn a_reply_ring_already_written_is_not_fresh() {
         let mut server = ServerChannel::create(4096, 1).unwrap();
         server.replies.try_push(FRAME, 0, b"early").unwrap();
