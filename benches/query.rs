@@ -61,6 +61,34 @@ fn ask_spinning(s: &mut UnixStream, line: &[u8], buf: &mut Vec<u8>) {
     }
 }
 
+/// Commit to visible, `iters` times: `engine` stores a block nobody has
+/// seen, then `client` selects it (dry run) until the overlap shows it.
+fn commit_to_visible(
+    iters: u64,
+    k: &mut u64,
+    engine: &mut Publisher,
+    client: &mut kvedge_daemon::wire::Client,
+) -> Duration {
+    let mut total = Duration::ZERO;
+    for _ in 0..iters {
+        *k += 1;
+        let hash = 0xBEEF_0000_0000 + *k;
+        let start = Instant::now();
+        engine
+            .publish_stored_hashes(Tier::Device, None, &[hash])
+            .unwrap();
+        while client
+            .select_hashes("llama", 0, &[hash], 16, true)
+            .unwrap()
+            .unwrap()
+            .overlap_blocks[0]
+            != 1
+        {}
+        total += start.elapsed();
+    }
+    total
+}
+
 /// Runs `client` on `clients` threads at once, `iters` times; the total
 /// wall time.
 fn in_parallel(iters: u64, clients: usize, client: &(impl Fn() + Sync)) -> Duration {
@@ -235,26 +263,7 @@ fn main() {
         })
     });
     g.bench_function("engine_commit_to_visible_in_binary_select", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                k += 1;
-                let hash = 0xBEEF_0000_0000 + k;
-                let start = Instant::now();
-                engines[0]
-                    .publish_stored_hashes(Tier::Device, None, &[hash])
-                    .unwrap();
-                while fast
-                    .select_hashes("llama", 0, &[hash], 16, true)
-                    .unwrap()
-                    .unwrap()
-                    .overlap_blocks[0]
-                    != 1
-                {}
-                total += start.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| commit_to_visible(iters, &mut k, &mut engines[0], &mut fast))
     });
     // The same two over a query channel (shared-memory rings): no system
     // call per round trip while both sides spin.
@@ -269,26 +278,7 @@ fn main() {
         })
     });
     g.bench_function("engine_commit_to_visible_in_ring_select", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                k += 1;
-                let hash = 0xBEEF_0000_0000 + k;
-                let start = Instant::now();
-                engines[0]
-                    .publish_stored_hashes(Tier::Device, None, &[hash])
-                    .unwrap();
-                while ring
-                    .select_hashes("llama", 0, &[hash], 16, true)
-                    .unwrap()
-                    .unwrap()
-                    .overlap_blocks[0]
-                    != 1
-                {}
-                total += start.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| commit_to_visible(iters, &mut k, &mut engines[0], &mut ring))
     });
     // The same while another client keeps the daemon busy: a blocking
     // binary client selecting a 128-hash prompt back to back.
@@ -311,26 +301,7 @@ fn main() {
     };
     let busy_start = Instant::now();
     g.bench_function("engine_commit_to_visible_in_ring_select_daemon_busy", |b| {
-        b.iter_custom(|iters| {
-            let mut total = Duration::ZERO;
-            for _ in 0..iters {
-                k += 1;
-                let hash = 0xBEEF_0000_0000 + k;
-                let start = Instant::now();
-                engines[0]
-                    .publish_stored_hashes(Tier::Device, None, &[hash])
-                    .unwrap();
-                while ring
-                    .select_hashes("llama", 0, &[hash], 16, true)
-                    .unwrap()
-                    .unwrap()
-                    .overlap_blocks[0]
-                    != 1
-                {}
-                total += start.elapsed();
-            }
-            total
-        })
+        b.iter_custom(|iters| commit_to_visible(iters, &mut k, &mut engines[0], &mut ring))
     });
     busy_stop.store(true, Ordering::Relaxed);
     let background_selects = background.join().unwrap();

@@ -72,32 +72,24 @@ fn publish_hash_and_select_allocate_nothing_after_warm_up() {
             assert_eq!(kvedge_finish(c, res.request_id), KVEDGE_OK);
         }
     };
-    select_and_finish(c, &mut res);
-    let info = allocation_counter::measure(|| {
-        for _ in 0..100 {
-            select_and_finish(c, &mut res);
+    // Over the socket, then over a query channel (shared-memory rings).
+    for rings in [false, true] {
+        if rings {
+            // SAFETY: a live client.
+            assert_eq!(unsafe { kvedge_client_attach_rings(c) }, KVEDGE_OK);
         }
-    });
-    assert_eq!(
-        info.count_total, 0,
-        "kvedge_select + kvedge_finish: {info:?}"
-    );
-    assert_eq!(res.worker_id, 1);
-
-    // The same over a query channel (shared-memory rings).
-    // SAFETY: a live client.
-    assert_eq!(unsafe { kvedge_client_attach_rings(c) }, KVEDGE_OK);
-    select_and_finish(c, &mut res);
-    let info = allocation_counter::measure(|| {
-        for _ in 0..100 {
-            select_and_finish(c, &mut res);
-        }
-    });
-    assert_eq!(
-        info.count_total, 0,
-        "kvedge_select + kvedge_finish over rings: {info:?}"
-    );
-    assert_eq!(res.worker_id, 1);
+        select_and_finish(c, &mut res);
+        let info = allocation_counter::measure(|| {
+            for _ in 0..100 {
+                select_and_finish(c, &mut res);
+            }
+        });
+        assert_eq!(
+            info.count_total, 0,
+            "kvedge_select + kvedge_finish (rings: {rings}): {info:?}"
+        );
+        assert_eq!(res.worker_id, 1);
+    }
 
     // SAFETY: live handles, closed once.
     unsafe {

@@ -233,7 +233,7 @@ mod tests {
             "only what fits before the first look at head"
         );
         assert_eq!(server.replies.dropped(), 1000 - committed);
-        assert_eq!(h.tail.0.load(Ordering::Acquire), committed as u64 * 128);
+        assert_eq!(h.tail.0.load(Ordering::Acquire), committed * 128);
     }
 
     #[test]

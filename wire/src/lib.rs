@@ -482,12 +482,26 @@ impl Client {
             return self.ring_round_trip();
         }
         send_all(&self.stream, &self.out)?;
+        self.read_reply(None)?;
+        self.broken = false;
+        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
+        Ok((code, &self.body[4..]))
+    }
+
+    /// Reads one reply frame from the socket into `body` (status, version,
+    /// payload); with `fds`, also collects descriptors sent with it.
+    fn read_reply(&mut self, mut fds: Option<&mut Vec<std::os::fd::OwnedFd>>) -> io::Result<()> {
+        let spinning = self.spinning;
+        let mut fill = |stream: &mut UnixStream, buf: &mut [u8]| match fds.as_deref_mut() {
+            Some(fds) => {
+                fds.extend(channel::recv_with_fds(stream, buf, spinning)?);
+                Ok(())
+            }
+            None if spinning => read_exact_spinning(stream, buf),
+            None => stream.read_exact(buf),
+        };
         let mut len = [0u8; 4];
-        if self.spinning {
-            read_exact_spinning(&mut self.stream, &mut len)?;
-        } else {
-            self.stream.read_exact(&mut len)?;
-        }
+        fill(&mut self.stream, &mut len)?;
         let len = u32::from_le_bytes(len) as usize;
         if !(4..=MAX_REPLY_BYTES).contains(&len) {
             return Err(io::Error::new(
@@ -496,14 +510,7 @@ impl Client {
             ));
         }
         self.body.resize(len, 0);
-        if self.spinning {
-            read_exact_spinning(&mut self.stream, &mut self.body)?;
-        } else {
-            self.stream.read_exact(&mut self.body)?;
-        }
-        self.broken = false;
-        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
-        Ok((code, &self.body[4..]))
+        fill(&mut self.stream, &mut self.body)
     }
 
     /// Moves this connection's requests onto a query channel (shared-memory
@@ -526,21 +533,8 @@ impl Client {
         self.broken = true;
         send_all(&self.stream, &self.out)?;
         // The descriptors come with the reply's first byte.
-        let mut len = [0u8; 4];
-        let mut fds = channel::recv_with_fds(&self.stream, &mut len, self.spinning)?;
-        let len = u32::from_le_bytes(len) as usize;
-        if !(4..=MAX_REPLY_BYTES).contains(&len) {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("reply frame of {len} bytes (expected 4..={MAX_REPLY_BYTES})"),
-            ));
-        }
-        self.body.resize(len, 0);
-        fds.extend(channel::recv_with_fds(
-            &self.stream,
-            &mut self.body,
-            self.spinning,
-        )?);
+        let mut fds = Vec::new();
+        self.read_reply(Some(&mut fds))?;
         self.broken = false;
         let code = u16::from_le_bytes([self.body[0], self.body[1]]);
         if code != status::OK {
