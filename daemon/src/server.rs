@@ -424,7 +424,6 @@ impl Server {
             }
             busy |= self.ingest();
             busy |= self.serve_clients();
-            busy |= self.serve_rings();
             if self.jobs_ready {
                 busy |= self.serve_jobs();
             }
@@ -440,7 +439,6 @@ impl Server {
         // Drain: answer what the clients already sent.
         let _ = self.readiness();
         self.serve_clients();
-        self.serve_rings();
         self.serve_jobs();
         Ok(())
     }
@@ -967,6 +965,8 @@ impl Server {
         any
     }
 
+    /// Reads every readable client socket and answers its complete
+    /// requests, then the requests in its query channel, if any.
     fn serve_clients(&mut self) -> bool {
         let mut any = false;
         let limit = self.config.daemon.max_frame_bytes;
@@ -1004,6 +1004,18 @@ impl Server {
                 framing::detect(&mut c.mode, &mut c.buf);
             }
             closed |= self.serve_requests(i, limit);
+            if !closed {
+                match self.serve_ring(i) {
+                    Ok(served) => any |= served,
+                    Err(e) => {
+                        tracing::warn!(
+                            "a query channel's request ring is broken, closing its connection: {e}"
+                        );
+                        any = true;
+                        closed = true;
+                    }
+                }
+            }
             if closed {
                 let c = self.clients.swap_remove(i);
                 let _ = epoll::delete(&self.epoll, &c.stream);
@@ -1121,73 +1133,57 @@ impl Server {
         Ok(())
     }
 
-    /// Answers the requests waiting in every attached query channel (at
-    /// most 64 per channel per turn, so one client cannot starve the
-    /// rest). A channel whose request ring breaks its framing closes its
-    /// connection; any other bad record gets an error reply.
-    fn serve_rings(&mut self) -> bool {
+    /// Answers the requests waiting in client `i`'s query channel, if it
+    /// has one (at most 64 a turn, so one client cannot starve the rest).
+    /// Returns whether it served any, or the error that broke the
+    /// request ring's framing (the connection must close). Any other bad
+    /// record gets an error reply.
+    fn serve_ring(&mut self, i: usize) -> Result<bool, kvedge_shm::RingError> {
         use crate::wire::status;
-        let mut any = false;
-        let mut i = 0;
-        while i < self.clients.len() {
-            let Some(mut rings) = self.clients[i].rings.take() else {
-                i += 1;
-                continue;
+        let Some(mut rings) = self.clients[i].rings.take() else {
+            return Ok(false);
+        };
+        let mut out = std::mem::take(&mut self.reply);
+        let mut result = Ok(false);
+        for _ in 0..64 {
+            let record = match rings.requests.poll() {
+                Ok(Some(r)) => r,
+                Ok(None) => break,
+                Err(e) => {
+                    result = Err(e);
+                    break;
+                }
             };
-            let mut out = std::mem::take(&mut self.reply);
-            let mut broken = None;
-            let mut served = 0;
-            while served < 64 {
-                let record = match rings.requests.poll() {
-                    Ok(Some(r)) => r,
-                    Ok(None) => break,
-                    Err(e) => {
-                        broken = Some(e);
-                        break;
-                    }
-                };
-                served += 1;
-                out.clear();
-                if record.kind == query_channel::FRAME {
-                    self.answer(Mode::Binary, record.payload, &mut out);
-                } else {
-                    self.errors += 1;
-                    crate::wire::write_error(
-                        &mut out,
-                        status::BAD_REQUEST,
-                        "unknown record type in the request ring",
-                    );
-                }
-                if out.len() - 4 > rings.replies.max_payload() {
-                    out.clear();
-                    crate::wire::write_error(
-                        &mut out,
-                        status::FRAME_TOO_LARGE,
-                        "the reply does not fit the reply ring; send this request over the socket",
-                    );
-                }
-                // Dropped only when the client stopped reading its replies
-                // (it then sees a gap): its loss, nobody else's.
-                let _ = rings.replies.try_push(query_channel::FRAME, 0, &out[4..]);
-            }
-            self.reply = out;
-            if let Some(e) = broken {
-                tracing::warn!(
-                    "a query channel's request ring is broken, closing its connection: {e}"
+            result = Ok(true);
+            out.clear();
+            if record.kind == query_channel::FRAME {
+                self.answer(Mode::Binary, record.payload, &mut out);
+            } else {
+                self.errors += 1;
+                crate::wire::write_error(
+                    &mut out,
+                    status::BAD_REQUEST,
+                    "unknown record type in the request ring",
                 );
-                let c = self.clients.swap_remove(i);
-                let _ = epoll::delete(&self.epoll, &c.stream);
-                any = true;
-                continue;
             }
-            if served > 0 {
-                any = true;
-                self.clients[i].last_active = self.turn;
+            if out.len() - 4 > rings.replies.max_payload() {
+                out.clear();
+                crate::wire::write_error(
+                    &mut out,
+                    status::FRAME_TOO_LARGE,
+                    "the reply does not fit the reply ring; send this request over the socket",
+                );
             }
-            self.clients[i].rings = Some(rings);
-            i += 1;
+            // Dropped only when the client stopped reading its replies
+            // (it then sees a gap): its loss, nobody else's.
+            let _ = rings.replies.try_push(query_channel::FRAME, 0, &out[4..]);
         }
-        any
+        self.reply = out;
+        if result == Ok(true) {
+            self.clients[i].last_active = self.turn;
+        }
+        self.clients[i].rings = Some(rings);
+        result
     }
 
     /// The reply bytes to one request body in `mode`, into `out`.
