@@ -379,6 +379,10 @@ mod tests {
                 "k.yaml: daemon.ring_capacity must be a power of two",
             ),
             (
+                "daemon:\n  query_ring_capacity: 1024\n",
+                "k.yaml: daemon.query_ring_capacity must be a power of two between 4096 and 1073741824 bytes, got 1024",
+            ),
+            (
                 "daemon:\n  max_workers: 65\n",
                 "k.yaml: daemon.max_workers must be between 1 and 64, got 65",
             ),
