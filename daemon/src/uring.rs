@@ -5,7 +5,7 @@
 //! to the routing loop as a [`Job`] and its reply comes back through a
 //! oneshot channel. The routing state keeps its single owner. The accept
 //! thread applies the epoll path's admission rules (connection limit, peer
-//! credentials); the frame limit applies per connection.
+//! credentials); the frame limit and the idle timeout apply per connection.
 //!
 //! If io_uring is unavailable (EPERM or ENOSYS from `io_uring_setup`, as
 //! under default container seccomp profiles) [`start`] says so and the
@@ -30,6 +30,7 @@ pub fn start(
 ) -> Result<(), (UnixListener, io::Error)> {
     let limits = limits.clone();
     let max_frame_bytes = limits.max_frame_bytes;
+    let idle = std::time::Duration::from_millis(limits.idle_timeout_ms);
     let open = Arc::new(AtomicUsize::new(0));
     // Probe io_uring on this thread first: the clean fallback point.
     if let Err(e) = tokio_uring::Runtime::new(&tokio_uring::builder()) {
@@ -51,7 +52,7 @@ pub fn start(
                 while let Some((stream, guard)) = conn_rx.recv().await {
                     let jobs = jobs.clone();
                     tokio_uring::spawn(async move {
-                        serve(stream, jobs, max_frame_bytes).await;
+                        serve(stream, jobs, max_frame_bytes, idle).await;
                         drop(guard);
                     });
                 }
@@ -119,14 +120,26 @@ async fn ask(jobs: &JobSender, request: Vec<u8>, binary: bool) -> Option<Vec<u8>
     rx.await.ok()
 }
 
-/// One client: read with io_uring, frame, ask, write with io_uring.
-async fn serve(stream: std::os::unix::net::UnixStream, jobs: JobSender, limit: usize) {
+/// One client: read with io_uring, frame, ask, write with io_uring. A
+/// client that sends nothing for `idle` is closed.
+async fn serve(
+    stream: std::os::unix::net::UnixStream,
+    jobs: JobSender,
+    limit: usize,
+    idle: std::time::Duration,
+) {
     let stream = tokio_uring::net::UnixStream::from_std(stream);
     let mut pending: Vec<u8> = Vec::with_capacity(4096);
     let mut buf = vec![0u8; 16384];
     let mut mode = Mode::Unknown;
     loop {
-        let (res, b) = stream.read(buf).await;
+        // On the timeout the read future is dropped, but the kernel still
+        // holds the read (and with it the socket) until it completes:
+        // shutting the socket down completes it, so the peer sees the close.
+        let Ok((res, b)) = tokio::time::timeout(idle, stream.read(buf)).await else {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
+            return;
+        };
         buf = b;
         let n = match res {
             Ok(0) | Err(_) => return,

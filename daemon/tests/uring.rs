@@ -8,6 +8,8 @@
 
 mod common;
 
+use std::io::Read;
+
 use common::{Conn, engine, start, wait_for};
 use kvedge_shm::messages::Tier;
 use serde_json::json;
@@ -16,7 +18,7 @@ use serde_json::json;
 fn queries_are_answered_through_the_io_uring_listener() {
     let d = start(
         "uring",
-        "daemon:\n  query_io: io-uring\n  max_frame_bytes: 4096\n  max_query_connections: 4\n  heartbeat_timeout_ms: 600000\n",
+        "daemon:\n  query_io: io-uring\n  max_frame_bytes: 4096\n  max_query_connections: 4\n  heartbeat_timeout_ms: 600000\n  idle_timeout_ms: 1500\n",
     );
     let mut e = engine(&d.control(), 1, "m");
     e.publish_stored_hashes(Tier::Device, None, &[1, 2, 3])
@@ -66,4 +68,38 @@ fn queries_are_answered_through_the_io_uring_listener() {
     let mut refused = Conn::connect(&d.query());
     assert_eq!(refused.recv()["error"]["code"], "too_many_connections");
     assert_eq!(c.ask(&q)["worker_id"], 1);
+    // A connection that sends nothing for idle_timeout_ms (1.5 s) is
+    // closed: its read sees the end of the stream.
+    drop(more);
+    drop(w);
+    let idle = wait_for_connect(&d.query());
+    idle.set_read_timeout(Some(std::time::Duration::from_secs(10)))
+        .unwrap();
+    let mut byte = [0u8; 1];
+    assert_eq!((&idle).read(&mut byte).unwrap(), 0, "closed when idle");
+}
+
+/// Connects once the listener has room again (closed connections are
+/// counted down asynchronously).
+fn wait_for_connect(path: &std::path::Path) -> std::os::unix::net::UnixStream {
+    let mut stream = None;
+    wait_for(
+        || {
+            let s = std::os::unix::net::UnixStream::connect(path).unwrap();
+            s.set_read_timeout(Some(std::time::Duration::from_millis(50)))
+                .unwrap();
+            let mut byte = [0u8; 1];
+            // A refused connection gets an error line at once; an accepted
+            // one stays silent.
+            match (&s).read(&mut byte) {
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    stream = Some(s);
+                    true
+                }
+                _ => false,
+            }
+        },
+        "room under the connection limit",
+    );
+    stream.unwrap()
 }
