@@ -1228,7 +1228,7 @@ impl Server {
     }
 
     fn handle_binary(&mut self, body: &[u8], out: &mut Vec<u8>) {
-        use crate::wire::{Ids, Request, SelectReply, status};
+        use crate::wire::{Ids, Request, SelectView, status};
         let request = match crate::wire::parse_request(body) {
             Ok(r) => r,
             Err((code, message)) => {
@@ -1329,14 +1329,14 @@ impl Server {
                         let (endpoint, provider) = self.target(&r);
                         crate::wire::write_select_reply(
                             out,
-                            &SelectReply {
+                            &SelectView {
                                 worker_id: r.worker.worker_id,
                                 dp_rank: r.worker.dp_rank,
                                 request_id: r.request_id,
                                 cost: r.cost,
                                 overlap_blocks: r.overlap_blocks,
                                 provider: provider.is_some(),
-                                endpoint: endpoint.to_owned(),
+                                endpoint,
                             },
                         );
                         return;

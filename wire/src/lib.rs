@@ -358,8 +358,9 @@ pub fn parse_select_reply(p: &[u8]) -> Result<SelectView<'_>, &'static str> {
     })
 }
 
-/// Encodes a select answer.
-pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectReply) {
+/// Encodes a select answer (borrowed, so the daemon encodes without
+/// allocating).
+pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectView<'_>) {
     write_frame(out, status::OK, |o| {
         o.extend_from_slice(&r.worker_id.to_le_bytes());
         o.extend_from_slice(&r.dp_rank.to_le_bytes());
