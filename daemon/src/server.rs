@@ -5,7 +5,7 @@
 //! `query.sock` in JSON lines or the binary protocol ([`crate::wire`]).
 //! Each busy turn asks one `epoll` set (every socket, kept across turns)
 //! which sockets are readable; when nothing has been pending for a while it
-//! sleeps in `poll` on every socket and every ring's wake eventfd.
+//! sleeps in the same set, which also holds every ring's wake eventfd.
 //!
 //! Query protocol (one JSON object per line, one reply line each):
 //!
@@ -32,7 +32,7 @@ use kvedge_shm::channel::{self as query_channel, ServerChannel};
 use kvedge_shm::control::{connection_closed, read_hello, send_reject, send_welcome};
 use kvedge_shm::messages::Role;
 use kvedge_shm::messages::control::{Welcome, reject};
-use rustix::event::{PollFd, PollFlags, epoll};
+use rustix::event::epoll;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
@@ -278,6 +278,39 @@ pub(crate) fn send_refusal(stream: &UnixStream, code: &str, message: &str) {
     let _ = rustix::net::send(stream, line.as_bytes(), rustix::net::SendFlags::NOSIGNAL);
 }
 
+/// The epoll key of a ring's wake eventfd: it only ends a sleep, so
+/// readiness checks skip it.
+const WAKE_KEY: u64 = u64::MAX;
+
+/// Adds a ring's wake eventfd to the loop's epoll set, so that sleeping is
+/// one `epoll_wait` on the set (no per-sleep poll list to build). It must
+/// be removed explicitly ([`unwatch_engine`], [`unwatch_client`]): the
+/// peer holds a copy of the eventfd, so closing ours does not remove it.
+fn watch_wake(epoll: &OwnedFd, fd: impl AsFd) -> io::Result<()> {
+    epoll::add(
+        epoll,
+        fd,
+        epoll::EventData::new_u64(WAKE_KEY),
+        epoll::EventFlags::IN,
+    )?;
+    Ok(())
+}
+
+/// Takes a departing engine's sockets and wake eventfd out of the epoll set.
+fn unwatch_engine(epoll: &OwnedFd, e: &Engine) {
+    let _ = epoll::delete(epoll, &e.stream);
+    let _ = epoll::delete(epoll, e.ring.wake_fd());
+}
+
+/// Takes a departing client's socket (and its query channel's wake
+/// eventfd) out of the epoll set.
+fn unwatch_client(epoll: &OwnedFd, c: &Client) {
+    let _ = epoll::delete(epoll, &c.stream);
+    if let Some(r) = &c.rings {
+        let _ = epoll::delete(epoll, r.requests.wake_fd());
+    }
+}
+
 /// Adds `fd` to the loop's epoll set, keyed by its number.
 fn watch(epoll: &OwnedFd, fd: impl AsFd) -> io::Result<()> {
     let key = fd.as_fd().as_raw_fd() as u64;
@@ -377,7 +410,7 @@ impl Server {
         self.clients.retain(|c| {
             let keep = now.saturating_duration_since(c.last_active) <= idle;
             if !keep {
-                let _ = epoll::delete(epoll, &c.stream);
+                unwatch_client(epoll, c);
             }
             keep
         });
@@ -653,6 +686,9 @@ impl Server {
         // EINTR reports nothing this turn; the next turn asks again.
         if let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf[..], Some(&zero)) {
             for ev in events.iter() {
+                if ev.data.u64() == WAKE_KEY {
+                    continue;
+                }
                 let fd = ev.data.u64() as usize;
                 if fd >= self.ready_fds.len() {
                     self.ready_fds.resize(fd + 1, false);
@@ -817,6 +853,11 @@ impl Server {
             self.router.unregister(slot);
             return Err(e.into());
         }
+        if let Err(e) = watch_wake(&self.epoll, ring.wake_fd()) {
+            let _ = epoll::delete(&self.epoll, &stream);
+            self.router.unregister(slot);
+            return Err(e.into());
+        }
         let now = self.now_ms();
         self.engines.push(Engine {
             slot,
@@ -955,7 +996,7 @@ impl Server {
             if closed {
                 let e = self.engines.swap_remove(i);
                 self.departed_drops += e.ring.producer_dropped();
-                let _ = epoll::delete(&self.epoll, &e.stream);
+                unwatch_engine(&self.epoll, &e);
                 self.router.unregister(e.slot);
                 any = true;
                 continue;
@@ -1018,7 +1059,7 @@ impl Server {
             }
             if closed {
                 let c = self.clients.swap_remove(i);
-                let _ = epoll::delete(&self.epoll, &c.stream);
+                unwatch_client(&self.epoll, &c);
             } else {
                 i += 1;
             }
@@ -1129,6 +1170,7 @@ impl Server {
         let sent = query_channel::send_with_fds(stream, &out, &rings.fds());
         stream.set_nonblocking(true)?;
         sent?;
+        watch_wake(&self.epoll, rings.requests.wake_fd())?;
         self.clients[i].rings = Some(rings);
         Ok(())
     }
@@ -1388,37 +1430,15 @@ impl Server {
             }
             return;
         }
-        {
-            let mut fds: Vec<PollFd<'_>> = Vec::new();
-            fds.push(PollFd::new(&self.control, PollFlags::IN));
-            if let Some(q) = &self.query {
-                fds.push(PollFd::new(q, PollFlags::IN));
-            }
-            if let Some((_, wake)) = &self.jobs {
-                fds.push(PollFd::new(wake, PollFlags::IN));
-            }
-            for e in &self.engines {
-                fds.push(PollFd::from_borrowed_fd(e.stream.as_fd(), PollFlags::IN));
-                fds.push(PollFd::from_borrowed_fd(e.ring.wake_fd(), PollFlags::IN));
-            }
-            for c in &self.clients {
-                fds.push(PollFd::new(&c.stream, PollFlags::IN));
-                if let Some(r) = &c.rings {
-                    fds.push(PollFd::from_borrowed_fd(
-                        r.requests.wake_fd(),
-                        PollFlags::IN,
-                    ));
-                }
-            }
-            for (p, _) in &self.pending {
-                fds.push(PollFd::new(p, PollFlags::IN));
-            }
-            let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
-                tv_sec: 0,
-                tv_nsec: 100_000_000,
-            });
-            let _ = rustix::event::poll(&mut fds, Some(&ts));
-        }
+        // Every socket and every ring's wake eventfd is in the epoll set:
+        // one wait, no list to build. What woke us is found again by the
+        // next readiness check (level-triggered).
+        let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000_000,
+        });
+        let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 8];
+        let _ = epoll::wait(&self.epoll, &mut buf[..], Some(&ts));
         for ring in self.consumers() {
             ring.end_sleep();
         }
