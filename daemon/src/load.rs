@@ -7,8 +7,15 @@
 //! it (the engine now counts those requests itself), so after `finish` the
 //! projection is exactly the engine's last report. Reservations nobody
 //! releases expire after a TTL. Time comes from the caller.
+//!
+//! Neither a report nor the expiry scans the reservations: a report bumps
+//! its worker's epoch (a reservation counts while its epoch is current),
+//! and reservations expire from the front of a queue in the order they
+//! were made. That order is expiry order while the TTL stays the same;
+//! after a reload shortens it, newer reservations wait for the older ones
+//! ahead of them, so they expire at most one old TTL late.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 
 use kvedge_policies::LoadRow;
 
@@ -30,8 +37,9 @@ struct Reservation {
     slot: Slot,
     prefill_tokens: u64,
     blocks: u64,
-    /// Still counted in the projection (no report since it was made).
-    pending: bool,
+    /// The worker's report epoch when it was made: it is counted in the
+    /// projection while no report has come since.
+    epoch: u64,
     prefill_pending: bool,
     expires_ms: u64,
 }
@@ -62,6 +70,11 @@ pub struct LoadTable {
     reports: [LoadReport; MAX_WORKERS],
     extra: [(u32, u64, u64); MAX_WORKERS],
     reservations: HashMap<u64, Reservation>,
+    /// Reports received per worker.
+    epochs: [u64; MAX_WORKERS],
+    /// (expiry, request id) in the order reserved; an entry whose id is
+    /// gone or was reserved again since is stale and dropped lazily.
+    order: VecDeque<(u64, u64)>,
     ttl_ms: u64,
     expired: u64,
 }
@@ -72,6 +85,8 @@ impl LoadTable {
             reports: [LoadReport::default(); MAX_WORKERS],
             extra: [(0, 0, 0); MAX_WORKERS],
             reservations: HashMap::with_capacity(4096),
+            epochs: [0; MAX_WORKERS],
+            order: VecDeque::with_capacity(4096),
             ttl_ms,
             expired: 0,
         }
@@ -86,12 +101,12 @@ impl LoadTable {
     pub fn report(&mut self, slot: Slot, report: LoadReport) {
         self.reports[slot.index()] = report;
         self.extra[slot.index()] = (0, 0, 0);
-        for r in self.reservations.values_mut() {
-            if r.slot == slot {
-                r.pending = false;
-                r.prefill_pending = false;
-            }
-        }
+        self.epochs[slot.index()] += 1;
+    }
+
+    /// Whether `r` is still counted in its worker's projection.
+    fn pending(&self, r: &Reservation) -> bool {
+        r.epoch == self.epochs[r.slot.index()]
     }
 
     /// Reserves a selected request on `slot`.
@@ -116,25 +131,29 @@ impl LoadTable {
                 slot,
                 prefill_tokens,
                 blocks,
-                pending: true,
+                epoch: self.epochs[slot.index()],
                 prefill_pending: true,
                 expires_ms: now_ms.saturating_add(self.ttl_ms),
             },
         );
+        self.order
+            .push_back((now_ms.saturating_add(self.ttl_ms), request_id));
     }
 
     /// The request finished its prefill: its prefill tokens leave the
     /// projection.
     pub fn prefill_done(&mut self, request_id: u64) -> Result<(), LoadError> {
-        let r = self
+        let r = *self
             .reservations
-            .get_mut(&request_id)
+            .get(&request_id)
             .ok_or(LoadError::UnknownRequest(request_id))?;
-        if r.pending && r.prefill_pending {
+        if self.pending(&r) && r.prefill_pending {
             let e = &mut self.extra[r.slot.index()];
             e.1 = e.1.saturating_sub(r.prefill_tokens);
         }
-        r.prefill_pending = false;
+        if let Some(r) = self.reservations.get_mut(&request_id) {
+            r.prefill_pending = false;
+        }
         Ok(())
     }
 
@@ -149,7 +168,7 @@ impl LoadTable {
     }
 
     fn unproject(&mut self, r: &Reservation) {
-        if !r.pending {
+        if !self.pending(r) {
             return;
         }
         let e = &mut self.extra[r.slot.index()];
@@ -160,21 +179,37 @@ impl LoadTable {
         e.2 = e.2.saturating_sub(r.blocks);
     }
 
-    /// Drops reservations past their TTL; returns how many.
+    /// Drops reservations past their TTL; returns how many. Costs the
+    /// number dropped (and finished ids reaching the front), not the number
+    /// outstanding; allocates nothing.
     pub fn expire(&mut self, now_ms: u64) -> usize {
-        let mut gone = Vec::new();
-        for (id, r) in &self.reservations {
-            if r.expires_ms <= now_ms {
-                gone.push(*id);
+        let mut gone = 0;
+        while let Some(&(expires_ms, id)) = self.order.front() {
+            match self.reservations.get(&id) {
+                // Finished, or reserved again since (a later entry stands
+                // for it): nothing to expire here.
+                None => {}
+                Some(r) if r.expires_ms != expires_ms => {}
+                Some(r) if r.expires_ms <= now_ms => {
+                    let r = *r;
+                    self.reservations.remove(&id);
+                    self.unproject(&r);
+                    gone += 1;
+                }
+                Some(_) => break,
             }
+            self.order.pop_front();
         }
-        for id in &gone {
-            if let Some(r) = self.reservations.remove(id) {
-                self.unproject(&r);
-            }
+        // A forgotten reservation at the front holds finished ids behind
+        // it until it expires; drop them once they outnumber the live ones
+        // (in place, amortized over the finishes that made them).
+        if self.order.len() > 2 * self.reservations.len() + 1024 {
+            let live = &self.reservations;
+            self.order
+                .retain(|(at, id)| live.get(id).is_some_and(|r| r.expires_ms == *at));
         }
-        self.expired += gone.len() as u64;
-        gone.len()
+        self.expired += gone as u64;
+        gone
     }
 
     /// A worker left: its report and reservations go.
@@ -273,6 +308,52 @@ mod tests {
             1,
             "the report stands until the next one"
         );
+    }
+
+    #[test]
+    fn a_reservation_after_a_report_counts_until_the_next_one() {
+        let mut t = LoadTable::new(60_000);
+        t.reserve(1, s(1), 500, 32, 0);
+        t.report(s(1), report(1, 500, 32));
+        t.reserve(2, s(1), 100, 8, 0);
+        assert_eq!(t.projected(s(1)).active_requests, 2);
+        t.prefill_done(1).unwrap(); // superseded: changes nothing
+        assert_eq!(t.projected(s(1)).active_prefill_tokens, 600);
+        t.prefill_done(2).unwrap();
+        assert_eq!(t.projected(s(1)).active_prefill_tokens, 500);
+        t.report(s(1), report(2, 0, 40));
+        t.finish(2).unwrap();
+        assert_eq!(t.projected(s(1)).active_requests, 2);
+    }
+
+    #[test]
+    fn expiry_follows_reservation_order_and_finished_ids_do_not_pile_up() {
+        let mut t = LoadTable::new(1_000);
+        // One forgotten reservation, then 5,000 that finish.
+        t.reserve(1, s(0), 1, 1, 0);
+        for id in 2..5_002 {
+            t.reserve(id, s(0), 1, 1, 10);
+            t.finish(id).unwrap();
+            t.expire(10);
+        }
+        assert!(
+            t.order.len() <= 2 * t.reservations() + 1024,
+            "{} queued for {} live",
+            t.order.len(),
+            t.reservations()
+        );
+        assert_eq!(t.expire(999), 0);
+        assert_eq!(t.expire(1_000), 1);
+        assert_eq!(
+            (t.reservations(), t.projected(s(0)).active_requests),
+            (0, 0)
+        );
+        // Reserved again under the same id: the later expiry stands.
+        t.reserve(7, s(0), 1, 1, 2_000);
+        t.reserve(7, s(0), 1, 1, 2_500);
+        assert_eq!(t.expire(3_000), 0);
+        assert_eq!(t.expire(3_500), 1);
+        assert_eq!(t.expired(), 2);
     }
 
     #[test]
