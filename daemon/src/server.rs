@@ -287,13 +287,7 @@ const WAKE_KEY: u64 = u64::MAX;
 /// be removed explicitly ([`unwatch_engine`], [`unwatch_client`]): the
 /// peer holds a copy of the eventfd, so closing ours does not remove it.
 fn watch_wake(epoll: &OwnedFd, fd: impl AsFd) -> io::Result<()> {
-    epoll::add(
-        epoll,
-        fd,
-        epoll::EventData::new_u64(WAKE_KEY),
-        epoll::EventFlags::IN,
-    )?;
-    Ok(())
+    watch_as(epoll, fd, WAKE_KEY)
 }
 
 /// Takes a departing engine's sockets and wake eventfd out of the epoll set.
@@ -314,6 +308,11 @@ fn unwatch_client(epoll: &OwnedFd, c: &Client) {
 /// Adds `fd` to the loop's epoll set, keyed by its number.
 fn watch(epoll: &OwnedFd, fd: impl AsFd) -> io::Result<()> {
     let key = fd.as_fd().as_raw_fd() as u64;
+    watch_as(epoll, fd, key)
+}
+
+/// Adds `fd` to the loop's epoll set (readable, level-triggered) as `key`.
+fn watch_as(epoll: &OwnedFd, fd: impl AsFd, key: u64) -> io::Result<()> {
     epoll::add(
         epoll,
         fd,
