@@ -1128,6 +1128,12 @@ impl Server {
                 status::RINGS_UNAVAILABLE,
                 "this connection already has a query channel".to_owned(),
             ))
+        } else if limit == 0 {
+            Some((
+                status::RINGS_UNAVAILABLE,
+                "query channels are turned off (daemon.max_query_rings: 0); use the socket"
+                    .to_owned(),
+            ))
         } else if attached >= limit {
             Some((
                 status::RINGS_UNAVAILABLE,
