@@ -816,3 +816,20 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
     drop(a);
 }
+
+#[test]
+fn query_channels_can_be_turned_off() {
+    use kvedge_daemon::wire::{Client as Wire, status};
+    let d = start_with("rings-off", "daemon:\n  max_query_rings: 0\n");
+    let mut w = Wire::connect(d.query()).unwrap();
+    let (code, message) = w.attach_rings().unwrap().unwrap_err();
+    assert_eq!(code, status::RINGS_UNAVAILABLE);
+    assert!(message.contains("turned off"), "{message}");
+    assert!(!w.rings_attached());
+    // The connection goes on over the socket.
+    let err = w
+        .select_hashes("m", 0, &[1], 16, true)
+        .unwrap()
+        .unwrap_err();
+    assert_eq!(err.0, status::NO_WORKER);
+}
