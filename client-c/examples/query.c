@@ -36,6 +36,10 @@ int main(int argc, char **argv) {
     if (rc != KVEDGE_OK) fail("kvedge_client_connect", rc);
     rc = kvedge_client_set_timeout_ms(c, 2000);
     if (rc != KVEDGE_OK) fail("kvedge_client_set_timeout_ms", rc);
+    /* Shared-memory rings for the requests when the daemon has them to
+     * give; otherwise the client simply stays on the socket. */
+    rc = kvedge_client_attach_rings(c);
+    if (rc != KVEDGE_OK && rc != KVEDGE_ERR_UNAVAILABLE) fail("kvedge_client_attach_rings", rc);
 
     kvedge_select_request req;
     memset(&req, 0, sizeof req);
