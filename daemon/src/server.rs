@@ -393,6 +393,11 @@ impl Server {
         self.started.elapsed().as_millis() as u64
     }
 
+    /// Client connections with a query channel attached.
+    fn query_channels(&self) -> usize {
+        self.clients.iter().filter(|c| c.rings.is_some()).count()
+    }
+
     /// Milliseconds since start at the top of the current loop turn.
     fn turn_ms(&self) -> u64 {
         self.turn
@@ -641,7 +646,7 @@ impl Server {
             index_refused_full: self.router.index.refused_full(),
             workers,
             clients: self.clients.len() as u64,
-            query_channels: self.clients.iter().filter(|c| c.rings.is_some()).count() as u64,
+            query_channels: self.query_channels() as u64,
             reservations: self.router.load.reservations() as u64,
             reservations_expired: self.router.load.expired(),
             reloads: self.reloads,
@@ -1120,7 +1125,7 @@ impl Server {
         use crate::wire::status;
         let mut out = Vec::new();
         let limit = self.config.daemon.max_query_rings;
-        let attached = self.clients.iter().filter(|c| c.rings.is_some()).count();
+        let attached = self.query_channels();
         let refusal = if let Err((code, message)) = crate::wire::parse_request(body) {
             Some((code, message.to_owned()))
         } else if self.clients[i].rings.is_some() {
@@ -1167,14 +1172,10 @@ impl Server {
         crate::wire::write_frame(&mut out, status::OK, |o| {
             o.extend_from_slice(&capacity.to_le_bytes())
         });
-        // Blocking for at most a second, as `write_reply` does when a
-        // client's socket is full; descriptors go with the first byte.
-        let stream = &self.clients[i].stream;
-        stream.set_nonblocking(false)?;
-        stream.set_write_timeout(Some(Duration::from_secs(1)))?;
-        let sent = query_channel::send_with_fds(stream, &out, &rings.fds());
-        stream.set_nonblocking(true)?;
-        sent?;
+        // The descriptors go with the reply's first byte.
+        blocking_for_a_second(&mut self.clients[i].stream, |s| {
+            query_channel::send_with_fds(s, &out, &rings.fds())
+        })?;
         watch_wake(&self.epoll, rings.requests.wake_fd())?;
         self.clients[i].rings = Some(rings);
         Ok(())
@@ -1506,7 +1507,7 @@ impl Server {
             Query::Stats => Ok(json!({
                 "workers": self.engines.len(),
                 "clients": self.clients.len(),
-                "query_channels": self.clients.iter().filter(|c| c.rings.is_some()).count(),
+                "query_channels": self.query_channels(),
                 "index_entries": self.router.index.entries(),
                 "index_refused_full": self.router.index.refused_full(),
                 "reservations": self.router.load.reservations(),
@@ -1656,9 +1657,19 @@ fn write_reply(stream: &mut UnixStream, bytes: &[u8]) -> io::Result<()> {
     if written == bytes.len() {
         return Ok(());
     }
+    blocking_for_a_second(stream, |s| s.write_all(&bytes[written..]))
+}
+
+/// Runs `send` on `stream` switched to blocking with a one-second write
+/// timeout (a client whose socket is full gets that long), then switches
+/// it back to non-blocking.
+fn blocking_for_a_second<T>(
+    stream: &mut UnixStream,
+    send: impl FnOnce(&mut UnixStream) -> io::Result<T>,
+) -> io::Result<T> {
     stream.set_nonblocking(false)?;
     stream.set_write_timeout(Some(Duration::from_secs(1)))?;
-    let result = stream.write_all(&bytes[written..]);
+    let result = send(stream);
     stream.set_nonblocking(true)?;
     result
 }
