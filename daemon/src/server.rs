@@ -1419,17 +1419,14 @@ impl Server {
     }
 
     fn sleep(&mut self, timeout: Duration) {
-        let mut prepared = 0;
-        let mut all = true;
-        for ring in self.consumers() {
-            if ring.prepare_sleep() {
-                prepared += 1;
-            } else {
-                all = false;
-                break;
-            }
-        }
-        if !all {
+        // A ring whose prepare_sleep says records arrived meanwhile clears
+        // its own flag; the ones before it are woken back up.
+        let prepared = self
+            .consumers()
+            .map(|r| r.prepare_sleep())
+            .take_while(|&ok| ok)
+            .count();
+        if prepared < self.consumers().count() {
             // Records arrived meanwhile: do not sleep at all.
             for ring in self.consumers().take(prepared) {
                 ring.end_sleep();
