@@ -143,17 +143,16 @@ impl LoadTable {
     /// The request finished its prefill: its prefill tokens leave the
     /// projection.
     pub fn prefill_done(&mut self, request_id: u64) -> Result<(), LoadError> {
-        let r = *self
+        let r = self
             .reservations
-            .get(&request_id)
+            .get_mut(&request_id)
             .ok_or(LoadError::UnknownRequest(request_id))?;
-        if self.pending(&r) && r.prefill_pending {
+        // `pending`, with the fields borrowed apart from `r`.
+        if r.epoch == self.epochs[r.slot.index()] && r.prefill_pending {
             let e = &mut self.extra[r.slot.index()];
             e.1 = e.1.saturating_sub(r.prefill_tokens);
         }
-        if let Some(r) = self.reservations.get_mut(&request_id) {
-            r.prefill_pending = false;
-        }
+        r.prefill_pending = false;
         Ok(())
     }
 
