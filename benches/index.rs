@@ -12,7 +12,7 @@ use std::hint::black_box;
 use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
-use kvedge_daemon::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
+use kvedge_core::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
 use kvedge_shm::messages::Tier;
 
 /// Deterministic, well-mixed 64-bit values (splitmix64).

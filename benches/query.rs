@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use kvedge_daemon::config::Config;
+use kvedge_core::config::Config;
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;
@@ -67,7 +67,7 @@ fn commit_to_visible(
     iters: u64,
     k: &mut u64,
     engine: &mut Publisher,
-    client: &mut kvedge_daemon::wire::Client,
+    client: &mut kvedge_wire::Client,
 ) -> Duration {
     let mut total = Duration::ZERO;
     for _ in 0..iters {
@@ -167,7 +167,7 @@ fn main() {
     g.bench_function("select_128_hashes_round_trip_spinning_client", |b| {
         b.iter(|| ask_spinning(&mut spinning, hash_line.as_bytes(), &mut buf))
     });
-    let mut wire = kvedge_daemon::wire::Client::connect(rd.query()).unwrap();
+    let mut wire = kvedge_wire::Client::connect(rd.query()).unwrap();
     if let Err(e) = wire.select_hashes("llama", 0, &hashes, 2048, true).unwrap() {
         panic!("binary select failed: {e:?}");
     }
@@ -192,7 +192,7 @@ fn main() {
         let path = rd.query();
         let hashes = hashes.clone();
         move || {
-            let mut c = kvedge_daemon::wire::Client::connect(&path).unwrap();
+            let mut c = kvedge_wire::Client::connect(&path).unwrap();
             for _ in 0..100 {
                 c.select_hashes("llama", 0, &hashes, 2048, true)
                     .unwrap()
@@ -253,7 +253,7 @@ fn main() {
     // The same over the binary protocol, the path for programs: first the
     // floor (a one-hash select round trip with nothing new to see), then
     // commit-to-visible.
-    let mut fast = kvedge_daemon::wire::Client::connect(rd.query()).unwrap();
+    let mut fast = kvedge_wire::Client::connect(rd.query()).unwrap();
     fast.set_spinning(true).unwrap();
     g.bench_function("binary_select_1_hash_round_trip_spinning_client", |b| {
         b.iter(|| {
@@ -267,7 +267,7 @@ fn main() {
     });
     // The same two over a query channel (shared-memory rings): no system
     // call per round trip while both sides spin.
-    let mut ring = kvedge_daemon::wire::Client::connect(rd.query()).unwrap();
+    let mut ring = kvedge_wire::Client::connect(rd.query()).unwrap();
     ring.set_spinning(true).unwrap();
     ring.attach_rings().unwrap().unwrap();
     g.bench_function("ring_select_1_hash_round_trip_spinning_client", |b| {
@@ -288,7 +288,7 @@ fn main() {
         let path = rd.query();
         let hashes = hashes.clone();
         std::thread::spawn(move || {
-            let mut c = kvedge_daemon::wire::Client::connect(&path).unwrap();
+            let mut c = kvedge_wire::Client::connect(&path).unwrap();
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 c.select_hashes("llama", 0, &hashes, 2048, true)

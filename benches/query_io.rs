@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use kvedge_daemon::config::Config;
+use kvedge_core::config::Config;
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 
@@ -70,7 +70,7 @@ fn node(name: &str, uring: bool) -> Node {
         endpoint: "http://engine-1".into(),
         ring_capacity: 0,
     };
-    let engine = kvedge_daemon::publish::connect(&dir, None, &hello).unwrap();
+    let engine = kvedge_tools::publish::connect(&dir, None, &hello).unwrap();
     Node {
         dir,
         stop,
@@ -101,7 +101,7 @@ fn main() {
                     r.read_line(&mut reply).unwrap();
                 })
             });
-            let mut w = kvedge_daemon::wire::Client::connect(n.dir.join("query.sock")).unwrap();
+            let mut w = kvedge_wire::Client::connect(n.dir.join("query.sock")).unwrap();
             g.bench_function(format!("binary_select_blocking/{name}/{round}"), |b| {
                 b.iter(|| {
                     w.select_hashes("llama", 0, &hashes, 2048, true)
@@ -123,7 +123,7 @@ fn main() {
                         .map(|_| {
                             let (path, hashes) = (path.clone(), hashes.clone());
                             std::thread::spawn(move || {
-                                let mut w = kvedge_daemon::wire::Client::connect(&path).unwrap();
+                                let mut w = kvedge_wire::Client::connect(&path).unwrap();
                                 for _ in 0..100 {
                                     w.select_hashes("llama", 0, &hashes, 2048, true)
                                         .unwrap()

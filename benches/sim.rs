@@ -7,10 +7,10 @@
 #![forbid(unsafe_code)]
 
 use criterion::Criterion;
-use kvedge_daemon::sim::{Setup, preset_config, run};
 use kvedge_policies::router_plugin_registry;
 use kvedge_sim::engine::EngineParams;
 use kvedge_sim::workload::{SyntheticParams, synthetic};
+use kvedge_tools::sim::{Setup, preset_config, run};
 
 fn main() {
     let mut c = Criterion::default().configure_from_args().sample_size(10);

@@ -85,7 +85,7 @@ fn main() {
         endpoint: String::new(),
         ring_capacity: 0,
     };
-    let mut rust_pub = kvedge_daemon::publish::connect(&dir, None, &rust_hello).unwrap();
+    let mut rust_pub = kvedge_tools::publish::connect(&dir, None, &rust_hello).unwrap();
     let mut publish_rust = || {
         black_box(
             rust_pub
@@ -141,12 +141,12 @@ fn main() {
     let req = select_request(model.as_ptr(), &out, true);
     // SAFETY: all-zero bytes are a valid kvedge_select_result.
     let mut res: kvedge_select_result = unsafe { std::mem::zeroed() };
-    let mut rust = kvedge_daemon::wire::Client::connect(dir.join("query.sock")).unwrap();
-    let q = kvedge_daemon::wire::SelectQuery {
+    let mut rust = kvedge_wire::Client::connect(dir.join("query.sock")).unwrap();
+    let q = kvedge_wire::SelectQuery {
         model: "llama",
         role: 0,
         session: None,
-        ids: kvedge_daemon::wire::QueryIds::Hashes(&out),
+        ids: kvedge_wire::QueryIds::Hashes(&out),
         prompt_tokens: 2048,
         dry_run: true,
         priority: 0,
@@ -176,7 +176,7 @@ fn main() {
         );
         assert_eq!(kvedge_client_attach_rings(ring_client), KVEDGE_OK);
     }
-    let mut rust_ring = kvedge_daemon::wire::Client::connect(dir.join("query.sock")).unwrap();
+    let mut rust_ring = kvedge_wire::Client::connect(dir.join("query.sock")).unwrap();
     rust_ring.attach_rings().unwrap().unwrap();
     for round in 1..=3 {
         g.bench_function(format!("kvedge_select_ring_round_trip/{round}"), |b| {

@@ -4,7 +4,7 @@
 //! complete request is cut out of the buffer, and a request that cannot fit
 //! the frame limit is refused.
 
-use crate::wire::{MAGIC, status, write_error};
+use kvedge_wire::{MAGIC, status, write_error};
 
 /// A connection's protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

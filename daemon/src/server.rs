@@ -2,7 +2,7 @@
 //! it accepts engines on `control.sock` (Hello, ring by SCM_RIGHTS), drains
 //! their rings into the index and load table, notices closed control
 //! connections (the worker leaves routing at once), and answers frontends on
-//! `query.sock` in JSON lines or the binary protocol ([`crate::wire`]).
+//! `query.sock` in JSON lines or the binary protocol ([`kvedge_wire`]).
 //! Each busy turn asks one `epoll` set (every socket, kept across turns)
 //! which sockets are readable; when nothing has been pending for a while it
 //! sleeps in the same set, which also holds every ring's wake eventfd.
@@ -36,10 +36,10 @@ use rustix::event::epoll;
 use serde::Deserialize;
 use serde_json::{Value, json};
 
-use crate::config::Config;
 use crate::framing::{self, Mode, Next};
-use crate::index::Slot;
-use crate::router::{Router, SelectRequest, WorkerInfo};
+use kvedge_core::config::Config;
+use kvedge_core::index::Slot;
+use kvedge_core::router::{Router, SelectRequest, WorkerInfo};
 
 /// Sockets of one daemon.
 #[derive(Clone, Debug)]
@@ -125,7 +125,7 @@ pub struct Server {
     selects: u64,
     errors: u64,
     /// Time in the router core per selection.
-    select_latency: crate::latency::Histogram,
+    select_latency: kvedge_core::latency::Histogram,
     /// Retained buffers of the binary protocol.
     reply: Vec<u8>,
     hashes: Vec<u64>,
@@ -242,7 +242,7 @@ pub type Reloader = Box<dyn FnMut() -> Result<Config, String> + Send>;
 /// io_uring listener.
 pub(crate) fn admission(
     stream: &UnixStream,
-    d: &crate::config::DaemonSection,
+    d: &kvedge_core::config::DaemonSection,
     open: usize,
 ) -> Option<(&'static str, String)> {
     if open >= d.max_query_connections {
@@ -588,13 +588,13 @@ impl Server {
 
     /// Every registered worker with its load and index counts, as
     /// `workers` and the metrics report them.
-    fn worker_rows(&self) -> Vec<crate::metrics::WorkerRow> {
+    fn worker_rows(&self) -> Vec<kvedge_core::metrics::WorkerRow> {
         self.router
             .workers()
             .map(|(slot, w)| {
                 let load = self.router.load.projected(slot);
                 let report = self.router.load.reported(slot);
-                crate::metrics::WorkerRow {
+                kvedge_core::metrics::WorkerRow {
                     worker_id: w.worker.worker_id,
                     dp_rank: w.worker.dp_rank,
                     model: w.model.clone(),
@@ -617,9 +617,9 @@ impl Server {
     }
 
     /// The counters and gauges a scrape reports.
-    pub fn metrics(&self) -> crate::metrics::Snapshot {
+    pub fn metrics(&self) -> kvedge_core::metrics::Snapshot {
         let workers = self.worker_rows();
-        crate::metrics::Snapshot {
+        kvedge_core::metrics::Snapshot {
             selections: self
                 .selections
                 .iter()
@@ -823,9 +823,11 @@ impl Server {
                 send_reject(
                     &stream,
                     match e {
-                        crate::router::RegisterError::Full(_) => reject::TOO_MANY_WORKERS,
-                        crate::router::RegisterError::Duplicate(_) => reject::DUPLICATE_WORKER,
-                        crate::router::RegisterError::BlockSize => reject::INVALID_HELLO,
+                        kvedge_core::router::RegisterError::Full(_) => reject::TOO_MANY_WORKERS,
+                        kvedge_core::router::RegisterError::Duplicate(_) => {
+                            reject::DUPLICATE_WORKER
+                        }
+                        kvedge_core::router::RegisterError::BlockSize => reject::INVALID_HELLO,
                     },
                     &e.to_string(),
                 )?;
@@ -1093,7 +1095,7 @@ impl Server {
                 Next::Request { body, used } => {
                     let body = &buf[consumed + body.start..consumed + body.end];
                     if mode == Mode::Binary
-                        && body.get(..2) == Some(&crate::wire::op::ATTACH_RINGS.to_le_bytes()[..])
+                        && body.get(..2) == Some(&kvedge_wire::op::ATTACH_RINGS.to_le_bytes()[..])
                     {
                         consumed += used;
                         if self.attach_rings(i, body).is_err() {
@@ -1122,11 +1124,11 @@ impl Server {
     /// (`RINGS_UNAVAILABLE`) and leaves the connection as it was. An error
     /// means the reply could not be sent: close the connection.
     fn attach_rings(&mut self, i: usize, body: &[u8]) -> io::Result<()> {
-        use crate::wire::status;
+        use kvedge_wire::status;
         let mut out = Vec::new();
         let limit = self.config.daemon.max_query_rings;
         let attached = self.query_channels();
-        let refusal = if let Err((code, message)) = crate::wire::parse_request(body) {
+        let refusal = if let Err((code, message)) = kvedge_wire::parse_request(body) {
             Some((code, message.to_owned()))
         } else if self.clients[i].rings.is_some() {
             Some((
@@ -1151,7 +1153,7 @@ impl Server {
         };
         if let Some((code, message)) = refusal {
             self.errors += 1;
-            crate::wire::write_error(&mut out, code, &message);
+            kvedge_wire::write_error(&mut out, code, &message);
             return write_reply(&mut self.clients[i].stream, &out);
         }
         self.epoch += 1;
@@ -1161,7 +1163,7 @@ impl Server {
             Err(e) => {
                 self.errors += 1;
                 tracing::warn!("cannot create a query channel: {e}");
-                crate::wire::write_error(
+                kvedge_wire::write_error(
                     &mut out,
                     status::RINGS_UNAVAILABLE,
                     &format!("the daemon cannot create the rings: {e}"),
@@ -1169,7 +1171,7 @@ impl Server {
                 return write_reply(&mut self.clients[i].stream, &out);
             }
         };
-        crate::wire::write_frame(&mut out, status::OK, |o| {
+        kvedge_wire::write_frame(&mut out, status::OK, |o| {
             o.extend_from_slice(&capacity.to_le_bytes())
         });
         // The descriptors go with the reply's first byte.
@@ -1187,7 +1189,7 @@ impl Server {
     /// request ring's framing (the connection must close). Any other bad
     /// record gets an error reply.
     fn serve_ring(&mut self, i: usize) -> Result<bool, kvedge_shm::RingError> {
-        use crate::wire::status;
+        use kvedge_wire::status;
         let Some(mut rings) = self.clients[i].rings.take() else {
             return Ok(false);
         };
@@ -1208,7 +1210,7 @@ impl Server {
                 self.answer(Mode::Binary, record.payload, &mut out);
             } else {
                 self.errors += 1;
-                crate::wire::write_error(
+                kvedge_wire::write_error(
                     &mut out,
                     status::BAD_REQUEST,
                     "unknown record type in the request ring",
@@ -1216,7 +1218,7 @@ impl Server {
             }
             if out.len() - 4 > rings.replies.max_payload() {
                 out.clear();
-                crate::wire::write_error(
+                kvedge_wire::write_error(
                     &mut out,
                     status::FRAME_TOO_LARGE,
                     "the reply does not fit the reply ring; send this request over the socket",
@@ -1258,7 +1260,7 @@ impl Server {
 
     /// Where a selection sends the request: the endpoint, and the provider's
     /// name when a rule chose a provider rather than a worker.
-    fn target(&self, r: &crate::router::SelectResult) -> (&str, Option<&str>) {
+    fn target(&self, r: &kvedge_core::router::SelectResult) -> (&str, Option<&str>) {
         match (r.slot, r.provider) {
             (Some(slot), _) => (
                 self.router.worker(slot).map_or("", |w| w.endpoint.as_str()),
@@ -1276,19 +1278,19 @@ impl Server {
     }
 
     fn handle_binary(&mut self, body: &[u8], out: &mut Vec<u8>) {
-        use crate::wire::{Ids, Request, SelectView, status};
-        let request = match crate::wire::parse_request(body) {
+        use kvedge_wire::{Ids, Request, SelectView, status};
+        let request = match kvedge_wire::parse_request(body) {
             Ok(r) => r,
             Err((code, message)) => {
                 self.errors += 1;
-                crate::wire::write_error(out, code, message);
+                kvedge_wire::write_error(out, code, message);
                 return;
             }
         };
         let result = match request {
             Request::AttachRings => {
                 self.errors += 1;
-                crate::wire::write_error(
+                kvedge_wire::write_error(
                     out,
                     status::RINGS_UNAVAILABLE,
                     "query channels are attached over query.sock served by the routing loop (daemon.query_io: epoll)",
@@ -1308,7 +1310,7 @@ impl Server {
             } => {
                 let Some(role) = WorkerType::ALL.get(usize::from(role)).copied() else {
                     self.errors += 1;
-                    crate::wire::write_error(out, status::BAD_REQUEST, "unknown role");
+                    kvedge_wire::write_error(out, status::BAD_REQUEST, "unknown role");
                     return;
                 };
                 let mut hashes = std::mem::take(&mut self.hashes);
@@ -1333,7 +1335,7 @@ impl Server {
                     }
                 };
                 // Tags on the stack (at most MAX_TAGS); headers only when sent.
-                let mut tag_buf = [""; crate::wire::MAX_TAGS];
+                let mut tag_buf = [""; kvedge_wire::MAX_TAGS];
                 for (slot, tag) in tag_buf.iter_mut().zip(context.tags()) {
                     *slot = tag;
                 }
@@ -1363,7 +1365,7 @@ impl Server {
                     self.hashes = hashes;
                     self.errors += 1;
                     let m = self.too_many_requests();
-                    crate::wire::write_error(out, status::TOO_MANY_REQUESTS, &m);
+                    kvedge_wire::write_error(out, status::TOO_MANY_REQUESTS, &m);
                     return;
                 }
                 let t = Instant::now();
@@ -1375,7 +1377,7 @@ impl Server {
                         self.selects += 1;
                         self.count_selection(role, r.rule, "ok");
                         let (endpoint, provider) = self.target(&r);
-                        crate::wire::write_select_reply(
+                        kvedge_wire::write_select_reply(
                             out,
                             &SelectView {
                                 worker_id: r.worker.worker_id,
@@ -1392,17 +1394,17 @@ impl Server {
                     Err(e) => {
                         self.errors += 1;
                         self.count_selection(role, None, error_code(&e).0);
-                        crate::wire::write_error(out, error_code(&e).1, &e.to_string());
+                        kvedge_wire::write_error(out, error_code(&e).1, &e.to_string());
                         return;
                     }
                 }
             }
         };
         match result {
-            Ok(_) => crate::wire::write_frame(out, status::OK, |_| {}),
+            Ok(_) => kvedge_wire::write_frame(out, status::OK, |_| {}),
             Err(e) => {
                 self.errors += 1;
-                crate::wire::write_error(out, status::UNKNOWN_REQUEST, &e.to_string());
+                kvedge_wire::write_error(out, status::UNKNOWN_REQUEST, &e.to_string());
             }
         }
     }
@@ -1496,7 +1498,7 @@ impl Server {
                     .collect();
                 Ok(json!({ "workers": list }))
             }
-            Query::Metrics => Ok(json!({"text": crate::metrics::render(&self.metrics())})),
+            Query::Metrics => Ok(json!({"text": kvedge_core::metrics::render(&self.metrics())})),
             Query::Reload => self
                 .reload()
                 .map(|_| json!({"ok": true, "reloads": self.reloads}))
@@ -1672,9 +1674,9 @@ fn blocking_for_a_second<T>(
 }
 
 /// A selection error's code in JSON replies and in binary status codes.
-fn error_code(e: &crate::router::RouterError) -> (&'static str, u16) {
-    use crate::router::RouterError;
-    use crate::wire::status;
+fn error_code(e: &kvedge_core::router::RouterError) -> (&'static str, u16) {
+    use kvedge_core::router::RouterError;
+    use kvedge_wire::status;
     match e {
         RouterError::RejectedByRule { .. } => ("rejected", status::REJECTED),
         RouterError::NoRuleMatched => ("no_rule", status::NO_RULE),

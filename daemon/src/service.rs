@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
 use tracing::{error, info, warn};
 
-use crate::config::{Config, LogFormat, LogSection};
 use crate::server::{RuntimeDir, Server};
+use kvedge_core::config::{LogFormat, LogSection};
 
 /// Installs the process's log subscriber: `log.format`, and `KVEDGE_LOG`
 /// (a tracing filter) over `log.level`. Logs go to stderr (the journal
@@ -79,7 +79,7 @@ fn activated_listeners(
 /// Moves query.sock to the io_uring listener, or leaves it on epoll (with a
 /// warning) where io_uring is refused.
 #[cfg(feature = "io-uring")]
-fn start_uring(server: &mut Server, limits: &crate::config::DaemonSection) {
+fn start_uring(server: &mut Server, limits: &kvedge_core::config::DaemonSection) {
     match server.take_query_listener() {
         Ok(Some((listener, jobs))) => match crate::uring::start(listener, jobs, limits) {
             Ok(()) => info!("query.sock served on io_uring"),
@@ -96,14 +96,14 @@ fn start_uring(server: &mut Server, limits: &crate::config::DaemonSection) {
 }
 
 #[cfg(not(feature = "io-uring"))]
-fn start_uring(_: &mut Server, _: &crate::config::DaemonSection) {
+fn start_uring(_: &mut Server, _: &kvedge_core::config::DaemonSection) {
     // Refused by the config loader; nothing to do.
 }
 
 /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
 pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
     let overrides = SelectionOverrides::default().with_env_fallback();
-    let config = match Config::load_file(config_path, &registry, &overrides) {
+    let config = match crate::config::load(config_path, &registry, &overrides) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("kvedge: {e}");
@@ -143,7 +143,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     // refreshes every second.
     let metrics_text = Arc::new(std::sync::Mutex::new(String::new()));
     if let Some(addr) = &metrics_listen {
-        if let Err(e) = crate::metrics::serve_http(addr, Arc::clone(&metrics_text)) {
+        if let Err(e) = crate::metrics_http::serve_http(addr, Arc::clone(&metrics_text)) {
             error!("metrics.listen {addr}: {e}");
             return 1;
         }
@@ -152,12 +152,12 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     let mut last_metrics = std::time::Instant::now()
         .checked_sub(std::time::Duration::from_secs(2))
         .unwrap_or_else(std::time::Instant::now);
-    if query_io == crate::config::QueryIo::IoUring {
+    if query_io == kvedge_core::config::QueryIo::IoUring {
         start_uring(&mut server, &limits);
     }
     let path = config_path.to_owned();
     server.set_reloader(Box::new(move || {
-        Config::load_file(&path, &registry, &overrides).map_err(|e| e.to_string())
+        crate::config::load(&path, &registry, &overrides).map_err(|e| e.to_string())
     }));
     let stop = Arc::new(AtomicBool::new(false));
     let reload = Arc::new(AtomicBool::new(false));
@@ -191,7 +191,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         }
         heartbeat.tick(|| s.status());
         if metrics_listen.is_some() && last_metrics.elapsed() >= std::time::Duration::from_secs(1) {
-            let text = crate::metrics::render(&s.metrics());
+            let text = kvedge_core::metrics::render(&s.metrics());
             if let Ok(mut m) = metrics_text.lock() {
                 *m = text;
             }

@@ -17,9 +17,9 @@ use std::os::unix::net::UnixListener;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use crate::config::DaemonSection;
 use crate::framing::{self, Mode, Next};
 use crate::server::{Job, JobSender, admission, send_refusal};
+use kvedge_core::config::DaemonSection;
 
 /// Starts the listener on `listener`; on error the listener is handed back
 /// with the reason, so the caller can fall back to epoll.

@@ -11,5 +11,5 @@ fn main() -> ExitCode {
         eprintln!("acme-kvedge: {e}");
         return ExitCode::from(1);
     }
-    kvedge_daemon::cli::main_with_registry(registry)
+    kvedge_cli::main_with_registry(registry)
 }

@@ -12,8 +12,8 @@ use kvedge_sim::workload::{
 };
 use serde::Serialize;
 
-use crate::config::Config;
 use crate::sim::{PRESETS, Run, Setup, preset_config, run};
+use kvedge_core::config::Config;
 
 /// Engine model parameters, shared by `sim`, `mock-engine` and `demo`.
 #[derive(Debug, Clone, clap::Args)]
@@ -219,10 +219,10 @@ pub fn workload(args: &SimArgs) -> Result<(String, Vec<TraceRequest>), String> {
 
 /// Runs the command; returns the text to print.
 pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String, String> {
-    if args.workers == 0 || args.workers > crate::index::MAX_WORKERS {
+    if args.workers == 0 || args.workers > kvedge_core::index::MAX_WORKERS {
         return Err(format!(
             "--workers must be 1..={}",
-            crate::index::MAX_WORKERS
+            kvedge_core::index::MAX_WORKERS
         ));
     }
     let engine = args.engine.params()?;

@@ -5,5 +5,5 @@
 #![forbid(unsafe_code)]
 
 fn main() -> std::process::ExitCode {
-    kvedge_daemon::cli::main_with_registry(kvedge_policies::router_plugin_registry())
+    kvedge_cli::main_with_registry(kvedge_policies::router_plugin_registry())
 }

@@ -144,7 +144,7 @@ fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
             let path = dir.join("query.sock");
             let hashes = hashes.clone();
             std::thread::spawn(move || {
-                let mut w = kvedge_daemon::wire::Client::connect(path).unwrap();
+                let mut w = kvedge_wire::Client::connect(path).unwrap();
                 for _ in 0..10_000 {
                     let r = w
                         .select_hashes("llama", 0, &hashes, 64, true)
@@ -337,12 +337,12 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     );
     // The binary protocol carries the same context: tenant, a header, a
     // priority each send the request to the provider; none keeps it local.
-    let mut w = kvedge_daemon::wire::Client::connect(d.dir.join("query.sock")).unwrap();
-    let base = kvedge_daemon::wire::SelectQuery {
+    let mut w = kvedge_wire::Client::connect(d.dir.join("query.sock")).unwrap();
+    let base = kvedge_wire::SelectQuery {
         model: "llama",
         role: 0,
         session: None,
-        ids: kvedge_daemon::wire::QueryIds::Tokens(&[1, 2, 3]),
+        ids: kvedge_wire::QueryIds::Tokens(&[1, 2, 3]),
         prompt_tokens: 0,
         dry_run: true,
         priority: 0,
@@ -350,24 +350,24 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
         tags: &[],
         headers: &[],
     };
-    let target = |w: &mut kvedge_daemon::wire::Client, q| {
+    let target = |w: &mut kvedge_wire::Client, q| {
         let r = w.select(&q).unwrap().unwrap();
         (r.provider, r.endpoint.to_owned())
     };
     assert_eq!(target(&mut w, base), (false, "http://engine-1".to_owned()));
     let cloud = (true, "https://cloud.example".to_owned());
-    let burst = kvedge_daemon::wire::SelectQuery {
+    let burst = kvedge_wire::SelectQuery {
         tenant: Some("burst"),
         tags: &["pii-none", "len-short"],
         ..base
     };
     assert_eq!(target(&mut w, burst), cloud);
-    let team = kvedge_daemon::wire::SelectQuery {
+    let team = kvedge_wire::SelectQuery {
         headers: &[("X-Team", "research")],
         ..base
     };
     assert_eq!(target(&mut w, team), cloud);
-    let urgent = kvedge_daemon::wire::SelectQuery {
+    let urgent = kvedge_wire::SelectQuery {
         priority: 9,
         ..base
     };
@@ -376,7 +376,7 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     let (code, _) = w
         .raw(&{
             let mut f = Vec::new();
-            kvedge_daemon::wire::write_frame(&mut f, kvedge_daemon::wire::op::SELECT, |o| {
+            kvedge_wire::write_frame(&mut f, kvedge_wire::op::SELECT, |o| {
                 o.extend_from_slice(&[4, 0]); // context follows
                 o.extend_from_slice(&5u16.to_le_bytes());
                 o.extend_from_slice(b"llama");
@@ -390,7 +390,7 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
             f
         })
         .unwrap();
-    assert_eq!(code, kvedge_daemon::wire::status::BAD_REQUEST);
+    assert_eq!(code, kvedge_wire::status::BAD_REQUEST);
     assert_eq!(target(&mut w, base), (false, "http://engine-1".to_owned()));
     drop(a);
 }
@@ -483,7 +483,7 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
 
 #[test]
 fn the_binary_protocol_answers_and_survives_bad_frames() {
-    use kvedge_daemon::wire::{self, Client as Wire, status};
+    use kvedge_wire::{self as wire, Client as Wire, status};
     let d = start("binary");
     let mut a = engine(&d, 1);
     let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
@@ -602,8 +602,8 @@ fn raw_channel(
     std::os::unix::net::UnixStream,
     kvedge_shm::channel::ClientChannel,
 ) {
-    use kvedge_daemon::wire::{self, status};
     use kvedge_shm::channel;
+    use kvedge_wire::{self as wire, status};
     let s = std::os::unix::net::UnixStream::connect(query).unwrap();
     let mut frame = wire::MAGIC.to_vec();
     wire::write_frame(&mut frame, wire::op::ATTACH_RINGS, |_| {});
@@ -635,8 +635,8 @@ fn ring_ask(ch: &mut kvedge_shm::channel::ClientChannel, kind: u16, body: &[u8])
 
 #[test]
 fn query_channels_answer_like_the_socket_and_survive_bad_records() {
-    use kvedge_daemon::wire::{self, Client as Wire, status};
     use kvedge_shm::channel::FRAME;
+    use kvedge_wire::{self as wire, Client as Wire, status};
     let d = start_with(
         "rings",
         "daemon:\n  heartbeat_timeout_ms: 600000\n  max_query_rings: 2\n  query_ring_capacity: 4096\n",
@@ -819,7 +819,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
 
 #[test]
 fn query_channels_can_be_turned_off() {
-    use kvedge_daemon::wire::{Client as Wire, status};
+    use kvedge_wire::{Client as Wire, status};
     let d = start_with("rings-off", "daemon:\n  max_query_rings: 0\n");
     let mut w = Wire::connect(d.query()).unwrap();
     let (code, message) = w.attach_rings().unwrap().unwrap_err();

@@ -2,8 +2,8 @@
 //! shared-memory protocol, the router applies what the consumer reads, and
 //! selections follow the index and the load accounting.
 
-use kvedge_daemon::index::Slot;
-use kvedge_daemon::router::{RegisterError, Router, RouterError, SelectRequest, WorkerInfo};
+use kvedge_core::index::Slot;
+use kvedge_core::router::{RegisterError, Router, RouterError, SelectRequest, WorkerInfo};
 use kvedge_policies::{InputTrigger, SessionContext, WorkerType, WorkerWithDpRank};
 use kvedge_shm::hash::sequence_hashes;
 use kvedge_shm::messages::{Load, Tier};

@@ -38,7 +38,7 @@ fn queries_are_answered_through_the_io_uring_listener() {
     }
     assert_eq!(c.raw(b"{not json\n")["error"]["code"], "bad_request");
     // The binary protocol through the same listener.
-    let mut w = kvedge_daemon::wire::Client::connect(d.query()).unwrap();
+    let mut w = kvedge_wire::Client::connect(d.query()).unwrap();
     let r = w
         .select_hashes("m", 0, &[1, 2, 3], 48, false)
         .unwrap()
@@ -48,7 +48,7 @@ fn queries_are_answered_through_the_io_uring_listener() {
     // Query channels are the routing loop's: this listener refuses them,
     // and the connection stays on the socket.
     let refused = w.attach_rings().unwrap().unwrap_err();
-    assert_eq!(refused.0, kvedge_daemon::wire::status::RINGS_UNAVAILABLE);
+    assert_eq!(refused.0, kvedge_wire::status::RINGS_UNAVAILABLE);
     assert!(!w.rings_attached());
     assert!(w.select_hashes("m", 0, &[1], 16, true).unwrap().is_ok());
     // A line over max_frame_bytes: an error, then that connection closes;

@@ -1,14 +1,10 @@
 //! Prometheus metrics. The routing loop keeps plain counters (nothing on
 //! the selection path allocates or locks); a scrape copies them into a
 //! [`Snapshot`] and renders it here with prometheus-client as OpenMetrics
-//! text: `kvedge stats --prometheus` (the `metrics` op of query.sock) and,
-//! when `metrics.listen` is set, a loopback HTTP listener.
+//! text, for `kvedge stats --prometheus` (the `metrics` op of query.sock)
+//! and the daemon's optional HTTP listener.
 
 use std::fmt::Write as _;
-use std::io::{Read, Write};
-use std::net::TcpListener;
-use std::sync::{Arc, Mutex};
-use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::MetricType;
@@ -284,37 +280,6 @@ pub fn render(s: &Snapshot) -> String {
         let _ = writeln!(out, "# encoding failed");
     }
     out
-}
-
-/// Serves the latest rendering on `addr` over HTTP (`GET /metrics`), from a
-/// thread of its own; the routing loop refreshes `latest` about once a
-/// second. Binding errors are returned at once.
-pub fn serve_http(addr: &str, latest: Arc<Mutex<String>>) -> std::io::Result<()> {
-    let listener = TcpListener::bind(addr)?;
-    std::thread::Builder::new()
-        .name("kvedge-metrics".into())
-        .spawn(move || {
-            for stream in listener.incoming() {
-                let Ok(mut stream) = stream else { continue };
-                let _ = stream.set_read_timeout(Some(Duration::from_secs(2)));
-                let _ = stream.set_write_timeout(Some(Duration::from_secs(2)));
-                let mut req = [0u8; 1024];
-                let n = stream.read(&mut req).unwrap_or(0);
-                let head = String::from_utf8_lossy(&req[..n]);
-                let (status, body) = if head.starts_with("GET /metrics") {
-                    let text = latest.lock().map(|t| t.clone()).unwrap_or_default();
-                    ("200 OK", text)
-                } else {
-                    ("404 Not Found", "try /metrics\n".to_owned())
-                };
-                let _ = write!(
-                    stream,
-                    "HTTP/1.0 {status}\r\nContent-Type: application/openmetrics-text; version=1.0.0; charset=utf-8\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                    body.len()
-                );
-            }
-        })?;
-    Ok(())
 }
 
 #[cfg(test)]

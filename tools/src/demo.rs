@@ -19,8 +19,8 @@ use kvedge_sim::report::{LoadIntegral, Outcome, summarise, table};
 use kvedge_sim::workload::{SyntheticParams, TraceRequest, oracle_hit_rate, synthetic};
 use serde_json::{Value, json};
 
-use crate::latency::Histogram;
 use crate::sim_cmd::EngineArgs;
+use kvedge_core::latency::Histogram;
 
 /// The configuration the demo's daemon runs with.
 pub const BUNDLED_CONFIG: &str = include_str!("../demo/kvedge-demo.yaml");
@@ -164,10 +164,10 @@ fn tail(path: &Path) -> String {
 
 /// Runs the demo; returns what to print.
 pub fn run(args: &DemoArgs) -> Result<String, String> {
-    if args.engines == 0 || args.engines > crate::index::MAX_WORKERS {
+    if args.engines == 0 || args.engines > kvedge_core::index::MAX_WORKERS {
         return Err(format!(
             "--engines must be 1..={}",
-            crate::index::MAX_WORKERS
+            kvedge_core::index::MAX_WORKERS
         ));
     }
     let positive = |x: f64| x.is_finite() && x > 0.0;

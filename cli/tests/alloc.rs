@@ -12,12 +12,12 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use common::{engine, temp_dir, wait_for};
-use kvedge_daemon::config::Config;
+use kvedge_core::config::Config;
 use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_daemon::wire::{Client, QueryIds, SelectQuery};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;
 use kvedge_shm::messages::{Load, Tier};
+use kvedge_wire::{Client, QueryIds, SelectQuery};
 
 /// One round of traffic: the engine re-publishes 16 of its blocks and a
 /// load report; each client selects (reserving), releases the prefill and

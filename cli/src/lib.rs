@@ -1,7 +1,8 @@
 //! The `kvedge` command line: `run` (the daemon), the query client
-//! (`query select|prefill-done|finish`, `workers`, `stats`), and the offline
-//! tools `hash` (the sequence hashes of a token list, to debug
-//! engine/frontend mismatches) and `check-config`.
+//! (`query select|prefill-done|finish`, `workers`, `stats`, `reload`), the
+//! tools (`sim`, `mock-engine`, `demo`, `publish`), and the offline helpers
+//! `hash` (the sequence hashes of a token list, to debug engine/frontend
+//! mismatches) and `check-config`.
 //!
 //! [`main_with_registry`] is the embedding entry point: an operator builds
 //! their own `kvedge` binary whose `main` registers their policy catalog
@@ -13,10 +14,11 @@ use std::process::ExitCode;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
 
-use crate::config::Config;
-use crate::server::RuntimeDir;
 use clap::{Parser, Subcommand};
+use kvedge_daemon::server::RuntimeDir;
 use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
+
+mod human;
 
 #[derive(Parser)]
 #[command(
@@ -85,17 +87,17 @@ enum Command {
     /// Registers as an engine and publishes KV events written as JSON lines,
     /// then holds the registration (answering resync requests) until stdin
     /// closes or `--hold` seconds pass.
-    Publish(crate::publish::PublishArgs),
+    Publish(kvedge_tools::publish::PublishArgs),
     /// Replays a workload (a Mooncake trace or the synthetic generator)
     /// through the real router and engine models in virtual time, and
     /// prints a table per policy.
-    Sim(crate::sim_cmd::SimArgs),
+    Sim(kvedge_tools::sim_cmd::SimArgs),
     /// A simulated engine (the model of `kvedge sim`) as a real process:
     /// registers, publishes through its ring, serves requests on --listen.
-    MockEngine(crate::mock_engine::MockEngineArgs),
+    MockEngine(kvedge_tools::mock_engine::MockEngineArgs),
     /// The daemon, mock engines and a load generator on this machine, with
     /// a bundled configuration; prints the routing table at the end.
-    Demo(crate::demo::DemoArgs),
+    Demo(kvedge_tools::demo::DemoArgs),
     /// Loads and validates a configuration file; exit code 1 on any error.
     CheckConfig {
         file: PathBuf,
@@ -238,7 +240,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         Command::Run {
             config,
             runtime_dir,
-        } => ExitCode::from(crate::service::run(&config, runtime_dir, registry)),
+        } => ExitCode::from(kvedge_daemon::service::run(&config, runtime_dir, registry)),
         Command::Query { query, target } => {
             let request = match query {
                 QueryCommand::Select {
@@ -359,7 +361,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         }
         Command::Publish(args) => {
             let json = args.json;
-            match crate::publish::run(args) {
+            match kvedge_tools::publish::run(args) {
                 Ok(summary) => {
                     if json {
                         println!("{summary}");
@@ -379,7 +381,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 }
             }
         }
-        Command::Sim(args) => match crate::sim_cmd::execute(&args, &registry) {
+        Command::Sim(args) => match kvedge_tools::sim_cmd::execute(&args, &registry) {
             Ok(text) => {
                 print!("{text}");
                 if !text.ends_with('\n') {
@@ -392,14 +394,14 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::MockEngine(args) => match crate::mock_engine::run(args) {
+        Command::MockEngine(args) => match kvedge_tools::mock_engine::run(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvedge mock-engine: {e}");
                 ExitCode::from(1)
             }
         },
-        Command::Demo(args) => match crate::demo::run(&args) {
+        Command::Demo(args) => match kvedge_tools::demo::run(&args) {
             Ok(text) => {
                 println!("{}", text.trim_end());
                 ExitCode::SUCCESS
@@ -410,7 +412,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             }
         },
         Command::CheckConfig { file, json } => {
-            match Config::load_file(
+            match kvedge_daemon::config::load(
                 &file,
                 &registry,
                 &SelectionOverrides::default().with_env_fallback(),

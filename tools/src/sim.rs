@@ -19,10 +19,10 @@ use kvedge_sim::engine::{Completion, EngineModel, EngineParams, EngineRequest, K
 use kvedge_sim::report::{LoadIntegral, Outcome, Summary, summarise};
 use kvedge_sim::workload::TraceRequest;
 
-use crate::config::{Config, ConfigError};
-use crate::index::Slot;
-use crate::load::LoadReport;
-use crate::router::{Router, SelectRequest, WorkerInfo};
+use kvedge_core::config::{Config, ConfigError};
+use kvedge_core::index::Slot;
+use kvedge_core::load::LoadReport;
+use kvedge_core::router::{Router, SelectRequest, WorkerInfo};
 
 /// The shipped policies `kvedge sim` compares by default, with the
 /// parameters they need (the names are the worker-selection types, except
@@ -118,7 +118,7 @@ pub fn run(
     let mut router = Router::from_config(config);
     let n = setup.workers;
     let mut slots: Vec<Slot> = Vec::with_capacity(n);
-    let mut worker_of = [usize::MAX; crate::index::MAX_WORKERS];
+    let mut worker_of = [usize::MAX; kvedge_core::index::MAX_WORKERS];
     for w in 0..n {
         let slot = router
             .register(WorkerInfo {

@@ -1,0 +1,402 @@
+//! The daemon's configuration file: one loader for `kvedge run` and
+//! `kvedge check-config`. Sections: `daemon` (limits), `router` (the default
+//! cost policy's settings), `session_affinity`, `worker_selection`, and the
+//! rule language's `policy`, `providers`, `classifiers` and `ttft`, and the
+//! daemon's `log` and `metrics`. Unknown top-level sections are errors;
+//! every error names the file and, where the parser knows it, the line.
+//! What only the running daemon can judge (whether `log.level` is a filter
+//! its logger accepts, whether this build has io_uring) is checked by the
+//! daemon's own loader on top of this one.
+
+use std::path::Path;
+
+use kvedge_policies::rules::{RulePolicy, load_with};
+use kvedge_policies::{
+    AffinityMode, RouterConfig, RouterPluginRegistry, RouterPlugins, SelectionOverrides,
+    WorkerSelectionConfig,
+};
+use serde::Deserialize;
+
+use crate::index::MAX_WORKERS;
+
+/// A configuration that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{file}: {message}")]
+pub struct ConfigError {
+    pub file: String,
+    pub message: String,
+}
+
+/// `daemon:` limits and timeouts.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DaemonSection {
+    /// (block, worker, tier) entries the KV index holds at most.
+    pub index_capacity: usize,
+    /// Workers (engine ranks) registered at once, at most 64.
+    pub max_workers: usize,
+    /// Ring size per worker, in bytes (a power of two).
+    pub ring_capacity: u64,
+    /// A worker that sends nothing for this long is unavailable.
+    pub heartbeat_timeout_ms: u64,
+    /// Reservations not released by `finish` expire after this long.
+    pub reservation_ttl_ms: u64,
+    pub max_query_connections: usize,
+    pub max_frame_bytes: usize,
+    pub idle_timeout_ms: u64,
+    /// Engine uids allowed on the control socket (with `allowed_gids`;
+    /// both empty: any).
+    pub allowed_uids: Vec<u32>,
+    /// Engine gids allowed on the control socket.
+    pub allowed_gids: Vec<u32>,
+    /// Client uids allowed on the query socket (with `query_allowed_gids`;
+    /// both empty: any).
+    pub query_allowed_uids: Vec<u32>,
+    /// Client gids allowed on the query socket.
+    pub query_allowed_gids: Vec<u32>,
+    /// Requests selected and not yet finished (reservations), at most;
+    /// beyond it a select is refused with `too_many_requests`.
+    pub max_reservations: usize,
+    /// How query.sock is served: `epoll` (the routing loop itself, the
+    /// default) or `io-uring` (a listener thread on io_uring; needs the
+    /// `io-uring` build feature, falls back to epoll where io_uring is
+    /// refused).
+    pub query_io: QueryIo,
+    /// Query connections that may attach a query channel (shared-memory
+    /// rings, `attach_rings` in the binary protocol) at once; 0 turns
+    /// channels off.
+    pub max_query_rings: usize,
+    /// Size of each of a query channel's two rings, in bytes (a power of
+    /// two); a request or reply larger than a quarter of it uses the
+    /// socket.
+    pub query_ring_capacity: u64,
+}
+
+/// `daemon.query_io`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "kebab-case")]
+pub enum QueryIo {
+    #[default]
+    Epoll,
+    IoUring,
+}
+
+impl DaemonSection {
+    /// Whether a peer with `uid`/`gid` may use the control socket.
+    pub fn engine_allowed(&self, uid: u32, gid: u32) -> bool {
+        allowed(&self.allowed_uids, &self.allowed_gids, uid, gid)
+    }
+
+    /// Whether a peer with `uid`/`gid` may use the query socket.
+    pub fn client_allowed(&self, uid: u32, gid: u32) -> bool {
+        allowed(&self.query_allowed_uids, &self.query_allowed_gids, uid, gid)
+    }
+
+    /// Whether any peer-credential policy applies to the control socket.
+    pub fn engine_policy(&self) -> bool {
+        !self.allowed_uids.is_empty() || !self.allowed_gids.is_empty()
+    }
+
+    /// Whether any peer-credential policy applies to the query socket.
+    pub fn client_policy(&self) -> bool {
+        !self.query_allowed_uids.is_empty() || !self.query_allowed_gids.is_empty()
+    }
+}
+
+fn allowed(uids: &[u32], gids: &[u32], uid: u32, gid: u32) -> bool {
+    (uids.is_empty() && gids.is_empty()) || uids.contains(&uid) || gids.contains(&gid)
+}
+
+impl Default for DaemonSection {
+    fn default() -> Self {
+        DaemonSection {
+            index_capacity: 16 * 1024 * 1024,
+            max_workers: MAX_WORKERS,
+            ring_capacity: 1 << 20,
+            heartbeat_timeout_ms: 5_000,
+            reservation_ttl_ms: 600_000,
+            max_query_connections: 1024,
+            max_frame_bytes: 1 << 20,
+            idle_timeout_ms: 300_000,
+            allowed_uids: Vec::new(),
+            allowed_gids: Vec::new(),
+            query_allowed_uids: Vec::new(),
+            query_allowed_gids: Vec::new(),
+            max_reservations: 1_000_000,
+            query_io: QueryIo::Epoll,
+            max_query_rings: 64,
+            query_ring_capacity: 64 * 1024,
+        }
+    }
+}
+
+/// `session_affinity:`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AffinitySection {
+    pub mode: AffinityMode,
+    pub ttl_ms: u64,
+    pub max_sessions: usize,
+}
+
+impl Default for AffinitySection {
+    fn default() -> Self {
+        AffinitySection {
+            mode: AffinityMode::Hard,
+            ttl_ms: 600_000,
+            max_sessions: kvedge_policies::affinity::MAX_SESSIONS,
+        }
+    }
+}
+
+/// `log:`: how the daemon logs (`KVEDGE_LOG` overrides `level`).
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogSection {
+    /// `human` (the default) or `json` (one object per line).
+    pub format: LogFormat,
+    /// A tracing filter: `info`, `debug`, `kvedge_daemon=debug,warn`, ...
+    pub level: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    #[default]
+    Human,
+    Json,
+}
+
+impl Default for LogSection {
+    fn default() -> Self {
+        LogSection {
+            format: LogFormat::Human,
+            level: "info".into(),
+        }
+    }
+}
+
+/// `metrics:`.
+#[derive(Clone, Debug, PartialEq, Deserialize, Default)]
+#[serde(deny_unknown_fields, default)]
+pub struct MetricsSection {
+    /// `host:port` of an HTTP listener serving `GET /metrics` (off when
+    /// absent). Use a loopback address; the shipped systemd unit allows
+    /// only Unix sockets (see docs/operations.md).
+    pub listen: Option<String>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Document {
+    #[serde(default)]
+    metrics: MetricsSection,
+    #[serde(default)]
+    daemon: DaemonSection,
+    #[serde(default)]
+    log: LogSection,
+    #[serde(default)]
+    router: RouterConfig,
+    #[serde(default)]
+    session_affinity: AffinitySection,
+    // Parsed by the policies crate's own loaders; named here so that an
+    // unknown top-level key is an error.
+    #[serde(default)]
+    #[allow(dead_code)]
+    worker_selection: Option<serde_yaml::Value>,
+    #[serde(default)]
+    policy: Option<serde_yaml::Value>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    providers: Option<serde_yaml::Value>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    classifiers: Option<serde_yaml::Value>,
+    #[serde(default)]
+    #[allow(dead_code)]
+    ttft: Option<serde_yaml::Value>,
+}
+
+/// A loaded, validated configuration.
+#[derive(Debug)]
+pub struct Config {
+    pub daemon: DaemonSection,
+    pub log: LogSection,
+    pub metrics: MetricsSection,
+    pub session_affinity: AffinitySection,
+    pub plugins: RouterPlugins,
+    /// The rule policy, when a `policy:` section is present.
+    pub rules: Option<RulePolicy>,
+}
+
+impl Config {
+    /// Parses and validates `source` (read from `file`, named in errors).
+    pub fn load(
+        file: &str,
+        source: &str,
+        registry: &RouterPluginRegistry,
+        overrides: &SelectionOverrides,
+    ) -> Result<Config, ConfigError> {
+        let err = |message: String| ConfigError {
+            file: file.to_owned(),
+            message,
+        };
+        let doc: Document = serde_yaml::from_str(source).map_err(|e| {
+            err(match e.location() {
+                Some(l) => format!("line {}: {e}", l.line()),
+                None => e.to_string(),
+            })
+        })?;
+        let d = &doc.daemon;
+        if d.max_workers == 0 || d.max_workers > MAX_WORKERS {
+            return Err(err(format!(
+                "daemon.max_workers must be between 1 and {MAX_WORKERS}, got {}",
+                d.max_workers
+            )));
+        }
+        for (name, capacity) in [
+            ("ring_capacity", d.ring_capacity),
+            ("query_ring_capacity", d.query_ring_capacity),
+        ] {
+            if !capacity.is_power_of_two()
+                || !(kvedge_shm::layout::MIN_CAPACITY..=kvedge_shm::layout::MAX_CAPACITY)
+                    .contains(&capacity)
+            {
+                return Err(err(format!(
+                    "daemon.{name} must be a power of two between {} and {} bytes, got {capacity}",
+                    kvedge_shm::layout::MIN_CAPACITY,
+                    kvedge_shm::layout::MAX_CAPACITY,
+                )));
+            }
+        }
+        if d.index_capacity == 0 || d.max_frame_bytes < 64 || d.max_query_connections == 0 {
+            return Err(err(
+                "daemon.index_capacity and daemon.max_query_connections must be positive, and daemon.max_frame_bytes at least 64"
+                    .into(),
+            ));
+        }
+        let a = &doc.session_affinity;
+        if a.max_sessions == 0 || a.max_sessions > kvedge_policies::affinity::MAX_SESSIONS {
+            return Err(err(format!(
+                "session_affinity.max_sessions must be between 1 and {}, got {}",
+                kvedge_policies::affinity::MAX_SESSIONS,
+                a.max_sessions
+            )));
+        }
+        let selection =
+            WorkerSelectionConfig::from_yaml_str(source).map_err(|e| err(e.to_string()))?;
+        let plugins = registry
+            .resolve_plugins(&selection, overrides, &doc.router)
+            .map_err(|e| err(e.to_string()))?;
+        let rules = if doc.policy.is_some() {
+            Some(load_with(source, Some(&plugins)).map_err(|e| err(e.to_string()))?)
+        } else {
+            None
+        };
+        if let Some(addr) = &doc.metrics.listen
+            && addr.parse::<std::net::SocketAddr>().is_err()
+        {
+            return Err(err(format!(
+                "metrics.listen `{addr}` is not host:port (e.g. 127.0.0.1:9464)"
+            )));
+        }
+        Ok(Config {
+            daemon: doc.daemon,
+            log: doc.log,
+            metrics: doc.metrics,
+            session_affinity: doc.session_affinity,
+            plugins,
+            rules,
+        })
+    }
+
+    /// Reads and loads a file.
+    pub fn load_file(
+        path: &Path,
+        registry: &RouterPluginRegistry,
+        overrides: &SelectionOverrides,
+    ) -> Result<Config, ConfigError> {
+        let file = path.display().to_string();
+        let source = std::fs::read_to_string(path).map_err(|e| ConfigError {
+            file: file.clone(),
+            message: format!("cannot read: {e}"),
+        })?;
+        Self::load(&file, &source, registry, overrides)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvedge_policies::router_plugin_registry;
+
+    fn load(src: &str) -> Result<Config, ConfigError> {
+        Config::load(
+            "k.yaml",
+            src,
+            &router_plugin_registry(),
+            &SelectionOverrides::default(),
+        )
+    }
+
+    #[test]
+    fn empty_file_means_defaults() {
+        let c = load("{}").unwrap();
+        assert_eq!(c.daemon, DaemonSection::default());
+        assert!(c.rules.is_none());
+    }
+
+    #[test]
+    fn every_section_together() {
+        let c = load(
+            "daemon:\n  index_capacity: 1000\n  ring_capacity: 65536\nrouter:\n  router_temperature: 0.1\nsession_affinity:\n  mode: soft\n  ttl_ms: 1000\nworker_selection:\n  prefill: lb\n  instances:\n    - name: lb\n      type: least-busy\n      parameters: { min_device_overlap_blocks: 0 }\npolicy:\n  rules:\n    - name: all\n      route:\n        select: [{ type: Local, minimize: { policy: lb } }]\n",
+        )
+        .unwrap();
+        assert_eq!(c.daemon.index_capacity, 1000);
+        assert_eq!(c.session_affinity.mode, AffinityMode::Soft);
+        assert_eq!(
+            c.plugins.selection(kvedge_policies::WorkerType::Prefill).0,
+            "lb"
+        );
+        assert_eq!(c.plugins.router_config().router_temperature, 0.1);
+        assert_eq!(c.rules.unwrap().rules.len(), 1);
+    }
+
+    #[test]
+    fn errors_name_file_line_and_problem() {
+        let cases = [
+            ("demon: {}\n", "k.yaml: line 1: unknown field `demon`"),
+            (
+                "daemon:\n  ring_capacity: 1000\n",
+                "k.yaml: daemon.ring_capacity must be a power of two",
+            ),
+            (
+                "daemon:\n  query_ring_capacity: 1024\n",
+                "k.yaml: daemon.query_ring_capacity must be a power of two between 4096 and 1073741824 bytes, got 1024",
+            ),
+            (
+                "daemon:\n  max_workers: 65\n",
+                "k.yaml: daemon.max_workers must be between 1 and 64, got 65",
+            ),
+            (
+                "daemon:\n  index_capacty: 5\n",
+                "k.yaml: line 2: daemon: unknown field `index_capacty`",
+            ),
+            (
+                "worker_selection:\n  aggregated: x\n",
+                "k.yaml: worker_selection.aggregated (line 2): selects `x`",
+            ),
+            (
+                "policy:\n  rules:\n    - name: r\n      route: {}\n",
+                "k.yaml: rule `r`, route.select (line 3)",
+            ),
+        ];
+        for (src, expected) in cases {
+            let msg = load(src).unwrap_err().to_string();
+            assert!(
+                msg.starts_with(expected),
+                "expected `{expected}`, got `{msg}`"
+            );
+        }
+    }
+}
