@@ -78,7 +78,7 @@ fn commit_to_visible(
             .publish_stored_hashes(Tier::Device, None, &[hash])
             .unwrap();
         while client
-            .select_hashes("llama", 0, &[hash], 16, true)
+            .select_hashes("llama", kvedge_wire::Role::Aggregated, &[hash], 16, true)
             .unwrap()
             .unwrap()
             .overlap_blocks[0]
@@ -168,12 +168,15 @@ fn main() {
         b.iter(|| ask_spinning(&mut spinning, hash_line.as_bytes(), &mut buf))
     });
     let mut wire = kvedge_wire::Client::connect(rd.query()).unwrap();
-    if let Err(e) = wire.select_hashes("llama", 0, &hashes, 2048, true).unwrap() {
+    if let Err(e) = wire
+        .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 2048, true)
+        .unwrap()
+    {
         panic!("binary select failed: {e:?}");
     }
     g.bench_function("binary_select_128_hashes_round_trip_blocking_client", |b| {
         b.iter(|| {
-            wire.select_hashes("llama", 0, &hashes, 2048, true)
+            wire.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 2048, true)
                 .unwrap()
                 .unwrap()
         })
@@ -194,7 +197,7 @@ fn main() {
         move || {
             let mut c = kvedge_wire::Client::connect(&path).unwrap();
             for _ in 0..100 {
-                c.select_hashes("llama", 0, &hashes, 2048, true)
+                c.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 2048, true)
                     .unwrap()
                     .unwrap();
             }
@@ -257,7 +260,7 @@ fn main() {
     fast.set_spinning(true).unwrap();
     g.bench_function("binary_select_1_hash_round_trip_spinning_client", |b| {
         b.iter(|| {
-            fast.select_hashes("llama", 0, &[1], 16, true)
+            fast.select_hashes("llama", kvedge_wire::Role::Aggregated, &[1], 16, true)
                 .unwrap()
                 .unwrap()
         })
@@ -272,7 +275,7 @@ fn main() {
     ring.attach_rings().unwrap().unwrap();
     g.bench_function("ring_select_1_hash_round_trip_spinning_client", |b| {
         b.iter(|| {
-            ring.select_hashes("llama", 0, &[1], 16, true)
+            ring.select_hashes("llama", kvedge_wire::Role::Aggregated, &[1], 16, true)
                 .unwrap()
                 .unwrap()
         })
@@ -291,7 +294,7 @@ fn main() {
             let mut c = kvedge_wire::Client::connect(&path).unwrap();
             let mut n = 0u64;
             while !stop.load(Ordering::Relaxed) {
-                c.select_hashes("llama", 0, &hashes, 2048, true)
+                c.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 2048, true)
                     .unwrap()
                     .unwrap();
                 n += 1;

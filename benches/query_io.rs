@@ -49,7 +49,7 @@ fn node(name: &str, uring: bool) -> Node {
     let mut server = Server::bind(config, &RuntimeDir { dir: dir.clone() }).unwrap();
     if uring {
         let (listener, jobs) = server.take_query_listener().unwrap().unwrap();
-        if let Err((_, e)) = kvedge_daemon::uring::start(listener, jobs, &limits) {
+        if let Err((_, e)) = kvedge_daemon::uring::start(listener, jobs, limits.max_frame_bytes) {
             panic!("io_uring is not available here: {e}");
         }
     }
@@ -104,7 +104,7 @@ fn main() {
             let mut w = kvedge_wire::Client::connect(n.dir.join("query.sock")).unwrap();
             g.bench_function(format!("binary_select_blocking/{name}/{round}"), |b| {
                 b.iter(|| {
-                    w.select_hashes("llama", 0, &hashes, 2048, true)
+                    w.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 2048, true)
                         .unwrap()
                         .unwrap()
                 })
@@ -125,9 +125,15 @@ fn main() {
                             std::thread::spawn(move || {
                                 let mut w = kvedge_wire::Client::connect(&path).unwrap();
                                 for _ in 0..100 {
-                                    w.select_hashes("llama", 0, &hashes, 2048, true)
-                                        .unwrap()
-                                        .unwrap();
+                                    w.select_hashes(
+                                        "llama",
+                                        kvedge_wire::Role::Aggregated,
+                                        &hashes,
+                                        2048,
+                                        true,
+                                    )
+                                    .unwrap()
+                                    .unwrap();
                                 }
                             })
                         })

@@ -17,12 +17,12 @@ use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;
 use kvedge_shm::messages::{Load, Tier};
-use kvedge_wire::{Client, QueryIds, SelectQuery};
+use kvedge_wire::{Client, Ids, Role, Select};
 
 /// One round of traffic: the engine re-publishes 16 of its blocks and a
 /// load report; each client selects (reserving), releases the prefill and
 /// finishes.
-fn round(e: &mut Publisher, blocks: &[u64], clients: &mut [&mut Client], q: &SelectQuery<'_>) {
+fn round(e: &mut Publisher, blocks: &[u64], clients: &mut [&mut Client], q: &Select<'_>) {
     e.publish_removed(Tier::Device, &blocks[..16]).unwrap();
     e.publish_stored_hashes(Tier::Device, None, &blocks[..16])
         .unwrap();
@@ -74,19 +74,9 @@ fn a_warm_daemon_serves_binary_and_ring_requests_without_allocating() {
     let mut socket = Client::connect(rd.query()).unwrap();
     let mut ring = Client::connect(rd.query()).unwrap();
     ring.attach_rings().unwrap().unwrap();
-    let q = SelectQuery {
-        model: "m",
-        role: 0,
-        session: None,
-        ids: QueryIds::Hashes(&blocks),
-        prompt_tokens: 2048,
-        dry_run: false,
-        priority: 0,
-        tenant: None,
-        tags: &[],
-        headers: &[],
-    };
-    let dry = SelectQuery { dry_run: true, ..q };
+    let mut q = Select::new("m", Role::Aggregated, Ids::hashes(&blocks));
+    q.prompt_tokens = Some(2048);
+    let dry = Select { dry_run: true, ..q };
     wait_for(
         || socket.select(&dry).unwrap().unwrap().overlap_blocks[0] == 128,
         "the engine's blocks",

@@ -147,7 +147,7 @@ fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
                 let mut w = kvedge_wire::Client::connect(path).unwrap();
                 for _ in 0..10_000 {
                     let r = w
-                        .select_hashes("llama", 0, &hashes, 64, true)
+                        .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 64, true)
                         .unwrap()
                         .unwrap();
                     assert_eq!(r.worker_id, 1);
@@ -338,17 +338,13 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     // The binary protocol carries the same context: tenant, a header, a
     // priority each send the request to the provider; none keeps it local.
     let mut w = kvedge_wire::Client::connect(d.dir.join("query.sock")).unwrap();
-    let base = kvedge_wire::SelectQuery {
-        model: "llama",
-        role: 0,
-        session: None,
-        ids: kvedge_wire::QueryIds::Tokens(&[1, 2, 3]),
-        prompt_tokens: 0,
+    let base = kvedge_wire::Select {
         dry_run: true,
-        priority: 0,
-        tenant: None,
-        tags: &[],
-        headers: &[],
+        ..kvedge_wire::Select::new(
+            "llama",
+            kvedge_wire::Role::Aggregated,
+            kvedge_wire::Ids::tokens(&[1, 2, 3]),
+        )
     };
     let target = |w: &mut kvedge_wire::Client, q| {
         let r = w.select(&q).unwrap().unwrap();
@@ -356,18 +352,18 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     };
     assert_eq!(target(&mut w, base), (false, "http://engine-1".to_owned()));
     let cloud = (true, "https://cloud.example".to_owned());
-    let burst = kvedge_wire::SelectQuery {
+    let burst = kvedge_wire::Select {
         tenant: Some("burst"),
-        tags: &["pii-none", "len-short"],
+        tags: kvedge_wire::Strs::new(&["pii-none", "len-short"]),
         ..base
     };
     assert_eq!(target(&mut w, burst), cloud);
-    let team = kvedge_wire::SelectQuery {
-        headers: &[("X-Team", "research")],
+    let team = kvedge_wire::Select {
+        headers: kvedge_wire::Pairs::new(&[("X-Team", "research")]),
         ..base
     };
     assert_eq!(target(&mut w, team), cloud);
-    let urgent = kvedge_wire::SelectQuery {
+    let urgent = kvedge_wire::Select {
         priority: 9,
         ..base
     };
@@ -376,7 +372,7 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     let (code, _) = w
         .raw(&{
             let mut f = Vec::new();
-            kvedge_wire::write_frame(&mut f, kvedge_wire::op::SELECT, |o| {
+            kvedge_wire::binary::write_frame(&mut f, kvedge_wire::op::SELECT, |o| {
                 o.extend_from_slice(&[4, 0]); // context follows
                 o.extend_from_slice(&5u16.to_le_bytes());
                 o.extend_from_slice(b"llama");
@@ -390,7 +386,10 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
             f
         })
         .unwrap();
-    assert_eq!(code, kvedge_wire::status::BAD_REQUEST);
+    assert_eq!(
+        kvedge_wire::Status::from_code(code),
+        Some(kvedge_wire::Status::BadRequest)
+    );
     assert_eq!(target(&mut w, base), (false, "http://engine-1".to_owned()));
     drop(a);
 }
@@ -483,7 +482,7 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
 
 #[test]
 fn the_binary_protocol_answers_and_survives_bad_frames() {
-    use kvedge_wire::{self as wire, Client as Wire, status};
+    use kvedge_wire::{self as wire, Client as Wire, Status};
     let d = start("binary");
     let mut a = engine(&d, 1);
     let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
@@ -492,14 +491,14 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
     let mut w = Wire::connect(d.dir.join("query.sock")).unwrap();
     wait_for(
         || {
-            w.select_hashes("llama", 0, &hashes, 256, true)
+            w.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
                 .unwrap()
                 .is_ok_and(|r| r.overlap_blocks[0] == 16)
         },
         "the blocks",
     );
     let r = w
-        .select_hashes("llama", 0, &hashes, 256, false)
+        .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, false)
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -509,13 +508,13 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
     assert_eq!(w.finish(r.request_id).unwrap(), Ok(()));
     assert_eq!(
         w.finish(r.request_id).unwrap().unwrap_err().0,
-        status::UNKNOWN_REQUEST
+        Status::UnknownRequest
     );
     let err = w
-        .select_hashes("nope", 0, &hashes, 256, true)
+        .select_hashes("nope", kvedge_wire::Role::Aggregated, &hashes, 256, true)
         .unwrap()
         .unwrap_err();
-    assert_eq!(err.0, status::NO_WORKER);
+    assert_eq!(err.0, Status::NoWorker);
 
     // Bad frames: each gets its error, and the connection keeps working.
     let frame = |op: u16, version: u16, payload: &[u8]| {
@@ -529,15 +528,15 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
         out
     };
     let cases = [
-        (frame(wire::op::SELECT, 9, &[]), status::UNSUPPORTED_VERSION),
-        (frame(77, wire::VERSION, &[]), status::UNKNOWN_OP),
+        (frame(wire::op::SELECT, 9, &[]), Status::UnsupportedVersion),
+        (frame(77, wire::VERSION, &[]), Status::UnknownOp),
         (
             frame(wire::op::SELECT, wire::VERSION, &[0, 0, 200, 0]),
-            status::BAD_REQUEST,
+            Status::BadRequest,
         ),
         (
             frame(wire::op::FINISH, wire::VERSION, &[1, 2, 3]),
-            status::BAD_REQUEST,
+            Status::BadRequest,
         ),
         (
             frame(
@@ -545,14 +544,14 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
                 wire::VERSION,
                 &[0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
             ),
-            status::BAD_REQUEST,
+            Status::BadRequest,
         ),
     ];
     for (bytes, expected) in cases {
         let (code, _) = w.raw(&bytes).unwrap();
-        assert_eq!(code, expected);
+        assert_eq!(Status::from_code(code), Some(expected));
         assert!(
-            w.select_hashes("llama", 0, &hashes, 256, true)
+            w.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
                 .unwrap()
                 .is_ok()
         );
@@ -560,11 +559,11 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
     // A giant length: that connection is answered and closed, others go on.
     let mut giant = Wire::connect(d.dir.join("query.sock")).unwrap();
     let (code, _) = giant.raw(&u32::MAX.to_le_bytes()).unwrap();
-    assert_eq!(code, status::FRAME_TOO_LARGE);
+    assert_eq!(code, Status::FrameTooLarge.code());
     let mut json = Conn::connect(&d.query());
     assert_eq!(json.ask(json!({"op": "stats"}))["workers"], 1);
     assert!(
-        w.select_hashes("llama", 0, &hashes, 256, true)
+        w.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
             .unwrap()
             .is_ok()
     );
@@ -603,14 +602,14 @@ fn raw_channel(
     kvedge_shm::channel::ClientChannel,
 ) {
     use kvedge_shm::channel;
-    use kvedge_wire::{self as wire, status};
+    use kvedge_wire::{self as wire, Status};
     let s = std::os::unix::net::UnixStream::connect(query).unwrap();
     let mut frame = wire::MAGIC.to_vec();
-    wire::write_frame(&mut frame, wire::op::ATTACH_RINGS, |_| {});
+    wire::binary::write_frame(&mut frame, wire::op::ATTACH_RINGS, |_| {});
     (&s).write_all(&frame).unwrap();
     let mut reply = [0u8; 16]; // len 12 | status | version | capacity: u64
     let fds = channel::recv_with_fds(&s, &mut reply, false).unwrap();
-    assert_eq!(u16::from_le_bytes([reply[4], reply[5]]), status::OK);
+    assert_eq!(u16::from_le_bytes([reply[4], reply[5]]), Status::Ok.code());
     (s, channel::ClientChannel::open(fds).unwrap())
 }
 
@@ -636,7 +635,7 @@ fn ring_ask(ch: &mut kvedge_shm::channel::ClientChannel, kind: u16, body: &[u8])
 #[test]
 fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     use kvedge_shm::channel::FRAME;
-    use kvedge_wire::{self as wire, Client as Wire, status};
+    use kvedge_wire::{self as wire, Client as Wire, Status};
     let d = start_with(
         "rings",
         "daemon:\n  heartbeat_timeout_ms: 600000\n  max_query_rings: 2\n  query_ring_capacity: 4096\n",
@@ -651,7 +650,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     assert!(ring.rings_attached());
     wait_for(
         || {
-            ring.select_hashes("llama", 0, &hashes, 256, true)
+            ring.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
                 .unwrap()
                 .is_ok_and(|r| r.overlap_blocks[0] == 16)
         },
@@ -660,11 +659,11 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     // The same answer both ways; a reservation made over the ring is
     // released over it too.
     let over_socket = socket
-        .select_hashes("llama", 0, &hashes, 256, true)
+        .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
         .unwrap()
         .unwrap();
     let r = ring
-        .select_hashes("llama", 0, &hashes, 256, false)
+        .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, false)
         .unwrap()
         .unwrap();
     assert_eq!(
@@ -680,13 +679,19 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     assert_eq!(ring.finish(r.request_id).unwrap(), Ok(()));
     assert_eq!(
         ring.finish(r.request_id).unwrap().unwrap_err().0,
-        status::UNKNOWN_REQUEST
+        Status::UnknownRequest
     );
     // A request larger than a quarter of the 4 KiB ring goes over the
     // socket, transparently.
     let long = kvedge_shm::hash::sequence_hashes(&prompt(1, 16 * 200), 16, None, None);
     let r = ring
-        .select_hashes("llama", 0, &long, 16 * 200, true)
+        .select_hashes(
+            "llama",
+            kvedge_wire::Role::Aggregated,
+            &long,
+            16 * 200,
+            true,
+        )
         .unwrap()
         .unwrap();
     assert_eq!(r.overlap_blocks[0], 16);
@@ -699,29 +704,30 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
         f.extend_from_slice(payload);
         f
     };
-    let code = |reply: Vec<u8>| u16::from_le_bytes([reply[0], reply[1]]);
+    let code =
+        |reply: Vec<u8>| Status::from_code(u16::from_le_bytes([reply[0], reply[1]])).unwrap();
     let cases = [
-        (FRAME, vec![1u8], status::BAD_REQUEST),
+        (FRAME, vec![1u8], Status::BadRequest),
         (
             FRAME,
             body(wire::op::SELECT, 9, &[]),
-            status::UNSUPPORTED_VERSION,
+            Status::UnsupportedVersion,
         ),
-        (FRAME, body(77, wire::VERSION, &[]), status::UNKNOWN_OP),
+        (FRAME, body(77, wire::VERSION, &[]), Status::UnknownOp),
         (
             FRAME,
             body(wire::op::FINISH, wire::VERSION, &[1, 2]),
-            status::BAD_REQUEST,
+            Status::BadRequest,
         ),
         (
             FRAME,
             body(wire::op::ATTACH_RINGS, wire::VERSION, &[]),
-            status::RINGS_UNAVAILABLE,
+            Status::RingsUnavailable,
         ),
         (
             7,
             body(wire::op::FINISH, wire::VERSION, &[0; 8]),
-            status::BAD_REQUEST,
+            Status::BadRequest,
         ),
     ];
     for (kind, bytes, expected) in cases {
@@ -751,7 +757,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
             &body(wire::op::FINISH, wire::VERSION, &[0; 8]),
         );
         waited += t.elapsed();
-        assert_eq!(code(reply), status::UNKNOWN_REQUEST);
+        assert_eq!(code(reply), Status::UnknownRequest);
     }
     assert!(
         waited < Duration::from_millis(250),
@@ -762,11 +768,11 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     // stays usable over the socket.
     let mut third = Wire::connect(d.query()).unwrap();
     let refused = third.attach_rings().unwrap().unwrap_err();
-    assert_eq!(refused.0, status::RINGS_UNAVAILABLE, "{}", refused.1);
+    assert_eq!(refused.0, Status::RingsUnavailable, "{}", refused.1);
     assert!(!third.rings_attached());
     assert!(
         third
-            .select_hashes("llama", 0, &hashes, 256, true)
+            .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
             .unwrap()
             .is_ok()
     );
@@ -785,7 +791,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
         "the broken channel's connection to close",
     );
     assert!(
-        ring.select_hashes("llama", 0, &hashes, 256, true)
+        ring.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
             .unwrap()
             .is_ok()
     );
@@ -811,7 +817,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     d.child.kill().unwrap();
     d.child.wait().unwrap();
     let err = ring
-        .select_hashes("llama", 0, &hashes, 256, true)
+        .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
         .unwrap_err();
     assert_eq!(err.kind(), std::io::ErrorKind::ConnectionReset, "{err}");
     drop(a);
@@ -819,17 +825,17 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
 
 #[test]
 fn query_channels_can_be_turned_off() {
-    use kvedge_wire::{Client as Wire, status};
+    use kvedge_wire::{Client as Wire, Status};
     let d = start_with("rings-off", "daemon:\n  max_query_rings: 0\n");
     let mut w = Wire::connect(d.query()).unwrap();
     let (code, message) = w.attach_rings().unwrap().unwrap_err();
-    assert_eq!(code, status::RINGS_UNAVAILABLE);
+    assert_eq!(code, Status::RingsUnavailable);
     assert!(message.contains("turned off"), "{message}");
     assert!(!w.rings_attached());
     // The connection goes on over the socket.
     let err = w
-        .select_hashes("m", 0, &[1], 16, true)
+        .select_hashes("m", kvedge_wire::Role::Aggregated, &[1], 16, true)
         .unwrap()
         .unwrap_err();
-    assert_eq!(err.0, status::NO_WORKER);
+    assert_eq!(err.0, Status::NoWorker);
 }

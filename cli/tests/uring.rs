@@ -40,7 +40,7 @@ fn queries_are_answered_through_the_io_uring_listener() {
     // The binary protocol through the same listener.
     let mut w = kvedge_wire::Client::connect(d.query()).unwrap();
     let r = w
-        .select_hashes("m", 0, &[1, 2, 3], 48, false)
+        .select_hashes("m", kvedge_wire::Role::Aggregated, &[1, 2, 3], 48, false)
         .unwrap()
         .unwrap();
     assert_eq!((r.worker_id, r.overlap_blocks[0]), (1, 3));
@@ -48,9 +48,13 @@ fn queries_are_answered_through_the_io_uring_listener() {
     // Query channels are the routing loop's: this listener refuses them,
     // and the connection stays on the socket.
     let refused = w.attach_rings().unwrap().unwrap_err();
-    assert_eq!(refused.0, kvedge_wire::status::RINGS_UNAVAILABLE);
+    assert_eq!(refused.0, kvedge_wire::Status::RingsUnavailable);
     assert!(!w.rings_attached());
-    assert!(w.select_hashes("m", 0, &[1], 16, true).unwrap().is_ok());
+    assert!(
+        w.select_hashes("m", kvedge_wire::Role::Aggregated, &[1], 16, true)
+            .unwrap()
+            .is_ok()
+    );
     // A line over max_frame_bytes: an error, then that connection closes;
     // the others are untouched.
     let mut giant = Conn::connect(&d.query());

@@ -142,18 +142,13 @@ fn main() {
     // SAFETY: all-zero bytes are a valid kvedge_select_result.
     let mut res: kvedge_select_result = unsafe { std::mem::zeroed() };
     let mut rust = kvedge_wire::Client::connect(dir.join("query.sock")).unwrap();
-    let q = kvedge_wire::SelectQuery {
-        model: "llama",
-        role: 0,
-        session: None,
-        ids: kvedge_wire::QueryIds::Hashes(&out),
-        prompt_tokens: 2048,
-        dry_run: true,
-        priority: 0,
-        tenant: None,
-        tags: &[],
-        headers: &[],
-    };
+    let mut q = kvedge_wire::Select::new(
+        "llama",
+        kvedge_wire::Role::Aggregated,
+        kvedge_wire::Ids::hashes(&out),
+    );
+    q.prompt_tokens = Some(2048);
+    q.dry_run = true;
     // Alternating, three rounds each, so drift on this shared machine hits
     // both alike.
     for round in 1..=3 {

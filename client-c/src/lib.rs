@@ -29,7 +29,7 @@ use kvedge_shm::control::ProducerSession;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Load, Role, Tier};
 use kvedge_shm::{ControlError, PublishError, Publisher};
-use kvedge_wire::{Client, QueryIds, SelectQuery, status};
+use kvedge_wire::{Client, Ids, Pairs, Select, Status, Strs};
 
 /// Result of every fallible function: `KVEDGE_OK` (0) or an error code.
 pub type kvedge_status = i32;
@@ -883,15 +883,29 @@ fn io_error(e: std::io::Error) -> Error {
     Error::new(code, e.to_string())
 }
 
-fn daemon_error(code: u16, message: &str) -> Error {
-    let c = match code {
-        status::NO_WORKER => KVEDGE_ERR_NO_WORKER,
-        status::UNKNOWN_REQUEST => KVEDGE_ERR_UNKNOWN_REQUEST,
-        status::BAD_REQUEST => KVEDGE_ERR_INVALID_ARGUMENT,
-        status::RINGS_UNAVAILABLE => KVEDGE_ERR_UNAVAILABLE,
-        _ => KVEDGE_ERR_DAEMON,
-    };
-    Error::new(c, format!("daemon: {message}"))
+/// The `KVEDGE_ERR_*` value of each daemon status: an exhaustive match, so
+/// a status added to the protocol must be placed here.
+fn status_code(status: Status) -> kvedge_status {
+    match status {
+        Status::Ok => KVEDGE_OK,
+        Status::NoWorker => KVEDGE_ERR_NO_WORKER,
+        Status::UnknownRequest => KVEDGE_ERR_UNKNOWN_REQUEST,
+        Status::BadRequest => KVEDGE_ERR_INVALID_ARGUMENT,
+        Status::RingsUnavailable => KVEDGE_ERR_UNAVAILABLE,
+        Status::Rejected
+        | Status::NoRule
+        | Status::FrameTooLarge
+        | Status::UnsupportedVersion
+        | Status::UnknownOp
+        | Status::TooManyRequests
+        | Status::TooManyConnections
+        | Status::NotPermitted
+        | Status::ReloadFailed => KVEDGE_ERR_DAEMON,
+    }
+}
+
+fn daemon_error(status: Status, message: &str) -> Error {
+    Error::new(status_code(status), format!("daemon: {message}"))
 }
 
 /// Connects to the daemon's query socket. On success `*out` is the client;
@@ -995,15 +1009,15 @@ pub unsafe extern "C" fn kvedge_select(
             )
         };
         let ids = match (hashes.is_empty(), tokens.is_empty()) {
-            (false, true) => QueryIds::Hashes(hashes),
-            (true, false) => QueryIds::Tokens(tokens),
+            (false, true) => Ids::hashes(hashes),
+            (true, false) => Ids::tokens(tokens),
             _ => {
                 return Err(Error::invalid(
                     "give exactly one of request.hashes and request.tokens",
                 ));
             }
         };
-        parse_role(r.role)?;
+        let role = parse_role(r.role)?;
         if r.n_tags > KVEDGE_MAX_TAGS || r.n_headers > KVEDGE_MAX_HEADERS {
             return Err(Error::invalid(format!(
                 "at most {KVEDGE_MAX_TAGS} tags and {KVEDGE_MAX_HEADERS} headers"
@@ -1028,18 +1042,14 @@ pub unsafe extern "C" fn kvedge_select(
             // SAFETY: each element is a NUL-terminated string (caller).
             *slot = unsafe { (text(n, "a header name")?, text(v, "a header value")?) };
         }
-        let q = SelectQuery {
-            model,
-            role: r.role as u8,
-            session,
-            ids,
-            prompt_tokens: r.prompt_tokens,
-            dry_run: r.dry_run != 0,
-            priority: r.priority,
-            tenant,
-            tags: &tags[..r.n_tags],
-            headers: &headers[..r.n_headers],
-        };
+        let mut q = Select::new(model, role, ids);
+        q.session = session;
+        q.prompt_tokens = (r.prompt_tokens > 0).then_some(r.prompt_tokens);
+        q.dry_run = r.dry_run != 0;
+        q.priority = r.priority;
+        q.tenant = tenant;
+        q.tags = Strs::new(&tags[..r.n_tags]);
+        q.headers = Pairs::new(&headers[..r.n_headers]);
         let v = match c.inner.select(&q).map_err(io_error)? {
             Ok(v) => v,
             Err((code, message)) => return Err(daemon_error(code, message)),
@@ -1071,7 +1081,7 @@ pub unsafe extern "C" fn kvedge_select(
 unsafe fn release(
     client: *mut kvedge_client,
     request_id: u64,
-    op: fn(&mut Client, u64) -> kvedge_wire::Reply<()>,
+    op: fn(&mut Client, u64) -> kvedge_wire::Outcome<()>,
 ) -> kvedge_status {
     guard(|| {
         // SAFETY: caller contract.

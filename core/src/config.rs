@@ -8,8 +8,6 @@
 //! its logger accepts, whether this build has io_uring) is checked by the
 //! daemon's own loader on top of this one.
 
-use std::path::Path;
-
 use kvedge_policies::rules::{RulePolicy, load_with};
 use kvedge_policies::{
     AffinityMode, RouterConfig, RouterPluginRegistry, RouterPlugins, SelectionOverrides,
@@ -308,20 +306,6 @@ impl Config {
             plugins,
             rules,
         })
-    }
-
-    /// Reads and loads a file.
-    pub fn load_file(
-        path: &Path,
-        registry: &RouterPluginRegistry,
-        overrides: &SelectionOverrides,
-    ) -> Result<Config, ConfigError> {
-        let file = path.display().to_string();
-        let source = std::fs::read_to_string(path).map_err(|e| ConfigError {
-            file: file.clone(),
-            message: format!("cannot read: {e}"),
-        })?;
-        Self::load(&file, &source, registry, overrides)
     }
 }
 

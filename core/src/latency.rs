@@ -107,17 +107,17 @@ impl Histogram {
         out
     }
 
-    /// `{count, mean_us, p50_us, p90_us, p99_us, max_us}`.
-    pub fn to_json(&self) -> serde_json::Value {
+    /// Count, mean, p50, p90, p99 and max, in microseconds.
+    pub fn summary(&self) -> kvedge_wire::LatencySummary {
         let us = |ns: u64| ns as f64 / 1e3;
-        serde_json::json!({
-            "count": self.count,
-            "mean_us": self.mean_ns() / 1e3,
-            "p50_us": us(self.quantile_ns(0.5)),
-            "p90_us": us(self.quantile_ns(0.9)),
-            "p99_us": us(self.quantile_ns(0.99)),
-            "max_us": us(self.max_ns),
-        })
+        kvedge_wire::LatencySummary {
+            count: self.count,
+            mean_us: self.mean_ns() / 1e3,
+            p50_us: us(self.quantile_ns(0.5)),
+            p90_us: us(self.quantile_ns(0.9)),
+            p99_us: us(self.quantile_ns(0.99)),
+            max_us: us(self.max_ns),
+        }
     }
 }
 

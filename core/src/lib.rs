@@ -1,14 +1,29 @@
-//! kvedge's routing core, without I/O: the KV index, load accounting, the
-//! router that runs worker selection and the rule language over them, the
-//! configuration they are built from, and the metrics they report. Time
-//! always comes from the caller; nothing here reads a clock, opens a
-//! socket or starts a thread.
+//! kvedge's routing core, without I/O: [`Core`] owns the worker registry,
+//! the KV index, load accounting, the router that runs worker selection and
+//! the rule language over them, reservations and counters. Drivers (the
+//! daemon's epoll loop, its io_uring listener, any future transport) feed
+//! it events and requests and carry out what it asks; time always comes
+//! from them. Nothing here reads a clock, opens a socket or starts a
+//! thread (the crate's `clippy.toml` makes clock reads an error).
 
 #![forbid(unsafe_code)]
+#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
+mod answer;
 pub mod config;
+mod counters;
+mod engine;
 pub mod index;
 pub mod latency;
 pub mod load;
 pub mod metrics;
 pub mod router;
+mod routing;
+mod table;
+
+pub use answer::{ReloadError, RingsGrant};
+pub use engine::{EngineId, EngineState};
+pub use routing::{
+    ClientId, Core, HEARTBEAT_INTERVAL_MS, MAX_PENDING_REGISTRATIONS, Output,
+    REGISTRATION_DEADLINE, RegistrationError,
+};

@@ -211,6 +211,12 @@ impl LoadTable {
         gone
     }
 
+    /// When the oldest reservation expires, ms (it may have been released
+    /// since: then nothing expires at that time).
+    pub fn next_expiry_ms(&self) -> Option<u64> {
+        self.order.front().map(|&(at, _)| at)
+    }
+
     /// A worker left: its report and reservations go.
     pub fn remove_worker(&mut self, slot: Slot) {
         self.reports[slot.index()] = LoadReport::default();

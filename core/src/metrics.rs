@@ -13,29 +13,14 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
+use kvedge_wire::WorkerRow;
+
 use crate::latency::Histogram;
 
 /// Bounds of the selection latency histogram, seconds.
 const LATENCY_BOUNDS: [f64; 14] = [
     1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 1e-1,
 ];
-
-/// One worker's gauges.
-#[derive(Clone, Debug, Default)]
-pub struct WorkerRow {
-    pub worker_id: u64,
-    pub dp_rank: u32,
-    pub model: String,
-    pub role: &'static str,
-    pub endpoint: String,
-    pub available: bool,
-    pub active_requests: u32,
-    pub waiting_requests: u32,
-    pub active_prefill_tokens: u64,
-    pub kv_used_blocks: u64,
-    pub kv_total_blocks: u64,
-    pub device_blocks: u64,
-}
 
 /// Everything a scrape reports, copied out of the routing loop.
 #[derive(Clone, Debug, Default)]

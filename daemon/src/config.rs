@@ -13,11 +13,13 @@ pub fn load(
     registry: &RouterPluginRegistry,
     overrides: &SelectionOverrides,
 ) -> Result<Config, ConfigError> {
-    let config = Config::load_file(path, registry, overrides)?;
-    check(&config).map_err(|message| ConfigError {
-        file: path.display().to_string(),
-        message,
+    let file = path.display().to_string();
+    let source = std::fs::read_to_string(path).map_err(|e| ConfigError {
+        file: file.clone(),
+        message: format!("cannot read: {e}"),
     })?;
+    let config = Config::load(&file, &source, registry, overrides)?;
+    check(&config).map_err(|message| ConfigError { file, message })?;
     Ok(config)
 }
 

@@ -1,13 +1,29 @@
-//! kvedge's daemon: the event loop behind `kvedge run` with its control and
-//! query sockets, the optional io_uring listener, and the service around
-//! them (logging, signals, systemd notification, the metrics listener).
+//! kvedge's daemon: the drivers that feed the routing core
+//! ([`kvedge_core::Core`]) and `kvedge run` as a service.
+//!
+//! - [`server`]: the routing thread, one epoll loop that owns the core and
+//!   serves [`engines`] (`control.sock` and their rings), [`clients`]
+//!   (`query.sock` and query channels) and [`jobs`] (work from drivers on
+//!   other threads), carrying out what the core asks.
+//! - [`dispatch`]: a request's bytes to its reply's bytes, for every
+//!   transport.
+//! - `uring` (feature `io-uring`): query.sock on io_uring, a driver on
+//!   its own thread that feeds the routing thread through [`jobs`].
+//! - [`service`]: logging, sockets (bound or passed by systemd), signals,
+//!   sd_notify, the metrics listener; [`config`] loads the file.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::disallowed_methods)]
 
+pub mod clients;
 pub mod config;
-pub mod framing;
+pub mod dispatch;
+pub mod engines;
+pub mod jobs;
+pub mod listen;
 pub mod metrics_http;
 pub mod notify;
+mod poller;
 pub mod server;
 pub mod service;
 #[cfg(feature = "io-uring")]

@@ -3,8 +3,6 @@
 //! after a drain, SIGHUP reloads), and what systemd is told (READY=1,
 //! STATUS=, WATCHDOG=1, RELOADING=1, STOPPING=1).
 
-use std::os::fd::OwnedFd;
-use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -37,59 +35,22 @@ pub fn init_logging(log: &LogSection) {
     };
 }
 
-/// Which passed socket is which: by `FileDescriptorName=` (`control`,
-/// `query`), else by the socket's path (`…/control.sock`, `…/query.sock`).
-fn activated_listeners(
-    fds: Vec<(String, OwnedFd)>,
-) -> Result<(UnixListener, UnixListener), String> {
-    let mut control = None;
-    let mut query = None;
-    for (name, fd) in fds {
-        let path = rustix::net::getsockname(&fd)
-            .ok()
-            .and_then(|a| rustix::net::SocketAddrUnix::try_from(a).ok())
-            .and_then(|u| u.path().map(|p| p.to_string_lossy().into_owned()));
-        let is = |what: &str| {
-            name == what
-                || path
-                    .as_deref()
-                    .is_some_and(|p| p.ends_with(&format!("{what}.sock")))
-        };
-        let slot = if is("control") {
-            &mut control
-        } else if is("query") {
-            &mut query
-        } else {
-            return Err(format!(
-                "passed socket `{name}` ({}) is neither control nor query",
-                path.as_deref().unwrap_or("no path")
-            ));
-        };
-        if slot.is_some() {
-            return Err(format!("two passed sockets for `{name}`"));
-        }
-        *slot = Some(UnixListener::from(fd));
-    }
-    match (control, query) {
-        (Some(c), Some(q)) => Ok((c, q)),
-        _ => Err("socket activation passed no control socket or no query socket".into()),
-    }
-}
-
 /// Moves query.sock to the io_uring listener, or leaves it on epoll (with a
 /// warning) where io_uring is refused.
 #[cfg(feature = "io-uring")]
 fn start_uring(server: &mut Server, limits: &kvedge_core::config::DaemonSection) {
     match server.take_query_listener() {
-        Ok(Some((listener, jobs))) => match crate::uring::start(listener, jobs, limits) {
-            Ok(()) => info!("query.sock served on io_uring"),
-            Err((listener, e)) => {
-                warn!("io_uring unavailable ({e}): query.sock stays on epoll");
-                if let Err(e) = server.restore_query_listener(listener) {
-                    error!("cannot restore query.sock: {e}");
+        Ok(Some((listener, jobs))) => {
+            match crate::uring::start(listener, jobs, limits.max_frame_bytes) {
+                Ok(()) => info!("query.sock served on io_uring"),
+                Err((listener, e)) => {
+                    warn!("io_uring unavailable ({e}): query.sock stays on epoll");
+                    if let Err(e) = server.restore_query_listener(listener) {
+                        error!("cannot restore query.sock: {e}");
+                    }
                 }
             }
-        },
+        }
         Ok(None) => {}
         Err(e) => warn!("io_uring listener not started ({e}): query.sock stays on epoll"),
     }
@@ -128,7 +89,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         Server::bind(config, &dir)
             .map_err(|e| format!("cannot listen in {}: {e}", dir.dir.display()))
     } else {
-        activated_listeners(passed).and_then(|(c, q)| {
+        crate::listen::activated_listeners(passed).and_then(|(c, q)| {
             Server::from_listeners(config, c, q).map_err(|e| format!("passed sockets: {e}"))
         })
     };
@@ -157,7 +118,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     }
     let path = config_path.to_owned();
     server.set_reloader(Box::new(move || {
-        crate::config::load(&path, &registry, &overrides).map_err(|e| e.to_string())
+        crate::config::load(&path, &registry, &overrides)
     }));
     let stop = Arc::new(AtomicBool::new(false));
     let reload = Arc::new(AtomicBool::new(false));
@@ -176,7 +137,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         config = %config_path.display(),
         "listening"
     );
-    crate::notify::ready(&server.status());
+    crate::notify::ready(&server.core().status());
     let mut heartbeat = crate::notify::Heartbeat::default();
     let result = server.run_with(|s| {
         if stop.load(Ordering::Relaxed) {
@@ -189,9 +150,9 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
             // An invalid configuration was logged; the old one serves on.
             let _ = s.reload();
         }
-        heartbeat.tick(|| s.status());
+        heartbeat.tick(|| s.core().status());
         if metrics_listen.is_some() && last_metrics.elapsed() >= std::time::Duration::from_secs(1) {
-            let text = kvedge_core::metrics::render(&s.metrics());
+            let text = kvedge_core::metrics::render(&s.core().metrics());
             if let Ok(mut m) = metrics_text.lock() {
                 *m = text;
             }

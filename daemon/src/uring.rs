@@ -1,37 +1,36 @@
 //! The query listener on io_uring (feature `io-uring`, `daemon.query_io:
-//! io-uring`). A thread accepts on query.sock; a tokio-uring runtime on a
-//! second thread reads and writes every client with io_uring operations and
-//! frames requests (JSON lines, or `KVE1` binary frames); each request goes
-//! to the routing loop as a [`Job`] and its reply comes back through a
-//! oneshot channel. The routing state keeps its single owner. The accept
-//! thread applies the epoll path's admission rules (connection limit, peer
-//! credentials); the frame limit and the idle timeout apply per connection.
+//! io-uring`): a driver on threads of its own that feeds the routing
+//! thread through [`crate::jobs`], the seam every transport off the
+//! routing thread uses. A thread accepts on query.sock; a tokio-uring
+//! runtime on a second thread reads and writes every client with io_uring
+//! operations and cuts requests out of the bytes ([`framing`]). Each
+//! connection is admitted by the core (connection limit, peer
+//! credentials), each request is answered by it, and the core's idle
+//! timeout closes the connection by shutting its socket down (which also
+//! completes the kernel's pending read).
 //!
 //! If io_uring is unavailable (EPERM or ENOSYS from `io_uring_setup`, as
 //! under default container seccomp profiles) [`start`] says so and the
 //! caller keeps the epoll path.
 
 use std::io;
-use std::os::unix::net::UnixListener;
+use std::os::unix::net::{UnixListener, UnixStream};
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use kvedge_core::ClientId;
+use kvedge_shm::control::{PeerCred, peer_credentials};
+use kvedge_wire::framing::{self, Mode, Next};
 
-use crate::framing::{self, Mode, Next};
-use crate::server::{Job, JobSender, admission, send_refusal};
-use kvedge_core::config::DaemonSection;
+use crate::clients::send_refusal;
+use crate::jobs::{Job, JobSender};
 
-/// Starts the listener on `listener`; on error the listener is handed back
-/// with the reason, so the caller can fall back to epoll.
+/// Starts the listener on `listener` with the frame limit
+/// `max_frame_bytes`; on error the listener is handed back with the
+/// reason, so the caller can fall back to epoll.
 pub fn start(
     listener: UnixListener,
     jobs: JobSender,
-    limits: &DaemonSection,
+    max_frame_bytes: usize,
 ) -> Result<(), (UnixListener, io::Error)> {
-    let limits = limits.clone();
-    let max_frame_bytes = limits.max_frame_bytes;
-    let idle = std::time::Duration::from_millis(limits.idle_timeout_ms);
-    let open = Arc::new(AtomicUsize::new(0));
     // Probe io_uring on this thread first: the clean fallback point.
     if let Err(e) = tokio_uring::Runtime::new(&tokio_uring::builder()) {
         return Err((listener, e));
@@ -44,16 +43,15 @@ pub fn start(
         return Err((listener, e));
     }
     let (conn_tx, mut conn_rx) =
-        tokio::sync::mpsc::unbounded_channel::<(std::os::unix::net::UnixStream, OpenGuard)>();
+        tokio::sync::mpsc::unbounded_channel::<(UnixStream, io::Result<PeerCred>)>();
     let spawned = std::thread::Builder::new()
         .name("kvedge-uring".into())
         .spawn(move || {
             tokio_uring::start(async move {
-                while let Some((stream, guard)) = conn_rx.recv().await {
+                while let Some((stream, peer)) = conn_rx.recv().await {
                     let jobs = jobs.clone();
                     tokio_uring::spawn(async move {
-                        serve(stream, jobs, max_frame_bytes, idle).await;
-                        drop(guard);
+                        serve(stream, peer, jobs, max_frame_bytes).await;
                     });
                 }
             })
@@ -67,21 +65,17 @@ pub fn start(
             loop {
                 match accept_from.accept() {
                     Ok((s, _)) => {
-                        let open_now = open.load(Ordering::Relaxed);
-                        if let Some((code, message)) = admission(&s, &limits, open_now) {
-                            tracing::warn!("query connection refused ({code}): {message}");
-                            send_refusal(&s, code, &message);
-                            continue;
-                        }
-                        open.fetch_add(1, Ordering::Relaxed);
-                        let guard = OpenGuard(Arc::clone(&open));
-                        if conn_tx.send((s, guard)).is_err() {
+                        let peer = peer_credentials(&s);
+                        if conn_tx.send((s, peer)).is_err() {
                             return;
                         }
                     }
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                     Err(e) => {
                         tracing::warn!("io_uring listener: accept: {e}");
+                        // This thread only accepts; backing off here holds
+                        // nobody else.
+                        #[allow(clippy::disallowed_methods)]
                         std::thread::sleep(std::time::Duration::from_millis(10));
                     }
                 }
@@ -95,21 +89,43 @@ pub fn start(
     }
 }
 
-/// Counts an open connection until dropped.
-struct OpenGuard(Arc<AtomicUsize>);
-
-impl Drop for OpenGuard {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::Relaxed);
+/// Asks the routing thread to admit the connection.
+async fn admit(
+    stream: &UnixStream,
+    peer: io::Result<PeerCred>,
+    jobs: &JobSender,
+) -> Option<ClientId> {
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    // The core's idle timeout closes the connection by shutting it down.
+    let closer = stream.try_clone().ok()?;
+    let sent = jobs.send(Job::Connect {
+        peer,
+        admitted: Box::new(move |outcome| {
+            let _ = tx.send(outcome);
+        }),
+        close: Box::new(move || {
+            let _ = closer.shutdown(std::net::Shutdown::Both);
+        }),
+    });
+    if !sent {
+        return None;
+    }
+    match rx.await.ok()? {
+        Ok(id) => Some(id),
+        Err(refusal) => {
+            send_refusal(stream, refusal.status, &refusal.message);
+            None
+        }
     }
 }
 
-/// Asks the routing loop and waits for its reply.
-async fn ask(jobs: &JobSender, request: Vec<u8>, binary: bool) -> Option<Vec<u8>> {
+/// Asks the routing thread and waits for its reply.
+async fn ask(jobs: &JobSender, client: ClientId, request: Vec<u8>, mode: Mode) -> Option<Vec<u8>> {
     let (tx, rx) = tokio::sync::oneshot::channel();
-    let sent = jobs.send(Job {
+    let sent = jobs.send(Job::Request {
+        client,
         request,
-        binary,
+        mode,
         reply: Box::new(move |bytes| {
             let _ = tx.send(bytes);
         }),
@@ -120,26 +136,33 @@ async fn ask(jobs: &JobSender, request: Vec<u8>, binary: bool) -> Option<Vec<u8>
     rx.await.ok()
 }
 
-/// One client: read with io_uring, frame, ask, write with io_uring. A
-/// client that sends nothing for `idle` is closed.
-async fn serve(
-    stream: std::os::unix::net::UnixStream,
-    jobs: JobSender,
+/// One client: admitted by the core, then read with io_uring, cut into
+/// requests, asked, written with io_uring; its end is reported.
+async fn serve(stream: UnixStream, peer: io::Result<PeerCred>, jobs: JobSender, limit: usize) {
+    let Some(client) = admit(&stream, peer, &jobs).await else {
+        return;
+    };
+    serve_admitted(
+        tokio_uring::net::UnixStream::from_std(stream),
+        client,
+        &jobs,
+        limit,
+    )
+    .await;
+    jobs.send(Job::Disconnect { client });
+}
+
+async fn serve_admitted(
+    stream: tokio_uring::net::UnixStream,
+    client: ClientId,
+    jobs: &JobSender,
     limit: usize,
-    idle: std::time::Duration,
 ) {
-    let stream = tokio_uring::net::UnixStream::from_std(stream);
     let mut pending: Vec<u8> = Vec::with_capacity(4096);
     let mut buf = vec![0u8; 16384];
     let mut mode = Mode::Unknown;
     loop {
-        // On the timeout the read future is dropped, but the kernel still
-        // holds the read (and with it the socket) until it completes:
-        // shutting the socket down completes it, so the peer sees the close.
-        let Ok((res, b)) = tokio::time::timeout(idle, stream.read(buf)).await else {
-            let _ = stream.shutdown(std::net::Shutdown::Both);
-            return;
-        };
+        let (res, b) = stream.read(buf).await;
         buf = b;
         let n = match res {
             Ok(0) | Err(_) => return,
@@ -147,6 +170,7 @@ async fn serve(
         };
         pending.extend_from_slice(&buf[..n]);
         framing::detect(&mut mode, &mut pending);
+        let mut asked = false;
         loop {
             match framing::next(mode, &pending, limit) {
                 Next::NeedMore => break,
@@ -157,7 +181,8 @@ async fn serve(
                 Next::Request { body, used } => {
                     let request = pending[body].to_vec();
                     pending.drain(..used);
-                    let Some(reply) = ask(&jobs, request, mode == Mode::Binary).await else {
+                    asked = true;
+                    let Some(reply) = ask(jobs, client, request, mode).await else {
                         return;
                     };
                     let (res, _) = stream.write_all(reply).await;
@@ -166,6 +191,10 @@ async fn serve(
                     }
                 }
             }
+        }
+        // Bytes of a request still arriving count as activity too.
+        if !asked {
+            jobs.send(Job::Active { client });
         }
     }
 }

@@ -53,6 +53,31 @@ pub enum Role {
     Encode = 3,
 }
 
+impl Role {
+    /// Every role, in the order of their codes.
+    pub const ALL: [Role; 4] = [Role::Aggregated, Role::Prefill, Role::Decode, Role::Encode];
+
+    /// The lowercase name used in configuration, JSON and logs.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Role::Aggregated => "aggregated",
+            Role::Prefill => "prefill",
+            Role::Decode => "decode",
+            Role::Encode => "encode",
+        }
+    }
+
+    /// The role named `name` (as written by [`Role::as_str`]).
+    pub fn parse(name: &str) -> Option<Role> {
+        Role::ALL.into_iter().find(|r| r.as_str() == name)
+    }
+
+    /// The role with code `code` (its `repr(u8)` value).
+    pub fn from_code(code: u8) -> Option<Role> {
+        Role::ALL.get(usize::from(code)).copied()
+    }
+}
+
 impl ArchivedRole {
     pub fn to_native(self) -> Role {
         match self {

@@ -478,7 +478,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
         "summary": &summary,
         "oracle_hit_rate": oracle,
         "daemon": stats,
-        "client_select_round_trip": rtt.to_json(),
+        "client_select_round_trip": rtt.summary(),
         "runtime_dir": dir,
         "pids": pids,
         "simulated_s": end_sim as f64 / 1e6,

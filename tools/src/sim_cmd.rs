@@ -238,8 +238,11 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
         configs.push((name, c));
     }
     for path in &args.configs {
-        let c =
-            Config::load_file(path, registry, &Default::default()).map_err(|e| e.to_string())?;
+        let file = path.display().to_string();
+        let source =
+            std::fs::read_to_string(path).map_err(|e| format!("{file}: cannot read: {e}"))?;
+        let c = Config::load(&file, &source, registry, &Default::default())
+            .map_err(|e| e.to_string())?;
         configs.push((path.display().to_string(), c));
     }
     let (name, requests) = workload(args)?;

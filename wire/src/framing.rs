@@ -1,10 +1,10 @@
-//! How a query connection's bytes become requests, for both frontends (the
-//! epoll loop and the io_uring listener): the first bytes choose the
-//! protocol (`KVE1`: binary frames, anything else: JSON lines), then each
-//! complete request is cut out of the buffer, and a request that cannot fit
-//! the frame limit is refused.
+//! How a query connection's bytes become requests, for every driver that
+//! serves one: the first bytes choose the protocol (`KVE1`: binary frames,
+//! anything else: JSON lines), then each complete request is cut out of
+//! the buffer, and a request that cannot fit the frame limit is refused.
 
-use kvedge_wire::{MAGIC, status, write_error};
+use crate::Status;
+use crate::binary::{MAGIC, write_error};
 
 /// A connection's protocol.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -76,21 +76,22 @@ pub fn next(mode: Mode, buf: &[u8], limit: usize) -> Next {
 }
 
 /// The reply to a request over the frame limit, in the connection's
-/// protocol.
+/// protocol (written by hand: JSON lines need no serializer for it).
 pub fn too_large(mode: Mode, limit: usize) -> Vec<u8> {
     let mut out = Vec::new();
-    if mode == Mode::Binary {
-        write_error(
+    match mode {
+        Mode::Binary => write_error(
             &mut out,
-            status::FRAME_TOO_LARGE,
+            Status::FrameTooLarge,
             &format!("a frame is longer than {limit} bytes"),
-        );
-    } else {
-        let reply = serde_json::json!({"error": {
-            "code": "frame_too_large",
-            "message": format!("a request line is longer than {limit} bytes"),
-        }});
-        out = format!("{reply}\n").into_bytes();
+        ),
+        Mode::Json | Mode::Unknown => out.extend_from_slice(
+            format!(
+                "{{\"error\":{{\"code\":\"{}\",\"message\":\"a request line is longer than {limit} bytes\"}}}}\n",
+                Status::FrameTooLarge.name()
+            )
+            .as_bytes(),
+        ),
     }
     out
 }

@@ -1,0 +1,457 @@
+//! How the core answers a frontend: [`Core::handle_request`] turns any
+//! [`Request`] (from a binary frame, a JSON line or another thread's
+//! driver) into a [`Reply`], once for every encoding. A select borrows
+//! its names from the routing state and uses retained buffers, so a warm
+//! select allocates nothing (an explained one does).
+
+use std::time::{Duration, Instant};
+
+use kvedge_policies::{AgentHeaders, InputTrigger, SessionContext, WorkerType};
+use kvedge_shm::hash::{block_seed, full_blocks, sequence_hashes_into};
+use kvedge_shm::messages::Tier;
+use kvedge_wire::{
+    ErrorReply, ExplainedWorker, Explanation, Ids, MAX_TAGS, Reply, Request, Select, Selected,
+    Stats, Status, Words, WorkerRow,
+};
+
+use crate::config::Config;
+use crate::counters::EVENT_KINDS;
+use crate::router::{RouterError, SelectRequest, SelectResult};
+use crate::routing::{ClientId, Core};
+
+/// A granted query channel: the driver creates both rings with this
+/// capacity and attach epoch.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RingsGrant {
+    pub capacity: u64,
+    pub attach_epoch: u64,
+}
+
+/// Why a reload was not applied.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReloadError {
+    #[error("this daemon has no configuration file to reload")]
+    NoConfigFile,
+    #[error(transparent)]
+    Invalid(#[from] crate::config::ConfigError),
+}
+
+/// A selection error's status.
+fn status_of(e: &RouterError) -> Status {
+    match e {
+        RouterError::RejectedByRule { .. } => Status::Rejected,
+        RouterError::NoRuleMatched => Status::NoRule,
+        RouterError::Session(_) => Status::BadRequest,
+        RouterError::NoWorkers { .. } | RouterError::Selection(_) => Status::NoWorker,
+    }
+}
+
+impl Core {
+    /// Answers `request` from client `client`. `AttachRings` and `Reload`
+    /// need their driver's help (rings to create, a file to read): a
+    /// driver that offers them calls [`Core::handle_attach_rings`] and
+    /// [`Core::handle_reload`] instead; here they are refused.
+    pub fn handle_request(
+        &mut self,
+        now: Instant,
+        client: ClientId,
+        request: &Request<'_>,
+    ) -> Reply<'_> {
+        self.handle_client_active(now, client);
+        let reply = match request {
+            Request::Select(s) => return self.select(now, s),
+            Request::PrefillDone { request_id } => self.release(|l| l.prefill_done(*request_id)),
+            Request::Finish { request_id } => self.release(|l| l.finish(*request_id)),
+            Request::AttachRings => Reply::error(
+                Status::RingsUnavailable,
+                "query channels are attached over query.sock served by the routing loop (daemon.query_io: epoll)",
+            ),
+            Request::Workers => Reply::Workers(self.worker_rows()),
+            Request::Stats => Reply::Stats(Box::new(self.stats())),
+            Request::Metrics => Reply::Metrics(crate::metrics::render(&self.metrics())),
+            Request::Reload => {
+                Reply::error(Status::ReloadFailed, ReloadError::NoConfigFile.to_string())
+            }
+        };
+        if reply.status() != Status::Ok {
+            self.counters.errors += 1;
+        }
+        reply
+    }
+
+    /// A request from `client` that did not decode: counted, and answered
+    /// with its error.
+    pub fn handle_undecodable(
+        &mut self,
+        now: Instant,
+        client: ClientId,
+        error: ErrorReply<'static>,
+    ) -> Reply<'static> {
+        self.handle_client_active(now, client);
+        self.counters.errors += 1;
+        Reply::Error(error)
+    }
+
+    /// Client `client` asks for a query channel: granted (and counted
+    /// against `daemon.max_query_rings`) or refused with its reason.
+    pub fn handle_attach_rings(
+        &mut self,
+        now: Instant,
+        client: ClientId,
+    ) -> Result<RingsGrant, ErrorReply<'static>> {
+        let limit = self.config.daemon.max_query_rings;
+        let attached = self.query_channels();
+        let unavailable = |message: String| ErrorReply {
+            status: Status::RingsUnavailable,
+            message: message.into(),
+        };
+        let refusal = match self.client_mut(client) {
+            None => Some(unavailable("this connection is not known".into())),
+            Some(c) if c.rings => Some(unavailable(
+                "this connection already has a query channel".into(),
+            )),
+            Some(_) if limit == 0 => Some(unavailable(
+                "query channels are turned off (daemon.max_query_rings: 0); use the socket".into(),
+            )),
+            Some(_) if attached >= limit => Some(unavailable(format!(
+                "{attached} query channels are attached, the limit (daemon.max_query_rings: {limit}); use the socket"
+            ))),
+            Some(c) => {
+                c.rings = true;
+                c.last_active = now;
+                None
+            }
+        };
+        if let Some(refusal) = refusal {
+            self.counters.errors += 1;
+            return Err(refusal);
+        }
+        Ok(RingsGrant {
+            capacity: self.config.daemon.query_ring_capacity,
+            attach_epoch: self.next_epoch(),
+        })
+    }
+
+    /// The granted channel could not be set up (or was torn down): it no
+    /// longer counts against the limit. The driver answers the error.
+    pub fn handle_rings_detached(&mut self, client: ClientId) {
+        if let Some(c) = self.client_mut(client) {
+            c.rings = false;
+        }
+        self.counters.errors += 1;
+    }
+
+    /// A reload was asked for and the driver read the file: a valid
+    /// configuration applies between two requests (fresh policy instances;
+    /// index, load, reservations and session bindings kept); an invalid
+    /// one is refused and the previous one keeps serving.
+    pub fn handle_reload(
+        &mut self,
+        _now: Instant,
+        loaded: Result<Config, ReloadError>,
+    ) -> Reply<'_> {
+        match loaded {
+            Ok(config) => {
+                self.router.reconfigure(&config);
+                self.config = config;
+                self.counters.reloads += 1;
+                tracing::info!(reloads = self.counters.reloads, "configuration reloaded");
+                Reply::Reloaded {
+                    reloads: self.counters.reloads,
+                }
+            }
+            Err(e) => {
+                if e != ReloadError::NoConfigFile {
+                    self.counters.reload_failures += 1;
+                }
+                self.counters.errors += 1;
+                tracing::error!("reload refused, the previous configuration keeps serving: {e}");
+                Reply::error(Status::ReloadFailed, e.to_string())
+            }
+        }
+    }
+
+    /// Records how long a select took in the core, as its driver measured
+    /// it (the core reads no clock).
+    pub fn note_select_time(&mut self, took: Duration) {
+        self.counters.select_latency.record(took.as_nanos() as u64);
+    }
+
+    fn release(
+        &mut self,
+        release: impl FnOnce(&mut crate::load::LoadTable) -> Result<(), crate::load::LoadError>,
+    ) -> Reply<'static> {
+        match release(&mut self.router.load) {
+            Ok(()) => Reply::Done,
+            Err(e) => Reply::error(Status::UnknownRequest, e.to_string()),
+        }
+    }
+
+    /// Block size of the workers serving `model` in `role` (16 when none is
+    /// registered): how token ids are cut into blocks.
+    fn block_size_for(&self, model: &str, role: WorkerType) -> u32 {
+        self.router
+            .workers()
+            .find(|(_, w)| w.model == model && w.role == role)
+            .map_or(16, |(_, w)| w.block_size)
+    }
+
+    /// The sequence hashes of `ids` into the retained buffer, and the
+    /// prompt length they stand for.
+    fn hash_prompt(&mut self, s: &Select<'_>, block_size: u32) -> (Vec<u64>, u32) {
+        let mut hashes = std::mem::take(&mut self.scratch.hashes);
+        hashes.clear();
+        let derived = match s.ids {
+            Ids::Hashes(w) => {
+                w.extend_into(&mut hashes);
+                hashes.len() as u32 * block_size
+            }
+            Ids::Tokens(w) => {
+                let bs = block_size as usize;
+                let tokens: &[u32] = match w {
+                    Words::Slice(t) => t,
+                    Words::Le(_) => {
+                        self.scratch.tokens.clear();
+                        w.extend_into(&mut self.scratch.tokens);
+                        &self.scratch.tokens
+                    }
+                };
+                hashes.resize(full_blocks(tokens.len(), bs), 0);
+                sequence_hashes_into(tokens, bs, block_seed(s.lora, None), None, &mut hashes);
+                tokens.len() as u32
+            }
+        };
+        (hashes, s.prompt_tokens.unwrap_or(derived))
+    }
+
+    fn select(&mut self, now: Instant, s: &Select<'_>) -> Reply<'_> {
+        let role = WorkerType::ALL[s.role as usize];
+        if s.tags.len() > MAX_TAGS {
+            self.counters.errors += 1;
+            return Reply::error(Status::BadRequest, "more than 32 tags");
+        }
+        if !s.dry_run && self.router.load.reservations() >= self.config.daemon.max_reservations {
+            self.counters.errors += 1;
+            return Reply::error(
+                Status::TooManyRequests,
+                format!(
+                    "{} requests are selected and not finished (daemon.max_reservations); finish some first",
+                    self.router.load.reservations()
+                ),
+            );
+        }
+        let block_size = self.block_size_for(s.model, role);
+        let (hashes, prompt_tokens) = self.hash_prompt(s, block_size);
+        // Tags on the stack (at most MAX_TAGS); headers only when sent.
+        let mut tags = [""; MAX_TAGS];
+        for (slot, tag) in tags.iter_mut().zip(s.tags.iter()) {
+            *slot = tag;
+        }
+        let headers = (!s.headers.is_empty()).then(|| AgentHeaders::from_pairs(s.headers.iter()));
+        let req = SelectRequest {
+            model: s.model,
+            tenant: s.tenant,
+            tags: &tags[..s.tags.len()],
+            headers: headers.as_ref(),
+            priority: s.priority,
+            role,
+            hashes: &hashes,
+            prompt_tokens,
+            session: s
+                .session
+                .map(|id| SessionContext::new(id, InputTrigger::UserMessage)),
+            pinned: None,
+            now_ms: self.ms(now),
+            dry_run: s.dry_run,
+        };
+        self.router.set_explain_costs(s.explain);
+        let result = self.router.select(&req);
+        self.router.set_explain_costs(false);
+        self.scratch.hashes = hashes;
+        let policy = self.router.policy_name(role).0;
+        let r = match result {
+            Ok(r) => r,
+            Err(e) => {
+                self.counters.errors += 1;
+                let status = status_of(&e);
+                self.counters.count_selection(policy, None, status.name());
+                return Reply::error(status, e.to_string());
+            }
+        };
+        let rule = r
+            .rule
+            .and_then(|i| self.router.rules().and_then(|p| p.rules.get(i)))
+            .map(|rule| rule.name.as_str());
+        self.counters.count_selection(policy, rule, "ok");
+        self.counters.selects += 1;
+        if !s.dry_run {
+            let ttl = Duration::from_millis(self.config.daemon.reservation_ttl_ms);
+            self.due(now + ttl);
+        }
+        let explain = s.explain.then(|| Box::new(self.explanation(role)));
+        self.selected(&r, role, explain)
+    }
+
+    /// The reply to a successful selection.
+    fn selected(
+        &self,
+        r: &SelectResult,
+        role: WorkerType,
+        explain: Option<Box<Explanation>>,
+    ) -> Reply<'_> {
+        let rules = self.router.rules();
+        let (endpoint, provider) = match (r.slot, r.provider) {
+            (Some(slot), _) => (
+                self.router.worker(slot).map_or("", |w| w.endpoint.as_str()),
+                None,
+            ),
+            (None, Some(p)) => match rules {
+                Some(rules) => (
+                    rules.providers[p].endpoint.as_str(),
+                    Some(rules.providers[p].name.as_str()),
+                ),
+                None => ("", None),
+            },
+            (None, None) => ("", None),
+        };
+        Reply::Selected(Selected {
+            worker: r.slot.map(|_| (r.worker.worker_id, r.worker.dp_rank)),
+            provider,
+            endpoint,
+            overlap_blocks: r.overlap_blocks,
+            cost: r.cost,
+            policy: self.router.policy_name(role).0,
+            rule: r
+                .rule
+                .and_then(|i| rules.and_then(|p| p.rules.get(i)))
+                .map(|rule| rule.name.as_str()),
+            request_id: r.request_id,
+            explain,
+        })
+    }
+
+    /// How the last selection went, with every available worker of `role`.
+    fn explanation(&self, role: WorkerType) -> Explanation {
+        let e = self.router.last_explain();
+        Explanation {
+            candidates: e.candidates,
+            survivors: e.survivors,
+            tier: e.tier,
+            considered: e.considered,
+            after_exclude: e.after_exclude,
+            fell_through: e.fell_through,
+            workers: self
+                .router
+                .workers()
+                .filter(|(_, w)| w.available && w.role == role)
+                .map(|(slot, w)| {
+                    let load = self.router.load.projected(slot);
+                    ExplainedWorker {
+                        worker_id: w.worker.worker_id,
+                        dp_rank: w.worker.dp_rank,
+                        model: w.model.clone(),
+                        cost: self.router.last_cost(slot),
+                        overlap_blocks: self.router.last_overlap(slot),
+                        active_requests: load.active_requests,
+                        active_prefill_tokens: load.active_prefill_tokens,
+                        active_decode_blocks: load.active_decode_blocks,
+                    }
+                })
+                .collect(),
+        }
+    }
+
+    /// Every registered worker with its state, load and index counts, as
+    /// `workers` and the metrics report them.
+    pub fn worker_rows(&self) -> Vec<WorkerRow> {
+        let states = self.states_by_slot();
+        self.router
+            .workers()
+            .map(|(slot, w)| {
+                let load = self.router.load.projected(slot);
+                let report = self.router.load.reported(slot);
+                WorkerRow {
+                    worker_id: w.worker.worker_id,
+                    dp_rank: w.worker.dp_rank,
+                    model: w.model.clone(),
+                    role: w.role.as_str(),
+                    endpoint: w.endpoint.clone(),
+                    state: states[slot.index()],
+                    available: w.available,
+                    active_requests: load.active_requests,
+                    waiting_requests: report.waiting_requests,
+                    active_prefill_tokens: load.active_prefill_tokens,
+                    kv_used_blocks: report.kv_used_blocks,
+                    kv_total_blocks: report.kv_total_blocks,
+                    device_blocks: self.router.index.worker_blocks(slot, Tier::Device) as u64,
+                }
+            })
+            .collect()
+    }
+
+    /// The counters `stats` reports.
+    pub fn stats(&self) -> Stats {
+        let c = &self.counters;
+        Stats {
+            workers: self.engines(),
+            clients: self.clients(),
+            query_channels: self.query_channels(),
+            index_entries: self.router.index.entries(),
+            index_refused_full: self.router.index.refused_full(),
+            reservations: self.router.load.reservations(),
+            selects: c.selects,
+            errors: c.errors,
+            select_latency: c.select_latency.summary(),
+            reloads: c.reloads,
+            reload_failures: c.reload_failures,
+            refused_registrations: c.refused_registrations,
+            refused_connections: c.refused_connections,
+        }
+    }
+
+    /// The counters and gauges a scrape reports.
+    pub fn metrics(&self) -> crate::metrics::Snapshot {
+        let c = &self.counters;
+        crate::metrics::Snapshot {
+            selections: c
+                .selections
+                .iter()
+                .map(|(p, r, o, n)| {
+                    (
+                        p.clone(),
+                        r.clone().unwrap_or_default(),
+                        (*o).to_owned(),
+                        *n,
+                    )
+                })
+                .collect(),
+            select_latency: c.select_latency.clone(),
+            events: EVENT_KINDS.iter().copied().zip(c.events).collect(),
+            ring_gaps: c.ring_gaps,
+            ring_drops: c.departed_drops + self.live_drops(),
+            resyncs: c.resyncs,
+            index_entries: self.router.index.entries() as u64,
+            index_refused_full: self.router.index.refused_full(),
+            workers: self.worker_rows(),
+            clients: self.clients() as u64,
+            query_channels: self.query_channels() as u64,
+            reservations: self.router.load.reservations() as u64,
+            reservations_expired: self.router.load.expired(),
+            reloads: c.reloads,
+            reload_failures: c.reload_failures,
+            refused_connections: c.refused_connections,
+            refused_registrations: c.refused_registrations,
+        }
+    }
+
+    /// One line for `systemctl status`.
+    pub fn status(&self) -> String {
+        format!(
+            "{} workers, {} clients, {} selects, {} index entries",
+            self.engines(),
+            self.clients(),
+            self.counters.selects,
+            self.router.index.entries()
+        )
+    }
+}

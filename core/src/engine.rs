@@ -1,0 +1,193 @@
+//! One engine's lifecycle, as the routing core tracks it: registering,
+//! live, resyncing, broken, gone ([`EngineState`]), and the bookkeeping of
+//! its ring that decides when its view of the KV cache is lost and must be
+//! asked for again. The transitions are made by [`crate::Core`]; this
+//! module holds the state and the arithmetic, no I/O.
+
+use std::time::Instant;
+
+use crate::index::Slot;
+
+/// Where an engine is in its lifecycle.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineState {
+    /// Connected to the control socket; its Hello has not arrived.
+    Registering { since: Instant },
+    /// Registered, and every record since it attached (or since its last
+    /// complete snapshot) has been applied.
+    Live,
+    /// Records were lost: its view was cleared and snapshot `snapshot_id`
+    /// was asked for. `gap_inside`: a record went missing while that
+    /// snapshot was arriving, so a fresh one is asked for when it ends.
+    Resyncing { snapshot_id: u64, gap_inside: bool },
+    /// The core gave up on it (a ring that fails validation, no Hello in
+    /// time, a refused registration): it is out of routing, and its
+    /// driver must close its connection and report it closed.
+    Broken,
+    /// Closed and forgotten (also what an unknown id reports).
+    Gone,
+}
+
+impl EngineState {
+    /// The name `workers` reports.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            EngineState::Registering { .. } => "registering",
+            EngineState::Live => "live",
+            EngineState::Resyncing { .. } => "resyncing",
+            EngineState::Broken => "broken",
+            EngineState::Gone => "gone",
+        }
+    }
+}
+
+/// A handle on one engine connection, given by the core when the
+/// connection is accepted; stale once the engine is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct EngineId {
+    pub(crate) index: u32,
+    pub(crate) generation: u32,
+}
+
+/// What the core knows of one engine connection.
+#[derive(Debug)]
+pub(crate) struct Engine {
+    pub state: EngineState,
+    /// Its router slot, once registered.
+    pub slot: Option<Slot>,
+    /// The last record (heartbeats included), or the registration.
+    pub last_seen: Instant,
+    /// Its heartbeat is overdue: out of routing until a record arrives.
+    pub late: bool,
+    /// Records found missing in its ring so far (the sum of the gaps).
+    pub missing: u64,
+    /// Records known lost when the last resync was asked for. Their gap
+    /// shows on the next committed record (the snapshot's first, when the
+    /// drops ended a burst); it is already covered and is not a new loss.
+    pub acked_missing: u64,
+    /// The producer's own count of dropped records (untrusted: a producer
+    /// that lies only causes itself a resync), as of the last drain.
+    pub producer_dropped: u64,
+    /// A loss was seen in the batch of records being applied.
+    pub gap_in_batch: bool,
+}
+
+impl Engine {
+    pub fn registering(now: Instant) -> Self {
+        Engine {
+            state: EngineState::Registering { since: now },
+            slot: None,
+            last_seen: now,
+            late: false,
+            missing: 0,
+            acked_missing: 0,
+            producer_dropped: 0,
+            gap_in_batch: false,
+        }
+    }
+
+    /// Registered (live or resyncing): routed on, fed by its ring.
+    pub fn registered(&self) -> bool {
+        matches!(
+            self.state,
+            EngineState::Live | EngineState::Resyncing { .. }
+        )
+    }
+
+    /// A record arrived after `missing_before` lost ones: counts the loss,
+    /// and notes whether it is a new one (not the one a pending resync
+    /// already covers).
+    pub fn note_gap(&mut self, missing_before: u64) {
+        self.missing = self.missing.saturating_add(missing_before);
+        if missing_before > 0 && self.missing > self.acked_missing {
+            self.gap_in_batch = true;
+            if let EngineState::Resyncing { gap_inside, .. } = &mut self.state {
+                *gap_inside = true;
+            }
+        }
+    }
+
+    /// Snapshot `id` ended: back to live, unless something went missing
+    /// while it arrived (then the batch counts as lossy, and a fresh
+    /// snapshot is asked for).
+    pub fn snapshot_ended(&mut self, id: u64) {
+        if let EngineState::Resyncing {
+            snapshot_id,
+            gap_inside,
+        } = self.state
+            && snapshot_id == id
+        {
+            self.gap_in_batch |= gap_inside;
+            self.state = EngineState::Live;
+        }
+    }
+
+    /// The end of a batch: whether a resync must be asked for now. Drops at
+    /// the end of a burst have no later record to show them, so the
+    /// producer's own count is compared when the ring was drained.
+    pub fn end_batch(&mut self, producer_dropped: u64, drained: bool) -> bool {
+        self.producer_dropped = producer_dropped;
+        let gap =
+            std::mem::take(&mut self.gap_in_batch) || (drained && producer_dropped > self.missing);
+        gap && self.state == EngineState::Live
+    }
+
+    /// A resync was asked for as snapshot `snapshot_id`.
+    pub fn resyncing(&mut self, snapshot_id: u64) {
+        self.state = EngineState::Resyncing {
+            snapshot_id,
+            gap_inside: false,
+        };
+        self.acked_missing = self.missing.max(self.producer_dropped);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[allow(clippy::disallowed_methods)] // a test starts its clock once
+    fn live() -> Engine {
+        let mut e = Engine::registering(Instant::now());
+        e.state = EngineState::Live;
+        e
+    }
+
+    #[test]
+    fn a_gap_asks_for_one_resync_and_a_complete_snapshot_ends_it() {
+        let mut e = live();
+        e.note_gap(3);
+        assert!(e.end_batch(3, true));
+        e.resyncing(7);
+        // The snapshot's first record carries the gap already asked for.
+        e.note_gap(0);
+        assert!(!e.end_batch(3, true));
+        e.snapshot_ended(7);
+        assert_eq!(e.state, EngineState::Live);
+        assert!(!e.end_batch(3, true));
+    }
+
+    #[test]
+    fn a_loss_inside_a_snapshot_asks_again_when_it_ends() {
+        let mut e = live();
+        e.note_gap(1);
+        assert!(e.end_batch(1, true));
+        e.resyncing(9);
+        e.note_gap(2);
+        assert!(!e.end_batch(3, false), "not while the snapshot arrives");
+        e.snapshot_ended(9);
+        assert!(e.end_batch(3, true), "the snapshot was incomplete");
+    }
+
+    #[test]
+    fn trailing_drops_count_only_once_drained() {
+        let mut e = live();
+        assert!(!e.end_batch(5, false), "the ring was not drained");
+        assert!(e.end_batch(5, true));
+        e.resyncing(1);
+        // Their gap shows on the next record: already covered.
+        e.note_gap(5);
+        e.snapshot_ended(1);
+        assert!(!e.end_batch(5, true));
+    }
+}

@@ -1,0 +1,602 @@
+//! [`Core`]: every piece of routing state behind one type that does no
+//! I/O. Drivers feed it what happened (`handle_*`: an engine connected or
+//! registered, a ring record, a drained ring, a client's request, a
+//! reload, the passing of time) and ask it what to do (`poll_output`: send
+//! a resync, close a connection; `poll_timeout`: when to call
+//! `handle_timeout` next). Time is always passed in; the core reads no
+//! clock, opens no socket and starts no thread, so a test drives it
+//! through any sequence of events in virtual time.
+//!
+//! This module holds the core's state and the lifecycles of engines and
+//! clients; [`crate::answer`] answers requests.
+
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use kvedge_policies::{WorkerType, WorkerWithDpRank};
+use kvedge_shm::control::PeerCred;
+use kvedge_shm::messages::control::{ResyncRequest, Welcome, reject};
+use kvedge_shm::ring::Record;
+use kvedge_shm::{EventRef, decode};
+
+use crate::config::Config;
+use crate::counters::{Counters, event_kind};
+use crate::engine::{Engine, EngineId, EngineState};
+use crate::router::{RegisterError, Router, WorkerInfo};
+use crate::table::Table;
+
+/// Engine connections waiting for their Hello at once, at most.
+pub const MAX_PENDING_REGISTRATIONS: usize = 64;
+/// How long a connection on the control socket has to send its Hello.
+pub const REGISTRATION_DEADLINE: Duration = Duration::from_secs(2);
+/// How often an engine must send a record (a heartbeat, if nothing else).
+pub const HEARTBEAT_INTERVAL_MS: u32 = 1000;
+
+/// What the core asks its driver to do.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Output {
+    /// Send `request` on the engine's control connection.
+    Resync {
+        engine: EngineId,
+        request: ResyncRequest,
+    },
+    /// Close the engine's connection and release its ring, then report
+    /// [`Core::handle_engine_closed`].
+    CloseEngine(EngineId),
+    /// Close the client's connection; the core has forgotten it.
+    CloseClient(ClientId),
+}
+
+/// A handle on one query connection, given by the core when it admits the
+/// connection; stale once the client is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClientId {
+    index: u32,
+    generation: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Client {
+    pub last_active: Instant,
+    /// It has a query channel attached.
+    pub rings: bool,
+}
+
+/// Why an engine's registration was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RegistrationError {
+    #[error("{MAX_PENDING_REGISTRATIONS} registrations are already pending")]
+    TooManyPending,
+    #[error(
+        "uid {uid} gid {gid} (worker {worker}, pid {pid}) is not allowed by allowed_uids/allowed_gids"
+    )]
+    NotPermitted {
+        worker: u64,
+        pid: u32,
+        uid: u32,
+        gid: u32,
+    },
+    #[error("no peer credentials: {0}")]
+    NoCredentials(String),
+    #[error(transparent)]
+    Refused(#[from] RegisterError),
+    #[error("the connection is not waiting for its Hello")]
+    NotRegistering,
+}
+
+impl RegistrationError {
+    /// The reject code the engine is told.
+    pub fn reject_code(&self) -> u32 {
+        match self {
+            RegistrationError::NotPermitted { .. } | RegistrationError::NoCredentials(_) => {
+                reject::NOT_PERMITTED
+            }
+            RegistrationError::Refused(RegisterError::Full(_)) => reject::TOO_MANY_WORKERS,
+            RegistrationError::Refused(RegisterError::Duplicate(_)) => reject::DUPLICATE_WORKER,
+            RegistrationError::Refused(RegisterError::BlockSize) => reject::INVALID_HELLO,
+            RegistrationError::TooManyPending | RegistrationError::NotRegistering => {
+                reject::INTERNAL
+            }
+        }
+    }
+}
+
+/// Retained buffers of the select path.
+#[derive(Debug, Default)]
+pub(crate) struct Scratch {
+    pub hashes: Vec<u64>,
+    pub tokens: Vec<u32>,
+}
+
+/// All routing state, without I/O (see the module documentation).
+#[derive(Debug)]
+pub struct Core {
+    pub(crate) router: Router,
+    pub(crate) config: Config,
+    /// The origin of the router's millisecond clock.
+    start: Instant,
+    engines: Table<Engine>,
+    pub(crate) clients: Table<Client>,
+    /// Ring attach epochs and snapshot ids: one increasing sequence.
+    epoch: u64,
+    outputs: VecDeque<Output>,
+    /// No deadline falls before this; `handle_timeout` recomputes it, and
+    /// anything new lowers it.
+    next_timeout: Option<Instant>,
+    pub(crate) counters: Counters,
+    pub(crate) scratch: Scratch,
+    /// When a refusal was last logged (a flood is logged once a second).
+    last_refusal_log: Option<Instant>,
+}
+
+impl Core {
+    /// A core for `config`, whose clock starts at `now`.
+    pub fn new(config: Config, now: Instant) -> Core {
+        Core {
+            router: Router::from_config(&config),
+            config,
+            start: now,
+            engines: Table::default(),
+            clients: Table::default(),
+            epoch: 0,
+            outputs: VecDeque::with_capacity(64),
+            next_timeout: None,
+            counters: Counters::default(),
+            scratch: Scratch {
+                hashes: Vec::with_capacity(4096),
+                tokens: Vec::with_capacity(4096),
+            },
+            last_refusal_log: None,
+        }
+    }
+
+    /// The configuration in force.
+    pub fn config(&self) -> &Config {
+        &self.config
+    }
+
+    /// The router (index, load table, workers), for inspection.
+    pub fn router(&self) -> &Router {
+        &self.router
+    }
+
+    /// Milliseconds since the core started, at `now`.
+    pub(crate) fn ms(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.start).as_millis() as u64
+    }
+
+    /// The next number of the epoch sequence.
+    pub(crate) fn next_epoch(&mut self) -> u64 {
+        self.epoch += 1;
+        self.epoch
+    }
+
+    /// What the driver should do next, if anything.
+    pub fn poll_output(&mut self) -> Option<Output> {
+        self.outputs.pop_front()
+    }
+
+    /// When [`Core::handle_timeout`] is due (it may find nothing to do:
+    /// deadlines only move later between two calls).
+    pub fn poll_timeout(&self) -> Option<Instant> {
+        self.next_timeout
+    }
+
+    /// Something new is due at `at`.
+    pub(crate) fn due(&mut self, at: Instant) {
+        self.next_timeout = Some(self.next_timeout.map_or(at, |t| t.min(at)));
+    }
+
+    /// Logs a refusal, at most once a second.
+    pub(crate) fn log_refusal(&mut self, now: Instant, what: std::fmt::Arguments<'_>) {
+        if self
+            .last_refusal_log
+            .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1))
+        {
+            tracing::warn!(
+                refused_connections = self.counters.refused_connections,
+                "{what}"
+            );
+            self.last_refusal_log = Some(now);
+        }
+    }
+
+    // ---------------------------------------------------------- engines
+
+    /// A connection arrived on the control socket; its Hello is awaited
+    /// for [`REGISTRATION_DEADLINE`].
+    pub fn handle_engine_connected(&mut self, now: Instant) -> Result<EngineId, RegistrationError> {
+        let pending = self
+            .engines
+            .iter()
+            .filter(|(_, e)| matches!(e.state, EngineState::Registering { .. }))
+            .count();
+        if pending >= MAX_PENDING_REGISTRATIONS {
+            self.counters.refused_registrations += 1;
+            tracing::warn!(
+                "engine connection refused: {}",
+                RegistrationError::TooManyPending
+            );
+            return Err(RegistrationError::TooManyPending);
+        }
+        let (index, generation) = self.engines.insert(|_| Engine::registering(now));
+        self.due(now + REGISTRATION_DEADLINE);
+        Ok(EngineId { index, generation })
+    }
+
+    /// Engine `id` sent its Hello: registers its worker and answers the
+    /// Welcome to send with a fresh ring of the given epoch and capacity.
+    /// `peer` is asked for the connection's credentials when the
+    /// configuration restricts engines. A refusal forgets the connection.
+    pub fn handle_hello(
+        &mut self,
+        now: Instant,
+        id: EngineId,
+        hello: &kvedge_shm::messages::control::Hello,
+        peer: impl FnOnce() -> std::io::Result<PeerCred>,
+    ) -> Result<Welcome, RegistrationError> {
+        let result = self.register(now, id, hello, peer);
+        if let Err(e) = &result {
+            self.engines.remove(id.index, id.generation);
+            self.counters.refused_registrations += 1;
+            tracing::warn!("engine registration refused: {e}");
+        }
+        result
+    }
+
+    fn register(
+        &mut self,
+        now: Instant,
+        id: EngineId,
+        hello: &kvedge_shm::messages::control::Hello,
+        peer: impl FnOnce() -> std::io::Result<PeerCred>,
+    ) -> Result<Welcome, RegistrationError> {
+        match self.engines.get(id.index, id.generation) {
+            Some(e) if matches!(e.state, EngineState::Registering { .. }) => {}
+            _ => return Err(RegistrationError::NotRegistering),
+        }
+        let d = &self.config.daemon;
+        if d.engine_policy() {
+            let c = peer().map_err(|e| RegistrationError::NoCredentials(e.to_string()))?;
+            if !d.engine_allowed(c.uid, c.gid) {
+                return Err(RegistrationError::NotPermitted {
+                    worker: hello.worker_id,
+                    pid: c.pid,
+                    uid: c.uid,
+                    gid: c.gid,
+                });
+            }
+        }
+        let slot = self.router.register(WorkerInfo {
+            worker: WorkerWithDpRank::new(hello.worker_id, hello.dp_rank),
+            model: hello.model.clone(),
+            role: WorkerType::ALL[hello.role as usize],
+            endpoint: hello.endpoint.clone(),
+            block_size: hello.block_size,
+            available: true,
+        })?;
+        let attach_epoch = self.next_epoch();
+        let e = self
+            .engines
+            .get_mut(id.index, id.generation)
+            .expect("checked above");
+        e.state = EngineState::Live;
+        e.slot = Some(slot);
+        e.last_seen = now;
+        self.due(now + Duration::from_millis(self.config.daemon.heartbeat_timeout_ms));
+        Ok(Welcome {
+            worker_id: hello.worker_id,
+            dp_rank: hello.dp_rank,
+            attach_epoch,
+            ring_capacity: self.config.daemon.ring_capacity,
+            heartbeat_interval_ms: HEARTBEAT_INTERVAL_MS,
+        })
+    }
+
+    /// Engine `id`'s handshake failed on its driver's side (its Hello
+    /// unreadable, its ring or Welcome not made): counted as a refused
+    /// registration, and forgotten.
+    pub fn handle_registration_failed(
+        &mut self,
+        _now: Instant,
+        id: EngineId,
+        why: &dyn std::fmt::Display,
+    ) {
+        if let Some(e) = self.engines.remove(id.index, id.generation) {
+            if let Some(slot) = e.slot {
+                self.router.unregister(slot);
+            }
+            self.counters.refused_registrations += 1;
+            tracing::warn!("engine registration refused: {why}");
+        }
+    }
+
+    /// Where engine `id` is in its lifecycle.
+    pub fn engine_state(&self, id: EngineId) -> EngineState {
+        self.engines
+            .get(id.index, id.generation)
+            .map_or(EngineState::Gone, |e| e.state)
+    }
+
+    /// One record from engine `id`'s ring: applied to the index or the
+    /// load table, its gap (if any) noted. Records of an engine that is
+    /// not registered are ignored.
+    pub fn handle_engine_record(&mut self, now: Instant, id: EngineId, record: &Record<'_>) {
+        let Some(e) = self.engines.get_mut(id.index, id.generation) else {
+            return;
+        };
+        let Some(slot) = e.slot.filter(|_| e.registered()) else {
+            return;
+        };
+        e.last_seen = now;
+        if std::mem::take(&mut e.late) {
+            self.router.set_available(slot, true);
+            let heartbeat = Duration::from_millis(self.config.daemon.heartbeat_timeout_ms);
+            self.next_timeout = Some(
+                self.next_timeout
+                    .map_or(now + heartbeat, |t| t.min(now + heartbeat)),
+            );
+        }
+        e.note_gap(record.missing_before);
+        self.counters.ring_gaps += record.missing_before;
+        // A record that does not decode is skipped; its sequence number
+        // still counted, so it is no gap.
+        if let Ok(event) = decode(record.kind, record.payload) {
+            self.counters.events[event_kind(&event)] += 1;
+            self.router.apply(slot, &event);
+            if let EventRef::SnapshotEnd(end) = &event {
+                e.snapshot_ended(end.snapshot_id.to_native());
+            }
+        }
+    }
+
+    /// Engine `id`'s ring was read until empty (`drained`) or until its
+    /// per-turn budget; `producer_dropped` is the producer's own count of
+    /// dropped records. If records were lost since the engine was last in
+    /// sync, its view is cleared (it counts as empty, not stale) and a
+    /// snapshot is asked for ([`Output::Resync`]).
+    pub fn handle_engine_drained(
+        &mut self,
+        _now: Instant,
+        id: EngineId,
+        producer_dropped: u64,
+        drained: bool,
+    ) {
+        let Some(e) = self.engines.get_mut(id.index, id.generation) else {
+            return;
+        };
+        let Some(slot) = e.slot.filter(|_| e.registered()) else {
+            return;
+        };
+        if !e.end_batch(producer_dropped, drained) {
+            return;
+        }
+        self.epoch += 1;
+        let snapshot_id = self.epoch;
+        let e = self
+            .engines
+            .get_mut(id.index, id.generation)
+            .expect("found above");
+        e.resyncing(snapshot_id);
+        self.router.index.clear(slot, None);
+        self.counters.resyncs += 1;
+        self.outputs.push_back(Output::Resync {
+            engine: id,
+            request: ResyncRequest {
+                snapshot_id,
+                missing_from_seq: 0,
+            },
+        });
+    }
+
+    /// Engine `id`'s ring failed validation: the worker leaves routing at
+    /// once and its connection is to be closed ([`Output::CloseEngine`]).
+    pub fn handle_engine_broken(
+        &mut self,
+        _now: Instant,
+        id: EngineId,
+        why: &dyn std::fmt::Display,
+    ) {
+        let Some(e) = self.engines.get_mut(id.index, id.generation) else {
+            return;
+        };
+        if e.state == EngineState::Broken {
+            return;
+        }
+        tracing::warn!(
+            slot = e.slot.map(|s| s.index()),
+            "ring is broken, dropping the worker: {why}"
+        );
+        e.state = EngineState::Broken;
+        if let Some(slot) = e.slot.take() {
+            self.router.unregister(slot);
+        }
+        self.outputs.push_back(Output::CloseEngine(id));
+    }
+
+    /// Engine `id`'s connection closed (or the driver closed it): its
+    /// worker, blocks, load, reservations and session bindings go at once.
+    pub fn handle_engine_closed(&mut self, _now: Instant, id: EngineId, producer_dropped: u64) {
+        let Some(e) = self.engines.remove(id.index, id.generation) else {
+            return;
+        };
+        self.counters.departed_drops += producer_dropped.max(e.producer_dropped);
+        if let Some(slot) = e.slot {
+            self.router.unregister(slot);
+        }
+    }
+
+    /// Registered engines (live or resyncing).
+    pub fn engines(&self) -> usize {
+        self.engines.iter().filter(|(_, e)| e.registered()).count()
+    }
+
+    /// Each registered engine's state, by router slot.
+    pub(crate) fn states_by_slot(&self) -> [&'static str; crate::index::MAX_WORKERS] {
+        let mut out = [""; crate::index::MAX_WORKERS];
+        for (_, e) in self.engines.iter() {
+            if let Some(slot) = e.slot {
+                out[slot.index()] = e.state.as_str();
+            }
+        }
+        out
+    }
+
+    /// The producers' dropped counts of the engines still here.
+    pub(crate) fn live_drops(&self) -> u64 {
+        self.engines.iter().map(|(_, e)| e.producer_dropped).sum()
+    }
+
+    // ---------------------------------------------------------- clients
+
+    /// A connection arrived on the query socket: admitted, or refused
+    /// (the error to send it before closing) by the connection limit or
+    /// the peer-credential policy. `peer` is asked for the connection's
+    /// credentials only when the configuration restricts clients.
+    pub fn handle_client_connected(
+        &mut self,
+        now: Instant,
+        peer: impl FnOnce() -> std::io::Result<PeerCred>,
+    ) -> Result<ClientId, kvedge_wire::ErrorReply<'static>> {
+        if let Err(refusal) = self.admission(peer) {
+            self.counters.refused_connections += 1;
+            self.log_refusal(
+                now,
+                format_args!(
+                    "query connection refused ({}): {}",
+                    refusal.status, refusal.message
+                ),
+            );
+            return Err(refusal);
+        }
+        let (index, generation) = self.clients.insert(|_| Client {
+            last_active: now,
+            rings: false,
+        });
+        self.due(now + Duration::from_millis(self.config.daemon.idle_timeout_ms));
+        Ok(ClientId { index, generation })
+    }
+
+    fn admission(
+        &self,
+        peer: impl FnOnce() -> std::io::Result<PeerCred>,
+    ) -> Result<(), kvedge_wire::ErrorReply<'static>> {
+        use kvedge_wire::{ErrorReply, Status};
+        let d = &self.config.daemon;
+        if self.clients.len() >= d.max_query_connections {
+            return Err(ErrorReply {
+                status: Status::TooManyConnections,
+                message: format!(
+                    "the daemon serves at most {} connections",
+                    d.max_query_connections
+                )
+                .into(),
+            });
+        }
+        if !d.client_policy() {
+            return Ok(());
+        }
+        let not_permitted = |message: String| ErrorReply {
+            status: Status::NotPermitted,
+            message: message.into(),
+        };
+        match peer() {
+            Ok(c) if d.client_allowed(c.uid, c.gid) => Ok(()),
+            Ok(c) => Err(not_permitted(format!(
+                "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
+                c.uid, c.gid, c.pid
+            ))),
+            Err(e) => Err(not_permitted(format!("no peer credentials: {e}"))),
+        }
+    }
+
+    /// Client `id` sent bytes (a partial request counts): it is not idle.
+    pub fn handle_client_active(&mut self, now: Instant, id: ClientId) {
+        if let Some(c) = self.clients.get_mut(id.index, id.generation) {
+            c.last_active = now;
+        }
+    }
+
+    /// Client `id`'s connection closed.
+    pub fn handle_client_closed(&mut self, id: ClientId) {
+        self.clients.remove(id.index, id.generation);
+    }
+
+    pub(crate) fn client_mut(&mut self, id: ClientId) -> Option<&mut Client> {
+        self.clients.get_mut(id.index, id.generation)
+    }
+
+    /// Open query connections.
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Query connections with a query channel attached.
+    pub fn query_channels(&self) -> usize {
+        self.clients.iter().filter(|(_, c)| c.rings).count()
+    }
+
+    // ---------------------------------------------------------- time
+
+    /// Time passed: reservations past their TTL expire, engines whose
+    /// heartbeat is overdue leave routing, connections silent past the
+    /// registration deadline or the idle timeout are closed.
+    pub fn handle_timeout(&mut self, now: Instant) {
+        let now_ms = self.ms(now);
+        self.router.load.expire(now_ms);
+        let heartbeat = Duration::from_millis(self.config.daemon.heartbeat_timeout_ms);
+        let idle = Duration::from_millis(self.config.daemon.idle_timeout_ms);
+        let mut next: Option<Instant> = self
+            .router
+            .load
+            .next_expiry_ms()
+            .map(|ms| self.start + Duration::from_millis(ms));
+        let mut soonest = |at: Instant| next = Some(next.map_or(at, |t| t.min(at)));
+        let mut silent = Vec::new();
+        for ((index, generation), e) in self.engines.iter_mut() {
+            match e.state {
+                EngineState::Registering { since } => {
+                    if now.saturating_duration_since(since) > REGISTRATION_DEADLINE {
+                        silent.push(EngineId { index, generation });
+                    } else {
+                        soonest(since + REGISTRATION_DEADLINE);
+                    }
+                }
+                EngineState::Live | EngineState::Resyncing { .. } if !e.late => {
+                    if now.saturating_duration_since(e.last_seen) > heartbeat {
+                        e.late = true;
+                        if let Some(slot) = e.slot {
+                            self.router.set_available(slot, false);
+                        }
+                    } else {
+                        soonest(e.last_seen + heartbeat);
+                    }
+                }
+                _ => {}
+            }
+        }
+        for id in silent {
+            self.counters.refused_registrations += 1;
+            tracing::warn!("engine connection closed: no Hello within {REGISTRATION_DEADLINE:?}");
+            let e = self
+                .engines
+                .get_mut(id.index, id.generation)
+                .expect("listed above");
+            e.state = EngineState::Broken;
+            self.outputs.push_back(Output::CloseEngine(id));
+        }
+        let mut idle_clients = Vec::new();
+        for ((index, generation), c) in self.clients.iter() {
+            if now.saturating_duration_since(c.last_active) > idle {
+                idle_clients.push(ClientId { index, generation });
+            } else {
+                soonest(c.last_active + idle);
+            }
+        }
+        for id in idle_clients {
+            self.clients.remove(id.index, id.generation);
+            self.outputs.push_back(Output::CloseClient(id));
+        }
+        self.next_timeout = next;
+    }
+}

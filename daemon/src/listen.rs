@@ -1,0 +1,84 @@
+//! Where the daemon listens: its runtime directory's two sockets, bound
+//! here (refusing a live daemon's, replacing a stale one) or passed by
+//! systemd socket activation and told apart by name or path.
+
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+
+/// The sockets of one daemon.
+#[derive(Clone, Debug)]
+pub struct RuntimeDir {
+    pub dir: PathBuf,
+}
+
+impl RuntimeDir {
+    /// Where engines register.
+    pub fn control(&self) -> PathBuf {
+        self.dir.join("control.sock")
+    }
+
+    /// Where frontends ask.
+    pub fn query(&self) -> PathBuf {
+        self.dir.join("query.sock")
+    }
+}
+
+/// Binds a socket (mode 0660, non-blocking), refusing to take over a live
+/// daemon's and removing a stale one.
+pub(crate) fn bind(path: &Path) -> io::Result<UnixListener> {
+    if path.exists() {
+        if UnixStream::connect(path).is_ok() {
+            return Err(io::Error::new(
+                io::ErrorKind::AddrInUse,
+                format!("{} belongs to a running daemon", path.display()),
+            ));
+        }
+        std::fs::remove_file(path)?;
+    }
+    let l = UnixListener::bind(path)?;
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+/// Which passed socket is which: by `FileDescriptorName=` (`control`,
+/// `query`), else by the socket's path (`…/control.sock`, `…/query.sock`).
+pub(crate) fn activated_listeners(
+    fds: Vec<(String, OwnedFd)>,
+) -> Result<(UnixListener, UnixListener), String> {
+    let mut control = None;
+    let mut query = None;
+    for (name, fd) in fds {
+        let path = rustix::net::getsockname(&fd)
+            .ok()
+            .and_then(|a| rustix::net::SocketAddrUnix::try_from(a).ok())
+            .and_then(|u| u.path().map(|p| p.to_string_lossy().into_owned()));
+        let is = |what: &str| {
+            name == what
+                || path
+                    .as_deref()
+                    .is_some_and(|p| p.ends_with(&format!("{what}.sock")))
+        };
+        let slot = if is("control") {
+            &mut control
+        } else if is("query") {
+            &mut query
+        } else {
+            return Err(format!(
+                "passed socket `{name}` ({}) is neither control nor query",
+                path.as_deref().unwrap_or("no path")
+            ));
+        };
+        if slot.is_some() {
+            return Err(format!("two passed sockets for `{name}`"));
+        }
+        *slot = Some(UnixListener::from(fd));
+    }
+    match (control, query) {
+        (Some(c), Some(q)) => Ok((c, q)),
+        _ => Err("socket activation passed no control socket or no query socket".into()),
+    }
+}

@@ -1,0 +1,106 @@
+//! The routing thread's one epoll set: every socket (listeners, engine
+//! control connections, clients, the jobs eventfd) keyed by its fd, and
+//! every ring's wake eventfd under a key of its own. A busy turn asks the
+//! set once, without waiting, which sockets are readable (one system call
+//! whatever their number); an idle loop sleeps in the same set, so a
+//! socket or a ring record wakes it.
+
+use std::io;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use std::time::Duration;
+
+use rustix::event::epoll;
+
+/// The epoll key of a ring's wake eventfd: it only ends a sleep, so
+/// readiness checks skip it.
+const WAKE_KEY: u64 = u64::MAX;
+
+/// The epoll set and the readiness it last reported.
+#[derive(Debug)]
+pub(crate) struct Poller {
+    epoll: OwnedFd,
+    /// Readable at the last check, indexed by fd.
+    ready: Vec<bool>,
+}
+
+impl Poller {
+    pub fn new() -> io::Result<Poller> {
+        Ok(Poller {
+            epoll: epoll::create(epoll::CreateFlags::CLOEXEC)?,
+            ready: Vec::new(),
+        })
+    }
+
+    /// Watches `fd` for readability (level-triggered), keyed by its number.
+    pub fn watch(&self, fd: impl AsFd) -> io::Result<()> {
+        let key = fd.as_fd().as_raw_fd() as u64;
+        self.add(fd, key)
+    }
+
+    /// Watches a ring's wake eventfd: it only wakes a sleep. It must be
+    /// removed explicitly ([`Poller::unwatch`]): the peer holds a copy of
+    /// the eventfd, so closing ours does not take it out of the set.
+    pub fn watch_wake(&self, fd: impl AsFd) -> io::Result<()> {
+        self.add(fd, WAKE_KEY)
+    }
+
+    fn add(&self, fd: impl AsFd, key: u64) -> io::Result<()> {
+        epoll::add(
+            &self.epoll,
+            fd,
+            epoll::EventData::new_u64(key),
+            epoll::EventFlags::IN,
+        )?;
+        Ok(())
+    }
+
+    /// Stops watching `fd` (a socket or a wake eventfd).
+    pub fn unwatch(&self, fd: impl AsFd) {
+        let _ = epoll::delete(&self.epoll, fd);
+    }
+
+    /// Asks the set, without waiting, which sockets are readable (or hung
+    /// up); [`Poller::take`] then reads the answer per socket.
+    pub fn check(&mut self) {
+        let zero = rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // On the stack: `epoll::Event` carries a raw pointer, which would
+        // make a retained buffer (and so the server) not `Send`. Level
+        // triggered: sockets beyond 256 ready ones are reported next turn.
+        let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 256];
+        // EINTR reports nothing this turn; the next turn asks again.
+        if let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf[..], Some(&zero)) {
+            for ev in events.iter() {
+                let key = ev.data.u64();
+                if key == WAKE_KEY {
+                    continue;
+                }
+                let fd = key as usize;
+                if fd >= self.ready.len() {
+                    self.ready.resize(fd + 1, false);
+                }
+                self.ready[fd] = true;
+            }
+        }
+    }
+
+    /// Whether `fd` was readable at the last check (and forgets it).
+    pub fn take(&mut self, fd: BorrowedFd<'_>) -> bool {
+        self.ready
+            .get_mut(fd.as_raw_fd() as usize)
+            .is_some_and(|r| std::mem::replace(r, false))
+    }
+
+    /// Sleeps until a watched fd is readable or `timeout` passes. What
+    /// woke it is found by the next [`Poller::check`].
+    pub fn sleep(&self, timeout: Duration) {
+        let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
+            tv_sec: 0,
+            tv_nsec: 100_000_000,
+        });
+        let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 8];
+        let _ = epoll::wait(&self.epoll, &mut buf[..], Some(&ts));
+    }
+}

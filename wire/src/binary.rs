@@ -1,0 +1,454 @@
+//! The binary encoding: `KVE1` frames. Every frame, both ways, is
+//! `len: u32 | op or status: u16 | version: u16 | payload`, little-endian,
+//! where `len` counts everything after itself. The payloads are in the
+//! crate's documentation. Decoding borrows from the frame and allocates
+//! nothing; encoding appends to a caller's buffer.
+
+use crate::reply::{Reply, SelectView};
+use crate::request::{Ids, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
+use crate::{ErrorReply, Status};
+
+/// First bytes of a binary connection.
+pub const MAGIC: &[u8; 4] = b"KVE1";
+/// Protocol version in every frame.
+pub const VERSION: u16 = 1;
+
+/// Request operations.
+pub mod op {
+    pub const SELECT: u16 = 1;
+    pub const PREFILL_DONE: u16 = 2;
+    pub const FINISH: u16 = 3;
+    pub const ATTACH_RINGS: u16 = 4;
+}
+
+/// Select flag bits.
+mod flag {
+    pub const DRY_RUN: u8 = 1;
+    pub const TOKENS: u8 = 2;
+    pub const CONTEXT: u8 = 4;
+}
+
+/// A request a frame cannot carry, or a field too long for its length
+/// prefix.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EncodeError(pub &'static str);
+
+impl std::fmt::Display for EncodeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.0)
+    }
+}
+
+impl std::error::Error for EncodeError {}
+
+/// A bounds-checked reader over a frame.
+struct Cursor<'a>(&'a [u8]);
+
+impl<'a> Cursor<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+        if self.0.len() < n {
+            return Err("frame is shorter than its fields");
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+    fn u8(&mut self) -> Result<u8, &'static str> {
+        Ok(self.take(1)?[0])
+    }
+    fn u16(&mut self) -> Result<u16, &'static str> {
+        Ok(u16::from_le_bytes(
+            self.take(2)?.try_into().expect("2 bytes"),
+        ))
+    }
+    fn u32(&mut self) -> Result<u32, &'static str> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+    fn u64(&mut self) -> Result<u64, &'static str> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+    fn str(&mut self, n: usize) -> Result<&'a str, &'static str> {
+        std::str::from_utf8(self.take(n)?).map_err(|_| "a string field is not UTF-8")
+    }
+    /// A `len: u16`-prefixed string.
+    fn short_str(&mut self) -> Result<&'a str, &'static str> {
+        let n = usize::from(self.u16()?);
+        self.str(n)
+    }
+    /// `count` length-prefixed strings (`per` of them per item), checked;
+    /// returns their bytes.
+    fn strs(&mut self, count: u16, per: usize) -> Result<&'a [u8], &'static str> {
+        let start = self.0;
+        for _ in 0..usize::from(count) * per {
+            self.short_str()?;
+        }
+        Ok(&start[..start.len() - self.0.len()])
+    }
+}
+
+fn bad(message: &'static str) -> ErrorReply<'static> {
+    ErrorReply {
+        status: Status::BadRequest,
+        message: message.into(),
+    }
+}
+
+/// Decodes one frame's body (after its length): op, version, payload.
+pub fn decode_request(body: &[u8]) -> Result<Request<'_>, ErrorReply<'static>> {
+    let mut c = Cursor(body);
+    let op = c.u16().map_err(bad)?;
+    let version = c.u16().map_err(bad)?;
+    if version != VERSION {
+        return Err(ErrorReply {
+            status: Status::UnsupportedVersion,
+            message: "unsupported protocol version".into(),
+        });
+    }
+    let req = match op {
+        op::SELECT => Request::Select(decode_select(&mut c).map_err(bad)?),
+        op::PREFILL_DONE => Request::PrefillDone {
+            request_id: c.u64().map_err(bad)?,
+        },
+        op::FINISH => Request::Finish {
+            request_id: c.u64().map_err(bad)?,
+        },
+        op::ATTACH_RINGS => Request::AttachRings,
+        _ => {
+            return Err(ErrorReply {
+                status: Status::UnknownOp,
+                message: "unknown op".into(),
+            });
+        }
+    };
+    if !c.0.is_empty() {
+        return Err(bad("trailing bytes after the fields"));
+    }
+    Ok(req)
+}
+
+fn decode_select<'a>(c: &mut Cursor<'a>) -> Result<Select<'a>, &'static str> {
+    let flags = c.u8()?;
+    let role = Role::from_code(c.u8()?).ok_or("unknown role")?;
+    let model = c.short_str()?;
+    let session = c.short_str()?;
+    let prompt_tokens = c.u32()?;
+    let count = c.u32()? as usize;
+    let tokens = flags & flag::TOKENS != 0;
+    let width = if tokens { u32::WIDTH } else { u64::WIDTH };
+    let bytes = c.take(count.checked_mul(width).ok_or("id count overflows")?)?;
+    let mut s = Select::new(
+        model,
+        role,
+        if tokens {
+            Ids::Tokens(Words::Le(bytes))
+        } else {
+            Ids::Hashes(Words::Le(bytes))
+        },
+    );
+    s.session = (!session.is_empty()).then_some(session);
+    s.prompt_tokens = (prompt_tokens > 0).then_some(prompt_tokens);
+    s.dry_run = flags & flag::DRY_RUN != 0;
+    if flags & flag::CONTEXT != 0 {
+        s.priority = c.u32()? as i32;
+        let tenant = c.short_str()?;
+        s.tenant = (!tenant.is_empty()).then_some(tenant);
+        let tag_count = c.u16()?;
+        if usize::from(tag_count) > MAX_TAGS {
+            return Err("more than 32 tags");
+        }
+        s.tags = Strs::frame(tag_count, c.strs(tag_count, 1)?);
+        let header_count = c.u16()?;
+        s.headers = Pairs::frame(header_count, c.strs(header_count, 2)?);
+    }
+    Ok(s)
+}
+
+/// Appends a frame: `len | code | version | payload`.
+pub fn write_frame(out: &mut Vec<u8>, code: u16, payload: impl FnOnce(&mut Vec<u8>)) {
+    let start = out.len();
+    out.extend_from_slice(&[0; 4]);
+    out.extend_from_slice(&code.to_le_bytes());
+    out.extend_from_slice(&VERSION.to_le_bytes());
+    payload(out);
+    let len = (out.len() - start - 4) as u32;
+    out[start..start + 4].copy_from_slice(&len.to_le_bytes());
+}
+
+/// Appends an error frame.
+pub fn write_error(out: &mut Vec<u8>, status: Status, message: &str) {
+    write_frame(out, status.code(), |o| {
+        o.extend_from_slice(message.as_bytes())
+    });
+}
+
+fn short(s: &str, what: &'static str) -> Result<u16, EncodeError> {
+    u16::try_from(s.len()).map_err(|_| EncodeError(what))
+}
+
+fn put_short(o: &mut Vec<u8>, s: &str) {
+    o.extend_from_slice(&(s.len() as u16).to_le_bytes());
+    o.extend_from_slice(s.as_bytes());
+}
+
+fn put_words<T: Word>(o: &mut Vec<u8>, w: &Words<'_, T>) {
+    match *w {
+        Words::Slice(s) => s.iter().for_each(|v| v.put_le(o)),
+        Words::Le(b) => o.extend_from_slice(b),
+    }
+}
+
+/// Appends `request` as a frame. Workers, stats, metrics and reload are
+/// JSON only, as are a select's `lora` and `explain`.
+pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), EncodeError> {
+    match request {
+        Request::Select(s) => encode_select(out, s),
+        Request::PrefillDone { request_id } => {
+            write_frame(out, op::PREFILL_DONE, |o| {
+                o.extend_from_slice(&request_id.to_le_bytes())
+            });
+            Ok(())
+        }
+        Request::Finish { request_id } => {
+            write_frame(out, op::FINISH, |o| {
+                o.extend_from_slice(&request_id.to_le_bytes())
+            });
+            Ok(())
+        }
+        Request::AttachRings => {
+            write_frame(out, op::ATTACH_RINGS, |_| {});
+            Ok(())
+        }
+        Request::Workers | Request::Stats | Request::Metrics | Request::Reload => Err(EncodeError(
+            "workers, stats, metrics and reload are in the JSON protocol only",
+        )),
+    }
+}
+
+fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
+    if s.lora.is_some() || s.explain {
+        return Err(EncodeError(
+            "a select's lora and explain are in the JSON protocol only",
+        ));
+    }
+    let session = s.session.unwrap_or("");
+    let tenant = s.tenant.unwrap_or("");
+    short(s.model, "model is too long")?;
+    short(session, "session is too long")?;
+    short(tenant, "tenant is too long")?;
+    if s.tags.len() > MAX_TAGS || s.headers.len() > usize::from(u16::MAX) {
+        return Err(EncodeError("at most 32 tags and 65535 headers"));
+    }
+    for t in s.tags.iter() {
+        short(t, "a tag is too long")?;
+    }
+    for (n, v) in s.headers.iter() {
+        short(n, "a header name is too long")?;
+        short(v, "a header value is too long")?;
+    }
+    let count = u32::try_from(s.ids.len()).map_err(|_| EncodeError("the prompt is too long"))?;
+    let context = s.has_context();
+    let flags = if s.dry_run { flag::DRY_RUN } else { 0 }
+        | if matches!(s.ids, Ids::Tokens(_)) {
+            flag::TOKENS
+        } else {
+            0
+        }
+        | if context { flag::CONTEXT } else { 0 };
+    write_frame(out, op::SELECT, |o| {
+        o.push(flags);
+        o.push(s.role as u8);
+        put_short(o, s.model);
+        put_short(o, session);
+        o.extend_from_slice(&s.prompt_tokens.unwrap_or(0).to_le_bytes());
+        o.extend_from_slice(&count.to_le_bytes());
+        match &s.ids {
+            Ids::Tokens(w) => put_words(o, w),
+            Ids::Hashes(w) => put_words(o, w),
+        }
+        if context {
+            o.extend_from_slice(&s.priority.to_le_bytes());
+            put_short(o, tenant);
+            o.extend_from_slice(&(s.tags.len() as u16).to_le_bytes());
+            s.tags.iter().for_each(|t| put_short(o, t));
+            o.extend_from_slice(&(s.headers.len() as u16).to_le_bytes());
+            for (n, v) in s.headers.iter() {
+                put_short(o, n);
+                put_short(o, v);
+            }
+        }
+    });
+    Ok(())
+}
+
+/// Appends `reply` as a frame. Replies only JSON requests get (workers,
+/// stats, metrics, reload) are not frames; asked for one, this writes an
+/// `UnknownOp` error.
+pub fn encode_reply(out: &mut Vec<u8>, reply: &Reply<'_>) {
+    match reply {
+        Reply::Selected(s) => write_select_reply(out, &s.view()),
+        Reply::Done => write_frame(out, Status::Ok.code(), |_| {}),
+        Reply::RingsAttached { capacity } => write_frame(out, Status::Ok.code(), |o| {
+            o.extend_from_slice(&capacity.to_le_bytes())
+        }),
+        Reply::Error(e) => write_error(out, e.status, &e.message),
+        Reply::Workers(_) | Reply::Stats(_) | Reply::Metrics(_) | Reply::Reloaded { .. } => {
+            write_error(out, Status::UnknownOp, "not an op of the binary protocol")
+        }
+    }
+}
+
+/// Appends a select answer.
+pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectView<'_>) {
+    write_frame(out, Status::Ok.code(), |o| {
+        o.extend_from_slice(&r.worker_id.to_le_bytes());
+        o.extend_from_slice(&r.dp_rank.to_le_bytes());
+        o.extend_from_slice(&r.request_id.to_le_bytes());
+        o.extend_from_slice(&r.cost.to_le_bytes());
+        for b in r.overlap_blocks {
+            o.extend_from_slice(&b.to_le_bytes());
+        }
+        o.push(u8::from(r.provider));
+        // Cut to what the length field can say, on a character boundary.
+        let mut n = r.endpoint.len().min(usize::from(u16::MAX));
+        while !r.endpoint.is_char_boundary(n) {
+            n -= 1;
+        }
+        put_short(o, &r.endpoint[..n]);
+    });
+}
+
+/// Decodes the payload of a select answer.
+pub fn decode_select_reply(p: &[u8]) -> Result<SelectView<'_>, &'static str> {
+    let mut c = Cursor(p);
+    let worker_id = c.u64()?;
+    let dp_rank = c.u32()?;
+    let request_id = c.u64()?;
+    let cost = f64::from_bits(c.u64()?);
+    let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
+    let provider = c.u8()? & 1 != 0;
+    let endpoint = c.short_str()?;
+    Ok(SelectView {
+        worker_id,
+        dp_rank,
+        request_id,
+        cost,
+        overlap_blocks,
+        provider,
+        endpoint,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn round_trip(r: &Request<'_>) -> Vec<u8> {
+        let mut out = Vec::new();
+        encode_request(&mut out, r).unwrap();
+        assert_eq!(
+            u32::from_le_bytes(out[..4].try_into().unwrap()) as usize,
+            out.len() - 4
+        );
+        out.drain(..4);
+        out
+    }
+
+    #[test]
+    fn a_select_round_trips_with_its_context() {
+        let hashes = [1u64, 2, 3];
+        let tags = ["complexity-high", "lang-rust"];
+        let headers = [("x-tier", "gold")];
+        let mut s = Select::new("llama", Role::Prefill, Ids::hashes(&hashes));
+        s.session = Some("s1");
+        s.prompt_tokens = Some(40);
+        s.dry_run = true;
+        s.priority = -3;
+        s.tenant = Some("acme");
+        s.tags = Strs::new(&tags);
+        s.headers = Pairs::new(&headers);
+        let body = round_trip(&Request::Select(s));
+        let Request::Select(d) = decode_request(&body).unwrap() else {
+            panic!("not a select")
+        };
+        assert_eq!(
+            (d.model, d.role, d.session),
+            ("llama", Role::Prefill, Some("s1"))
+        );
+        assert_eq!(
+            (d.prompt_tokens, d.dry_run, d.priority),
+            (Some(40), true, -3)
+        );
+        assert_eq!(d.tenant, Some("acme"));
+        let Ids::Hashes(h) = d.ids else {
+            panic!("hashes")
+        };
+        assert_eq!(h.iter().collect::<Vec<_>>(), hashes);
+        assert_eq!(d.tags.iter().collect::<Vec<_>>(), tags);
+        assert_eq!(d.headers.iter().collect::<Vec<_>>(), headers);
+    }
+
+    #[test]
+    fn a_plain_select_sends_no_context_and_releases_round_trip() {
+        let tokens = [5u32, 6];
+        let body = round_trip(&Request::Select(Select::new(
+            "m",
+            Role::Aggregated,
+            Ids::tokens(&tokens),
+        )));
+        assert_eq!(body[4] & flag::CONTEXT, 0);
+        let Request::Select(d) = decode_request(&body).unwrap() else {
+            panic!("not a select")
+        };
+        let Ids::Tokens(t) = d.ids else {
+            panic!("tokens")
+        };
+        assert_eq!(t.iter().collect::<Vec<_>>(), tokens);
+        assert_eq!((d.session, d.prompt_tokens, d.tags.len()), (None, None, 0));
+        let body = round_trip(&Request::Finish { request_id: 9 });
+        assert!(matches!(
+            decode_request(&body),
+            Ok(Request::Finish { request_id: 9 })
+        ));
+    }
+
+    #[test]
+    fn bad_frames_get_their_status() {
+        let mut body = round_trip(&Request::Finish { request_id: 9 });
+        body.push(0);
+        assert_eq!(
+            decode_request(&body).unwrap_err().status,
+            Status::BadRequest
+        );
+        body[2] = 9;
+        assert_eq!(
+            decode_request(&body).unwrap_err().status,
+            Status::UnsupportedVersion
+        );
+        assert_eq!(
+            decode_request(&[99, 0, 1, 0]).unwrap_err().status,
+            Status::UnknownOp
+        );
+        // Role 7 does not exist.
+        let mut s = round_trip(&Request::Select(Select::new(
+            "m",
+            Role::Decode,
+            Ids::hashes(&[]),
+        )));
+        s[5] = 7;
+        assert_eq!(decode_request(&s).unwrap_err().message, "unknown role");
+    }
+
+    #[test]
+    fn json_only_requests_are_refused() {
+        let mut out = Vec::new();
+        assert!(encode_request(&mut out, &Request::Stats).is_err());
+        let mut s = Select::new("m", Role::Aggregated, Ids::hashes(&[]));
+        s.explain = true;
+        assert!(encode_request(&mut out, &Request::Select(s)).is_err());
+        assert!(out.is_empty());
+    }
+}

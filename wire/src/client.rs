@@ -1,0 +1,346 @@
+//! The blocking client of the binary protocol, for programs (the C
+//! library wraps it): requests over the socket, or over a query channel
+//! once attached. Replies are read into the client's own buffer, so a warm
+//! client allocates nothing per request.
+
+use std::io::{self, Read};
+use std::os::unix::net::UnixStream;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use kvedge_shm::channel::{self, ClientChannel};
+use kvedge_shm::ring::Push;
+
+use crate::Status;
+use crate::binary::{MAGIC, decode_select_reply, encode_request};
+use crate::reply::{SelectReply, SelectView};
+use crate::request::{Ids, Request, Role, Select};
+
+/// A client of the binary protocol. It blocks in `read` by default;
+/// [`Client::set_spinning`] makes it spin on a non-blocking socket instead
+/// (lower latency, one core busy while waiting).
+#[derive(Debug)]
+pub struct Client {
+    stream: UnixStream,
+    out: Vec<u8>,
+    body: Vec<u8>,
+    spinning: bool,
+    /// An earlier call failed mid-frame.
+    broken: bool,
+    /// The query channel, once attached.
+    rings: Option<ClientChannel>,
+    timeout: Option<Duration>,
+}
+
+/// A call's outcome: an I/O error (a reply this client cannot read
+/// included), or the daemon's answer, which is the value or an error
+/// status with its message.
+pub type Outcome<T> = io::Result<Result<T, (Status, String)>>;
+
+/// Longest reply a client accepts (a select reply is ~50 bytes plus the
+/// endpoint; an error, its message).
+pub const MAX_REPLY_BYTES: usize = 1 << 20;
+
+/// Writes all of `buf` with `send(MSG_NOSIGNAL)`: a peer that went away is
+/// an `EPIPE` error, never a SIGPIPE (which would kill a C host process that
+/// does not ignore it). Spins on `WouldBlock` (a non-blocking client).
+fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match rustix::net::send(stream, buf, rustix::net::SendFlags::NOSIGNAL) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => buf = &buf[n..],
+            Err(rustix::io::Errno::AGAIN) => std::hint::spin_loop(),
+            Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
+}
+
+/// `read_exact` that retries on `WouldBlock` (a spinning client).
+fn read_exact_spinning(stream: &mut UnixStream, mut buf: &mut [u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        match stream.read(buf) {
+            Ok(0) => return Err(io::ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+impl Client {
+    /// Connects to a daemon's `query.sock`.
+    pub fn connect(path: impl AsRef<Path>) -> io::Result<Client> {
+        let stream = UnixStream::connect(path)?;
+        send_all(&stream, MAGIC)?;
+        Ok(Client {
+            stream,
+            out: Vec::with_capacity(4096),
+            body: Vec::with_capacity(256),
+            spinning: false,
+            broken: false,
+            rings: None,
+            timeout: None,
+        })
+    }
+
+    /// Spin on a non-blocking socket while waiting for replies (`true`), or
+    /// block in `read` (`false`, the default).
+    pub fn set_spinning(&mut self, spinning: bool) -> io::Result<()> {
+        self.stream.set_nonblocking(spinning)?;
+        self.spinning = spinning;
+        Ok(())
+    }
+
+    /// Bounds how long a blocking client waits for a reply (`None`: forever).
+    pub fn set_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
+        self.timeout = timeout;
+        self.stream.set_read_timeout(timeout)?;
+        self.stream.set_write_timeout(timeout)
+    }
+
+    /// Sends `out` and reads one reply frame: its status and payload. A
+    /// status this version does not know is an `InvalidData` error.
+    fn round_trip(&mut self) -> io::Result<(Status, &[u8])> {
+        let (code, payload) = self.round_trip_code()?;
+        let status = Status::from_code(code).ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the daemon answered with unknown status {code}"),
+            )
+        })?;
+        Ok((status, payload))
+    }
+
+    /// Sends `out` and reads one reply frame: its raw status code and
+    /// payload. After an I/O error (a timeout included) the stream may be
+    /// mid-frame, so the client refuses every later call: close it and
+    /// connect again.
+    fn round_trip_code(&mut self) -> io::Result<(u16, &[u8])> {
+        if self.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "an earlier call failed mid-frame; reconnect",
+            ));
+        }
+        self.broken = true;
+        if let Some(rings) = &mut self.rings
+            && self.out.len() - 4 <= rings.requests.max_payload()
+        {
+            return self.ring_round_trip();
+        }
+        send_all(&self.stream, &self.out)?;
+        self.read_reply(None)?;
+        self.broken = false;
+        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
+        Ok((code, &self.body[4..]))
+    }
+
+    /// Reads one reply frame from the socket into `body` (status, version,
+    /// payload); with `fds`, also collects descriptors sent with it.
+    fn read_reply(&mut self, mut fds: Option<&mut Vec<std::os::fd::OwnedFd>>) -> io::Result<()> {
+        let spinning = self.spinning;
+        let mut fill = |stream: &mut UnixStream, buf: &mut [u8]| match fds.as_deref_mut() {
+            Some(fds) => {
+                fds.extend(channel::recv_with_fds(stream, buf, spinning)?);
+                Ok(())
+            }
+            None if spinning => read_exact_spinning(stream, buf),
+            None => stream.read_exact(buf),
+        };
+        let mut len = [0u8; 4];
+        fill(&mut self.stream, &mut len)?;
+        let len = u32::from_le_bytes(len) as usize;
+        if !(4..=MAX_REPLY_BYTES).contains(&len) {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("reply frame of {len} bytes (expected 4..={MAX_REPLY_BYTES})"),
+            ));
+        }
+        self.body.resize(len, 0);
+        fill(&mut self.stream, &mut self.body)
+    }
+
+    /// Moves this connection's requests onto a query channel (shared-memory
+    /// rings; see the module docs): a round trip then costs no system call
+    /// while the daemon is busy. Requests too large for the ring still go
+    /// over the socket. `Ok(Err(RINGS_UNAVAILABLE, ..))` leaves the client
+    /// on the socket, fully usable.
+    pub fn attach_rings(&mut self) -> Outcome<()> {
+        if self.rings.is_some() {
+            return Ok(Ok(()));
+        }
+        if self.broken {
+            return Err(io::Error::new(
+                io::ErrorKind::NotConnected,
+                "an earlier call failed mid-frame; reconnect",
+            ));
+        }
+        self.encode(&Request::AttachRings)?;
+        self.broken = true;
+        send_all(&self.stream, &self.out)?;
+        // The descriptors come with the reply's first byte.
+        let mut fds = Vec::new();
+        self.read_reply(Some(&mut fds))?;
+        self.broken = false;
+        let status = Status::from_code(u16::from_le_bytes([self.body[0], self.body[1]]));
+        if status != Some(Status::Ok) {
+            return Ok(Err((
+                status.unwrap_or(Status::RingsUnavailable),
+                String::from_utf8_lossy(&self.body[4..]).into_owned(),
+            )));
+        }
+        let rings = ClientChannel::open(fds).map_err(|e| {
+            io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("the daemon's query channel is unusable: {e}"),
+            )
+        })?;
+        self.rings = Some(rings);
+        Ok(Ok(()))
+    }
+
+    /// Whether requests go through a query channel.
+    pub fn rings_attached(&self) -> bool {
+        self.rings.is_some()
+    }
+
+    /// `round_trip` over the rings: one record out, one back. Called with
+    /// `broken` set; clears it on success.
+    fn ring_round_trip(&mut self) -> io::Result<(u16, &[u8])> {
+        let rings = self.rings.as_mut().expect("attached");
+        match rings.requests.try_push(channel::FRAME, 0, &self.out[4..]) {
+            Ok(Push::Committed { .. }) => {}
+            Ok(Push::Dropped { .. }) => {
+                return Err(io::Error::other(
+                    "the request ring is full (the daemon stopped reading it)",
+                ));
+            }
+            Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidInput, e)),
+        }
+        let start = Instant::now();
+        let mut turns = 0u32;
+        loop {
+            match rings.replies.poll() {
+                Ok(Some(r)) => {
+                    if r.kind != channel::FRAME || r.missing_before != 0 || r.payload.len() < 4 {
+                        return Err(io::Error::new(
+                            io::ErrorKind::InvalidData,
+                            "the reply ring lost or garbled a reply",
+                        ));
+                    }
+                    self.body.clear();
+                    self.body.extend_from_slice(r.payload);
+                    break;
+                }
+                Ok(None) => {}
+                Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
+            }
+            // Waiting: spin, or (blocking client) sleep on the wake eventfd
+            // in slices; between them, make sure the daemon is still there.
+            turns = turns.wrapping_add(1);
+            if self.spinning {
+                std::hint::spin_loop();
+                if !turns.is_multiple_of(4096) {
+                    continue;
+                }
+            } else {
+                rings
+                    .replies
+                    .wait(Duration::from_micros(50), Duration::from_millis(10));
+            }
+            if kvedge_shm::control::connection_closed(&self.stream)? {
+                return Err(io::Error::new(
+                    io::ErrorKind::ConnectionReset,
+                    "the daemon closed the connection",
+                ));
+            }
+            if self.timeout.is_some_and(|t| start.elapsed() > t) {
+                return Err(io::ErrorKind::TimedOut.into());
+            }
+        }
+        self.broken = false;
+        let code = u16::from_le_bytes([self.body[0], self.body[1]]);
+        Ok((code, &self.body[4..]))
+    }
+
+    /// Encodes `request` into `out`.
+    fn encode(&mut self, request: &Request<'_>) -> io::Result<()> {
+        self.out.clear();
+        encode_request(&mut self.out, request)
+            .map_err(|e| io::Error::new(io::ErrorKind::InvalidInput, e))
+    }
+
+    /// Selects a worker. The answer borrows the client's buffer (no
+    /// allocation after warm-up); an error status comes back with its
+    /// message. A select with `lora` or `explain` is refused
+    /// (`InvalidInput`): those are in the JSON protocol only.
+    pub fn select(&mut self, q: &Select<'_>) -> io::Result<Result<SelectView<'_>, (Status, &str)>> {
+        self.encode(&Request::Select(*q))?;
+        let (status, p) = self.round_trip()?;
+        if status != Status::Ok {
+            return Ok(Err((
+                status,
+                std::str::from_utf8(p).unwrap_or("(message not UTF-8)"),
+            )));
+        }
+        decode_select_reply(p)
+            .map(Ok)
+            .map_err(|m| io::Error::new(io::ErrorKind::InvalidData, m))
+    }
+
+    /// Selects a worker for a prompt given as sequence hashes (an owned
+    /// answer; see [`Client::select`] for the general form). A
+    /// `prompt_tokens` of 0 means the hash count times the block size.
+    pub fn select_hashes(
+        &mut self,
+        model: &str,
+        role: Role,
+        hashes: &[u64],
+        prompt_tokens: u32,
+        dry_run: bool,
+    ) -> Outcome<SelectReply> {
+        let mut q = Select::new(model, role, Ids::hashes(hashes));
+        q.prompt_tokens = (prompt_tokens > 0).then_some(prompt_tokens);
+        q.dry_run = dry_run;
+        Ok(match self.select(&q)? {
+            Ok(v) => Ok(v.to_owned()),
+            Err((status, m)) => Err((status, m.to_owned())),
+        })
+    }
+
+    /// Sends raw bytes over the socket (even with rings attached) and reads
+    /// one reply frame (tests of bad input).
+    pub fn raw(&mut self, bytes: &[u8]) -> io::Result<(u16, Vec<u8>)> {
+        self.out.clear();
+        self.out.extend_from_slice(bytes);
+        let rings = self.rings.take();
+        let reply = self.round_trip_code().map(|(code, p)| (code, p.to_vec()));
+        self.rings = rings;
+        reply
+    }
+
+    /// The request's prefill is done: its prefill tokens leave the
+    /// worker's projected load.
+    pub fn prefill_done(&mut self, request_id: u64) -> Outcome<()> {
+        self.release(&Request::PrefillDone { request_id })
+    }
+
+    /// Releases a request.
+    pub fn finish(&mut self, request_id: u64) -> Outcome<()> {
+        self.release(&Request::Finish { request_id })
+    }
+
+    fn release(&mut self, request: &Request<'_>) -> Outcome<()> {
+        self.encode(request)?;
+        let (status, p) = self.round_trip()?;
+        Ok(if status == Status::Ok {
+            Ok(())
+        } else {
+            Err((status, String::from_utf8_lossy(p).into_owned()))
+        })
+    }
+}
