@@ -14,10 +14,11 @@ use kvedge_wire::{
     Stats, Status, Words, WorkerRow,
 };
 
+use crate::client::ClientId;
 use crate::config::Config;
 use crate::counters::EVENT_KINDS;
 use crate::router::{RouterError, SelectRequest, SelectResult};
-use crate::routing::{ClientId, Core};
+use crate::routing::Core;
 
 /// A granted query channel: the driver creates both rings with this
 /// capacity and attach epoch.

@@ -10,6 +10,7 @@
 #![deny(clippy::disallowed_methods, clippy::disallowed_types)]
 
 mod answer;
+mod client;
 pub mod config;
 mod counters;
 mod engine;
@@ -22,8 +23,9 @@ mod routing;
 mod table;
 
 pub use answer::{ReloadError, RingsGrant};
+pub use client::ClientId;
 pub use engine::{EngineId, EngineState};
 pub use routing::{
-    ClientId, Core, HEARTBEAT_INTERVAL_MS, MAX_PENDING_REGISTRATIONS, Output,
-    REGISTRATION_DEADLINE, RegistrationError,
+    Core, HEARTBEAT_INTERVAL_MS, MAX_PENDING_REGISTRATIONS, Output, REGISTRATION_DEADLINE,
+    RegistrationError,
 };

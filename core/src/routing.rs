@@ -19,6 +19,7 @@ use kvedge_shm::messages::control::{ResyncRequest, Welcome, reject};
 use kvedge_shm::ring::Record;
 use kvedge_shm::{EventRef, decode};
 
+use crate::client::{Client, ClientId};
 use crate::config::Config;
 use crate::counters::{Counters, event_kind};
 use crate::engine::{Engine, EngineId, EngineState};
@@ -45,21 +46,6 @@ pub enum Output {
     CloseEngine(EngineId),
     /// Close the client's connection; the core has forgotten it.
     CloseClient(ClientId),
-}
-
-/// A handle on one query connection, given by the core when it admits the
-/// connection; stale once the client is gone.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct ClientId {
-    index: u32,
-    generation: u32,
-}
-
-#[derive(Debug)]
-pub(crate) struct Client {
-    pub last_active: Instant,
-    /// It has a query channel attached.
-    pub rings: bool,
 }
 
 /// Why an engine's registration was refused.
@@ -447,95 +433,6 @@ impl Core {
         self.engines.iter().map(|(_, e)| e.producer_dropped).sum()
     }
 
-    // ---------------------------------------------------------- clients
-
-    /// A connection arrived on the query socket: admitted, or refused
-    /// (the error to send it before closing) by the connection limit or
-    /// the peer-credential policy. `peer` is asked for the connection's
-    /// credentials only when the configuration restricts clients.
-    pub fn handle_client_connected(
-        &mut self,
-        now: Instant,
-        peer: impl FnOnce() -> std::io::Result<PeerCred>,
-    ) -> Result<ClientId, kvedge_wire::ErrorReply<'static>> {
-        if let Err(refusal) = self.admission(peer) {
-            self.counters.refused_connections += 1;
-            self.log_refusal(
-                now,
-                format_args!(
-                    "query connection refused ({}): {}",
-                    refusal.status, refusal.message
-                ),
-            );
-            return Err(refusal);
-        }
-        let (index, generation) = self.clients.insert(|_| Client {
-            last_active: now,
-            rings: false,
-        });
-        self.due(now + Duration::from_millis(self.config.daemon.idle_timeout_ms));
-        Ok(ClientId { index, generation })
-    }
-
-    fn admission(
-        &self,
-        peer: impl FnOnce() -> std::io::Result<PeerCred>,
-    ) -> Result<(), kvedge_wire::ErrorReply<'static>> {
-        use kvedge_wire::{ErrorReply, Status};
-        let d = &self.config.daemon;
-        if self.clients.len() >= d.max_query_connections {
-            return Err(ErrorReply {
-                status: Status::TooManyConnections,
-                message: format!(
-                    "the daemon serves at most {} connections",
-                    d.max_query_connections
-                )
-                .into(),
-            });
-        }
-        if !d.client_policy() {
-            return Ok(());
-        }
-        let not_permitted = |message: String| ErrorReply {
-            status: Status::NotPermitted,
-            message: message.into(),
-        };
-        match peer() {
-            Ok(c) if d.client_allowed(c.uid, c.gid) => Ok(()),
-            Ok(c) => Err(not_permitted(format!(
-                "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
-                c.uid, c.gid, c.pid
-            ))),
-            Err(e) => Err(not_permitted(format!("no peer credentials: {e}"))),
-        }
-    }
-
-    /// Client `id` sent bytes (a partial request counts): it is not idle.
-    pub fn handle_client_active(&mut self, now: Instant, id: ClientId) {
-        if let Some(c) = self.clients.get_mut(id.index, id.generation) {
-            c.last_active = now;
-        }
-    }
-
-    /// Client `id`'s connection closed.
-    pub fn handle_client_closed(&mut self, id: ClientId) {
-        self.clients.remove(id.index, id.generation);
-    }
-
-    pub(crate) fn client_mut(&mut self, id: ClientId) -> Option<&mut Client> {
-        self.clients.get_mut(id.index, id.generation)
-    }
-
-    /// Open query connections.
-    pub fn clients(&self) -> usize {
-        self.clients.len()
-    }
-
-    /// Query connections with a query channel attached.
-    pub fn query_channels(&self) -> usize {
-        self.clients.iter().filter(|(_, c)| c.rings).count()
-    }
-
     // ---------------------------------------------------------- time
 
     /// Time passed: reservations past their TTL expire, engines whose
@@ -556,14 +453,14 @@ impl Core {
         for ((index, generation), e) in self.engines.iter_mut() {
             match e.state {
                 EngineState::Registering { since } => {
-                    if now.saturating_duration_since(since) > REGISTRATION_DEADLINE {
+                    if now.saturating_duration_since(since) >= REGISTRATION_DEADLINE {
                         silent.push(EngineId { index, generation });
                     } else {
                         soonest(since + REGISTRATION_DEADLINE);
                     }
                 }
                 EngineState::Live | EngineState::Resyncing { .. } if !e.late => {
-                    if now.saturating_duration_since(e.last_seen) > heartbeat {
+                    if now.saturating_duration_since(e.last_seen) >= heartbeat {
                         e.late = true;
                         if let Some(slot) = e.slot {
                             self.router.set_available(slot, false);
@@ -587,7 +484,7 @@ impl Core {
         }
         let mut idle_clients = Vec::new();
         for ((index, generation), c) in self.clients.iter() {
-            if now.saturating_duration_since(c.last_active) > idle {
+            if now.saturating_duration_since(c.last_active) >= idle {
                 idle_clients.push(ClientId { index, generation });
             } else {
                 soonest(c.last_active + idle);

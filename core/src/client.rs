@@ -1,0 +1,114 @@
+//! Query connections as the core sees them: admission (the connection
+//! limit and the peer-credential policy), activity for the idle timeout,
+//! and which ones hold a query channel. The idle timeout itself runs in
+//! [`Core::handle_timeout`].
+
+use std::time::{Duration, Instant};
+
+use kvedge_shm::control::PeerCred;
+use kvedge_wire::{ErrorReply, Status};
+
+use crate::routing::Core;
+
+/// A handle on one query connection, given by the core when it admits the
+/// connection; stale once the client is gone.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct ClientId {
+    pub(crate) index: u32,
+    pub(crate) generation: u32,
+}
+
+#[derive(Debug)]
+pub(crate) struct Client {
+    pub last_active: Instant,
+    /// It has a query channel attached.
+    pub rings: bool,
+}
+
+impl Core {
+    /// A connection arrived on the query socket: admitted, or refused
+    /// (the error to send it before closing) by the connection limit or
+    /// the peer-credential policy. `peer` is asked for the connection's
+    /// credentials only when the configuration restricts clients.
+    pub fn handle_client_connected(
+        &mut self,
+        now: Instant,
+        peer: impl FnOnce() -> std::io::Result<PeerCred>,
+    ) -> Result<ClientId, ErrorReply<'static>> {
+        if let Err(refusal) = self.admission(peer) {
+            self.counters.refused_connections += 1;
+            self.log_refusal(
+                now,
+                format_args!(
+                    "query connection refused ({}): {}",
+                    refusal.status, refusal.message
+                ),
+            );
+            return Err(refusal);
+        }
+        let (index, generation) = self.clients.insert(|_| Client {
+            last_active: now,
+            rings: false,
+        });
+        self.due(now + Duration::from_millis(self.config.daemon.idle_timeout_ms));
+        Ok(ClientId { index, generation })
+    }
+
+    fn admission(
+        &self,
+        peer: impl FnOnce() -> std::io::Result<PeerCred>,
+    ) -> Result<(), ErrorReply<'static>> {
+        let d = &self.config.daemon;
+        if self.clients.len() >= d.max_query_connections {
+            return Err(ErrorReply {
+                status: Status::TooManyConnections,
+                message: format!(
+                    "the daemon serves at most {} connections",
+                    d.max_query_connections
+                )
+                .into(),
+            });
+        }
+        if !d.client_policy() {
+            return Ok(());
+        }
+        let not_permitted = |message: String| ErrorReply {
+            status: Status::NotPermitted,
+            message: message.into(),
+        };
+        match peer() {
+            Ok(c) if d.client_allowed(c.uid, c.gid) => Ok(()),
+            Ok(c) => Err(not_permitted(format!(
+                "uid {} gid {} (pid {}) is not in query_allowed_uids/gids",
+                c.uid, c.gid, c.pid
+            ))),
+            Err(e) => Err(not_permitted(format!("no peer credentials: {e}"))),
+        }
+    }
+
+    /// Client `id` sent bytes (a partial request counts): it is not idle.
+    pub fn handle_client_active(&mut self, now: Instant, id: ClientId) {
+        if let Some(c) = self.clients.get_mut(id.index, id.generation) {
+            c.last_active = now;
+        }
+    }
+
+    /// Client `id`'s connection closed.
+    pub fn handle_client_closed(&mut self, id: ClientId) {
+        self.clients.remove(id.index, id.generation);
+    }
+
+    pub(crate) fn client_mut(&mut self, id: ClientId) -> Option<&mut Client> {
+        self.clients.get_mut(id.index, id.generation)
+    }
+
+    /// Open query connections.
+    pub fn clients(&self) -> usize {
+        self.clients.len()
+    }
+
+    /// Query connections with a query channel attached.
+    pub fn query_channels(&self) -> usize {
+        self.clients.iter().filter(|(_, c)| c.rings).count()
+    }
+}
