@@ -187,6 +187,40 @@ pub enum Event {
     SnapshotEnd(SnapshotEnd),
 }
 
+impl Event {
+    /// The record type this event travels as.
+    pub fn kind(&self) -> u16 {
+        match self {
+            Event::Stored(_) => kind::KV_STORED,
+            Event::Removed(_) => kind::KV_REMOVED,
+            Event::Cleared(_) => kind::KV_CLEARED,
+            Event::Load(_) => kind::LOAD,
+            Event::Heartbeat(_) => kind::HEARTBEAT,
+            Event::SnapshotBegin(_) => kind::SNAPSHOT_BEGIN,
+            Event::SnapshotEnd(_) => kind::SNAPSHOT_END,
+        }
+    }
+
+    /// This event's archive, as a ring record's payload carries it (an
+    /// allocating convenience for tests and tools; the publisher encodes
+    /// into retained buffers).
+    pub fn to_payload(&self) -> rkyv::util::AlignedVec {
+        let mut buf = rkyv::util::AlignedVec::new();
+        let mut arena = rkyv::ser::allocator::Arena::new();
+        let encoded = match self {
+            Event::Stored(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::Removed(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::Cleared(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::Load(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::Heartbeat(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::SnapshotBegin(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::SnapshotEnd(v) => crate::control::encode(v, &mut buf, &mut arena),
+        };
+        encoded.expect("serializing into a vector cannot fail");
+        buf
+    }
+}
+
 /// A validated archived view of one ring record's payload.
 #[derive(Debug, Clone, Copy)]
 pub enum EventRef<'a> {

@@ -1,0 +1,526 @@
+//! The routing core driven in virtual time, with no process, socket or
+//! sleep: a [`Harness`] plays the drivers (engines connect and send ring
+//! records, clients ask, time passes) and collects what the core asks of
+//! them. Each test walks one lifecycle: registration, resync after a gap,
+//! heartbeat loss, a broken ring, idle clients, reservations, limits,
+//! reload.
+
+// The harness starts its virtual clock with one real `Instant::now()`.
+#![allow(clippy::disallowed_methods)]
+
+use std::time::{Duration, Instant};
+
+use kvedge_core::config::Config;
+use kvedge_core::{
+    ClientId, Core, EngineId, EngineState, MAX_PENDING_REGISTRATIONS, Output,
+    REGISTRATION_DEADLINE, RegistrationError, ReloadError,
+};
+use kvedge_policies::{SelectionOverrides, router_plugin_registry};
+use kvedge_shm::control::PeerCred;
+use kvedge_shm::messages::control::{Hello, reject};
+use kvedge_shm::messages::{
+    Event, Heartbeat, KvCleared, KvStored, Role, SnapshotBegin, SnapshotEnd, StoredBlock, Tier,
+};
+use kvedge_shm::ring::Record;
+use kvedge_wire::{Ids, Reply, Request, Select, Status};
+
+fn config(yaml: &str) -> Config {
+    Config::load(
+        "test.yaml",
+        yaml,
+        &router_plugin_registry(),
+        &SelectionOverrides::default(),
+    )
+    .unwrap()
+}
+
+/// The drivers around one core, in virtual time.
+struct Harness {
+    core: Core,
+    now: Instant,
+    /// What the core asked, in order, not yet looked at.
+    outputs: Vec<Output>,
+    seq: u64,
+}
+
+/// Credentials no test should need: reading them means the core asked
+/// without a policy.
+fn no_peer() -> std::io::Result<PeerCred> {
+    panic!("the core asked for credentials without a policy")
+}
+
+fn hello(worker_id: u64) -> Hello {
+    Hello {
+        worker_id,
+        dp_rank: 0,
+        model: "m".into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [1024, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: format!("http://engine-{worker_id}"),
+        ring_capacity: 0,
+    }
+}
+
+fn stored(hashes: &[u64]) -> Event {
+    Event::Stored(KvStored {
+        parent: None,
+        blocks: hashes
+            .iter()
+            .map(|&h| StoredBlock {
+                sequence_hash: h,
+                local_hash: 0,
+            })
+            .collect(),
+        tier: Tier::Device,
+        salt: None,
+    })
+}
+
+impl Harness {
+    fn new(yaml: &str) -> Harness {
+        let now = Instant::now();
+        Harness {
+            core: Core::new(config(yaml), now),
+            now,
+            outputs: Vec::new(),
+            seq: 0,
+        }
+    }
+
+    /// Collects what the core asks.
+    fn collect(&mut self) {
+        while let Some(o) = self.core.poll_output() {
+            self.outputs.push(o);
+        }
+    }
+
+    /// What the core asked since the last look.
+    fn take_outputs(&mut self) -> Vec<Output> {
+        self.collect();
+        std::mem::take(&mut self.outputs)
+    }
+
+    /// Lets `by` pass, handling every timeout at the moment it is due.
+    fn advance(&mut self, by: Duration) {
+        let until = self.now + by;
+        while let Some(due) = self.core.poll_timeout().filter(|&t| t <= until) {
+            self.now = self.now.max(due);
+            self.core.handle_timeout(self.now);
+            self.collect();
+        }
+        self.now = until;
+    }
+
+    /// An engine connects and registers as `worker_id`.
+    fn engine(&mut self, worker_id: u64) -> EngineId {
+        let id = self.core.handle_engine_connected(self.now).unwrap();
+        self.core
+            .handle_hello(self.now, id, &hello(worker_id), no_peer)
+            .unwrap();
+        id
+    }
+
+    /// Engine `e` commits `event` after `missing_before` lost records.
+    fn record(&mut self, e: EngineId, missing_before: u64, event: Event) {
+        self.seq += 1 + missing_before;
+        let payload = event.to_payload();
+        let record = Record {
+            kind: event.kind(),
+            flags: 0,
+            seq: self.seq,
+            missing_before,
+            payload: &payload,
+        };
+        self.core.handle_engine_record(self.now, e, &record);
+    }
+
+    /// Engine `e`'s ring was read to its end; its producer claims
+    /// `dropped` records dropped so far.
+    fn drained(&mut self, e: EngineId, dropped: u64) {
+        self.core.handle_engine_drained(self.now, e, dropped, true);
+        self.collect();
+    }
+
+    fn client(&mut self) -> ClientId {
+        self.core
+            .handle_client_connected(self.now, no_peer)
+            .unwrap()
+    }
+
+    /// A select of `hashes` for model `m`: (worker, device overlap,
+    /// request id), or the error's status.
+    fn select(
+        &mut self,
+        c: ClientId,
+        hashes: &[u64],
+        dry_run: bool,
+    ) -> Result<(u64, u32, u64), Status> {
+        let mut s = Select::new("m", Role::Aggregated, Ids::hashes(hashes));
+        s.dry_run = dry_run;
+        match self.core.handle_request(self.now, c, &Request::Select(s)) {
+            Reply::Selected(r) => Ok((
+                r.worker.expect("a worker").0,
+                r.overlap_blocks[0],
+                r.request_id,
+            )),
+            Reply::Error(e) => Err(e.status),
+            other => panic!("unexpected reply {other:?}"),
+        }
+    }
+
+    fn ask(&mut self, c: ClientId, request: Request<'_>) -> Status {
+        self.core.handle_request(self.now, c, &request).status()
+    }
+}
+
+#[test]
+fn an_engine_registers_and_its_records_route() {
+    let mut h = Harness::new("daemon:\n  ring_capacity: 65536\n");
+    let e = h.core.handle_engine_connected(h.now).unwrap();
+    assert!(matches!(
+        h.core.engine_state(e),
+        EngineState::Registering { .. }
+    ));
+    let welcome = h.core.handle_hello(h.now, e, &hello(7), no_peer).unwrap();
+    assert_eq!((welcome.worker_id, welcome.ring_capacity), (7, 65536));
+    assert_eq!(h.core.engine_state(e), EngineState::Live);
+    let c = h.client();
+    h.record(e, 0, stored(&[1, 2, 3]));
+    h.drained(e, 0);
+    assert_eq!(h.select(c, &[1, 2, 3, 4], true), Ok((7, 3, 1)));
+    // A second registration of the same worker is refused and forgotten.
+    let dup = h.core.handle_engine_connected(h.now).unwrap();
+    let err = h
+        .core
+        .handle_hello(h.now, dup, &hello(7), no_peer)
+        .unwrap_err();
+    assert_eq!(err.reject_code(), reject::DUPLICATE_WORKER);
+    assert_eq!(h.core.engine_state(dup), EngineState::Gone);
+    // Another worker gets a later attach epoch.
+    let other = h.core.handle_engine_connected(h.now).unwrap();
+    let w2 = h
+        .core
+        .handle_hello(h.now, other, &hello(8), no_peer)
+        .unwrap();
+    assert!(w2.attach_epoch > welcome.attach_epoch);
+    assert!(h.take_outputs().is_empty());
+}
+
+#[test]
+fn a_silent_registration_is_closed_at_its_deadline_and_pending_ones_are_bounded() {
+    let mut h = Harness::new("{}");
+    let silent = h.core.handle_engine_connected(h.now).unwrap();
+    h.advance(REGISTRATION_DEADLINE - Duration::from_millis(1));
+    assert!(h.take_outputs().is_empty(), "not yet");
+    h.advance(Duration::from_millis(1));
+    assert_eq!(h.take_outputs(), [Output::CloseEngine(silent)]);
+    assert_eq!(h.core.engine_state(silent), EngineState::Broken);
+    h.core.handle_engine_closed(h.now, silent, 0);
+    assert_eq!(h.core.engine_state(silent), EngineState::Gone);
+    assert_eq!(h.core.stats().refused_registrations, 1);
+    // At most MAX_PENDING_REGISTRATIONS wait for their Hello at once.
+    for _ in 0..MAX_PENDING_REGISTRATIONS {
+        h.core.handle_engine_connected(h.now).unwrap();
+    }
+    assert_eq!(
+        h.core.handle_engine_connected(h.now),
+        Err(RegistrationError::TooManyPending)
+    );
+}
+
+#[test]
+fn engine_credentials_are_checked_only_under_a_policy() {
+    let mut h = Harness::new("daemon:\n  allowed_uids: [1000]\n");
+    let e = h.core.handle_engine_connected(h.now).unwrap();
+    let stranger = || {
+        Ok(PeerCred {
+            pid: 42,
+            uid: 1001,
+            gid: 1001,
+        })
+    };
+    let err = h
+        .core
+        .handle_hello(h.now, e, &hello(1), stranger)
+        .unwrap_err();
+    assert_eq!(err.reject_code(), reject::NOT_PERMITTED);
+    assert!(err.to_string().contains("not allowed"), "{err}");
+    let e = h.core.handle_engine_connected(h.now).unwrap();
+    let friend = || {
+        Ok(PeerCred {
+            pid: 43,
+            uid: 1000,
+            gid: 1000,
+        })
+    };
+    assert!(h.core.handle_hello(h.now, e, &hello(1), friend).is_ok());
+}
+
+#[test]
+fn a_gap_clears_the_view_and_a_complete_snapshot_restores_it() {
+    let mut h = Harness::new("{}");
+    let e = h.engine(1);
+    let c = h.client();
+    h.record(e, 0, stored(&[1, 2]));
+    h.drained(e, 0);
+    assert_eq!(h.select(c, &[1, 2], true).map(|r| r.1), Ok(2));
+    // Two records were lost: the view counts as empty, a snapshot is asked.
+    h.record(e, 2, stored(&[3]));
+    h.drained(e, 2);
+    let [Output::Resync { engine, request }] = h.take_outputs()[..] else {
+        panic!("one resync request")
+    };
+    assert_eq!(engine, e);
+    assert_eq!(
+        h.core.engine_state(e),
+        EngineState::Resyncing {
+            snapshot_id: request.snapshot_id,
+            gap_inside: false
+        }
+    );
+    assert_eq!(h.select(c, &[1, 2], true).map(|r| r.1), Ok(0));
+    // The snapshot arrives whole: live again, with the engine's blocks.
+    let id = request.snapshot_id;
+    h.record(
+        e,
+        0,
+        Event::SnapshotBegin(SnapshotBegin { snapshot_id: id }),
+    );
+    h.record(e, 0, Event::Cleared(KvCleared { tier: None }));
+    h.record(e, 0, stored(&[1, 2, 3]));
+    h.record(
+        e,
+        0,
+        Event::SnapshotEnd(SnapshotEnd {
+            snapshot_id: id,
+            blocks: 3,
+        }),
+    );
+    h.drained(e, 2);
+    assert!(h.take_outputs().is_empty(), "no second resync");
+    assert_eq!(h.core.engine_state(e), EngineState::Live);
+    assert_eq!(h.select(c, &[1, 2, 3], true).map(|r| r.1), Ok(3));
+    assert_eq!(h.core.metrics().resyncs, 1);
+}
+
+#[test]
+fn a_loss_inside_a_snapshot_asks_for_another_and_trailing_drops_count() {
+    let mut h = Harness::new("{}");
+    let e = h.engine(1);
+    // Drops at the end of a burst show only in the producer's count.
+    h.drained(e, 5);
+    let [Output::Resync { request, .. }] = h.take_outputs()[..] else {
+        panic!("a resync for the trailing drops")
+    };
+    let id = request.snapshot_id;
+    h.record(
+        e,
+        0,
+        Event::SnapshotBegin(SnapshotBegin { snapshot_id: id }),
+    );
+    // A record lost inside the snapshot.
+    h.record(e, 1, stored(&[9]));
+    h.drained(e, 6);
+    assert!(h.take_outputs().is_empty(), "not before the snapshot ends");
+    h.record(
+        e,
+        0,
+        Event::SnapshotEnd(SnapshotEnd {
+            snapshot_id: id,
+            blocks: 1,
+        }),
+    );
+    h.drained(e, 6);
+    let [Output::Resync { request: again, .. }] = h.take_outputs()[..] else {
+        panic!("a fresh snapshot for the incomplete one")
+    };
+    assert!(again.snapshot_id > id);
+}
+
+#[test]
+fn a_late_heartbeat_takes_the_worker_out_until_it_speaks_again() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 5000\n");
+    let e = h.engine(1);
+    let c = h.client();
+    h.advance(Duration::from_millis(4000));
+    h.record(e, 0, Event::Heartbeat(Heartbeat { timestamp_ns: 1 }));
+    h.advance(Duration::from_millis(4999));
+    assert!(h.select(c, &[1], true).is_ok(), "a beat 4999 ms ago");
+    h.advance(Duration::from_millis(1));
+    assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+    assert!(!h.core.worker_rows()[0].available);
+    // Any record brings it back, and its next deadline is kept.
+    h.record(e, 0, Event::Heartbeat(Heartbeat { timestamp_ns: 2 }));
+    assert!(h.select(c, &[1], true).is_ok());
+    h.advance(Duration::from_millis(5000));
+    assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+}
+
+#[test]
+fn a_broken_ring_leaves_routing_at_once_and_is_closed() {
+    let mut h = Harness::new("{}");
+    let e = h.engine(1);
+    let c = h.client();
+    h.core
+        .handle_engine_broken(h.now, e, &"a record overran the ring");
+    assert_eq!(h.core.engine_state(e), EngineState::Broken);
+    assert_eq!(h.take_outputs(), [Output::CloseEngine(e)]);
+    assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+    // Records that were still in flight are ignored.
+    h.record(e, 0, stored(&[1]));
+    h.core.handle_engine_closed(h.now, e, 3);
+    assert_eq!(h.core.engine_state(e), EngineState::Gone);
+    assert_eq!(h.core.metrics().ring_drops, 3);
+    assert_eq!(h.core.engines(), 0);
+}
+
+#[test]
+fn an_idle_client_is_closed_and_activity_keeps_one_open() {
+    let mut h = Harness::new("daemon:\n  idle_timeout_ms: 1000\n");
+    let busy = h.client();
+    let idle = h.client();
+    h.advance(Duration::from_millis(600));
+    h.core.handle_client_active(h.now, busy);
+    h.advance(Duration::from_millis(400));
+    assert_eq!(h.take_outputs(), [Output::CloseClient(idle)]);
+    assert_eq!(h.core.clients(), 1);
+    // A request is activity too.
+    h.advance(Duration::from_millis(500));
+    assert_eq!(h.ask(busy, Request::Stats), Status::Ok);
+    h.advance(Duration::from_millis(999));
+    assert!(h.take_outputs().is_empty());
+    h.advance(Duration::from_millis(1));
+    assert_eq!(h.take_outputs(), [Output::CloseClient(busy)]);
+}
+
+#[test]
+fn reservations_expire_and_are_bounded() {
+    let mut h = Harness::new(
+        "daemon:\n  reservation_ttl_ms: 10000\n  max_reservations: 2\n  heartbeat_timeout_ms: 600000\n  idle_timeout_ms: 600000\n",
+    );
+    let _e = h.engine(1);
+    let c = h.client();
+    let (_, _, first) = h.select(c, &[1], false).unwrap();
+    h.advance(Duration::from_millis(5000));
+    let (_, _, second) = h.select(c, &[1], false).unwrap();
+    assert_eq!(h.select(c, &[1], false), Err(Status::TooManyRequests));
+    assert!(
+        h.select(c, &[1], true).is_ok(),
+        "a dry run reserves nothing"
+    );
+    assert_eq!(h.core.stats().reservations, 2);
+    // The first expires at its TTL; the second is finished by hand.
+    h.advance(Duration::from_millis(5000));
+    assert_eq!(h.core.stats().reservations, 1);
+    assert_eq!(
+        h.ask(c, Request::Finish { request_id: first }),
+        Status::UnknownRequest
+    );
+    assert_eq!(
+        h.ask(c, Request::PrefillDone { request_id: second }),
+        Status::Ok
+    );
+    assert_eq!(h.ask(c, Request::Finish { request_id: second }), Status::Ok);
+    assert_eq!(h.core.stats().reservations, 0);
+    assert_eq!(h.core.metrics().reservations_expired, 1);
+}
+
+#[test]
+fn connections_and_query_channels_are_bounded() {
+    let mut h = Harness::new("daemon:\n  max_query_connections: 2\n  max_query_rings: 1\n");
+    let a = h.client();
+    let b = h.client();
+    let refused = h.core.handle_client_connected(h.now, no_peer).unwrap_err();
+    assert_eq!(refused.status, Status::TooManyConnections);
+    let grant = h.core.handle_attach_rings(h.now, a).unwrap();
+    assert_eq!(grant.capacity, h.core.config().daemon.query_ring_capacity);
+    assert_eq!(
+        h.core.handle_attach_rings(h.now, b).unwrap_err().status,
+        Status::RingsUnavailable
+    );
+    assert_eq!(
+        h.core.handle_attach_rings(h.now, a).unwrap_err().status,
+        Status::RingsUnavailable,
+        "one channel per connection"
+    );
+    // The channel could not be set up: the slot is free again.
+    h.core.handle_rings_detached(a);
+    assert!(h.core.handle_attach_rings(h.now, b).is_ok());
+    h.core.handle_client_closed(b);
+    assert_eq!(h.core.query_channels(), 0);
+    assert!(h.core.handle_client_connected(h.now, no_peer).is_ok());
+    assert_eq!(h.core.stats().refused_connections, 1);
+}
+
+#[test]
+fn a_reload_applies_a_valid_configuration_and_keeps_state() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 600000\n");
+    let e = h.engine(1);
+    let c = h.client();
+    h.record(e, 0, stored(&[1, 2]));
+    let (_, _, reserved) = h.select(c, &[1, 2], false).unwrap();
+    let policy = |h: &mut Harness| {
+        let s = Select::new("m", Role::Aggregated, Ids::hashes(&[1]));
+        match h
+            .core
+            .handle_request(h.now, c, &Request::Select(Select { dry_run: true, ..s }))
+        {
+            Reply::Selected(r) => r.policy.to_owned(),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert_eq!(policy(&mut h), "default");
+    let new = config(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\n",
+    );
+    assert_eq!(
+        h.core.handle_reload(h.now, Ok(new)),
+        Reply::Reloaded { reloads: 1 }
+    );
+    assert_eq!(policy(&mut h), "rr");
+    // The index and the reservation survived.
+    assert_eq!(h.core.worker_rows()[0].device_blocks, 2);
+    assert_eq!(
+        h.ask(
+            c,
+            Request::Finish {
+                request_id: reserved
+            }
+        ),
+        Status::Ok
+    );
+    // An invalid file is refused; the configuration in force stays.
+    let invalid = Config::load(
+        "bad.yaml",
+        "demon: {}\n",
+        &router_plugin_registry(),
+        &SelectionOverrides::default(),
+    )
+    .unwrap_err();
+    let reply = h.core.handle_reload(h.now, Err(ReloadError::from(invalid)));
+    assert_eq!(reply.status(), Status::ReloadFailed);
+    assert_eq!(policy(&mut h), "rr");
+    let stats = h.core.stats();
+    assert_eq!((stats.reloads, stats.reload_failures), (1, 1));
+}
+
+#[test]
+fn the_core_says_when_it_is_due() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 1000\n  idle_timeout_ms: 60000\n");
+    assert_eq!(h.core.poll_timeout(), None, "nothing to wait for");
+    let _e = h.engine(1);
+    let _c = h.client();
+    // The heartbeat deadline comes first; the idle deadline after it.
+    assert_eq!(
+        h.core.poll_timeout(),
+        Some(h.now + Duration::from_millis(1000))
+    );
+    h.advance(Duration::from_millis(1000));
+    assert_eq!(
+        h.core.poll_timeout(),
+        Some(h.now + Duration::from_millis(59_000))
+    );
+}
