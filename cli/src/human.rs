@@ -5,13 +5,13 @@
 use serde_json::Value;
 use std::fmt::Write;
 
-/// The text for `reply`, the daemon's answer to `request`.
-pub fn render(request: &Value, reply: &Value) -> String {
+/// The text for `reply`, the daemon's answer to a request of `op`.
+pub fn render(op: &str, reply: &Value) -> String {
     let mut out = String::new();
-    match request["op"].as_str() {
-        Some("select") => select(&mut out, reply),
-        Some("workers") => workers(&mut out, reply),
-        Some("stats") => stats(&mut out, reply),
+    match op {
+        "select" => select(&mut out, reply),
+        "workers" => workers(&mut out, reply),
+        "stats" => stats(&mut out, reply),
         _ => out.push_str("ok\n"),
     }
     out
@@ -138,7 +138,7 @@ mod tests {
         let r = json!({"worker_id": 5, "dp_rank": 0, "provider": null, "endpoint": "http://five",
             "overlap_blocks": {"device": 4, "host": 2, "disk": 0}, "cost": 0.5,
             "policy": "default", "rule": null, "request_id": 9, "explain": null});
-        let text = render(&json!({"op": "select"}), &r);
+        let text = render("select", &r);
         assert_eq!(
             text,
             "worker 5 (dp rank 0) at http://five\noverlap blocks: device 4, host 2, disk 0\n\
@@ -151,12 +151,12 @@ mod tests {
         let r = json!({"worker_id": null, "provider": "openai", "endpoint": "https://x",
             "overlap_blocks": {"device": 0, "host": 0, "disk": 0}, "cost": null,
             "policy": "default", "rule": "burst", "request_id": 1, "explain": null});
-        assert!(render(&json!({"op": "select"}), &r).starts_with("provider openai at https://x\n"));
+        assert!(render("select", &r).starts_with("provider openai at https://x\n"));
     }
 
     #[test]
     fn no_workers_says_so() {
-        let text = render(&json!({"op": "workers"}), &json!({"workers": []}));
+        let text = render("workers", &json!({"workers": []}));
         assert_eq!(text, "no workers registered\n");
     }
 }

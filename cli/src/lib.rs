@@ -17,6 +17,7 @@ use std::os::unix::net::UnixStream;
 use clap::{Parser, Subcommand};
 use kvedge_daemon::server::RuntimeDir;
 use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
+use kvedge_wire::{Ids, Request, Role, Select, Strs};
 
 mod human;
 
@@ -168,15 +169,23 @@ enum QueryCommand {
     Finish { request_id: u64 },
 }
 
-/// Sends one JSON request line; the reply, or an `unreachable` error.
-fn request(target: &Target, request: &serde_json::Value) -> serde_json::Value {
+/// The code the CLI reports when the daemon cannot be reached (it is not a
+/// daemon status: nothing answered).
+const UNREACHABLE: &str = "unreachable";
+
+/// Sends one request as a JSON line; the reply, or an `unreachable` error.
+fn request(target: &Target, request: &Request<'_>) -> serde_json::Value {
     let path = target.query_socket();
+    let mut line = Vec::new();
+    if let Err(e) = kvedge_wire::json::encode_request(&mut line, request) {
+        return serde_json::json!({"error": {"code": UNREACHABLE, "message": e}});
+    }
     let result = (|| -> std::io::Result<String> {
         let mut stream = UnixStream::connect(&path)?;
-        stream.write_all(format!("{request}\n").as_bytes())?;
-        let mut line = String::new();
-        BufReader::new(stream).read_line(&mut line)?;
-        Ok(line)
+        stream.write_all(&line)?;
+        let mut reply = String::new();
+        BufReader::new(stream).read_line(&mut reply)?;
+        Ok(reply)
     })();
     match result
         .map_err(|e| format!("{}: {e}", path.display()))
@@ -185,15 +194,14 @@ fn request(target: &Target, request: &serde_json::Value) -> serde_json::Value {
         }) {
         Ok(v) => v,
         Err(message) => {
-            serde_json::json!({"error": {"code": "unreachable", "message": message}})
+            serde_json::json!({"error": {"code": UNREACHABLE, "message": message}})
         }
     }
 }
 
-/// Sends one JSON request line and prints the reply (as it is with
-/// `--json`, else for people); exit code 1 on an error reply or an
-/// unreachable daemon.
-fn ask(target: &Target, query: &serde_json::Value) -> ExitCode {
+/// Sends one request and prints the reply (as it is with `--json`, else
+/// for people); exit code 1 on an error reply or an unreachable daemon.
+fn ask(target: &Target, query: &Request<'_>) -> ExitCode {
     let reply = request(target, query);
     let failed = reply.get("error").is_some();
     if target.json {
@@ -205,7 +213,7 @@ fn ask(target: &Target, query: &serde_json::Value) -> ExitCode {
             reply["error"]["message"].as_str().unwrap_or("")
         );
     } else {
-        print!("{}", crate::human::render(query, &reply));
+        print!("{}", human::render(query.op_name(), &reply));
     }
     if failed {
         ExitCode::from(1)
@@ -241,75 +249,73 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             config,
             runtime_dir,
         } => ExitCode::from(kvedge_daemon::service::run(&config, runtime_dir, registry)),
-        Command::Query { query, target } => {
-            let request = match query {
-                QueryCommand::Select {
-                    model,
-                    tokens,
-                    hashes,
-                    role,
-                    session,
-                    tenant,
-                    tags,
-                    dry_run,
-                    explain,
-                } => {
-                    let mut req = serde_json::json!({
-                        "op": "select", "model": model, "dry_run": dry_run, "explain": explain
-                    });
-                    match (tokens, hashes) {
-                        (Some(t), None) => match numbers::<u32>(&t) {
-                            Ok(v) => req["tokens"] = serde_json::json!(v),
-                            Err(e) => {
-                                eprintln!("kvedge query select: --tokens: {e}");
-                                return ExitCode::from(2);
-                            }
-                        },
-                        (None, Some(h)) => match numbers::<u64>(&h) {
-                            Ok(v) => req["hashes"] = serde_json::json!(v),
-                            Err(e) => {
-                                eprintln!("kvedge query select: --hashes: {e}");
-                                return ExitCode::from(2);
-                            }
-                        },
-                        _ => {
-                            eprintln!("kvedge query select: give --tokens or --hashes");
-                            return ExitCode::from(2);
-                        }
+        Command::Query { query, target } => match query {
+            QueryCommand::Select {
+                model,
+                tokens,
+                hashes,
+                role,
+                session,
+                tenant,
+                tags,
+                dry_run,
+                explain,
+            } => {
+                let fail = |what: &str, e: String| {
+                    eprintln!("kvedge query select: {what}: {e}");
+                    ExitCode::from(2)
+                };
+                let role = match role.as_deref().map(|r| {
+                    Role::parse(r).ok_or(format!(
+                        "unknown role `{r}` (aggregated, prefill, decode, encode)"
+                    ))
+                }) {
+                    None => Role::Aggregated,
+                    Some(Ok(r)) => r,
+                    Some(Err(e)) => return fail("--role", e),
+                };
+                let (token_ids, hash_ids) = match (tokens, hashes) {
+                    (Some(t), None) => match numbers::<u32>(&t) {
+                        Ok(v) => (v, Vec::new()),
+                        Err(e) => return fail("--tokens", e),
+                    },
+                    (None, Some(h)) => match numbers::<u64>(&h) {
+                        Ok(v) => (Vec::new(), v),
+                        Err(e) => return fail("--hashes", e),
+                    },
+                    _ => {
+                        eprintln!("kvedge query select: give --tokens or --hashes");
+                        return ExitCode::from(2);
                     }
-                    if let Some(r) = role {
-                        req["role"] = serde_json::json!(r);
-                    }
-                    if let Some(s) = session {
-                        req["session"] = serde_json::json!(s);
-                    }
-                    if let Some(t) = tenant {
-                        req["tenant"] = serde_json::json!(t);
-                    }
-                    if !tags.is_empty() {
-                        req["tags"] = serde_json::json!(tags);
-                    }
-                    req
-                }
-                QueryCommand::PrefillDone { request_id } => {
-                    serde_json::json!({"op": "prefill_done", "request_id": request_id})
-                }
-                QueryCommand::Finish { request_id } => {
-                    serde_json::json!({"op": "finish", "request_id": request_id})
-                }
-            };
-            ask(&target, &request)
-        }
-        Command::Workers { target } => ask(&target, &serde_json::json!({"op": "workers"})),
+                };
+                let ids = if hash_ids.is_empty() {
+                    Ids::tokens(&token_ids)
+                } else {
+                    Ids::hashes(&hash_ids)
+                };
+                let mut s = Select::new(&model, role, ids);
+                s.session = session.as_deref();
+                s.tenant = tenant.as_deref();
+                s.tags = Strs::strings(&tags);
+                s.dry_run = dry_run;
+                s.explain = explain;
+                ask(&target, &Request::Select(s))
+            }
+            QueryCommand::PrefillDone { request_id } => {
+                ask(&target, &Request::PrefillDone { request_id })
+            }
+            QueryCommand::Finish { request_id } => ask(&target, &Request::Finish { request_id }),
+        },
+        Command::Workers { target } => ask(&target, &Request::Workers),
         Command::Stats {
             target,
             prometheus: false,
-        } => ask(&target, &serde_json::json!({"op": "stats"})),
+        } => ask(&target, &Request::Stats),
         Command::Stats {
             target,
             prometheus: true,
         } => {
-            let reply = request(&target, &serde_json::json!({"op": "metrics"}));
+            let reply = request(&target, &Request::Metrics);
             match reply["text"].as_str() {
                 Some(text) => {
                     print!("{text}");
@@ -325,7 +331,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 }
             }
         }
-        Command::Reload { target } => ask(&target, &serde_json::json!({"op": "reload"})),
+        Command::Reload { target } => ask(&target, &Request::Reload),
         Command::Hash {
             block_size,
             lora,
