@@ -144,22 +144,21 @@ impl Core {
 
     /// A reload was asked for and the driver read the file: a valid
     /// configuration applies between two requests (fresh policy instances;
-    /// index, load, reservations and session bindings kept); an invalid
-    /// one is refused and the previous one keeps serving.
+    /// index, load, reservations and session bindings kept) and the
+    /// number of reloads so far is returned; an invalid one is refused and
+    /// the previous one keeps serving.
     pub fn handle_reload(
         &mut self,
         _now: Instant,
         loaded: Result<Config, ReloadError>,
-    ) -> Reply<'_> {
+    ) -> Result<u64, ReloadError> {
         match loaded {
             Ok(config) => {
                 self.router.reconfigure(&config);
                 self.config = config;
                 self.counters.reloads += 1;
                 tracing::info!(reloads = self.counters.reloads, "configuration reloaded");
-                Reply::Reloaded {
-                    reloads: self.counters.reloads,
-                }
+                Ok(self.counters.reloads)
             }
             Err(e) => {
                 if e != ReloadError::NoConfigFile {
@@ -167,7 +166,7 @@ impl Core {
                 }
                 self.counters.errors += 1;
                 tracing::error!("reload refused, the previous configuration keeps serving: {e}");
-                Reply::error(Status::ReloadFailed, e.to_string())
+                Err(e)
             }
         }
     }

@@ -476,10 +476,7 @@ fn a_reload_applies_a_valid_configuration_and_keeps_state() {
     let new = config(
         "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selection:\n  aggregated: rr\n  instances:\n    - name: rr\n      type: round-robin\n",
     );
-    assert_eq!(
-        h.core.handle_reload(h.now, Ok(new)),
-        Reply::Reloaded { reloads: 1 }
-    );
+    assert_eq!(h.core.handle_reload(h.now, Ok(new)), Ok(1));
     assert_eq!(policy(&mut h), "rr");
     // The index and the reservation survived.
     assert_eq!(h.core.worker_rows()[0].device_blocks, 2);
@@ -500,8 +497,11 @@ fn a_reload_applies_a_valid_configuration_and_keeps_state() {
         &SelectionOverrides::default(),
     )
     .unwrap_err();
-    let reply = h.core.handle_reload(h.now, Err(ReloadError::from(invalid)));
-    assert_eq!(reply.status(), Status::ReloadFailed);
+    let refused = h.core.handle_reload(h.now, Err(ReloadError::from(invalid)));
+    assert!(
+        matches!(refused, Err(ReloadError::Invalid(_))),
+        "{refused:?}"
+    );
     assert_eq!(policy(&mut h), "rr");
     let stats = h.core.stats();
     assert_eq!((stats.reloads, stats.reload_failures), (1, 1));

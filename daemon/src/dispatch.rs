@@ -10,28 +10,27 @@ use std::time::Instant;
 use kvedge_core::config::{Config, ConfigError};
 use kvedge_core::{ClientId, Core, ReloadError};
 use kvedge_wire::framing::Mode;
-use kvedge_wire::{Reply, Request, binary, json};
+use kvedge_wire::{Reply, Request, Status, binary, json};
 
 /// Produces a freshly loaded configuration, or the loader's error.
 pub type Reloader = Box<dyn FnMut() -> Result<Config, ConfigError> + Send>;
 
 /// Loads the configuration again with `reloader` and hands it to the core
 /// (which applies it, or keeps the old one); tells systemd RELOADING=1,
-/// then READY=1 either way.
-pub(crate) fn reload<'c>(
-    core: &'c mut Core,
+/// then READY=1 either way. Returns the number of reloads so far.
+pub(crate) fn reload(
+    core: &mut Core,
     reloader: &mut Option<Reloader>,
     now: Instant,
-) -> Reply<'c> {
+) -> Result<u64, ReloadError> {
     let Some(reloader) = reloader.as_mut() else {
         return core.handle_reload(now, Err(ReloadError::NoConfigFile));
     };
     crate::notify::reloading();
     let loaded = reloader().map_err(ReloadError::from);
-    let status = core.status();
-    let reply = core.handle_reload(now, loaded);
-    crate::notify::ready(&status);
-    reply
+    let outcome = core.handle_reload(now, loaded);
+    crate::notify::ready(&core.status());
+    outcome
 }
 
 /// The reply bytes to one request `body` of `client` in `mode` (a JSON
@@ -91,7 +90,10 @@ fn respond(
     encode: fn(&mut Vec<u8>, &Reply<'_>),
 ) {
     match request {
-        Request::Reload => encode(out, &reload(core, reloader, now)),
+        Request::Reload => match reload(core, reloader, now) {
+            Ok(reloads) => encode(out, &Reply::Reloaded { reloads }),
+            Err(e) => encode(out, &Reply::error(Status::ReloadFailed, e.to_string())),
+        },
         Request::Select(_) => {
             let started = Instant::now();
             let reply = core.handle_request(now, client, request);

@@ -44,11 +44,22 @@ pub(crate) fn bind(path: &Path) -> io::Result<UnixListener> {
     Ok(l)
 }
 
+/// Why the sockets systemd passed cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ActivationError {
+    #[error("passed socket `{name}` ({path}) is neither control nor query")]
+    Unknown { name: String, path: String },
+    #[error("two passed sockets for `{0}`")]
+    Twice(String),
+    #[error("socket activation passed no control socket or no query socket")]
+    Missing,
+}
+
 /// Which passed socket is which: by `FileDescriptorName=` (`control`,
 /// `query`), else by the socket's path (`…/control.sock`, `…/query.sock`).
 pub(crate) fn activated_listeners(
     fds: Vec<(String, OwnedFd)>,
-) -> Result<(UnixListener, UnixListener), String> {
+) -> Result<(UnixListener, UnixListener), ActivationError> {
     let mut control = None;
     let mut query = None;
     for (name, fd) in fds {
@@ -67,18 +78,18 @@ pub(crate) fn activated_listeners(
         } else if is("query") {
             &mut query
         } else {
-            return Err(format!(
-                "passed socket `{name}` ({}) is neither control nor query",
-                path.as_deref().unwrap_or("no path")
-            ));
+            return Err(ActivationError::Unknown {
+                path: path.unwrap_or_else(|| "no path".into()),
+                name,
+            });
         };
         if slot.is_some() {
-            return Err(format!("two passed sockets for `{name}`"));
+            return Err(ActivationError::Twice(name));
         }
         *slot = Some(UnixListener::from(fd));
     }
     match (control, query) {
         (Some(c), Some(q)) => Ok((c, q)),
-        _ => Err("socket activation passed no control socket or no query socket".into()),
+        _ => Err(ActivationError::Missing),
     }
 }

@@ -14,7 +14,7 @@ use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
 use kvedge_core::config::Config;
-use kvedge_core::{Core, Output};
+use kvedge_core::{Core, Output, ReloadError};
 use kvedge_shm::Consumer;
 
 use crate::clients::Clients;
@@ -98,14 +98,10 @@ impl Server {
     }
 
     /// Loads the configuration again and, if it is valid, applies it
-    /// between two requests; an invalid one is logged and the old one
-    /// keeps serving. Returns the refusal, if any.
-    pub fn reload(&mut self) -> Result<(), String> {
-        let reply = dispatch::reload(&mut self.core, &mut self.reloader, Instant::now());
-        match reply {
-            kvedge_wire::Reply::Error(e) => Err(e.message.into_owned()),
-            _ => Ok(()),
-        }
+    /// between two requests (returns the number of reloads so far); an
+    /// invalid one is logged and the old one keeps serving.
+    pub fn reload(&mut self) -> Result<u64, ReloadError> {
+        dispatch::reload(&mut self.core, &mut self.reloader, Instant::now())
     }
 
     /// A sender for a driver on another thread: its jobs are served by

@@ -89,9 +89,11 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         Server::bind(config, &dir)
             .map_err(|e| format!("cannot listen in {}: {e}", dir.dir.display()))
     } else {
-        crate::listen::activated_listeners(passed).and_then(|(c, q)| {
-            Server::from_listeners(config, c, q).map_err(|e| format!("passed sockets: {e}"))
-        })
+        crate::listen::activated_listeners(passed)
+            .map_err(|e| e.to_string())
+            .and_then(|(c, q)| {
+                Server::from_listeners(config, c, q).map_err(|e| format!("passed sockets: {e}"))
+            })
     };
     let mut server = match server {
         Ok(s) => s,
