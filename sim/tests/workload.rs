@@ -106,3 +106,18 @@ fn the_oracle_counts_prefixes_seen_before() {
     let expected = 992.0 / (1000.0 + 512.0 + 1500.0);
     assert!((oracle_hit_rate(&r, 16) - expected).abs() < 1e-12);
 }
+
+#[test]
+fn the_bundled_mooncake_trace_reads_whole() {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../testdata/mooncake/synthetic_trace.jsonl"
+    );
+    let file = std::fs::File::open(path).unwrap();
+    let r = read_mooncake(path, std::io::BufReader::new(file), 1.0, 16).unwrap();
+    assert_eq!(r.len(), 3993);
+    let last = r.last().unwrap().arrival_us;
+    assert!((1_000_000_000..1_100_000_000).contains(&last), "{last}");
+    // Requests share prefixes: the oracle finds a hit rate to win.
+    assert!(oracle_hit_rate(&r, 16) > 0.5);
+}
