@@ -1,4 +1,4 @@
-//! KV index benchmarks (issue 5's bars): applying block events, the
+//! KV index benchmarks (their targets are in BENCHMARKS.md): applying block events, the
 //! prefix-overlap query of a 2,048-token request (128 blocks of 16) against
 //! 64 workers and a 1-million-block index (warm: the same request again;
 //! cold: 4,096 requests in turn, 1.5 million entries in all), and the memory

@@ -1,5 +1,5 @@
 //! The query socket served by the epoll loop and by the io_uring listener
-//! (issue 8, item 5), in the same run: one blocking client's select round
+//! in the same run: one blocking client's select round
 //! trip (JSON lines and binary) and 16 binary clients in parallel.
 //!
 //! `cargo bench -p kvedge-benches --features io-uring --bench query_io`

@@ -1,6 +1,6 @@
 //! Rule-language decision cost: ten rules of which only the last matches,
 //! 64 local candidates and 4 providers, one exclude and a PredictedTTFT
-//! tier (issue 4's bar: at most 1 µs per decision, zero allocations; the
+//! tier (target: at most 1 µs per decision, zero allocations; the
 //! allocation half is proven by `policies/tests/rules.rs`).
 //!
 //! `cargo bench --bench rules`

@@ -1,4 +1,4 @@
-//! Replay speed of `kvedge sim` (issue 7's bar: a 12,000-request trace on 8
+//! Replay speed of `kvedge sim` (target: a 12,000-request trace on 8
 //! workers in under 60 s): one policy's whole replay, the real router core
 //! and 8 engine models in virtual time, and the engine model alone.
 //!

@@ -1,4 +1,4 @@
-//! The C library's bars (issue 6), calling the exported functions: publish
+//! The C library's figures (targets in BENCHMARKS.md), calling the exported functions: publish
 //! of 16 hashes, hashing 2,048 tokens, and a select round trip through
 //! `kvedge_select` next to the Rust client (`kvedge_wire::Client`) in the
 //! same run, against one daemon in a thread of this process.
