@@ -3,11 +3,17 @@
 //! the rule language over them, reservations and counters. Drivers (the
 //! daemon's epoll loop, its io_uring listener, any future transport) feed
 //! it events and requests and carry out what it asks; time always comes
-//! from them. Nothing here reads a clock, opens a socket or starts a
-//! thread (the crate's `clippy.toml` makes clock reads an error).
+//! from them. Nothing here reads a clock, opens a socket or a file, starts
+//! a thread or prints (the crate's `.clippy.toml` and the lints below make
+//! each an error); it logs through `tracing`.
 
 #![forbid(unsafe_code)]
-#![deny(clippy::disallowed_methods, clippy::disallowed_types)]
+#![deny(
+    clippy::disallowed_methods,
+    clippy::disallowed_types,
+    clippy::print_stdout,
+    clippy::print_stderr
+)]
 
 mod answer;
 mod client;

@@ -87,7 +87,7 @@ fn respond(
     client: ClientId,
     request: &Request<'_>,
     out: &mut Vec<u8>,
-    encode: fn(&mut Vec<u8>, &Reply<'_>),
+    encode: impl Fn(&mut Vec<u8>, &Reply<'_>),
 ) {
     match request {
         Request::Reload => match reload(core, reloader, now) {

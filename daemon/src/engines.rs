@@ -58,6 +58,8 @@ struct EngineConn {
 pub(crate) struct Engines {
     listener: UnixListener,
     conns: Vec<EngineConn>,
+    /// Connections still waiting for their Hello.
+    pending: usize,
 }
 
 impl Engines {
@@ -65,6 +67,7 @@ impl Engines {
         Engines {
             listener,
             conns: Vec::new(),
+            pending: 0,
         }
     }
 
@@ -106,6 +109,7 @@ impl Engines {
                         ring: None,
                         readable: true,
                     });
+                    self.pending += 1;
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                 Err(e) => {
@@ -120,6 +124,9 @@ impl Engines {
     /// Registers the waiting connections whose Hello has fully arrived,
     /// and lets go of the ones that hung up first.
     pub fn register(&mut self, core: &mut Core, poller: &Poller, now: Instant) -> bool {
+        if self.pending == 0 {
+            return false;
+        }
         let mut any = false;
         let mut i = 0;
         while i < self.conns.len() {
@@ -137,6 +144,7 @@ impl Engines {
                 Ok(FrameReady::Closed) | Err(_) => Err(HandshakeError::HungUp),
             };
             any = true;
+            self.pending -= 1;
             match outcome {
                 Ok(ring) => {
                     c.ring = Some(ring);
@@ -187,7 +195,11 @@ impl Engines {
                 }
             }
             any |= n > 0;
-            core.handle_engine_drained(now, c.id, ring.producer_dropped(), drained);
+            // With no record and no drop the core would find nothing to do
+            // (the loop's busiest path calls this for every engine).
+            if n > 0 || ring.unreported_drops() > 0 {
+                core.handle_engine_drained(now, c.id, ring.producer_dropped(), drained);
+            }
             if c.readable && connection_closed(&c.stream).unwrap_or(true) {
                 any = true;
                 self.remove(i, core, poller, now);
@@ -219,6 +231,9 @@ impl Engines {
     /// Takes connection `i` out of the loop and tells the core it is gone.
     fn remove(&mut self, i: usize, core: &mut Core, poller: &Poller, now: Instant) {
         let c = self.conns.swap_remove(i);
+        if c.ring.is_none() {
+            self.pending -= 1;
+        }
         poller.unwatch(&c.stream);
         let dropped = c.ring.as_ref().map_or(0, |r| {
             poller.unwatch(r.wake_fd());

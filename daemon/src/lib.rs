@@ -2,10 +2,10 @@
 //! ([`kvedge_core::Core`]) and `kvedge run` as a service.
 //!
 //! - [`server`]: the routing thread, one epoll loop that owns the core and
-//!   serves [`engines`] (`control.sock` and their rings), [`clients`]
+//!   serves `engines` (`control.sock` and their rings), `clients`
 //!   (`query.sock` and query channels) and [`jobs`] (work from drivers on
 //!   other threads), carrying out what the core asks.
-//! - [`dispatch`]: a request's bytes to its reply's bytes, for every
+//! - `dispatch`: a request's bytes to its reply's bytes, for every
 //!   transport.
 //! - `uring` (feature `io-uring`): query.sock on io_uring, a driver on
 //!   its own thread that feeds the routing thread through [`jobs`].
@@ -15,10 +15,10 @@
 #![forbid(unsafe_code)]
 #![deny(clippy::disallowed_methods)]
 
-pub mod clients;
+mod clients;
 pub mod config;
-pub mod dispatch;
-pub mod engines;
+mod dispatch;
+mod engines;
 pub mod jobs;
 pub mod listen;
 pub mod metrics_http;
@@ -28,3 +28,6 @@ pub mod server;
 pub mod service;
 #[cfg(feature = "io-uring")]
 pub mod uring;
+
+pub use dispatch::Reloader;
+pub use server::{RuntimeDir, Server};

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 
 use kvedge_sim::report::{LoadIntegral, Outcome, summarise, table};
 use kvedge_sim::workload::{SyntheticParams, TraceRequest, oracle_hit_rate, synthetic};
+use kvedge_wire::{Ids, Request, Role, Select};
 use serde_json::{Value, json};
 
 use crate::sim_cmd::EngineArgs;
@@ -94,6 +95,7 @@ impl Drop for Cleanup {
 struct Query {
     reader: BufReader<UnixStream>,
     writer: UnixStream,
+    out: Vec<u8>,
     line: String,
 }
 
@@ -104,11 +106,15 @@ impl Query {
         Ok(Query {
             reader: BufReader::new(s.try_clone()?),
             writer: s,
+            out: Vec::new(),
             line: String::new(),
         })
     }
-    fn ask(&mut self, v: &Value) -> std::io::Result<Value> {
-        self.writer.write_all(format!("{v}\n").as_bytes())?;
+    /// Sends `request` as a JSON line and reads the reply line.
+    fn ask(&mut self, request: &Request<'_>) -> std::io::Result<Value> {
+        self.out.clear();
+        kvedge_wire::json::encode_request(&mut self.out, request).map_err(std::io::Error::other)?;
+        self.writer.write_all(&self.out)?;
         self.line.clear();
         self.reader.read_line(&mut self.line)?;
         serde_json::from_str(&self.line).map_err(std::io::Error::other)
@@ -274,7 +280,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
             }
         }
         let w = control
-            .ask(&json!({"op": "workers"}))
+            .ask(&Request::Workers)
             .map_err(|e| format!("workers: {e}"))?;
         let n = w["workers"].as_array().map_or(0, Vec::len);
         Ok(n == args.engines && engine_socks.iter().all(|s| s.exists()))
@@ -335,7 +341,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
     let mut session = String::new();
     let sim_us = |t: Instant| (t.duration_since(started).as_secs_f64() * 1e6 * args.speed) as u64;
     let sample = |control: &mut Query, integral: &mut LoadIntegral, now_sim: u64| {
-        if let Ok(w) = control.ask(&json!({"op": "workers"})) {
+        if let Ok(w) = control.ask(&Request::Workers) {
             for x in w["workers"].as_array().into_iter().flatten() {
                 let id = x["worker_id"].as_u64().unwrap_or(0) as usize;
                 if (1..=args.engines).contains(&id) {
@@ -377,8 +383,11 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
         session.push_str(&format!("s{}", r.session.unwrap_or(i as u64)));
         let t = Instant::now();
         let reply = control
-            .ask(&json!({"op": "select", "model": MODEL, "hashes": r.hashes,
-                "prompt_tokens": r.prompt_tokens(), "session": session}))
+            .ask(&Request::Select(Select {
+                prompt_tokens: Some(r.prompt_tokens()),
+                session: Some(session.as_str()),
+                ..Select::new(MODEL, Role::Aggregated, Ids::hashes(&r.hashes))
+            }))
             .map_err(|e| format!("select: {e}"))?;
         rtt.record(t.elapsed().as_nanos() as u64);
         sent += 1;
@@ -449,7 +458,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
     }
     // Every reservation released?
     let stats = control
-        .ask(&json!({"op": "stats"}))
+        .ask(&Request::Stats)
         .map_err(|e| format!("stats: {e}"))?;
     let records = shared
         .records
@@ -560,7 +569,7 @@ fn engine_replies(
             shared.errors.fetch_add(1, Ordering::Relaxed);
             continue;
         };
-        let (op, router_id) = {
+        let (release, finished) = {
             let mut records = shared.records.lock().unwrap_or_else(|e| e.into_inner());
             let Some(rec) = records.get_mut(id as usize) else {
                 continue;
@@ -573,11 +582,21 @@ fn engine_replies(
                         .cached
                         .fetch_add(u64::from(rec.cached_tokens), Ordering::Relaxed);
                     shared.first_tokens.fetch_add(1, Ordering::Relaxed);
-                    ("prefill_done", rec.router_id)
+                    (
+                        Request::PrefillDone {
+                            request_id: rec.router_id,
+                        },
+                        false,
+                    )
                 }
                 Some("finished") => {
                     rec.e2e_ms = v["e2e_ms"].as_f64();
-                    ("finish", rec.router_id)
+                    (
+                        Request::Finish {
+                            request_id: rec.router_id,
+                        },
+                        true,
+                    )
                 }
                 _ => {
                     shared.errors.fetch_add(1, Ordering::Relaxed);
@@ -585,14 +604,12 @@ fn engine_replies(
                 }
             }
         };
-        let ok = q
-            .ask(&json!({"op": op, "request_id": router_id}))
-            .is_ok_and(|r| r["ok"] == true);
+        let ok = q.ask(&release).is_ok_and(|r| r["ok"] == true);
         let mut records = shared.records.lock().unwrap_or_else(|e| e.into_inner());
         if ok {
             records[id as usize].released += 1;
         }
-        if op == "finish" {
+        if finished {
             shared.finished.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -239,18 +239,20 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
     short(s.model, "model is too long")?;
     short(session, "session is too long")?;
     short(tenant, "tenant is too long")?;
-    if s.tags.len() > MAX_TAGS || s.headers.len() > usize::from(u16::MAX) {
-        return Err(EncodeError("at most 32 tags and 65535 headers"));
-    }
-    for t in s.tags.iter() {
-        short(t, "a tag is too long")?;
-    }
-    for (n, v) in s.headers.iter() {
-        short(n, "a header name is too long")?;
-        short(v, "a header value is too long")?;
+    let context = s.has_context();
+    if context {
+        if s.tags.len() > MAX_TAGS || s.headers.len() > usize::from(u16::MAX) {
+            return Err(EncodeError("at most 32 tags and 65535 headers"));
+        }
+        for t in s.tags.iter() {
+            short(t, "a tag is too long")?;
+        }
+        for (n, v) in s.headers.iter() {
+            short(n, "a header name is too long")?;
+            short(v, "a header value is too long")?;
+        }
     }
     let count = u32::try_from(s.ids.len()).map_err(|_| EncodeError("the prompt is too long"))?;
-    let context = s.has_context();
     let flags = if s.dry_run { flag::DRY_RUN } else { 0 }
         | if matches!(s.ids, Ids::Tokens(_)) {
             flag::TOKENS

@@ -41,6 +41,18 @@ pub type Outcome<T> = io::Result<Result<T, (Status, String)>>;
 /// endpoint; an error, its message).
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
 
+/// The status of a reply's code; one this version does not know is an
+/// `InvalidData` error (a newer daemon; this client cannot tell what it
+/// means).
+fn status_of(code: u16) -> io::Result<Status> {
+    Status::from_code(code).ok_or_else(|| {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("the daemon answered with unknown status {code}"),
+        )
+    })
+}
+
 /// Writes all of `buf` with `send(MSG_NOSIGNAL)`: a peer that went away is
 /// an `EPIPE` error, never a SIGPIPE (which would kill a C host process that
 /// does not ignore it). Spins on `WouldBlock` (a non-blocking client).
@@ -106,13 +118,7 @@ impl Client {
     /// status this version does not know is an `InvalidData` error.
     fn round_trip(&mut self) -> io::Result<(Status, &[u8])> {
         let (code, payload) = self.round_trip_code()?;
-        let status = Status::from_code(code).ok_or_else(|| {
-            io::Error::new(
-                io::ErrorKind::InvalidData,
-                format!("the daemon answered with unknown status {code}"),
-            )
-        })?;
-        Ok((status, payload))
+        Ok((status_of(code)?, payload))
     }
 
     /// Sends `out` and reads one reply frame: its raw status code and
@@ -186,10 +192,10 @@ impl Client {
         let mut fds = Vec::new();
         self.read_reply(Some(&mut fds))?;
         self.broken = false;
-        let status = Status::from_code(u16::from_le_bytes([self.body[0], self.body[1]]));
-        if status != Some(Status::Ok) {
+        let status = status_of(u16::from_le_bytes([self.body[0], self.body[1]]))?;
+        if status != Status::Ok {
             return Ok(Err((
-                status.unwrap_or(Status::RingsUnavailable),
+                status,
                 String::from_utf8_lossy(&self.body[4..]).into_owned(),
             )));
         }

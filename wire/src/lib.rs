@@ -50,6 +50,7 @@
 //! daemon's dependencies.
 
 #![forbid(unsafe_code)]
+#![deny(clippy::print_stdout, clippy::print_stderr)]
 
 pub mod binary;
 mod client;
