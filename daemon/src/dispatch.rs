@@ -46,36 +46,18 @@ pub(crate) fn answer(
     out: &mut Vec<u8>,
 ) {
     out.clear();
-    if mode == Mode::Binary {
-        match binary::decode_request(body) {
-            Ok(request) => respond(
-                core,
-                reloader,
-                now,
-                client,
-                &request,
-                out,
-                binary::encode_reply,
-            ),
-            Err(e) => binary::encode_reply(out, &core.handle_undecodable(now, client, e)),
-        }
-    } else {
-        let line = match json::decode_request(body) {
-            Ok(line) => line,
-            Err(e) => return json::encode_reply(out, &core.handle_undecodable(now, client, e)),
-        };
-        match line.request() {
-            Ok(request) => respond(
-                core,
-                reloader,
-                now,
-                client,
-                &request,
-                out,
-                json::encode_reply,
-            ),
-            Err(e) => json::encode_reply(out, &core.handle_undecodable(now, client, e)),
-        }
+    let (line, encode): (_, fn(&mut Vec<u8>, &Reply<'_>)) = match mode {
+        Mode::Binary => (None, binary::encode_reply),
+        Mode::Json | Mode::Unknown => (Some(json::decode_request(body)), json::encode_reply),
+    };
+    let decoded = match &line {
+        None => binary::decode_request(body),
+        Some(Ok(line)) => line.request(),
+        Some(Err(e)) => Err(e.clone()),
+    };
+    match decoded {
+        Ok(request) => respond(core, reloader, now, client, &request, out, encode),
+        Err(e) => encode(out, &core.handle_undecodable(now, client, e)),
     }
 }
 
@@ -87,7 +69,7 @@ fn respond(
     client: ClientId,
     request: &Request<'_>,
     out: &mut Vec<u8>,
-    encode: impl Fn(&mut Vec<u8>, &Reply<'_>),
+    encode: fn(&mut Vec<u8>, &Reply<'_>),
 ) {
     match request {
         Request::Reload => match reload(core, reloader, now) {
