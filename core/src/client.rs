@@ -87,6 +87,7 @@ impl Core {
     }
 
     /// Client `id` sent bytes (a partial request counts): it is not idle.
+    #[inline]
     pub fn handle_client_active(&mut self, now: Instant, id: ClientId) {
         if let Some(c) = self.clients.get_mut(id.index, id.generation) {
             c.last_active = now;

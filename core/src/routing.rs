@@ -158,12 +158,14 @@ impl Core {
     }
 
     /// What the driver should do next, if anything.
+    #[inline]
     pub fn poll_output(&mut self) -> Option<Output> {
         self.outputs.pop_front()
     }
 
     /// When [`Core::handle_timeout`] is due (it may find nothing to do:
     /// deadlines only move later between two calls).
+    #[inline]
     pub fn poll_timeout(&self) -> Option<Instant> {
         self.next_timeout
     }

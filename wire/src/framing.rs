@@ -17,6 +17,7 @@ pub enum Mode {
 
 /// Decides `mode` once `buf` shows which protocol it is, removing the
 /// binary magic from `buf`.
+#[inline]
 pub fn detect(mode: &mut Mode, buf: &mut Vec<u8>) {
     if *mode != Mode::Unknown || buf.is_empty() {
         return;
@@ -45,6 +46,7 @@ pub enum Next {
 }
 
 /// The next request at the front of `buf`.
+#[inline]
 pub fn next(mode: Mode, buf: &[u8], limit: usize) -> Next {
     match mode {
         Mode::Unknown => Next::NeedMore,

@@ -64,6 +64,7 @@ impl Status {
     ];
 
     /// The code in a binary reply frame.
+    #[inline]
     pub const fn code(self) -> u16 {
         match self {
             Status::Ok => 0,
@@ -84,6 +85,7 @@ impl Status {
     }
 
     /// The status with binary code `code`, if this version knows it.
+    #[inline]
     pub fn from_code(code: u16) -> Option<Status> {
         Status::ALL.into_iter().find(|s| s.code() == code)
     }
