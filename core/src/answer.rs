@@ -244,8 +244,10 @@ impl Core {
         let (hashes, prompt_tokens) = self.hash_prompt(s, block_size);
         // Tags on the stack (at most MAX_TAGS); headers only when sent.
         let mut tags = [""; MAX_TAGS];
-        for (slot, tag) in tags.iter_mut().zip(s.tags.iter()) {
-            *slot = tag;
+        if !s.tags.is_empty() {
+            for (slot, tag) in tags.iter_mut().zip(s.tags.iter()) {
+                *slot = tag;
+            }
         }
         let headers = (!s.headers.is_empty()).then(|| AgentHeaders::from_pairs(s.headers.iter()));
         let req = SelectRequest {

@@ -46,14 +46,19 @@ pub(crate) fn answer(
     out: &mut Vec<u8>,
 ) {
     out.clear();
-    let (line, encode): (_, fn(&mut Vec<u8>, &Reply<'_>)) = match mode {
-        Mode::Binary => (None, binary::encode_reply),
-        Mode::Json | Mode::Unknown => (Some(json::decode_request(body)), json::encode_reply),
-    };
-    let decoded = match &line {
-        None => binary::decode_request(body),
-        Some(Ok(line)) => line.request(),
-        Some(Err(e)) => Err(e.clone()),
+    // A JSON line is parsed into owned fields first; the request borrows
+    // from them, as a binary request borrows from its frame.
+    let line;
+    let (decoded, encode): (_, fn(&mut Vec<u8>, &Reply<'_>)) = match mode {
+        Mode::Binary => (binary::decode_request(body), binary::encode_reply),
+        Mode::Json | Mode::Unknown => {
+            line = json::decode_request(body);
+            let decoded = match &line {
+                Ok(line) => line.request(),
+                Err(e) => Err(e.clone()),
+            };
+            (decoded, json::encode_reply)
+        }
     };
     match decoded {
         Ok(request) => respond(core, reloader, now, client, &request, out, encode),

@@ -141,11 +141,14 @@ pub trait Word: Copy + std::fmt::Debug {
     fn put_le(self, out: &mut Vec<u8>);
 }
 
+// Inline: these run once per id, from the crate that decodes a request.
 impl Word for u32 {
     const WIDTH: usize = 4;
+    #[inline]
     fn from_le(b: &[u8]) -> Self {
         u32::from_le_bytes(b.try_into().expect("4 bytes"))
     }
+    #[inline]
     fn put_le(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_le_bytes());
     }
@@ -153,9 +156,11 @@ impl Word for u32 {
 
 impl Word for u64 {
     const WIDTH: usize = 8;
+    #[inline]
     fn from_le(b: &[u8]) -> Self {
         u64::from_le_bytes(b.try_into().expect("8 bytes"))
     }
+    #[inline]
     fn put_le(self, out: &mut Vec<u8>) {
         out.extend_from_slice(&self.to_le_bytes());
     }
@@ -183,6 +188,7 @@ impl<'a, T: Word> Words<'a, T> {
 
     /// Appends the values to `out` (a copy for a slice, a decode for
     /// frame bytes).
+    #[inline]
     pub fn extend_into(&self, out: &mut Vec<T>) {
         match *self {
             Words::Slice(s) => out.extend_from_slice(s),
