@@ -317,14 +317,7 @@ impl Core {
             return;
         };
         e.last_seen = now;
-        if std::mem::take(&mut e.late) {
-            self.router.set_available(slot, true);
-            let heartbeat = Duration::from_millis(self.config.daemon.heartbeat_timeout_ms);
-            self.next_timeout = Some(
-                self.next_timeout
-                    .map_or(now + heartbeat, |t| t.min(now + heartbeat)),
-            );
-        }
+        let back = std::mem::take(&mut e.late);
         e.note_gap(record.missing_before);
         self.counters.ring_gaps += record.missing_before;
         // A record that does not decode is skipped; its sequence number
@@ -335,6 +328,12 @@ impl Core {
             if let EventRef::SnapshotEnd(end) = &event {
                 e.snapshot_ended(end.snapshot_id.to_native());
             }
+        }
+        if back {
+            // Its heartbeat came back: routable again, and its next
+            // deadline counts.
+            self.router.set_available(slot, true);
+            self.due(now + Duration::from_millis(self.config.daemon.heartbeat_timeout_ms));
         }
     }
 
@@ -361,10 +360,6 @@ impl Core {
         }
         self.epoch += 1;
         let snapshot_id = self.epoch;
-        let e = self
-            .engines
-            .get_mut(id.index, id.generation)
-            .expect("found above");
         e.resyncing(snapshot_id);
         self.router.index.clear(slot, None);
         self.counters.resyncs += 1;
@@ -451,12 +446,17 @@ impl Core {
             .next_expiry_ms()
             .map(|ms| self.start + Duration::from_millis(ms));
         let mut soonest = |at: Instant| next = Some(next.map_or(at, |t| t.min(at)));
-        let mut silent = Vec::new();
         for ((index, generation), e) in self.engines.iter_mut() {
             match e.state {
                 EngineState::Registering { since } => {
                     if now.saturating_duration_since(since) >= REGISTRATION_DEADLINE {
-                        silent.push(EngineId { index, generation });
+                        e.state = EngineState::Broken;
+                        self.counters.refused_registrations += 1;
+                        tracing::warn!(
+                            "engine connection closed: no Hello within {REGISTRATION_DEADLINE:?}"
+                        );
+                        self.outputs
+                            .push_back(Output::CloseEngine(EngineId { index, generation }));
                     } else {
                         soonest(since + REGISTRATION_DEADLINE);
                     }
@@ -474,28 +474,16 @@ impl Core {
                 _ => {}
             }
         }
-        for id in silent {
-            self.counters.refused_registrations += 1;
-            tracing::warn!("engine connection closed: no Hello within {REGISTRATION_DEADLINE:?}");
-            let e = self
-                .engines
-                .get_mut(id.index, id.generation)
-                .expect("listed above");
-            e.state = EngineState::Broken;
-            self.outputs.push_back(Output::CloseEngine(id));
-        }
-        let mut idle_clients = Vec::new();
-        for ((index, generation), c) in self.clients.iter() {
-            if now.saturating_duration_since(c.last_active) >= idle {
-                idle_clients.push(ClientId { index, generation });
-            } else {
-                soonest(c.last_active + idle);
+        let outputs = &mut self.outputs;
+        self.clients.retain(|(index, generation), c| {
+            let idle_for = now.saturating_duration_since(c.last_active);
+            if idle_for >= idle {
+                outputs.push_back(Output::CloseClient(ClientId { index, generation }));
+                return false;
             }
-        }
-        for id in idle_clients {
-            self.clients.remove(id.index, id.generation);
-            self.outputs.push_back(Output::CloseClient(id));
-        }
+            soonest(c.last_active + idle);
+            true
+        });
         self.next_timeout = next;
     }
 }

@@ -83,6 +83,21 @@ impl<T> Table<T> {
             .filter_map(|(i, p)| p.entry.as_ref().map(|e| ((i as u32, p.generation), e)))
     }
 
+    /// Keeps the entries for which `keep` (given each handle and entry)
+    /// says true; removes the others.
+    pub fn retain(&mut self, mut keep: impl FnMut((u32, u32), &mut T) -> bool) {
+        for (i, place) in self.slots.iter_mut().enumerate() {
+            let Some(entry) = place.entry.as_mut() else {
+                continue;
+            };
+            if !keep((i as u32, place.generation), entry) {
+                place.entry = None;
+                self.free.push(i as u32);
+                self.len -= 1;
+            }
+        }
+    }
+
     /// Every entry with its handle, mutably.
     pub fn iter_mut(&mut self) -> impl Iterator<Item = ((u32, u32), &mut T)> {
         self.slots.iter_mut().enumerate().filter_map(|(i, p)| {
@@ -108,5 +123,7 @@ mod tests {
         assert_eq!(t.get(b.0, b.1), Some(&"b"));
         assert_eq!(t.len(), 1);
         assert_eq!(t.iter().count(), 1);
+        t.retain(|_, e| *e != "b");
+        assert_eq!((t.len(), t.get(b.0, b.1)), (0, None));
     }
 }
