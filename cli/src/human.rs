@@ -116,6 +116,19 @@ fn workers(out: &mut String, r: &Value) {
             text(&w["active_prefill_tokens"]),
             text(&w["endpoint"])
         );
+        if w["state"].as_str().is_some_and(|s| s != "live") {
+            let _ = writeln!(out, "{:>15} state: {}", "", text(&w["state"]));
+        }
+        for n in w["notices"].as_array().map_or(&[][..], Vec::as_slice) {
+            let _ = writeln!(
+                out,
+                "{:>15} {} ({}x): {}",
+                "",
+                text(&n["code"]),
+                text(&n["count"]),
+                text(&n["message"])
+            );
+        }
     }
 }
 

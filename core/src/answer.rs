@@ -11,7 +11,7 @@ use kvedge_shm::hash::{block_seed, full_blocks, sequence_hashes_into};
 use kvedge_shm::messages::Tier;
 use kvedge_wire::{
     ErrorReply, ExplainedWorker, Explanation, Ids, MAX_TAGS, Reply, Request, Select, Selected,
-    Stats, Status, Words, WorkerRow,
+    Stats, Status, Words, WorkerNotice, WorkerRow,
 };
 
 use crate::client::ClientId;
@@ -366,7 +366,7 @@ impl Core {
     /// Every registered worker with its state, load and index counts, as
     /// `workers` and the metrics report them.
     pub fn worker_rows(&self) -> Vec<WorkerRow> {
-        let states = self.states_by_slot();
+        let engines = self.engines_by_slot();
         self.router
             .workers()
             .map(|(slot, w)| {
@@ -378,7 +378,19 @@ impl Core {
                     model: w.model.clone(),
                     role: w.role.as_str(),
                     endpoint: w.endpoint.clone(),
-                    state: states[slot.index()],
+                    state: engines[slot.index()].map_or("", |e| e.state.as_str()),
+                    notices: engines[slot.index()]
+                        .map(|e| {
+                            e.notices
+                                .iter()
+                                .map(|(code, count, message)| WorkerNotice {
+                                    code: kvedge_shm::messages::notice::name(*code),
+                                    count: *count,
+                                    message: message.clone(),
+                                })
+                                .collect()
+                        })
+                        .unwrap_or_default(),
                     available: w.available,
                     active_requests: load.active_requests,
                     waiting_requests: report.waiting_requests,

@@ -7,7 +7,7 @@ use kvedge_shm::EventRef;
 use crate::latency::Histogram;
 
 /// Names of the ring record kinds, for metrics, in [`event_kind`] order.
-pub(crate) const EVENT_KINDS: [&str; 7] = [
+pub(crate) const EVENT_KINDS: [&str; 8] = [
     "stored",
     "removed",
     "cleared",
@@ -15,6 +15,7 @@ pub(crate) const EVENT_KINDS: [&str; 7] = [
     "heartbeat",
     "snapshot_begin",
     "snapshot_end",
+    "notice",
 ];
 
 /// The index of `e`'s kind in [`EVENT_KINDS`].
@@ -27,6 +28,7 @@ pub(crate) fn event_kind(e: &EventRef<'_>) -> usize {
         EventRef::Heartbeat(_) => 4,
         EventRef::SnapshotBegin(_) => 5,
         EventRef::SnapshotEnd(_) => 6,
+        EventRef::Notice(_) => 7,
     }
 }
 
@@ -42,7 +44,7 @@ pub(crate) struct Counters {
     pub refused_registrations: u64,
     pub refused_connections: u64,
     /// Ring records applied, by [`EVENT_KINDS`] index.
-    pub events: [u64; 7],
+    pub events: [u64; 8],
     /// Records found missing in rings.
     pub ring_gaps: u64,
     pub resyncs: u64,

@@ -70,6 +70,9 @@ pub(crate) struct Engine {
     pub producer_dropped: u64,
     /// A loss was seen in the batch of records being applied.
     pub gap_in_batch: bool,
+    /// The engine's notices about its own feed: (code, count so far,
+    /// message), one entry per code.
+    pub notices: Vec<(u16, u64, String)>,
 }
 
 impl Engine {
@@ -83,6 +86,7 @@ impl Engine {
             acked_missing: 0,
             producer_dropped: 0,
             gap_in_batch: false,
+            notices: Vec::new(),
         }
     }
 
@@ -130,6 +134,23 @@ impl Engine {
         let gap =
             std::mem::take(&mut self.gap_in_batch) || (drained && producer_dropped > self.missing);
         gap && self.state == EngineState::Live
+    }
+
+    /// Most notice codes kept per engine (a producer cannot grow the
+    /// daemon's memory with made-up codes).
+    pub const MAX_NOTICES: usize = 16;
+
+    /// The engine reports `code` `count` times so far, with `message`.
+    pub fn notice(&mut self, code: u16, count: u64, message: &str) {
+        if let Some(n) = self.notices.iter_mut().find(|n| n.0 == code) {
+            n.1 = count;
+            if n.2 != message {
+                n.2.clear();
+                n.2.push_str(message);
+            }
+        } else if self.notices.len() < Self::MAX_NOTICES {
+            self.notices.push((code, count, message.to_owned()));
+        }
     }
 
     /// A resync was asked for as snapshot `snapshot_id`.

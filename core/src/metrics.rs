@@ -66,6 +66,14 @@ struct WorkerLabels {
     model: String,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct NoticeLabels {
+    worker_id: String,
+    dp_rank: String,
+    model: String,
+    code: String,
+}
+
 /// The selection latency histogram as prometheus-client sees it.
 #[derive(Debug)]
 struct LatencyMetric {
@@ -224,6 +232,24 @@ pub fn render(s: &Snapshot) -> String {
         }
         r.register(name, help, family);
     }
+    let notices = Family::<NoticeLabels, Gauge>::default();
+    for w in &s.workers {
+        for n in &w.notices {
+            notices
+                .get_or_create(&NoticeLabels {
+                    worker_id: w.worker_id.to_string(),
+                    dp_rank: w.dp_rank.to_string(),
+                    model: w.model.clone(),
+                    code: n.code.to_owned(),
+                })
+                .set(i64::try_from(n.count).unwrap_or(i64::MAX));
+        }
+    }
+    r.register(
+        "worker_notices",
+        "What an engine reported about its own feed (mismatches, lost events), by code: its count so far",
+        notices,
+    );
     r.register("query_clients", "Open query connections", gauge(s.clients));
     r.register(
         "query_channels",

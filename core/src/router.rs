@@ -369,7 +369,10 @@ impl Router {
                 },
                 l.timestamp_ns.to_native() / 1_000_000,
             ),
-            EventRef::Heartbeat(_) | EventRef::SnapshotBegin(_) | EventRef::SnapshotEnd(_) => {}
+            EventRef::Heartbeat(_)
+            | EventRef::SnapshotBegin(_)
+            | EventRef::SnapshotEnd(_)
+            | EventRef::Notice(_) => {}
         }
     }
 

@@ -325,8 +325,12 @@ impl Core {
         if let Ok(event) = decode(record.kind, record.payload) {
             self.counters.events[event_kind(&event)] += 1;
             self.router.apply(slot, &event);
-            if let EventRef::SnapshotEnd(end) = &event {
-                e.snapshot_ended(end.snapshot_id.to_native());
+            match &event {
+                EventRef::SnapshotEnd(end) => e.snapshot_ended(end.snapshot_id.to_native()),
+                EventRef::Notice(n) => {
+                    e.notice(n.code.to_native(), n.count.to_native(), &n.message)
+                }
+                _ => {}
             }
         }
         if back {
@@ -414,12 +418,12 @@ impl Core {
         self.engines.iter().filter(|(_, e)| e.registered()).count()
     }
 
-    /// Each registered engine's state, by router slot.
-    pub(crate) fn states_by_slot(&self) -> [&'static str; crate::index::MAX_WORKERS] {
-        let mut out = [""; crate::index::MAX_WORKERS];
+    /// Each registered engine, by router slot.
+    pub(crate) fn engines_by_slot(&self) -> [Option<&Engine>; crate::index::MAX_WORKERS] {
+        let mut out = [None; crate::index::MAX_WORKERS];
         for (_, e) in self.engines.iter() {
             if let Some(slot) = e.slot {
-                out[slot.index()] = e.state.as_str();
+                out[slot.index()] = Some(e);
             }
         }
         out

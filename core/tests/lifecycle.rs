@@ -524,3 +524,40 @@ fn the_core_says_when_it_is_due() {
         Some(h.now + Duration::from_millis(59_000))
     );
 }
+
+#[test]
+fn an_engines_notices_reach_workers_and_are_bounded() {
+    let mut h = Harness::new("{}");
+    let e = h.engine(1);
+    let notice = |code: u16, count: u64, message: &str| {
+        Event::Notice(kvedge_shm::messages::Notice {
+            code,
+            count,
+            message: message.into(),
+        })
+    };
+    h.record(e, 0, notice(1, 1, "use block_size: 32"));
+    h.record(e, 0, notice(1, 5, "use block_size: 32"));
+    let row = &h.core.worker_rows()[0];
+    assert_eq!(row.notices.len(), 1);
+    assert_eq!(
+        (
+            row.notices[0].code,
+            row.notices[0].count,
+            row.notices[0].message.as_str()
+        ),
+        ("block_size_mismatch", 5, "use block_size: 32")
+    );
+    // A producer cannot grow the daemon's memory with made-up codes.
+    for code in 100..200 {
+        h.record(e, 0, notice(code, 1, "x"));
+    }
+    assert_eq!(h.core.worker_rows()[0].notices.len(), 16);
+    let text = kvedge_core::metrics::render(&h.core.metrics());
+    assert!(
+        text.lines().any(|l| l.starts_with("kvedge_worker_notices{")
+            && l.contains("code=\"block_size_mismatch\"")
+            && l.ends_with(" 5")),
+        "{text}"
+    );
+}

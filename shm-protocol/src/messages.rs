@@ -164,6 +164,79 @@ pub struct SnapshotEnd {
     pub blocks: u64,
 }
 
+/// Something about the engine's own feed that its operator should know
+/// (a configuration mismatch, lost events): `count` times so far. Shown
+/// per worker by the daemon; it changes no routing state. Consumers that do
+/// not know this record type skip it.
+#[derive(Archive, Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+#[rkyv(derive(Debug))]
+pub struct Notice {
+    /// One of [`notice`]'s codes (others are shown by number).
+    pub code: u16,
+    pub count: u64,
+    /// For people: what happened and how to fix it.
+    pub message: String,
+}
+
+/// Notice codes.
+pub mod notice {
+    /// The engine's blocks are a different size from the configured one:
+    /// its blocks are not indexed.
+    pub const BLOCK_SIZE_MISMATCH: u16 = 1;
+    /// Stored events carry no token ids, so kvedge cannot compute the
+    /// blocks' hashes: they are not indexed.
+    pub const NO_TOKEN_IDS: u16 = 2;
+    /// A stored block's parent was never seen: it is not indexed.
+    pub const UNKNOWN_PARENT: u16 = 3;
+    /// A removal of a block never seen (ignored).
+    pub const UNKNOWN_REMOVAL: u16 = 4;
+    /// Blocks hashed with extra keys (multimodal inputs, cache salt) that
+    /// a frontend's token ids cannot reproduce: not indexed.
+    pub const EXTRA_KEYS: u16 = 5;
+    /// Events of another KV cache group (ignored).
+    pub const OTHER_GROUP: u16 = 6;
+    /// A storage medium kvedge does not know (its events ignored).
+    pub const UNKNOWN_MEDIUM: u16 = 7;
+    /// A payload that does not decode (skipped).
+    pub const UNDECODABLE: u16 = 8;
+    /// An event type kvedge does not know (skipped).
+    pub const UNKNOWN_EVENT: u16 = 9;
+    /// The engine restarted (its sequence went back): its state was
+    /// dropped and is rebuilt from its events.
+    pub const RESTARTED: u16 = 10;
+    /// Events went missing and were replayed.
+    pub const REPLAYED: u16 = 11;
+    /// Events went missing and could not be replayed: the engine's state
+    /// was dropped rather than kept stale.
+    pub const EVENTS_LOST: u16 = 12;
+    /// Neither events nor load arrived within the heartbeat timeout: the
+    /// engine's state was dropped.
+    pub const SILENT: u16 = 13;
+    /// The engine's load could not be read (its metrics endpoint).
+    pub const LOAD_UNREADABLE: u16 = 14;
+
+    /// The code's name, as `workers` and the metrics show it.
+    pub fn name(code: u16) -> &'static str {
+        match code {
+            BLOCK_SIZE_MISMATCH => "block_size_mismatch",
+            NO_TOKEN_IDS => "no_token_ids",
+            UNKNOWN_PARENT => "unknown_parent",
+            UNKNOWN_REMOVAL => "unknown_removal",
+            EXTRA_KEYS => "extra_keys",
+            OTHER_GROUP => "other_group",
+            UNKNOWN_MEDIUM => "unknown_medium",
+            UNDECODABLE => "undecodable",
+            UNKNOWN_EVENT => "unknown_event",
+            RESTARTED => "restarted",
+            REPLAYED => "replayed",
+            EVENTS_LOST => "events_lost",
+            SILENT => "silent",
+            LOAD_UNREADABLE => "load_unreadable",
+            _ => "other",
+        }
+    }
+}
+
 /// Record type numbers of ring messages.
 pub mod kind {
     pub const KV_STORED: u16 = 1;
@@ -173,6 +246,7 @@ pub mod kind {
     pub const HEARTBEAT: u16 = 5;
     pub const SNAPSHOT_BEGIN: u16 = 6;
     pub const SNAPSHOT_END: u16 = 7;
+    pub const NOTICE: u16 = 8;
 }
 
 /// A ring message by value (what a producer publishes).
@@ -185,6 +259,7 @@ pub enum Event {
     Heartbeat(Heartbeat),
     SnapshotBegin(SnapshotBegin),
     SnapshotEnd(SnapshotEnd),
+    Notice(Notice),
 }
 
 impl Event {
@@ -198,6 +273,7 @@ impl Event {
             Event::Heartbeat(_) => kind::HEARTBEAT,
             Event::SnapshotBegin(_) => kind::SNAPSHOT_BEGIN,
             Event::SnapshotEnd(_) => kind::SNAPSHOT_END,
+            Event::Notice(_) => kind::NOTICE,
         }
     }
 
@@ -215,6 +291,7 @@ impl Event {
             Event::Heartbeat(v) => crate::control::encode(v, &mut buf, &mut arena),
             Event::SnapshotBegin(v) => crate::control::encode(v, &mut buf, &mut arena),
             Event::SnapshotEnd(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::Notice(v) => crate::control::encode(v, &mut buf, &mut arena),
         };
         encoded.expect("serializing into a vector cannot fail");
         buf
@@ -231,6 +308,7 @@ pub enum EventRef<'a> {
     Heartbeat(&'a ArchivedHeartbeat),
     SnapshotBegin(&'a ArchivedSnapshotBegin),
     SnapshotEnd(&'a ArchivedSnapshotEnd),
+    Notice(&'a ArchivedNotice),
 }
 
 fn access<'a, T>(kind: u16, payload: &'a [u8]) -> Result<&'a T, DecodeError>
@@ -255,6 +333,7 @@ pub fn decode(kind: u16, payload: &[u8]) -> Result<EventRef<'_>, DecodeError> {
         kind::HEARTBEAT => EventRef::Heartbeat(access(kind, payload)?),
         kind::SNAPSHOT_BEGIN => EventRef::SnapshotBegin(access(kind, payload)?),
         kind::SNAPSHOT_END => EventRef::SnapshotEnd(access(kind, payload)?),
+        kind::NOTICE => EventRef::Notice(access(kind, payload)?),
         other => return Err(DecodeError::UnknownType(other)),
     })
 }

@@ -15,8 +15,8 @@ use crate::error::ControlError;
 use crate::hash;
 use crate::messages::control::{Hello, ResyncRequest};
 use crate::messages::{
-    Heartbeat, KvCleared, KvRemoved, KvStored, Load, SnapshotBegin, SnapshotEnd, StoredBlock, Tier,
-    kind,
+    Heartbeat, KvCleared, KvRemoved, KvStored, Load, Notice, SnapshotBegin, SnapshotEnd,
+    StoredBlock, Tier, kind,
 };
 use crate::ring::{Producer, Push, PushError};
 
@@ -208,6 +208,22 @@ impl Publisher {
     /// The engine's current load.
     pub fn publish_load(&mut self, load: &Load) -> Result<Push, PublishError> {
         self.push(kind::LOAD, load)
+    }
+
+    /// A notice about this engine's feed (see [`crate::messages::notice`]):
+    /// `code` has happened `count` times so far.
+    pub fn publish_notice(
+        &mut self,
+        code: u16,
+        count: u64,
+        message: &str,
+    ) -> Result<Push, PublishError> {
+        let notice = Notice {
+            code,
+            count,
+            message: message.to_owned(),
+        };
+        self.push(kind::NOTICE, &notice)
     }
 
     /// A liveness beat.

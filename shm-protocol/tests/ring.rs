@@ -195,6 +195,13 @@ fn publisher_messages_decode_to_what_was_sent() {
     };
     publisher.publish_load(&load).unwrap();
     publisher.heartbeat(456).unwrap();
+    publisher
+        .publish_notice(
+            kvedge_shm::messages::notice::BLOCK_SIZE_MISMATCH,
+            3,
+            "use 32",
+        )
+        .unwrap();
     publisher.begin_snapshot(8).unwrap();
     publisher
         .publish_stored_tokens(
@@ -252,6 +259,9 @@ fn publisher_messages_decode_to_what_was_sent() {
             EventRef::Heartbeat(h) => seen.push(format!("heartbeat {}", h.timestamp_ns)),
             EventRef::SnapshotBegin(b) => seen.push(format!("begin {}", b.snapshot_id)),
             EventRef::SnapshotEnd(e) => seen.push(format!("end {} {}", e.snapshot_id, e.blocks)),
+            EventRef::Notice(n) => {
+                seen.push(format!("notice {} {} {}", n.code, n.count, n.message))
+            }
         }
     }
     assert_eq!(
@@ -262,6 +272,7 @@ fn publisher_messages_decode_to_what_was_sent() {
             "cleared Some(Device)",
             "load 3 100",
             "heartbeat 456",
+            "notice 1 3 use 32",
             "begin 8",
             "cleared None",
             "stored Device None None 2",

@@ -65,7 +65,7 @@ pub use binary::{MAGIC, VERSION, op};
 pub use client::{Client, MAX_REPLY_BYTES, Outcome};
 pub use reply::{
     ErrorReply, ExplainedWorker, Explanation, LatencySummary, Reply, SelectReply, SelectView,
-    Selected, Stats, WorkerRow,
+    Selected, Stats, WorkerNotice, WorkerRow,
 };
 pub use request::{Ids, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
 pub use status::Status;

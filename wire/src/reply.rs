@@ -196,6 +196,21 @@ pub struct WorkerRow {
     pub kv_total_blocks: u64,
     /// Device-tier blocks in the index.
     pub device_blocks: u64,
+    /// What its engine reported about its own feed (mismatches, lost
+    /// events), by code.
+    pub notices: Vec<WorkerNotice>,
+}
+
+/// One kind of notice an engine reported.
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerNotice {
+    /// Its name (`block_size_mismatch`, `events_lost`, ...).
+    pub code: &'static str,
+    /// How many times so far.
+    pub count: u64,
+    /// What happened and how to fix it.
+    pub message: String,
 }
 
 /// The daemon's counters (`stats`).
