@@ -1,8 +1,9 @@
 //! The daemon's configuration file: one loader for `kvedge run` and
 //! `kvedge check-config`. Sections: `daemon` (limits), `router` (the default
 //! cost policy's settings), `session_affinity`, `worker_selection`, and the
-//! rule language's `policy`, `providers`, `classifiers` and `ttft`, and the
-//! daemon's `log` and `metrics`. Unknown top-level sections are errors;
+//! rule language's `policy`, `providers`, `classifiers` and `ttft`, the
+//! engines read over ZeroMQ (`engines`), and the daemon's `log` and
+//! `metrics`. Unknown top-level sections are errors;
 //! every error names the file and, where the parser knows it, the line.
 //! What only the running daemon can judge (whether `log.level` is a filter
 //! its logger accepts, whether this build has io_uring) is checked by the
@@ -16,6 +17,9 @@ use kvedge_policies::{
 use serde::Deserialize;
 
 use crate::index::MAX_WORKERS;
+
+mod engines;
+pub use engines::{EngineKind, EngineRank, EngineSpec};
 
 /// A configuration that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -197,6 +201,8 @@ struct Document {
     router: RouterConfig,
     #[serde(default)]
     session_affinity: AffinitySection,
+    #[serde(default)]
+    engines: Vec<EngineSpec>,
     // Parsed by the policies crate's own loaders; named here so that an
     // unknown top-level key is an error.
     #[serde(default)]
@@ -225,6 +231,8 @@ pub struct Config {
     pub plugins: RouterPlugins,
     /// The rule policy, when a `policy:` section is present.
     pub rules: Option<RulePolicy>,
+    /// Engines read over ZeroMQ and Prometheus (`engines:`).
+    pub engines: Vec<EngineSpec>,
 }
 
 impl Config {
@@ -298,7 +306,13 @@ impl Config {
                 "metrics.listen `{addr}` is not host:port (e.g. 127.0.0.1:9464)"
             )));
         }
+        let mut engines = doc.engines;
+        for (e, line) in engines.iter_mut().zip(engines::item_lines(source)) {
+            e.line = Some(line);
+        }
+        engines::validate(&engines, d.max_workers).map_err(err)?;
         Ok(Config {
+            engines,
             daemon: doc.daemon,
             log: doc.log,
             metrics: doc.metrics,

@@ -1,0 +1,352 @@
+//! `engines:`: serving engines that do not link libkvedge (vLLM, SGLang,
+//! TensorRT-LLM) but publish their KV-cache events over ZeroMQ and their
+//! load as Prometheus metrics. Each entry says where to read both, and
+//! which worker(s) it is; data-parallel ranks expand into one worker each,
+//! with the engines' own port convention (base port plus the rank).
+//!
+//! ```yaml
+//! engines:
+//!   - kind: vllm
+//!     model: llama
+//!     worker_id: 10
+//!     dp_ranks: 2                        # workers (10, 0) and (10, 1)
+//!     block_size: 16
+//!     endpoint: http://10.0.0.5:8000     # where frontends send requests
+//!     events: tcp://10.0.0.5:5557        # the engine's PUB socket (rank r: port + r)
+//!     replay: tcp://10.0.0.5:5558        # its replay ROUTER socket (optional)
+//!     topic: kv-events
+//!     metrics: http://10.0.0.5:8000/metrics
+//! ```
+
+use serde::Deserialize;
+
+use crate::index::MAX_WORKERS;
+
+/// Which engine publishes (their metric names differ; their events do not).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Vllm,
+    Sglang,
+    Trtllm,
+}
+
+impl EngineKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EngineKind::Vllm => "vllm",
+            EngineKind::Sglang => "sglang",
+            EngineKind::Trtllm => "trtllm",
+        }
+    }
+}
+
+/// One engine (all its data-parallel ranks) as configured.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EngineSpec {
+    pub kind: EngineKind,
+    pub model: String,
+    /// The worker id; rank `r` is worker (`worker_id`, `r`).
+    pub worker_id: u64,
+    /// Data-parallel ranks, each with its own publisher (default 1).
+    #[serde(default = "one")]
+    pub dp_ranks: u32,
+    /// `aggregated` (the default), `prefill`, `decode` or `encode`.
+    #[serde(default)]
+    pub role: Option<String>,
+    /// Tokens per KV block, as the engine is started with.
+    pub block_size: u32,
+    /// Where frontends send this engine's requests (returned by select).
+    pub endpoint: String,
+    /// The engine's event publisher: `tcp://host:port` or `ipc://path`.
+    pub events: String,
+    /// Bind `events` (the engine connects to kvedge) instead of connecting.
+    #[serde(default)]
+    pub events_bind: bool,
+    /// The engine's replay socket (`tcp://host:port` or `ipc://path`);
+    /// without it, a gap drops the engine's state.
+    #[serde(default)]
+    pub replay: Option<String>,
+    /// The topic the engine publishes on ("" reads every topic).
+    #[serde(default)]
+    pub topic: String,
+    /// The engine's Prometheus endpoint, `http://host:port/path`.
+    #[serde(default)]
+    pub metrics: Option<String>,
+    /// How often the metrics are read, ms.
+    #[serde(default = "scrape_interval")]
+    pub scrape_interval_ms: u64,
+    /// 1-based line of the entry in the file, when known.
+    #[serde(skip)]
+    pub line: Option<usize>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+fn scrape_interval() -> u64 {
+    100
+}
+
+/// One data-parallel rank of an engine: one worker.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct EngineRank {
+    pub kind: EngineKind,
+    pub model: String,
+    pub worker_id: u64,
+    pub dp_rank: u32,
+    pub role: kvedge_shm::messages::Role,
+    pub block_size: u32,
+    pub endpoint: String,
+    /// This rank's publisher (port offset by the rank for tcp).
+    pub events: String,
+    pub events_bind: bool,
+    pub replay: Option<String>,
+    pub topic: String,
+    pub metrics: Option<String>,
+    pub scrape_interval_ms: u64,
+    /// How many ranks the engine has (metrics of a multi-rank engine are
+    /// told apart by their `engine` label).
+    pub dp_ranks: u32,
+}
+
+/// A ZeroMQ endpoint kvedge can use.
+fn endpoint_problem(endpoint: &str) -> Option<String> {
+    if let Some(path) = endpoint.strip_prefix("ipc://") {
+        return path
+            .is_empty()
+            .then(|| format!("`{endpoint}` names no socket path"));
+    }
+    let Some(addr) = endpoint.strip_prefix("tcp://") else {
+        return Some(format!(
+            "`{endpoint}` is neither tcp://host:port nor ipc://path"
+        ));
+    };
+    match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => None,
+        _ => Some(format!("`{endpoint}` has no host:port")),
+    }
+}
+
+/// `endpoint` with its tcp port moved up by `rank` (the engines' convention
+/// for data-parallel ranks).
+fn offset(endpoint: &str, rank: u32) -> String {
+    if rank == 0 {
+        return endpoint.to_owned();
+    }
+    match endpoint
+        .strip_prefix("tcp://")
+        .and_then(|a| a.rsplit_once(':'))
+        .and_then(|(host, port)| Some((host, port.parse::<u32>().ok()?)))
+    {
+        Some((host, port)) => format!("tcp://{host}:{}", port + rank),
+        None => endpoint.to_owned(),
+    }
+}
+
+impl EngineSpec {
+    /// What is wrong with this entry, if anything.
+    fn problem(&self) -> Option<String> {
+        if self.model.is_empty() {
+            return Some("`model` is empty".into());
+        }
+        if self.block_size == 0 {
+            return Some("`block_size` must be positive".into());
+        }
+        if self.dp_ranks == 0 || self.dp_ranks as usize > MAX_WORKERS {
+            return Some(format!(
+                "`dp_ranks` must be between 1 and {MAX_WORKERS}, got {}",
+                self.dp_ranks
+            ));
+        }
+        if let Some(r) = &self.role
+            && kvedge_shm::messages::Role::parse(r).is_none()
+        {
+            return Some(format!(
+                "`role: {r}` is not aggregated, prefill, decode or encode"
+            ));
+        }
+        for (what, endpoint) in [
+            ("events", Some(&self.events)),
+            ("replay", self.replay.as_ref()),
+        ] {
+            let Some(endpoint) = endpoint else { continue };
+            if let Some(p) = endpoint_problem(endpoint) {
+                return Some(format!("`{what}`: {p}"));
+            }
+            if self.dp_ranks > 1 && !endpoint.starts_with("tcp://") {
+                return Some(format!(
+                    "`{what}`: an engine with {} ranks needs a tcp:// endpoint (rank r uses port + r)",
+                    self.dp_ranks
+                ));
+            }
+        }
+        if let Some(m) = &self.metrics {
+            let ok = m
+                .strip_prefix("http://")
+                .and_then(|rest| rest.split('/').next())
+                .is_some_and(|authority| !authority.is_empty());
+            if !ok {
+                return Some(format!(
+                    "`metrics: {m}` is not an http://host:port/path URL"
+                ));
+            }
+        }
+        if self.scrape_interval_ms < 10 {
+            return Some("`scrape_interval_ms` must be at least 10".into());
+        }
+        None
+    }
+
+    /// Each data-parallel rank as one worker.
+    pub fn ranks(&self) -> impl Iterator<Item = EngineRank> + '_ {
+        let role = self
+            .role
+            .as_deref()
+            .and_then(kvedge_shm::messages::Role::parse)
+            .unwrap_or(kvedge_shm::messages::Role::Aggregated);
+        (0..self.dp_ranks).map(move |rank| EngineRank {
+            kind: self.kind,
+            model: self.model.clone(),
+            worker_id: self.worker_id,
+            dp_rank: rank,
+            role,
+            block_size: self.block_size,
+            endpoint: self.endpoint.clone(),
+            events: offset(&self.events, rank),
+            events_bind: self.events_bind,
+            replay: self.replay.as_deref().map(|r| offset(r, rank)),
+            topic: self.topic.clone(),
+            metrics: self.metrics.clone(),
+            scrape_interval_ms: self.scrape_interval_ms,
+            dp_ranks: self.dp_ranks,
+        })
+    }
+}
+
+/// Checks every entry and the set as a whole; the message names the entry
+/// (and its line, when known).
+pub(crate) fn validate(engines: &[EngineSpec], max_workers: usize) -> Result<(), String> {
+    let at = |i: usize, e: &EngineSpec| match e.line {
+        Some(line) => format!("engines[{i}] (line {line})"),
+        None => format!("engines[{i}]"),
+    };
+    let mut seen: Vec<(u64, u32)> = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        if let Some(p) = e.problem() {
+            return Err(format!("{}: {p}", at(i, e)));
+        }
+        for rank in 0..e.dp_ranks {
+            if seen.contains(&(e.worker_id, rank)) {
+                return Err(format!(
+                    "{}: worker {} rank {rank} is configured twice",
+                    at(i, e),
+                    e.worker_id
+                ));
+            }
+            seen.push((e.worker_id, rank));
+        }
+    }
+    if seen.len() > max_workers {
+        return Err(format!(
+            "engines: {} workers configured, more than daemon.max_workers ({max_workers})",
+            seen.len()
+        ));
+    }
+    Ok(())
+}
+
+/// The 1-based line of each `engines:` list item in block-style YAML (a
+/// flow-style section parses fine but reports no line).
+pub(crate) fn item_lines(source: &str) -> Vec<usize> {
+    let mut lines = Vec::new();
+    let mut inside = false;
+    for (n, line) in source.lines().enumerate() {
+        let trimmed = line.trim_start();
+        if !line.starts_with(' ') && !line.starts_with('-') && !trimmed.is_empty() {
+            inside = line.starts_with("engines:");
+            continue;
+        }
+        if inside && trimmed.starts_with("- ") && line.len() - trimmed.len() <= 2 {
+            lines.push(n + 1);
+        }
+    }
+    lines
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(yaml: &str) -> EngineSpec {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    const BASE: &str = "kind: vllm\nmodel: m\nworker_id: 5\nblock_size: 16\nendpoint: http://e\nevents: tcp://10.0.0.1:5557\n";
+
+    #[test]
+    fn ranks_offset_tcp_ports() {
+        let mut e = spec(BASE);
+        e.dp_ranks = 3;
+        e.replay = Some("tcp://10.0.0.1:5600".into());
+        let ranks: Vec<_> = e.ranks().map(|r| (r.dp_rank, r.events, r.replay)).collect();
+        assert_eq!(ranks[2].1, "tcp://10.0.0.1:5559");
+        assert_eq!(ranks[2].2.as_deref(), Some("tcp://10.0.0.1:5602"));
+        assert_eq!(
+            (ranks[0].0, ranks[0].1.as_str()),
+            (0, "tcp://10.0.0.1:5557")
+        );
+    }
+
+    #[test]
+    fn problems_are_named() {
+        let cases = [
+            ("events: udp://x:1\n", "`events`: `udp://x:1` is neither"),
+            ("events: tcp://host\n", "has no host:port"),
+            (
+                "metrics: https://e/metrics\n",
+                "is not an http://host:port/path URL",
+            ),
+            ("role: chef\n", "`role: chef` is not aggregated"),
+            (
+                "dp_ranks: 2\nevents: ipc:///tmp/e\n",
+                "needs a tcp:// endpoint",
+            ),
+            ("block_size: 0\n", "`block_size` must be positive"),
+            ("scrape_interval_ms: 1\n", "at least 10"),
+        ];
+        for (change, expected) in cases {
+            // The base entry without the keys the case changes.
+            let keys: Vec<&str> = change.lines().filter_map(|l| l.split(':').next()).collect();
+            let base: String = BASE
+                .lines()
+                .filter(|l| !keys.iter().any(|k| l.starts_with(&format!("{k}:"))))
+                .map(|l| format!("{l}\n"))
+                .collect();
+            let e = spec(&format!("{base}{change}"));
+            let err = validate(&[e], 64).unwrap_err();
+            assert!(err.contains(expected), "`{change}`: {err}");
+        }
+        let twice = [spec(BASE), spec(BASE)];
+        assert!(
+            validate(&twice, 64)
+                .unwrap_err()
+                .contains("configured twice")
+        );
+        let mut wide = spec(BASE);
+        wide.dp_ranks = 8;
+        assert!(
+            validate(&[wide], 4)
+                .unwrap_err()
+                .contains("more than daemon.max_workers")
+        );
+    }
+
+    #[test]
+    fn item_lines_find_block_style_entries() {
+        let src = "daemon: {}\nengines:\n  - kind: vllm\n    model: a\n  - kind: sglang\nlog: {}\n";
+        assert_eq!(item_lines(src), [3, 5]);
+    }
+}
