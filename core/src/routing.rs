@@ -317,7 +317,7 @@ impl Core {
             return;
         };
         e.last_seen = now;
-        let back = std::mem::take(&mut e.late);
+        let mut back = std::mem::take(&mut e.late);
         e.note_gap(record.missing_before);
         self.counters.ring_gaps += record.missing_before;
         // A record that does not decode is skipped; its sequence number
@@ -328,7 +328,17 @@ impl Core {
             match &event {
                 EventRef::SnapshotEnd(end) => e.snapshot_ended(end.snapshot_id.to_native()),
                 EventRef::Notice(n) => {
-                    e.notice(n.code.to_native(), n.count.to_native(), &n.message)
+                    let code = n.code.to_native();
+                    e.notice(code, n.count.to_native(), &n.message);
+                    if code == kvedge_shm::messages::notice::SILENT {
+                        // The producer says its engine went silent (a
+                        // bridge that stopped hearing from it): out of
+                        // routing now, not a heartbeat timeout later,
+                        // until its next record.
+                        e.late = true;
+                        back = false;
+                        self.router.set_available(slot, false);
+                    }
                 }
                 _ => {}
             }

@@ -214,6 +214,9 @@ pub mod notice {
     pub const SILENT: u16 = 13;
     /// The engine's load could not be read (its metrics endpoint).
     pub const LOAD_UNREADABLE: u16 = 14;
+    /// The engine holds more blocks than the index may keep for it
+    /// (`daemon.index_capacity`): further blocks are not indexed.
+    pub const TOO_MANY_BLOCKS: u16 = 15;
 
     /// The code's name, as `workers` and the metrics show it.
     pub fn name(code: u16) -> &'static str {
@@ -232,6 +235,7 @@ pub mod notice {
             EVENTS_LOST => "events_lost",
             SILENT => "silent",
             LOAD_UNREADABLE => "load_unreadable",
+            TOO_MANY_BLOCKS => "too_many_blocks",
             _ => "other",
         }
     }

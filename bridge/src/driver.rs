@@ -1,0 +1,577 @@
+//! The bridge's I/O: a thread of its own running tokio, where each
+//! configured engine rank is an ordinary kvedge engine. A rank registers
+//! over `control.sock` like any engine and gets its ring; its ZeroMQ SUB
+//! socket feeds a [`Feed`], whose translated events go into the ring; its
+//! replay DEALER answers gaps; the engine's `/metrics` become Load records.
+//! The routing thread sees nothing but engines and rings.
+//!
+//! Liveness: a rank heartbeats while its engine shows life (an event, a
+//! successful scrape, or a successful connection to its PUB socket, which a
+//! connecting SUB re-opens after two idle seconds). When none has come for
+//! the heartbeat timeout, its blocks are dropped and a `silent` notice
+//! takes it out of routing until the engine is heard again.
+
+use std::collections::HashMap;
+use std::io;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use kvedge_core::config::{EngineRank, EngineSpec};
+use kvedge_shm::Publisher;
+use kvedge_shm::messages::control::{Hello, Label};
+use kvedge_shm::messages::{StoredBlock, Tier, notice};
+use tokio::sync::{mpsc, watch};
+use tokio::task::JoinSet;
+use tracing::{debug, error, info, warn};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+use crate::feed::{Feed, Live};
+use crate::scrape::{self, Reading};
+use crate::translate::{COUNTED, Sink};
+
+/// What every rank needs from the daemon's configuration.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The daemon's control socket.
+    pub control_socket: PathBuf,
+    /// `daemon.heartbeat_timeout_ms`.
+    pub heartbeat_timeout: Duration,
+    /// Blocks remembered per rank at most (`daemon.index_capacity`).
+    pub index_capacity: usize,
+}
+
+/// A connecting SUB socket idle this long is re-opened: it finds a
+/// restarted engine and proves a live one.
+const IDLE_PROBE: Duration = Duration::from_secs(2);
+/// How long one connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
+/// How long a replay may wait for its next message.
+const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
+/// Largest payload accepted (a batch of a few thousand blocks is ~100 KB).
+pub const MAX_PAYLOAD: usize = 64 << 20;
+/// The replay end marker's sequence number.
+const END_SEQ: [u8; 8] = [0xff; 8];
+
+/// The running bridge; dropping it stops every rank (their workers leave
+/// the daemon).
+#[derive(Debug)]
+pub struct Bridge {
+    configure: Option<mpsc::UnboundedSender<Vec<EngineSpec>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Bridge {
+    /// Starts the bridge's thread with `engines`.
+    pub fn start(settings: Settings, engines: Vec<EngineSpec>) -> io::Result<Bridge> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        let _ = tx.send(engines);
+        let thread = std::thread::Builder::new()
+            .name("kvedge-bridge".into())
+            .spawn(move || runtime.block_on(supervise(Arc::new(settings), rx)))?;
+        Ok(Bridge {
+            configure: Some(tx),
+            thread: Some(thread),
+        })
+    }
+
+    /// Applies a reloaded `engines:` section: ranks whose entry changed or
+    /// went away stop (their workers leave), new ones start, the rest run
+    /// on undisturbed.
+    pub fn configure(&self, engines: Vec<EngineSpec>) {
+        if let Some(tx) = &self.configure {
+            let _ = tx.send(engines);
+        }
+    }
+}
+
+impl Drop for Bridge {
+    fn drop(&mut self) {
+        self.configure = None;
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// An entry without its line number (a reload that only moves lines
+/// changes nothing).
+fn key(spec: &EngineSpec) -> EngineSpec {
+    EngineSpec {
+        line: None,
+        ..spec.clone()
+    }
+}
+
+async fn supervise(settings: Arc<Settings>, mut rx: mpsc::UnboundedReceiver<Vec<EngineSpec>>) {
+    let mut running: Vec<(EngineSpec, tokio::task::JoinHandle<()>)> = Vec::new();
+    while let Some(engines) = rx.recv().await {
+        let wanted: Vec<EngineSpec> = engines.iter().map(key).collect();
+        running.retain(|(spec, task)| {
+            let keep = wanted.contains(spec);
+            if !keep {
+                info!(
+                    worker = spec.worker_id,
+                    "engine removed from the configuration"
+                );
+                task.abort();
+            }
+            keep
+        });
+        for spec in wanted {
+            if !running.iter().any(|(s, _)| *s == spec) {
+                let task = tokio::spawn(run_engine(spec.clone(), Arc::clone(&settings)));
+                running.push((spec, task));
+            }
+        }
+    }
+    for (_, task) in running {
+        task.abort();
+    }
+}
+
+/// What a rank hears from its engine's scraper.
+#[derive(Debug, Clone, Default)]
+enum Scraped {
+    #[default]
+    Nothing,
+    Read(Reading),
+    Failed(String),
+}
+
+/// One engine: its ranks and its scraper, restarted together if any of
+/// them fails unexpectedly.
+async fn run_engine(spec: EngineSpec, settings: Arc<Settings>) {
+    loop {
+        let mut tasks = JoinSet::new();
+        let mut senders = Vec::new();
+        for rank in spec.ranks() {
+            let (tx, rx) = watch::channel(Scraped::Nothing);
+            senders.push(tx);
+            tasks.spawn(run_rank(rank, Arc::clone(&settings), rx));
+        }
+        if let Some(url) = spec.metrics.clone() {
+            tasks.spawn(run_scraper(spec.clone(), url, senders));
+        }
+        match tasks.join_next().await {
+            Some(Err(e)) if e.is_panic() => {
+                error!(
+                    worker = spec.worker_id,
+                    "engine bridge failed ({e}); restarting it"
+                );
+            }
+            _ => warn!(
+                worker = spec.worker_id,
+                "engine bridge stopped; restarting it"
+            ),
+        }
+        drop(tasks);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+/// Reads the engine's metrics every interval and hands each rank its part.
+async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scraped>>) {
+    let interval = Duration::from_millis(spec.scrape_interval_ms);
+    let client = match reqwest::Client::builder()
+        .timeout(interval.max(Duration::from_millis(500)))
+        .build()
+    {
+        Ok(c) => c,
+        Err(e) => {
+            error!(worker = spec.worker_id, "no HTTP client for {url}: {e}");
+            return std::future::pending().await;
+        }
+    };
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let text = match client.get(&url).send().await {
+            Ok(r) if r.status().is_success() => r.text().await.map_err(|e| e.to_string()),
+            Ok(r) => Err(format!("HTTP {}", r.status())),
+            Err(e) => Err(e.to_string()),
+        };
+        for (rank, tx) in ranks.iter().enumerate() {
+            let scraped = match &text {
+                Ok(t) => {
+                    let reading = scrape::read(spec.kind, t, rank as u32);
+                    if reading.found() {
+                        Scraped::Read(reading)
+                    } else {
+                        Scraped::Failed(format!(
+                            "{url} has none of {}'s load metrics",
+                            spec.kind.as_str()
+                        ))
+                    }
+                }
+                Err(e) => Scraped::Failed(format!("{url}: {e}")),
+            };
+            let _ = tx.send(scraped);
+        }
+    }
+}
+
+/// The ring side of a rank: translated events become ring records.
+struct Ring<'a>(&'a mut Publisher);
+
+impl Sink for Ring<'_> {
+    fn stored(&mut self, tier: Tier, blocks: &[StoredBlock], seed: u64) {
+        let salt = (seed != kvedge_shm::hash::SEED).then_some(seed);
+        for chunk in blocks.chunks(256) {
+            // A full ring drops the record; the daemon sees the gap and
+            // asks for a snapshot, which `republish` answers.
+            let _ = self.0.publish_stored(tier, None, chunk, salt);
+        }
+    }
+
+    fn removed(&mut self, tier: Tier, hashes: &[u64]) {
+        for chunk in hashes.chunks(256) {
+            let _ = self.0.publish_removed(tier, chunk);
+        }
+    }
+
+    fn cleared(&mut self) {
+        let _ = self.0.publish_cleared(None);
+    }
+}
+
+fn hello(rank: &EngineRank) -> Hello {
+    Hello {
+        worker_id: rank.worker_id,
+        dp_rank: rank.dp_rank,
+        model: rank.model.clone(),
+        role: rank.role,
+        block_size: rank.block_size,
+        kv_blocks: [0; 3],
+        labels: vec![Label {
+            key: "engine".into(),
+            value: rank.kind.as_str().into(),
+        }],
+        taints: Vec::new(),
+        endpoint: rank.endpoint.clone(),
+        ring_capacity: 0,
+    }
+}
+
+/// Registers the rank with the daemon, retrying every second.
+async fn register(rank: &EngineRank, settings: &Settings) -> Publisher {
+    let mut logged = false;
+    loop {
+        let control = settings.control_socket.clone();
+        let h = hello(rank);
+        let done = tokio::task::spawn_blocking(move || {
+            Publisher::connect(&control, &h, Duration::from_secs(5))
+        })
+        .await;
+        match done {
+            Ok(Ok(p)) => return p,
+            Ok(Err(e)) if !logged => {
+                warn!(
+                    worker = rank.worker_id,
+                    dp_rank = rank.dp_rank,
+                    "cannot register with the daemon ({e}); retrying"
+                );
+                logged = true;
+            }
+            _ => {}
+        }
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
+async fn open_sub(rank: &EngineRank) -> Result<zeromq::SubSocket, String> {
+    let mut sub = zeromq::SubSocket::new();
+    sub.subscribe(&rank.topic)
+        .await
+        .map_err(|e| e.to_string())?;
+    let opened = if rank.events_bind {
+        sub.bind(&rank.events).await.map(|_| ())
+    } else {
+        match tokio::time::timeout(CONNECT_TIMEOUT, sub.connect(&rank.events)).await {
+            Ok(r) => r,
+            Err(_) => return Err(format!("{} does not answer", rank.events)),
+        }
+    };
+    opened.map_err(|e| format!("{}: {e}", rank.events))?;
+    Ok(sub)
+}
+
+/// A live message's sequence number and payload, if it has the engines'
+/// three-frame shape.
+fn frames(msg: &ZmqMessage) -> Result<(u64, Bytes), String> {
+    if msg.len() != 3 {
+        return Err(format!(
+            "a message of {} frames, not 3 (topic, seq, payload)",
+            msg.len()
+        ));
+    }
+    let seq = seq_of(msg.get(1).expect("3 frames"))?;
+    let payload = msg.get(2).expect("3 frames").clone();
+    if payload.len() > MAX_PAYLOAD {
+        return Err(format!("a payload of {} bytes", payload.len()));
+    }
+    Ok((seq, payload))
+}
+
+fn seq_of(frame: &[u8]) -> Result<u64, String> {
+    let bytes: [u8; 8] = frame
+        .try_into()
+        .map_err(|_| format!("a sequence number of {} bytes, not 8", frame.len()))?;
+    Ok(u64::from_be_bytes(bytes))
+}
+
+/// Asks the replay socket for every batch from `from` on and hands them
+/// to the feed; whether the end marker arrived.
+async fn replay(endpoint: &str, from: u64, feed: &mut Feed, publisher: &mut Publisher) -> bool {
+    let mut dealer = zeromq::DealerSocket::new();
+    match tokio::time::timeout(CONNECT_TIMEOUT, dealer.connect(endpoint)).await {
+        Ok(Ok(())) => {}
+        _ => return false,
+    }
+    let mut ask = ZmqMessage::from(Bytes::new());
+    ask.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
+    if dealer.send(ask).await.is_err() {
+        return false;
+    }
+    loop {
+        let msg = match tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv()).await {
+            Ok(Ok(m)) => m,
+            _ => return false,
+        };
+        // ["", seq, payload] (older engines) or ["", topic, seq, payload].
+        let (seq, payload) = match msg.len() {
+            3 => (msg.get(1), msg.get(2)),
+            4 => (msg.get(2), msg.get(3)),
+            _ => return false,
+        };
+        let (Some(seq), Some(payload)) = (seq, payload) else {
+            return false;
+        };
+        if seq.as_ref() == END_SEQ {
+            return true;
+        }
+        let Ok(seq) = seq_of(seq) else { return false };
+        feed.handle_replayed(seq, payload, &mut Ring(publisher));
+    }
+}
+
+fn monotonic_ns(start: Instant) -> u64 {
+    start.elapsed().as_nanos() as u64
+}
+
+/// One rank, for as long as it is configured.
+async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::Receiver<Scraped>) {
+    let mut publisher = register(&rank, &settings).await;
+    info!(
+        worker = rank.worker_id,
+        dp_rank = rank.dp_rank,
+        events = %rank.events,
+        "{} engine registered through the bridge",
+        rank.kind.as_str()
+    );
+    let start = Instant::now();
+    let timeout = settings.heartbeat_timeout;
+    let mut feed = Feed::new(
+        rank.block_size,
+        settings.index_capacity,
+        rank.replay.is_some(),
+    );
+    let mut sub: Option<zeromq::SubSocket> = None;
+    let mut last_message = Instant::now();
+    let mut heard: Option<Instant> = None;
+    let mut silent = false;
+    let mut sub_problem_logged = false;
+    let mut reported = Reported::default();
+    let mut tick = tokio::time::interval((timeout / 4).min(Duration::from_millis(250)));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        if sub.is_none() {
+            match open_sub(&rank).await {
+                Ok(s) => {
+                    sub = Some(s);
+                    last_message = Instant::now();
+                    if !rank.events_bind {
+                        heard = Some(Instant::now());
+                    }
+                    sub_problem_logged = false;
+                }
+                Err(e) if !sub_problem_logged => {
+                    debug!(
+                        worker = rank.worker_id,
+                        dp_rank = rank.dp_rank,
+                        "events: {e}"
+                    );
+                    sub_problem_logged = true;
+                }
+                Err(_) => {}
+            }
+        }
+        let recv = async {
+            match sub.as_mut() {
+                Some(s) => s.recv().await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            msg = recv => {
+                let msg = match msg {
+                    Ok(m) => m,
+                    Err(e) => {
+                        debug!(worker = rank.worker_id, "events socket: {e}; re-opening");
+                        sub = None;
+                        continue;
+                    }
+                };
+                last_message = Instant::now();
+                heard = Some(last_message);
+                if silent {
+                    silent = false;
+                    info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
+                }
+                match frames(&msg) {
+                    Ok((seq, payload)) => {
+                        if let Live::Replay { from } = feed.handle_live(seq, &payload, &mut Ring(&mut publisher)) {
+                            let complete = match &rank.replay {
+                                Some(endpoint) => replay(endpoint, from, &mut feed, &mut publisher).await,
+                                None => false,
+                            };
+                            feed.handle_replay_end(complete, &mut Ring(&mut publisher));
+                        }
+                    }
+                    Err(why) => feed.translator().undecodable(&why),
+                }
+            }
+            changed = loads.changed() => {
+                if changed.is_err() {
+                    // No scraper (no metrics URL): nothing more to hear.
+                    loads = watch::channel(Scraped::Nothing).1;
+                    std::future::pending::<()>().await;
+                }
+                let scraped = loads.borrow_and_update().clone();
+                match scraped {
+                    Scraped::Read(reading) => {
+                        heard = Some(Instant::now());
+                        if silent {
+                            silent = false;
+                            info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
+                        }
+                        let _ = publisher.publish_load(&scrape::load(&reading, monotonic_ns(start)));
+                        if let Some(bs) = reading.block_size
+                            && bs != u64::from(rank.block_size)
+                            && !reported.block_size_warned
+                        {
+                            reported.block_size_warned = true;
+                            let message = format!("the engine's metrics say its blocks hold {bs} tokens but kvedge is configured for {}: set `block_size: {bs}`", rank.block_size);
+                            warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
+                            let _ = publisher.publish_notice(notice::BLOCK_SIZE_MISMATCH, 1, &message);
+                        }
+                    }
+                    Scraped::Failed(why) => {
+                        reported.scrape_failures += 1;
+                        let n = reported.scrape_failures;
+                        if n == 1 {
+                            warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "cannot read the engine's load: {why}");
+                        }
+                        if n.is_power_of_two() {
+                            let _ = publisher.publish_notice(notice::LOAD_UNREADABLE, n, &why);
+                        }
+                    }
+                    Scraped::Nothing => {}
+                }
+            }
+            _ = tick.tick() => {
+                let now = Instant::now();
+                let alive = heard.is_some_and(|h| now.duration_since(h) < timeout);
+                if alive {
+                    let _ = publisher.heartbeat(monotonic_ns(start));
+                } else if !silent && heard.is_some() {
+                    silent = true;
+                    let message = format!("no events, metrics or connection from the engine for {timeout:?}: its blocks were dropped and it is out of routing until it is heard again");
+                    warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
+                    feed.forget(&mut Ring(&mut publisher));
+                    reported.silent += 1;
+                    let _ = publisher.publish_notice(notice::SILENT, reported.silent, &message);
+                }
+                if !rank.events_bind && sub.is_some() && now.duration_since(last_message) >= IDLE_PROBE {
+                    sub = None;
+                }
+                flush_notices(&rank, &mut feed, &mut publisher, &mut reported);
+                // A resync the daemon asked for (after our ring overflowed).
+                let served = publisher.serve_resync(|p| {
+                    feed.translator().republish(&mut Ring(p));
+                    Ok(())
+                });
+                if served.is_err() {
+                    // The daemon closed our registration: register again.
+                    warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "the daemon closed the engine's registration; registering again");
+                    publisher = register(&rank, &settings).await;
+                    feed.forget(&mut Ring(&mut publisher));
+                }
+            }
+        }
+    }
+}
+
+/// Counts already published as notices.
+#[derive(Debug, Default)]
+struct Reported {
+    counted: [u64; COUNTED.len()],
+    feed: [u64; 3],
+    silent: u64,
+    block_size_warned: bool,
+    scrape_failures: u64,
+}
+
+/// Publishes a notice for each count that moved, and logs each reason the
+/// first time it happens.
+fn flush_notices(
+    rank: &EngineRank,
+    feed: &mut Feed,
+    publisher: &mut Publisher,
+    reported: &mut Reported,
+) {
+    for line in feed.take_log() {
+        warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{line}");
+    }
+    let mut first: HashMap<u16, String> = HashMap::new();
+    for (code, why) in feed.translator().take_first_skips() {
+        warn!(
+            worker = rank.worker_id,
+            dp_rank = rank.dp_rank,
+            reason = notice::name(code),
+            "{why}"
+        );
+        first.insert(code, why);
+    }
+    let counts = *feed.translator().counts();
+    for (i, &code) in COUNTED.iter().enumerate() {
+        let n = counts.0[i];
+        if n != reported.counted[i] {
+            reported.counted[i] = n;
+            let message = first
+                .remove(&code)
+                .unwrap_or_else(|| notice::name(code).replace('_', " "));
+            let _ = publisher.publish_notice(code, n, &message);
+        }
+    }
+    for (i, (code, n)) in feed.notices().into_iter().enumerate() {
+        if n != reported.feed[i] {
+            reported.feed[i] = n;
+            let message = match code {
+                notice::RESTARTED => {
+                    "the engine restarted; its blocks were dropped and rebuilt from its events"
+                }
+                notice::REPLAYED => "event batches lost in transit were replayed",
+                _ => {
+                    "events were lost and could not be replayed: the engine's blocks were dropped rather than kept stale"
+                }
+            };
+            let _ = publisher.publish_notice(code, n, message);
+        }
+    }
+}

@@ -1,0 +1,216 @@
+//! An engine's load from its Prometheus `/metrics` text: requests running
+//! and waiting, KV cache usage, and (vLLM) the cache's block size and block
+//! count. Only the lines of the engine kind's own metric names are read;
+//! every other line, comment or malformed sample is passed over. A rank of
+//! a multi-rank engine takes the samples whose `engine` label is its rank
+//! (samples without the label apply to every rank).
+
+use kvedge_core::config::EngineKind;
+
+/// What one scrape said about one rank.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Reading {
+    pub running: Option<f64>,
+    pub waiting: Option<f64>,
+    /// KV cache usage, 0..=1.
+    pub usage: Option<f64>,
+    /// The engine's block size (`vllm:cache_config_info`).
+    pub block_size: Option<u64>,
+    /// The engine's device blocks (`vllm:cache_config_info`).
+    pub total_blocks: Option<u64>,
+}
+
+impl Reading {
+    /// Whether any load figure was found.
+    pub fn found(&self) -> bool {
+        self.running.is_some() || self.waiting.is_some() || self.usage.is_some()
+    }
+}
+
+/// The metric names of one engine kind.
+struct Names {
+    running: &'static str,
+    waiting: &'static str,
+    usage: &'static str,
+    /// An info gauge with `block_size` and `num_gpu_blocks` labels.
+    info: Option<&'static str>,
+}
+
+fn names(kind: EngineKind) -> Names {
+    match kind {
+        EngineKind::Vllm => Names {
+            running: "vllm:num_requests_running",
+            waiting: "vllm:num_requests_waiting",
+            usage: "vllm:kv_cache_usage_perc",
+            info: Some("vllm:cache_config_info"),
+        },
+        EngineKind::Sglang => Names {
+            running: "sglang:num_running_reqs",
+            waiting: "sglang:num_queue_reqs",
+            usage: "sglang:token_usage",
+            info: None,
+        },
+        EngineKind::Trtllm => Names {
+            running: "trtllm_num_requests_running",
+            waiting: "trtllm_num_requests_waiting",
+            usage: "trtllm_kv_cache_utilization",
+            info: None,
+        },
+    }
+}
+
+/// One sample line: name, the text between the braces, value.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
+    let name = &line[..name_end];
+    let rest = &line[name_end..];
+    let (labels, rest) = match rest.strip_prefix('{') {
+        Some(inner) => {
+            let close = label_end(inner)?;
+            (&inner[..close], &inner[close + 1..])
+        }
+        None => ("", rest),
+    };
+    let value = rest.split_whitespace().next()?;
+    let value = match value {
+        "+Inf" => f64::INFINITY,
+        "-Inf" => f64::NEG_INFINITY,
+        v => v.parse().ok()?,
+    };
+    Some((name, labels, value))
+}
+
+/// The index of the `}` closing a label set (quotes and escapes honoured).
+fn label_end(inner: &str) -> Option<usize> {
+    let mut quoted = false;
+    let mut escaped = false;
+    for (i, c) in inner.char_indices() {
+        match (quoted, escaped, c) {
+            (true, true, _) => escaped = false,
+            (true, false, '\\') => escaped = true,
+            (_, false, '"') => quoted = !quoted,
+            (false, _, '}') => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// A label's value in a label set (unescaped values only; the labels read
+/// here are numbers).
+fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    while let Some(eq) = rest.find('=') {
+        let name = rest[..eq].trim().trim_start_matches(',').trim();
+        let after = rest[eq + 1..].trim_start().strip_prefix('"')?;
+        let close = after.find('"')?;
+        if name == key {
+            return Some(&after[..close]);
+        }
+        rest = &after[close + 1..];
+    }
+    None
+}
+
+/// Reads rank `rank`'s figures from an exposition `text`.
+pub fn read(kind: EngineKind, text: &str, rank: u32) -> Reading {
+    let names = names(kind);
+    let mut r = Reading::default();
+    let rank_str = rank.to_string();
+    for line in text.lines() {
+        let Some((name, labels, value)) = sample(line) else {
+            continue;
+        };
+        if label(labels, "engine").is_some_and(|e| e != rank_str.as_str()) || !value.is_finite() {
+            continue;
+        }
+        // Several samples of one name for one rank (per model, say) add up.
+        let add = |slot: &mut Option<f64>| *slot = Some(slot.unwrap_or(0.0) + value);
+        if name == names.running {
+            add(&mut r.running);
+        } else if name == names.waiting {
+            add(&mut r.waiting);
+        } else if name == names.usage {
+            r.usage = Some(r.usage.map_or(value, |u: f64| u.max(value)));
+        } else if Some(name) == names.info {
+            r.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
+            r.total_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+        }
+    }
+    r
+}
+
+/// kvedge's load record from a reading: device blocks in use out of the
+/// engine's total when it says it (vLLM), else usage on a scale of 10,000.
+pub fn load(reading: &Reading, timestamp_ns: u64) -> kvedge_shm::messages::Load {
+    let total = reading.total_blocks.unwrap_or(10_000);
+    let usage = reading.usage.unwrap_or(0.0).clamp(0.0, 1.0);
+    let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::from(u32::MAX)).round() as u32;
+    kvedge_shm::messages::Load {
+        active_requests: count(reading.running),
+        waiting_requests: count(reading.waiting),
+        active_prefill_tokens: 0,
+        active_decode_blocks: 0,
+        kv_used_blocks: (usage * total as f64).round() as u64,
+        kv_total_blocks: total,
+        timestamp_ns,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const VLLM: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="llama"} 3.0
+vllm:num_requests_running{engine="1",model_name="llama"} 5.0
+vllm:num_requests_waiting{engine="0",model_name="llama"} 7.0
+vllm:kv_cache_usage_perc{engine="0",model_name="llama"} 0.25
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="2048"} 1.0
+vllm:prompt_tokens_total{engine="0",model_name="llama"} 1.2e+06
+"#;
+
+    #[test]
+    fn vllm_per_rank() {
+        let r0 = read(EngineKind::Vllm, VLLM, 0);
+        assert_eq!(r0.running, Some(3.0));
+        assert_eq!(r0.waiting, Some(7.0));
+        assert_eq!(r0.usage, Some(0.25));
+        assert_eq!((r0.block_size, r0.total_blocks), (Some(16), Some(2048)));
+        let r1 = read(EngineKind::Vllm, VLLM, 1);
+        assert_eq!((r1.running, r1.waiting), (Some(5.0), None));
+        let l = load(&r0, 9);
+        assert_eq!((l.active_requests, l.waiting_requests), (3, 7));
+        assert_eq!((l.kv_used_blocks, l.kv_total_blocks), (512, 2048));
+    }
+
+    #[test]
+    fn sglang_and_trtllm_names_without_rank_labels() {
+        let text = "sglang:num_running_reqs{model_name=\"m\"} 2\nsglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:token_usage{model_name=\"m\"} 0.5\n";
+        let r = read(EngineKind::Sglang, text, 3);
+        assert_eq!(
+            (r.running, r.waiting, r.usage),
+            (Some(2.0), Some(4.0), Some(0.5))
+        );
+        let text = "trtllm_num_requests_running 1\ntrtllm_num_requests_waiting 0\ntrtllm_kv_cache_utilization 0.75\n";
+        let r = read(EngineKind::Trtllm, text, 0);
+        assert_eq!(
+            (r.running, r.waiting, r.usage),
+            (Some(1.0), Some(0.0), Some(0.75))
+        );
+        assert_eq!(load(&r, 0).kv_used_blocks, 7_500);
+    }
+
+    #[test]
+    fn garbage_lines_are_passed_over() {
+        let text = "vllm:num_requests_running{engine=\"0\" 3\nvllm:num_requests_running NaN\nvllm:num_requests_running{a=\"}\\\"\"} x\n{}\n\u{0}\u{ff}\nvllm:num_requests_waiting{label=\"with } brace\"} 2\n";
+        let r = read(EngineKind::Vllm, text, 0);
+        assert_eq!((r.running, r.waiting), (None, Some(2.0)));
+        assert!(!read(EngineKind::Vllm, "", 0).found());
+    }
+}
