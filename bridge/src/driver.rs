@@ -6,10 +6,12 @@
 //! The routing thread sees nothing but engines and rings.
 //!
 //! Liveness: a rank heartbeats while its engine shows life (an event, a
-//! successful scrape, or a successful connection to its PUB socket, which a
-//! connecting SUB re-opens after two idle seconds). When none has come for
-//! the heartbeat timeout, its blocks are dropped and a `silent` notice
-//! takes it out of routing until the engine is heard again.
+//! successful scrape, or, while its events are idle, a probe connection to
+//! its PUB socket that succeeds). When none has come for the heartbeat
+//! timeout, its blocks are dropped and a `silent` notice takes it out of
+//! routing until the engine is heard again. A probe that fails and later
+//! succeeds means the engine's socket went away and came back (a restart):
+//! the SUB socket is opened again, since the old connection is dead.
 
 use std::collections::HashMap;
 use std::io;
@@ -42,9 +44,9 @@ pub struct Settings {
     pub index_capacity: usize,
 }
 
-/// A connecting SUB socket idle this long is re-opened: it finds a
-/// restarted engine and proves a live one.
-const IDLE_PROBE: Duration = Duration::from_secs(2);
+/// Events idle this long start the probes of the PUB socket (one per
+/// interval).
+const IDLE_PROBE: Duration = Duration::from_secs(1);
 /// How long one connection attempt may take.
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// How long a replay may wait for its next message.
@@ -360,6 +362,23 @@ async fn replay(endpoint: &str, from: u64, feed: &mut Feed, publisher: &mut Publ
     }
 }
 
+/// Whether something accepts connections at `endpoint` (the engine's PUB
+/// socket, for a connecting SUB).
+async fn probe(endpoint: &str) -> bool {
+    let attempt = async {
+        if let Some(path) = endpoint.strip_prefix("ipc://") {
+            tokio::net::UnixStream::connect(path).await.map(drop)
+        } else {
+            let addr = endpoint.strip_prefix("tcp://").unwrap_or(endpoint);
+            tokio::net::TcpStream::connect(addr).await.map(drop)
+        }
+    };
+    matches!(
+        tokio::time::timeout(CONNECT_TIMEOUT, attempt).await,
+        Ok(Ok(()))
+    )
+}
+
 fn monotonic_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
@@ -383,6 +402,8 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
     );
     let mut sub: Option<zeromq::SubSocket> = None;
     let mut last_message = Instant::now();
+    let mut last_probe = Instant::now();
+    let mut probe_failed = false;
     let mut heard: Option<Instant> = None;
     let mut silent = false;
     let mut sub_problem_logged = false;
@@ -497,8 +518,25 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                     reported.silent += 1;
                     let _ = publisher.publish_notice(notice::SILENT, reported.silent, &message);
                 }
-                if !rank.events_bind && sub.is_some() && now.duration_since(last_message) >= IDLE_PROBE {
-                    sub = None;
+                if !rank.events_bind
+                    && sub.is_some()
+                    && now.duration_since(last_message) >= IDLE_PROBE
+                    && now.duration_since(last_probe) >= IDLE_PROBE
+                {
+                    last_probe = now;
+                    if probe(&rank.events).await {
+                        heard = Some(Instant::now());
+                        if silent {
+                            silent = false;
+                            info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
+                        }
+                        if std::mem::take(&mut probe_failed) {
+                            debug!(worker = rank.worker_id, "events socket is back; re-opening");
+                            sub = None;
+                        }
+                    } else {
+                        probe_failed = true;
+                    }
                 }
                 flush_notices(&rank, &mut feed, &mut publisher, &mut reported);
                 // A resync the daemon asked for (after our ring overflowed).
@@ -523,6 +561,8 @@ struct Reported {
     counted: [u64; COUNTED.len()],
     feed: [u64; 3],
     silent: u64,
+    /// The sentence each code was first reported with.
+    messages: HashMap<u16, String>,
     block_size_warned: bool,
     scrape_failures: u64,
 }
@@ -538,7 +578,6 @@ fn flush_notices(
     for line in feed.take_log() {
         warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{line}");
     }
-    let mut first: HashMap<u16, String> = HashMap::new();
     for (code, why) in feed.translator().take_first_skips() {
         warn!(
             worker = rank.worker_id,
@@ -546,17 +585,15 @@ fn flush_notices(
             reason = notice::name(code),
             "{why}"
         );
-        first.insert(code, why);
+        reported.messages.insert(code, why);
     }
     let counts = *feed.translator().counts();
     for (i, &code) in COUNTED.iter().enumerate() {
         let n = counts.0[i];
         if n != reported.counted[i] {
             reported.counted[i] = n;
-            let message = first
-                .remove(&code)
-                .unwrap_or_else(|| notice::name(code).replace('_', " "));
-            let _ = publisher.publish_notice(code, n, &message);
+            let message = reported.messages.get(&code).map_or("", String::as_str);
+            let _ = publisher.publish_notice(code, n, message);
         }
     }
     for (i, (code, n)) in feed.notices().into_iter().enumerate() {

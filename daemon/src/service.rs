@@ -61,6 +61,35 @@ fn start_uring(_: &mut Server, _: &kvedge_core::config::DaemonSection) {
     // Refused by the config loader; nothing to do.
 }
 
+/// Starts the engine bridge when `engines` is not empty, or hands the
+/// running one its new list.
+fn start_bridge(
+    settings: &kvedge_bridge::Settings,
+    engines: Vec<kvedge_core::config::EngineSpec>,
+    running: Option<kvedge_bridge::Bridge>,
+) -> Option<kvedge_bridge::Bridge> {
+    match running {
+        Some(b) => {
+            b.configure(engines);
+            Some(b)
+        }
+        None if engines.is_empty() => None,
+        None => {
+            let n = engines.len();
+            match kvedge_bridge::Bridge::start(settings.clone(), engines) {
+                Ok(b) => {
+                    info!("engine bridge started for {n} engine(s)");
+                    Some(b)
+                }
+                Err(e) => {
+                    error!("cannot start the engine bridge: {e}");
+                    None
+                }
+            }
+        }
+    }
+}
+
 /// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
 pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
     let overrides = SelectionOverrides::default().with_env_fallback();
@@ -75,6 +104,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     let metrics_listen = config.metrics.listen.clone();
     let query_io = config.daemon.query_io;
     let limits = config.daemon.clone();
+    let engines = config.engines.clone();
     let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
         Ok(fds) => fds,
         Err(e) => {
@@ -118,9 +148,19 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     if query_io == kvedge_core::config::QueryIo::IoUring {
         start_uring(&mut server, &limits);
     }
+    // Engines read over ZeroMQ and Prometheus register through the
+    // bridge's own thread like any other engine.
+    let settings = kvedge_bridge::Settings {
+        control_socket: dir.control(),
+        heartbeat_timeout: std::time::Duration::from_millis(limits.heartbeat_timeout_ms),
+        index_capacity: limits.index_capacity,
+    };
+    let mut bridge = start_bridge(&settings, engines, None);
     let path = config_path.to_owned();
     server.set_reloader(Box::new(move || {
-        crate::config::load(&path, &registry, &overrides)
+        let config = crate::config::load(&path, &registry, &overrides)?;
+        bridge = start_bridge(&settings, config.engines.clone(), bridge.take());
+        Ok(config)
     }));
     let stop = Arc::new(AtomicBool::new(false));
     let reload = Arc::new(AtomicBool::new(false));

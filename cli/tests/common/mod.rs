@@ -73,7 +73,11 @@ pub fn start(name: &str, yaml: &str) -> Daemon {
         .arg(dir.join("kvedge.yaml"))
         .arg("--runtime-dir")
         .arg(&dir)
-        .stderr(Stdio::null())
+        // KVEDGE_TEST_LOG=1 shows the daemons' logs when a test fails.
+        .stderr(match std::env::var_os("KVEDGE_TEST_LOG") {
+            Some(_) => Stdio::inherit(),
+            None => Stdio::null(),
+        })
         .spawn()
         .unwrap();
     let d = Daemon { child, dir };

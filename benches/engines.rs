@@ -1,0 +1,325 @@
+//! Engines that do not link libkvedge (targets in BENCHMARKS.md):
+//!
+//! - ingest: vLLM-format KV event batches of 16 blocks (256 token ids),
+//!   decoded, re-hashed from their token ids and stored in the KV index, on
+//!   one core; and the same through a worker's ring as the daemon runs it
+//!   (the bridge's rkyv record, the ring, the consumer's validation);
+//! - publish-to-visible: a ZeroMQ PUB socket in this process sends one
+//!   batch to a running daemon's bridge; a spinning binary client selects
+//!   until the block shows, beside an engine's ring commit to visible in
+//!   the same run.
+//!
+//! `cargo bench --bench engines`
+
+#![forbid(unsafe_code)]
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use criterion::{Criterion, Throughput};
+use kvedge_bridge::decode::Decoder;
+use kvedge_bridge::translate::{Sink, Translator};
+use kvedge_core::config::Config;
+use kvedge_core::index::{KvIndex, Slot};
+use kvedge_daemon::server::{RuntimeDir, Server};
+use kvedge_policies::{SelectionOverrides, router_plugin_registry};
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{EventRef, Role, StoredBlock, Tier};
+use kvedge_shm::segment::Segment;
+use kvedge_shm::{Consumer, Producer, Publisher};
+use zeromq::{Socket, SocketSend, ZmqMessage};
+
+const BLOCK: u32 = 16;
+
+/// `[ts, [["BlockStored", hashes, parent, tokens, 16, nil, "GPU"]], 0]`.
+fn stored_batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
+    use rmp::encode::*;
+    let mut b = Vec::new();
+    write_array_len(&mut b, 3).unwrap();
+    write_f64(&mut b, 1.0).unwrap();
+    write_array_len(&mut b, 1).unwrap();
+    write_array_len(&mut b, 7).unwrap();
+    write_str(&mut b, "BlockStored").unwrap();
+    write_array_len(&mut b, hashes.len() as u32).unwrap();
+    for &h in hashes {
+        write_uint(&mut b, h).unwrap();
+    }
+    match parent {
+        Some(p) => drop(write_uint(&mut b, p).unwrap()),
+        None => write_nil(&mut b).unwrap(),
+    }
+    write_array_len(&mut b, tokens.len() as u32).unwrap();
+    for &t in tokens {
+        write_uint(&mut b, t.into()).unwrap();
+    }
+    write_uint(&mut b, BLOCK.into()).unwrap();
+    write_nil(&mut b).unwrap();
+    write_str(&mut b, "GPU").unwrap();
+    write_uint(&mut b, 0).unwrap();
+    b
+}
+
+/// Stores into the KV index directly.
+struct IndexSink<'a>(&'a mut KvIndex, Slot, Vec<u64>);
+
+impl Sink for IndexSink<'_> {
+    fn stored(&mut self, tier: Tier, blocks: &[StoredBlock], _: u64) {
+        self.2.clear();
+        self.2.extend(blocks.iter().map(|b| b.sequence_hash));
+        self.0.store(self.1, tier, &self.2);
+    }
+    fn removed(&mut self, tier: Tier, hashes: &[u64]) {
+        self.0.remove(self.1, tier, hashes);
+    }
+    fn cleared(&mut self) {
+        self.0.clear(self.1, None);
+    }
+}
+
+/// Publishes into a ring, as the bridge does; the consumer reads each
+/// record back and stores it, as the routing thread does.
+struct RingSink<'a> {
+    publisher: &'a mut Publisher,
+    consumer: &'a mut Consumer,
+    index: &'a mut KvIndex,
+    slot: Slot,
+    scratch: Vec<u64>,
+}
+
+impl Sink for RingSink<'_> {
+    fn stored(&mut self, tier: Tier, blocks: &[StoredBlock], _: u64) {
+        self.publisher
+            .publish_stored(tier, None, blocks, None)
+            .unwrap();
+        let record = self
+            .consumer
+            .poll()
+            .unwrap()
+            .expect("the record just pushed");
+        if let EventRef::Stored(s) = kvedge_shm::decode(record.kind, record.payload).unwrap() {
+            self.scratch.clear();
+            self.scratch
+                .extend(s.blocks.iter().map(|b| b.sequence_hash.to_native()));
+            self.index.store(self.slot, tier, &self.scratch);
+        }
+    }
+    fn removed(&mut self, _: Tier, _: &[u64]) {}
+    fn cleared(&mut self) {}
+}
+
+/// 4,096 batches of 16 new blocks each (65,536 blocks), chained in runs of
+/// 8 batches so that parents are looked up as in a real prompt.
+fn payloads() -> Vec<Vec<u8>> {
+    (0..4096u64)
+        .map(|b| {
+            let hashes: Vec<u64> = (0..16).map(|i| 1 + b * 16 + i).collect();
+            let parent = (b % 8 != 0).then(|| b * 16);
+            let tokens: Vec<u32> = (0..256).map(|t| (b * 256) as u32 + t).collect();
+            stored_batch(&hashes, parent, &tokens)
+        })
+        .collect()
+}
+
+fn ingest(c: &mut Criterion) {
+    let payloads = payloads();
+    let mut g = c.benchmark_group("engines_ingest");
+    g.throughput(Throughput::Elements(16));
+    let slot = Slot::new(0).unwrap();
+    let mut decoder = Decoder::new();
+    g.bench_function("decode_rehash_index_16_block_batch", |b| {
+        let mut index = KvIndex::new(1 << 20);
+        let mut t = Translator::new(BLOCK, 1 << 20);
+        let mut scratch = Vec::with_capacity(16);
+        let mut i = 0;
+        b.iter(|| {
+            if i == payloads.len() {
+                // A full pass: start again from empty (1 in 4,096 batches).
+                i = 0;
+                let mut sink = IndexSink(&mut index, slot, std::mem::take(&mut scratch));
+                t.reset(&mut sink);
+                scratch = sink.2;
+            }
+            let mut sink = IndexSink(&mut index, slot, std::mem::take(&mut scratch));
+            decoder
+                .decode(&payloads[i], |e| t.apply(e, &mut sink))
+                .unwrap();
+            scratch = sink.2;
+            i += 1;
+        })
+    });
+    g.bench_function("decode_rehash_ring_index_16_block_batch", |b| {
+        let consumer_ring = Consumer::create(1 << 20, 1).unwrap();
+        let seg = Segment::open(consumer_ring.segment_fd().try_clone_to_owned().unwrap()).unwrap();
+        let mut publisher = Publisher::new(None, Producer::new(seg, None).unwrap());
+        let mut consumer = consumer_ring;
+        let mut index = KvIndex::new(1 << 20);
+        let mut t = Translator::new(BLOCK, 1 << 20);
+        let mut i = 0;
+        b.iter(|| {
+            if i == payloads.len() {
+                i = 0;
+                index.clear(slot, None);
+                t.reset(&mut IndexSink(&mut index, slot, Vec::new()));
+            }
+            let mut sink = RingSink {
+                publisher: &mut publisher,
+                consumer: &mut consumer,
+                index: &mut index,
+                slot,
+                scratch: Vec::new(),
+            };
+            decoder
+                .decode(&payloads[i], |e| t.apply(e, &mut sink))
+                .unwrap();
+            i += 1;
+        })
+    });
+    g.finish();
+}
+
+fn publish_to_visible(c: &mut Criterion) {
+    let dir = std::env::temp_dir().join(format!("kvedge-bench-engines-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    // A runtime thread of its own: the PUB socket accepts and serves its
+    // subscriber in the background while the bench spins on selects.
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut publisher = zeromq::PubSocket::new();
+    let endpoint = rt.block_on(publisher.bind("tcp://127.0.0.1:0")).unwrap();
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 86400000\nengines:\n  - kind: vllm\n    model: llama\n    worker_id: 1\n    block_size: {BLOCK}\n    endpoint: http://engine-1\n    events: {endpoint}\n    topic: kv-events\n"
+    );
+    let config = Config::load(
+        "bench",
+        &yaml,
+        &router_plugin_registry(),
+        &SelectionOverrides::default(),
+    )
+    .unwrap();
+    let engines = config.engines.clone();
+    let rd = RuntimeDir {
+        dir: PathBuf::from(&dir),
+    };
+    let mut server = Server::bind(config, &rd).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let thread = std::thread::spawn(move || server.run(|| stop2.load(Ordering::Relaxed)).unwrap());
+    let bridge = kvedge_bridge::Bridge::start(
+        kvedge_bridge::Settings {
+            control_socket: rd.control(),
+            heartbeat_timeout: Duration::from_secs(86400),
+            index_capacity: 1 << 22,
+        },
+        engines,
+    )
+    .unwrap();
+    // A ring engine beside it, for the comparison in the same run.
+    let hello = Hello {
+        worker_id: 2,
+        dp_rank: 0,
+        model: "llama".into(),
+        role: Role::Aggregated,
+        block_size: BLOCK,
+        kv_blocks: [1 << 20, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: "http://engine-2".into(),
+        ring_capacity: 0,
+    };
+    let mut ring_engine = Publisher::connect(rd.control(), &hello, Duration::from_secs(5)).unwrap();
+    let mut client = kvedge_wire::Client::connect(rd.query()).unwrap();
+    client.set_spinning(true).unwrap();
+
+    let mut seq = 0u64;
+    let mut k = 0u32;
+    let mut send = |tokens: &[u32], seq: &mut u64| {
+        let payload = stored_batch(&[u64::from(tokens[0]) + 7], None, tokens);
+        let mut msg = ZmqMessage::from("kv-events");
+        msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
+        msg.push_back(payload.into());
+        rt.block_on(publisher.send(msg)).unwrap();
+        *seq += 1;
+    };
+    let visible = |client: &mut kvedge_wire::Client, hash: u64| {
+        client
+            .select_hashes("llama", kvedge_wire::Role::Aggregated, &[hash], BLOCK, true)
+            .unwrap()
+            .unwrap()
+            .overlap_blocks[0]
+            == 1
+    };
+    // Wait until the bridge's subscription is in place (at most once
+    // delivery: batches before it are lost).
+    let start = Instant::now();
+    loop {
+        k += 1;
+        let tokens: Vec<u32> = (k * 16..k * 16 + 16).collect();
+        send(&tokens, &mut seq);
+        let hash = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None)[0];
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_millis(200) {
+            if visible(&mut client, hash) {
+                break;
+            }
+        }
+        if visible(&mut client, hash) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "the bridge never saw a batch"
+        );
+    }
+
+    let mut g = c.benchmark_group("engines_publish_to_visible");
+    g.warm_up_time(Duration::from_secs(1));
+    g.measurement_time(Duration::from_secs(3));
+    g.bench_function("zmq_batch_to_binary_select", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let tokens: Vec<u32> = (k * 16..k * 16 + 16).collect();
+                let hash = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None)[0];
+                let t = Instant::now();
+                send(&tokens, &mut seq);
+                while !visible(&mut client, hash) {}
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    g.bench_function("ring_commit_to_binary_select", |b| {
+        b.iter_custom(|iters| {
+            let mut total = Duration::ZERO;
+            for _ in 0..iters {
+                k += 1;
+                let hash = 0xBEEF_0000_0000 + u64::from(k);
+                let t = Instant::now();
+                ring_engine
+                    .publish_stored_hashes(Tier::Device, None, &[hash])
+                    .unwrap();
+                while !visible(&mut client, hash) {}
+                total += t.elapsed();
+            }
+            total
+        })
+    });
+    g.finish();
+    drop(bridge);
+    stop.store(true, Ordering::Relaxed);
+    thread.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+fn main() {
+    let mut c = Criterion::default().configure_from_args();
+    ingest(&mut c);
+    publish_to_visible(&mut c);
+    c.final_summary();
+}

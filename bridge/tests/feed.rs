@@ -1,0 +1,253 @@
+//! The feed's state machine in isolation: sequence numbers, gaps, replays
+//! and restarts, and input built to hurt it.
+
+mod common;
+
+use common::{Out, Recorder, batch, removed, stored};
+use kvedge_bridge::decode::Decoder;
+use kvedge_bridge::feed::{Feed, Live};
+use kvedge_bridge::translate::Translator;
+use kvedge_shm::messages::notice;
+use proptest::prelude::*;
+
+fn block(first: u32) -> Vec<u32> {
+    (first..first + 4).collect()
+}
+
+fn one_block(engine_hash: u64, parent: Option<u64>) -> Vec<u8> {
+    batch(&[stored(
+        &[engine_hash],
+        parent,
+        &block(engine_hash as u32 * 4),
+        4,
+    )])
+}
+
+#[test]
+fn in_order_batches_apply() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    assert_eq!(
+        feed.handle_live(0, &one_block(1, None), &mut out),
+        Live::Applied
+    );
+    assert_eq!(
+        feed.handle_live(1, &one_block(2, Some(1)), &mut out),
+        Live::Applied
+    );
+    assert_eq!(feed.translator().len(), 2);
+    assert_eq!(feed.last(), Some(1));
+}
+
+#[test]
+fn a_gap_is_replayed_and_the_waiting_message_applied_after() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    feed.handle_live(0, &one_block(1, None), &mut out);
+    // 1 and 2 were lost in transit; 3 shows the gap.
+    assert_eq!(
+        feed.handle_live(3, &one_block(4, Some(3)), &mut out),
+        Live::Replay { from: 1 }
+    );
+    assert!(feed.replaying());
+    feed.handle_replayed(1, &one_block(2, Some(1)), &mut out);
+    feed.handle_replayed(2, &one_block(3, Some(2)), &mut out);
+    // The replay socket also has 3 (the live stream's copy wins).
+    feed.handle_replayed(3, &one_block(4, Some(3)), &mut out);
+    feed.handle_replay_end(true, &mut out);
+    assert_eq!(feed.last(), Some(3));
+    assert_eq!(feed.translator().len(), 4, "every block, parents known");
+    assert_eq!(feed.counts().replayed, 2);
+    assert_eq!(feed.counts().lost, 0);
+    assert!(!out.0.contains(&Out::Cleared));
+}
+
+#[test]
+fn a_gap_without_replay_drops_the_state() {
+    let mut feed = Feed::new(4, 1000, false);
+    let mut out = Recorder::default();
+    feed.handle_live(0, &one_block(1, None), &mut out);
+    assert_eq!(
+        feed.handle_live(5, &one_block(9, None), &mut out),
+        Live::Applied
+    );
+    assert_eq!(out.0.iter().filter(|o| **o == Out::Cleared).count(), 1);
+    assert_eq!(feed.counts().lost, 1);
+    assert_eq!(feed.translator().len(), 1, "only what came after the loss");
+    assert!(
+        feed.take_log()
+            .any(|l| l.contains("4 event batches were lost"))
+    );
+}
+
+#[test]
+fn a_replay_that_does_not_answer_or_cover_drops_the_state() {
+    for complete in [false, true] {
+        let mut feed = Feed::new(4, 1000, true);
+        let mut out = Recorder::default();
+        feed.handle_live(0, &one_block(1, None), &mut out);
+        assert_eq!(
+            feed.handle_live(4, &one_block(9, None), &mut out),
+            Live::Replay { from: 1 }
+        );
+        // The buffer has lost 1 and 2: it starts at 3.
+        if complete {
+            feed.handle_replayed(3, &one_block(8, None), &mut out);
+        }
+        feed.handle_replay_end(complete, &mut out);
+        assert_eq!(feed.counts().lost, 1, "complete={complete}");
+        assert!(out.0.contains(&Out::Cleared));
+        assert_eq!(feed.last(), Some(4));
+    }
+}
+
+#[test]
+fn a_sequence_going_back_is_a_restart() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    feed.handle_live(0, &one_block(1, None), &mut out);
+    feed.handle_live(1, &one_block(2, Some(1)), &mut out);
+    assert_eq!(
+        feed.handle_live(0, &one_block(7, None), &mut out),
+        Live::Applied
+    );
+    assert_eq!(feed.counts().restarts, 1);
+    assert!(out.0.contains(&Out::Cleared));
+    assert_eq!(feed.translator().len(), 1);
+}
+
+#[test]
+fn the_first_message_asks_for_history() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    assert_eq!(
+        feed.handle_live(10, &one_block(5, Some(4)), &mut out),
+        Live::Replay { from: 0 }
+    );
+    feed.handle_replayed(8, &one_block(3, None), &mut out);
+    feed.handle_replayed(9, &one_block(4, Some(3)), &mut out);
+    feed.handle_replay_end(true, &mut out);
+    assert_eq!(feed.translator().len(), 3, "history before kvedge started");
+    assert_eq!(feed.counts().lost, 0, "history is not a loss");
+}
+
+#[test]
+fn hostile_payloads_are_counted_and_change_nothing() {
+    let mut feed = Feed::new(4, 1000, false);
+    let mut out = Recorder::default();
+    feed.handle_live(0, &one_block(1, None), &mut out);
+    let good = one_block(1, None);
+    let mut wrong_types = Vec::new(); // ["a string for ts", []]
+    rmp::encode::write_array_len(&mut wrong_types, 2).unwrap();
+    rmp::encode::write_str(&mut wrong_types, "noon").unwrap();
+    rmp::encode::write_array_len(&mut wrong_types, 0).unwrap();
+    let mut events_not_list = Vec::new();
+    rmp::encode::write_array_len(&mut events_not_list, 2).unwrap();
+    rmp::encode::write_f64(&mut events_not_list, 1.0).unwrap();
+    rmp::encode::write_str(&mut events_not_list, "no").unwrap();
+    let mut huge = Vec::new();
+    rmp::encode::write_array_len(&mut huge, 2).unwrap();
+    rmp::encode::write_f64(&mut huge, 1.0).unwrap();
+    huge.extend([0xdd, 0xff, 0xff, 0xff, 0xff]); // 4 G events claimed
+    let mut hashes_as_strings = Vec::new();
+    rmp::encode::write_array_len(&mut hashes_as_strings, 3).unwrap();
+    rmp::encode::write_str(&mut hashes_as_strings, "BlockRemoved").unwrap();
+    rmp::encode::write_str(&mut hashes_as_strings, "not a list").unwrap();
+    rmp::encode::write_str(&mut hashes_as_strings, "GPU").unwrap();
+    let cases: Vec<Vec<u8>> = vec![
+        good[..good.len() / 2].to_vec(), // truncated
+        Vec::new(),                      // empty
+        vec![0xc1],                      // reserved byte
+        events_not_list,
+        huge,
+        vec![0x91; 100_000],                   // nested far too deep
+        batch(&[hashes_as_strings]),           // a field of the wrong type
+        batch(&[b"\x92\xa3Foo\x01".to_vec()]), // unknown event tag
+        wrong_types,
+    ];
+    for (i, payload) in cases.iter().enumerate() {
+        feed.handle_live(1 + i as u64, payload, &mut out);
+    }
+    assert_eq!(feed.translator().len(), 1, "the good block survives");
+    assert!(!out.0.contains(&Out::Cleared));
+    let c = *feed.translator().counts();
+    assert_eq!(c.get(notice::UNDECODABLE), 8, "{c:?}");
+    assert_eq!(c.get(notice::UNKNOWN_EVENT), 1);
+    // A million removals of blocks never seen: counted, nothing sent.
+    let bogus: Vec<u64> = (1_000_000..2_000_000).collect();
+    let before = out.0.len();
+    feed.handle_live(1 + cases.len() as u64, &batch(&[removed(&bogus)]), &mut out);
+    assert_eq!(
+        feed.translator().counts().get(notice::UNKNOWN_REMOVAL),
+        1_000_000
+    );
+    assert_eq!(out.0.len(), before);
+    assert_eq!(feed.translator().len(), 1);
+}
+
+#[test]
+fn capacity_bounds_what_a_rank_remembers() {
+    let mut t = Translator::new(4, 3);
+    let mut out = Recorder::default();
+    let hashes: Vec<u64> = (1..=5).collect();
+    let tokens: Vec<u32> = (0..20).collect();
+    Decoder::new()
+        .decode(&batch(&[stored(&hashes, None, &tokens, 4)]), |e| {
+            t.apply(e, &mut out)
+        })
+        .unwrap();
+    assert_eq!(t.len(), 3);
+    assert_eq!(t.counts().get(notice::TOO_MANY_BLOCKS), 1);
+}
+
+#[test]
+fn decoding_and_translating_a_warm_batch_allocates_nothing() {
+    let mut decoder = Decoder::new();
+    let mut t = Translator::new(16, 1 << 20);
+    let mut out = common::Counter::default();
+    let tokens: Vec<u32> = (0..256).collect();
+    let make = |i: u64| {
+        let hashes: Vec<u64> = (i * 16..i * 16 + 16).collect();
+        batch(&[stored(&hashes, None, &tokens, 16), removed(&hashes[..8])])
+    };
+    let payloads: Vec<Vec<u8>> = (0..64).map(make).collect();
+    // Warm-up: scratch buffers and the map grow to their working size.
+    for p in &payloads {
+        decoder.decode(p, |e| t.apply(e, &mut out)).unwrap();
+    }
+    let allocations = allocation_counter::measure(|| {
+        for p in &payloads {
+            decoder.decode(p, |e| t.apply(e, &mut out)).unwrap();
+        }
+    });
+    assert_eq!(allocations.count_total, 0);
+    assert!(out.stored > 0 && out.removed > 0);
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// Any bytes: no panic, and a structural error or a batch.
+    #[test]
+    fn any_bytes_decode_or_fail_cleanly(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+        let mut t = Translator::new(4, 1000);
+        let mut out = Recorder::default();
+        let _ = Decoder::new().decode(&bytes, |e| t.apply(e, &mut out));
+    }
+
+    /// A valid batch with some bytes flipped: no panic, never more blocks
+    /// than the batch named.
+    #[test]
+    fn mutated_batches_never_panic(flips in proptest::collection::vec((any::<prop::sample::Index>(), any::<u8>()), 1..8)) {
+        let tokens: Vec<u32> = (0..32).collect();
+        let mut bytes = batch(&[stored(&[1, 2], None, &tokens, 16), removed(&[1])]);
+        for (i, v) in flips {
+            let at = i.index(bytes.len());
+            bytes[at] = v;
+        }
+        let mut t = Translator::new(16, 1000);
+        let mut out = Recorder::default();
+        let _ = Decoder::new().decode(&bytes, |e| t.apply(e, &mut out));
+        prop_assert!(t.len() <= 1000);
+    }
+}

@@ -1,0 +1,420 @@
+//! Unmodified-engine feeds end to end: a real `kvedge run` reading a real
+//! ZeroMQ publisher and a real Prometheus exporter (`fixtures/fake_vllm.py`:
+//! pyzmq, msgspec and prometheus_client, following vLLM's publisher on the
+//! wire), checked through selects and `workers` over the query socket.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Write};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Conn, start};
+use serde_json::{Value, json};
+
+/// The fixture process: commands on stdin, `ok` on stdout.
+struct FakeEngine {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    ports: Value,
+}
+
+impl FakeEngine {
+    fn spawn(args: &[&str]) -> FakeEngine {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/fake_vllm.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect(
+                "python3 (with pyzmq, msgspec and prometheus_client) is needed for these tests",
+            );
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let ports: Value = serde_json::from_str(&line).unwrap_or_else(|_| {
+            panic!("the fake engine did not start (missing pyzmq, msgspec or prometheus_client?): {line:?}")
+        });
+        FakeEngine {
+            child,
+            stdin,
+            stdout,
+            ports,
+        }
+    }
+
+    fn port(&self, which: &str) -> u64 {
+        self.ports[which].as_u64().unwrap()
+    }
+
+    fn send(&mut self, cmd: Value) {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "fake engine answered {line:?} to {cmd}");
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn tokens(from: u32, to: u32) -> Vec<u32> {
+    (from..to).collect()
+}
+
+fn wait(mut cond: impl FnMut() -> bool, what: &str) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits for `cond` while the engine publishes a harmless batch every half
+/// second: delivery is at most once, and a first batch sent while the
+/// subscription is still on its way is lost; the next one shows the gap,
+/// which the replay socket fills.
+fn wait_nudging(e: &mut FakeEngine, mut cond: impl FnMut() -> bool, what: &str) {
+    let start = Instant::now();
+    let mut nudged = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        if nudged.elapsed() > Duration::from_millis(500) {
+            e.send(json!({"op": "removed", "hashes": [424242]}));
+            nudged = Instant::now();
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+fn overlap(c: &mut Conn, t: &[u32]) -> Value {
+    let r = c.ask(json!({"op": "select", "model": "llama", "tokens": t, "dry_run": true}));
+    r["overlap_blocks"]["device"].clone()
+}
+
+fn worker(c: &mut Conn, id: u64) -> Value {
+    let w = c.ask(json!({"op": "workers"}));
+    w["workers"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["worker_id"] == id).cloned())
+        .unwrap_or(Value::Null)
+}
+
+fn notice(row: &Value, code: &str) -> u64 {
+    row["notices"]
+        .as_array()
+        .and_then(|n| n.iter().find(|n| n["code"] == code))
+        .and_then(|n| n["count"].as_u64())
+        .unwrap_or(0)
+}
+
+fn config(engine: &FakeEngine, extra: &str) -> String {
+    let metrics = match engine.ports.get("metrics") {
+        Some(p) => format!("    metrics: http://127.0.0.1:{p}/metrics\n"),
+        None => String::new(),
+    };
+    let (events, replay) = match engine.ports.get("events") {
+        Some(_) => (engine.port("events"), engine.port("replay")),
+        // Nothing listens on port 1.
+        None => (1, 1),
+    };
+    format!(
+        "daemon:\n  heartbeat_timeout_ms: 1500\nengines:\n  - kind: vllm\n    model: llama\n    worker_id: 10\n    block_size: 16\n    endpoint: http://127.0.0.1:8000\n    events: tcp://127.0.0.1:{events}\n    replay: tcp://127.0.0.1:{replay}\n    topic: kv-events\n{metrics}{extra}"
+    )
+}
+
+#[test]
+fn vllm_events_metrics_gaps_restarts_and_mismatches() {
+    let mut e = FakeEngine::spawn(&["--layout", "map"]);
+    let d = start("engines-vllm", &config(&e, ""));
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the engine's worker",
+    );
+
+    // Stored: four blocks, found by kvedge's own hashes of the tokens.
+    e.send(
+        json!({"op": "stored", "hashes": [1, 2, 3, 4], "parent": null, "tokens": tokens(0, 64)}),
+    );
+    wait_nudging(
+        &mut e,
+        || overlap(&mut c, &tokens(0, 64)) == 4,
+        "four stored blocks",
+    );
+    let r =
+        c.ask(json!({"op": "select", "model": "llama", "tokens": tokens(0, 64), "dry_run": true}));
+    assert_eq!(r["worker_id"], 10);
+    assert_eq!(r["endpoint"], "http://127.0.0.1:8000");
+
+    // Removed, through the engine-hash map.
+    e.send(json!({"op": "removed", "hashes": [3, 4]}));
+    wait(
+        || overlap(&mut c, &tokens(0, 64)) == 2,
+        "two blocks removed",
+    );
+
+    // Cleared.
+    e.send(json!({"op": "cleared"}));
+    wait(
+        || overlap(&mut c, &tokens(0, 64)) == 0,
+        "everything cleared",
+    );
+
+    // A gap: batch 6 never reaches kvedge live; batch 7 shows the gap, the
+    // replay socket supplies 6, and the chain is whole.
+    e.send(json!({"op": "stored", "hashes": [5], "parent": null, "tokens": tokens(100, 116)}));
+    wait(
+        || overlap(&mut c, &tokens(100, 116)) == 1,
+        "the chain's root",
+    );
+    e.send(json!({"op": "drop_next"}));
+    e.send(json!({"op": "stored", "hashes": [6], "parent": 5, "tokens": tokens(116, 132)}));
+    e.send(json!({"op": "stored", "hashes": [7], "parent": 6, "tokens": tokens(132, 148)}));
+    wait(
+        || overlap(&mut c, &tokens(100, 148)) == 3,
+        "the replayed chain",
+    );
+    wait(
+        || notice(&worker(&mut c, 10), "replayed") >= 1,
+        "a replayed notice",
+    );
+    assert_eq!(notice(&worker(&mut c, 10), "events_lost"), 0);
+
+    // Restart: the sequence starts again at 0; the old blocks go.
+    e.send(json!({"op": "restart"}));
+    e.send(json!({"op": "stored", "hashes": [8], "parent": null, "tokens": tokens(200, 216)}));
+    wait(
+        || overlap(&mut c, &tokens(200, 216)) == 1,
+        "the restarted engine's block",
+    );
+    assert_eq!(
+        overlap(&mut c, &tokens(100, 148)),
+        0,
+        "blocks from before the restart"
+    );
+    // Notices follow on the bridge's next tick.
+    wait(
+        || notice(&worker(&mut c, 10), "restarted") == 1,
+        "a restarted notice",
+    );
+
+    // A block size other than the configured one: loud, not indexed.
+    e.send(json!({"op": "stored", "hashes": [9], "parent": null, "tokens": tokens(300, 332), "block_size": 32}));
+    wait(
+        || notice(&worker(&mut c, 10), "block_size_mismatch") == 1,
+        "a block-size notice",
+    );
+    assert_eq!(overlap(&mut c, &tokens(300, 332)), 0);
+    assert_eq!(overlap(&mut c, &tokens(200, 216)), 1, "earlier blocks stay");
+
+    // Load from the exporter.
+    e.send(json!({"op": "load", "running": 3, "waiting": 2, "usage": 0.5}));
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            w["waiting_requests"] == 2
+                && w["kv_used_blocks"] == 2048
+                && w["kv_total_blocks"] == 4096
+        },
+        "the scraped load",
+    );
+    assert!(worker(&mut c, 10)["active_requests"].as_u64().unwrap() >= 3);
+
+    // Reservations work as for any worker.
+    let r = c.ask(json!({"op": "select", "model": "llama", "tokens": tokens(200, 216)}));
+    assert_eq!(r["worker_id"], 10);
+    let id = r["request_id"].as_u64().unwrap();
+    assert_eq!(
+        c.ask(json!({"op": "prefill_done", "request_id": id}))["ok"],
+        true
+    );
+    assert_eq!(c.ask(json!({"op": "finish", "request_id": id}))["ok"], true);
+}
+
+#[test]
+fn older_engines_positional_events_and_replay_frames() {
+    let mut e = FakeEngine::spawn(&[
+        "--layout",
+        "array",
+        "--replay-format",
+        "old",
+        "--no-metrics",
+    ]);
+    let d = start("engines-old", &config(&e, ""));
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the engine's worker",
+    );
+    e.send(json!({"op": "stored", "hashes": [1], "parent": null, "tokens": tokens(0, 16)}));
+    wait_nudging(
+        &mut e,
+        || overlap(&mut c, &tokens(0, 16)) == 1,
+        "the root block",
+    );
+    e.send(json!({"op": "drop_next"}));
+    e.send(json!({"op": "stored", "hashes": [2], "parent": 1, "tokens": tokens(16, 32)}));
+    e.send(json!({"op": "stored", "hashes": [3], "parent": 2, "tokens": tokens(32, 48)}));
+    wait(
+        || overlap(&mut c, &tokens(0, 48)) == 3,
+        "the replayed chain",
+    );
+    e.send(json!({"op": "removed", "hashes": [2, 3]}));
+    wait(
+        || overlap(&mut c, &tokens(0, 48)) == 1,
+        "removals by engine hash",
+    );
+}
+
+#[test]
+fn blocks_stored_before_kvedge_started_come_from_the_replay_buffer() {
+    let mut e = FakeEngine::spawn(&["--no-metrics"]);
+    // Published before any subscriber: lost live, kept in the buffer.
+    e.send(json!({"op": "stored", "hashes": [1, 2], "parent": null, "tokens": tokens(0, 32)}));
+    let d = start("engines-history", &config(&e, ""));
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the engine's worker",
+    );
+    // The next batch is the first kvedge hears: it asks for history.
+    let mut n = 3;
+    wait(
+        || {
+            e.send(json!({"op": "stored", "hashes": [n], "parent": null, "tokens": tokens(1000 + n as u32 * 16, 1016 + n as u32 * 16)}));
+            n += 1;
+            overlap(&mut c, &tokens(0, 32)) == 2
+        },
+        "the blocks from before kvedge started",
+    );
+}
+
+#[test]
+fn a_dead_exporter_takes_its_worker_out_of_routing() {
+    let mut e = FakeEngine::spawn(&["--no-events"]);
+    let d = start("engines-exporter", &config(&e, ""));
+    let mut c = Conn::connect(&d.query());
+    e.send(json!({"op": "load", "running": 1, "waiting": 4, "usage": 0.25}));
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            w["available"] == true && w["waiting_requests"] == 4
+        },
+        "the worker, live on its metrics alone",
+    );
+    drop(e);
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            w["available"] == false && notice(&w, "silent") == 1
+        },
+        "the worker out of routing after its exporter died",
+    );
+    let r =
+        c.ask(json!({"op": "select", "model": "llama", "tokens": tokens(0, 16), "dry_run": true}));
+    assert!(r["error"].is_object(), "no worker to pick: {r}");
+}
+
+#[test]
+fn hostile_feeds_hurt_no_one_else_and_reloads_add_and_remove_engines() {
+    let mut good = FakeEngine::spawn(&["--no-metrics"]);
+    let mut bad = FakeEngine::spawn(&["--no-metrics"]);
+    let entry = |id: u64, e: &FakeEngine| {
+        format!(
+            "  - kind: vllm\n    model: llama\n    worker_id: {id}\n    block_size: 16\n    endpoint: http://engine-{id}\n    events: tcp://127.0.0.1:{}\n    replay: tcp://127.0.0.1:{}\n    topic: kv-events\n",
+            e.port("events"),
+            e.port("replay")
+        )
+    };
+    let head = "daemon:\n  heartbeat_timeout_ms: 1500\nengines:\n";
+    let d = start("engines-hostile", &format!("{head}{}", entry(11, &good)));
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || worker(&mut c, 11)["available"] == true,
+        "the good engine",
+    );
+
+    // A reload adds the hostile engine.
+    std::fs::write(
+        d.config(),
+        format!("{head}{}{}", entry(11, &good), entry(10, &bad)),
+    )
+    .unwrap();
+    d.signal("HUP");
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the reloaded engine",
+    );
+    assert_eq!(worker(&mut c, 11)["available"], true);
+    bad.send(json!({"op": "stored", "hashes": [7], "parent": null, "tokens": tokens(500, 516)}));
+    wait_nudging(
+        &mut bad,
+        || overlap(&mut c, &tokens(500, 516)) == 1,
+        "the subscription in place",
+    );
+
+    // Garbage: a one-frame message, a short sequence number, payloads that
+    // are truncated, claim 4 G elements, or nest without end, and a
+    // million removals of blocks never stored.
+    let seq = |n: u64| hex(&n.to_be_bytes());
+    for frames in [
+        vec![hex(b"kv-events")],
+        vec![hex(b"kv-events"), "0102".into(), "90".into()],
+        vec![hex(b"kv-events"), seq(0), "93cb41".into()],
+        vec![
+            hex(b"kv-events"),
+            seq(1),
+            "92cb3ff0000000000000ddffffffff".into(),
+        ],
+        vec![hex(b"kv-events"), seq(2), "91".repeat(5000)],
+        vec![hex(b"kv-events"), seq(3), "c1".into()],
+    ] {
+        bad.send(json!({"op": "raw", "frames": frames}));
+    }
+    bad.send(json!({"op": "bogus_removals", "n": 1_000_000}));
+
+    // The good engine is served as before.
+    good.send(json!({"op": "stored", "hashes": [1, 2], "parent": null, "tokens": tokens(0, 32)}));
+    wait_nudging(
+        &mut good,
+        || overlap(&mut c, &tokens(0, 32)) == 2,
+        "the good engine's blocks",
+    );
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            notice(&w, "undecodable") >= 5 && notice(&w, "unknown_removal") >= 1_000_000
+        },
+        "the hostile feed counted",
+    );
+    assert_eq!(
+        worker(&mut c, 10)["available"],
+        true,
+        "bad input is no reason to drop an engine"
+    );
+
+    // A reload without it removes its worker.
+    std::fs::write(d.config(), format!("{head}{}", entry(11, &good))).unwrap();
+    d.signal("HUP");
+    wait(|| worker(&mut c, 10).is_null(), "the removed engine gone");
+    assert_eq!(overlap(&mut c, &tokens(0, 32)), 2);
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
