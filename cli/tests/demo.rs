@@ -60,6 +60,35 @@ fn demo_with_two_engines_and_200_requests_answers_everything_and_cleans_up() {
     }
 }
 
+/// The same workload through vLLM-style engines: ZeroMQ events and
+/// Prometheus load, read by the daemon's bridge; the cache still hits,
+/// which it can only do if kvedge's hashes of the published token ids
+/// match the frontend's.
+#[test]
+fn demo_with_vllm_engines_runs_the_bridge_path() {
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "demo",
+            "--engines",
+            "vllm:2",
+            "--requests",
+            "200",
+            "--speed",
+            "8",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{stderr}");
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["finished"], 200, "{v}");
+    assert_eq!(v["errors"], 0);
+    assert_eq!(v["daemon"]["reservations"], 0);
+    let hit = v["summary"]["hit_rate"].as_f64().unwrap();
+    assert!(hit > 0.3, "kvedge sees the engines' blocks: {hit}");
+}
+
 struct Node {
     dir: PathBuf,
     children: Vec<Child>,

@@ -31,9 +31,12 @@ const MODEL: &str = "demo";
 /// `kvedge demo`'s arguments.
 #[derive(Debug, Clone, clap::Args)]
 pub struct DemoArgs {
-    /// Mock engines to start.
-    #[arg(long, default_value_t = 4)]
-    pub engines: usize,
+    /// Mock engines to start: a count (they feed kvedge's rings), or
+    /// `vllm` / `vllm:N` (they publish as vLLM does, over ZeroMQ and
+    /// Prometheus, and the daemon reads them through its `engines:`
+    /// section).
+    #[arg(long, default_value = "4")]
+    pub engines: Engines,
     /// Requests of the synthetic workload.
     #[arg(long, default_value_t = 600)]
     pub requests: usize,
@@ -55,6 +58,38 @@ pub struct DemoArgs {
     pub json: bool,
     #[command(flatten)]
     pub engine: EngineArgs,
+}
+
+/// `--engines`: how many mock engines, and how they feed the daemon.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Engines {
+    pub count: usize,
+    /// Publish as vLLM does instead of through rings.
+    pub vllm: bool,
+}
+
+impl std::str::FromStr for Engines {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let (vllm, count) = match s.strip_prefix("vllm") {
+            Some("") => (true, "4"),
+            Some(rest) => (true, rest.strip_prefix(':').ok_or("expected vllm:N")?),
+            None => (false, s),
+        };
+        let count = count
+            .parse()
+            .map_err(|_| format!("`{s}` is not a count, `vllm` or `vllm:N`"))?;
+        Ok(Engines { count, vllm })
+    }
+}
+
+/// A free TCP port on the loopback (for an engine's metrics page).
+fn free_port() -> Result<u16, String> {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .map_err(|e| format!("no free port: {e}"))
 }
 
 /// Child processes and the runtime directory, torn down on drop.
@@ -170,7 +205,9 @@ fn tail(path: &Path) -> String {
 
 /// Runs the demo; returns what to print.
 pub fn run(args: &DemoArgs) -> Result<String, String> {
-    if args.engines == 0 || args.engines > kvedge_core::index::MAX_WORKERS {
+    let vllm = args.engines.vllm;
+    let n_engines = args.engines.count;
+    if n_engines == 0 || n_engines > kvedge_core::index::MAX_WORKERS {
         return Err(format!(
             "--engines must be 1..={}",
             kvedge_core::index::MAX_WORKERS
@@ -196,15 +233,42 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
         dir: dir.clone(),
         children: Vec::new(),
     };
-    let config = match &args.config {
-        Some(p) => p.clone(),
-        None => {
+    let run_dir = dir.join("run");
+    // vLLM-style engines: where each publishes, and the daemon's
+    // `engines:` entries that read them.
+    let mut vllm_endpoints = Vec::new();
+    let mut engines_yaml = String::from("\nengines:\n");
+    if vllm {
+        for i in 1..=n_engines {
+            let events = format!("ipc://{}/engine-{i}.events", dir.display());
+            let replay = format!("ipc://{}/engine-{i}.replay", dir.display());
+            let metrics = format!("127.0.0.1:{}", free_port()?);
+            let sock = dir.join(format!("engine-{i}.sock"));
+            engines_yaml.push_str(&format!(
+                "  - kind: vllm\n    model: {MODEL}\n    worker_id: {i}\n    block_size: {}\n    endpoint: unix:{}\n    events: {events}\n    replay: {replay}\n    topic: kv-events\n    metrics: http://{metrics}/metrics\n",
+                params.block_size,
+                sock.display()
+            ));
+            vllm_endpoints.push((events, replay, metrics));
+        }
+    }
+    let config = match (&args.config, vllm) {
+        (Some(p), false) => p.clone(),
+        (given, _) => {
+            let mut text = match given {
+                Some(p) => {
+                    std::fs::read_to_string(p).map_err(|e| format!("{}: {e}", p.display()))?
+                }
+                None => BUNDLED_CONFIG.to_owned(),
+            };
+            if vllm {
+                text.push_str(&engines_yaml);
+            }
             let p = dir.join("kvedge.yaml");
-            std::fs::write(&p, BUNDLED_CONFIG).map_err(|e| format!("{}: {e}", p.display()))?;
+            std::fs::write(&p, text).map_err(|e| format!("{}: {e}", p.display()))?;
             p
         }
     };
-    let run_dir = dir.join("run");
     let log = |name: &str| -> Result<Stdio, String> {
         let p = dir.join(name);
         std::fs::File::create(&p)
@@ -236,11 +300,16 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
     })?;
     // The engines.
     let mut engine_socks = Vec::new();
-    for i in 0..args.engines {
+    for i in 0..n_engines {
         let sock = dir.join(format!("engine-{}.sock", i + 1));
         let e = &args.engine;
-        let child = Command::new(&exe)
-            .arg("mock-engine")
+        let mut cmd = Command::new(&exe);
+        cmd.arg("mock-engine");
+        if let Some((events, replay, metrics)) = vllm_endpoints.get(i) {
+            cmd.args(["--vllm-events", events, "--vllm-replay", replay])
+                .args(["--vllm-metrics", metrics]);
+        }
+        let child = cmd
             .args(["--worker-id", &(i + 1).to_string(), "--model", MODEL])
             .arg("--listen")
             .arg(&sock)
@@ -283,7 +352,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
             .ask(&Request::Workers)
             .map_err(|e| format!("workers: {e}"))?;
         let n = w["workers"].as_array().map_or(0, Vec::len);
-        Ok(n == args.engines && engine_socks.iter().all(|s| s.exists()))
+        Ok(n == n_engines && engine_socks.iter().all(|s| s.exists()))
     })?;
 
     // The workload, and one connection per engine with a reader thread
@@ -335,16 +404,17 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
     }
     let started = Instant::now();
     let mut rtt = Histogram::default();
-    let mut integral = LoadIntegral::new(args.engines);
+    let mut integral = LoadIntegral::new(n_engines);
     let mut last_sample = Instant::now() - Duration::from_secs(1);
     let mut sent = 0u64;
     let mut session = String::new();
+    let mut tokens: Vec<u32> = Vec::new();
     let sim_us = |t: Instant| (t.duration_since(started).as_secs_f64() * 1e6 * args.speed) as u64;
     let sample = |control: &mut Query, integral: &mut LoadIntegral, now_sim: u64| {
         if let Ok(w) = control.ask(&Request::Workers) {
             for x in w["workers"].as_array().into_iter().flatten() {
                 let id = x["worker_id"].as_u64().unwrap_or(0) as usize;
-                if (1..=args.engines).contains(&id) {
+                if (1..=n_engines).contains(&id) {
                     let a = x["active_requests"].as_u64().unwrap_or(0) as u32;
                     integral.observe(id - 1, now_sim, a);
                 }
@@ -382,11 +452,24 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
         session.clear();
         session.push_str(&format!("s{}", r.session.unwrap_or(i as u64)));
         let t = Instant::now();
+        // vLLM engines are read by their token ids: the frontend sends the
+        // same tokens the engines publish for each block.
+        if vllm {
+            tokens.clear();
+            for &h in &r.hashes {
+                tokens.extend(crate::vllm_feed::block_tokens(h, params.block_size));
+            }
+        }
+        let ids = if vllm {
+            Ids::tokens(&tokens)
+        } else {
+            Ids::hashes(&r.hashes)
+        };
         let reply = control
             .ask(&Request::Select(Select {
                 prompt_tokens: Some(r.prompt_tokens()),
                 session: Some(session.as_str()),
-                ..Select::new(MODEL, Role::Aggregated, Ids::hashes(&r.hashes))
+                ..Select::new(MODEL, Role::Aggregated, ids)
             }))
             .map_err(|e| format!("select: {e}"))?;
         rtt.record(t.elapsed().as_nanos() as u64);
@@ -501,11 +584,16 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
     let lat = &result["daemon"]["select_latency"];
     let rt = &result["client_select_round_trip"];
     Ok(format!(
-        "kvedge demo: {} mock engines, {} requests in {:.1} s ({:.0} simulated s at speed {})\n{}\
+        "kvedge demo: {} mock engines{}, {} requests in {:.1} s ({:.0} simulated s at speed {})\n{}\
          daemon: {} selects, {} errors; router core per select: p50 {:.1} µs, p90 {:.1} µs, p99 {:.1} µs\n\
          client select round trip (JSON over query.sock): p50 {:.1} µs, p99 {:.1} µs\n\
          all {} requests answered, dispatched and finished; {} reservations released; processes and {} removed\n",
-        args.engines,
+        n_engines,
+        if vllm {
+            " (vLLM feeds: ZeroMQ events, Prometheus load)"
+        } else {
+            ""
+        },
         workload.len(),
         wall.as_secs_f64(),
         end_sim as f64 / 1e6,

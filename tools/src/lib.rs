@@ -13,3 +13,4 @@ pub mod plot;
 pub mod publish;
 pub mod sim;
 pub mod sim_cmd;
+pub mod vllm_feed;

@@ -54,6 +54,18 @@ pub struct MockEngineArgs {
     /// Simulated seconds per wall-clock second.
     #[arg(long, default_value_t = 1.0)]
     pub speed: f64,
+    /// Publish KV events as vLLM does (a ZeroMQ PUB socket bound here,
+    /// e.g. `tcp://127.0.0.1:5557` or `ipc:///run/e1.events`) instead of
+    /// registering with the daemon; kvedge's `engines:` section reads it.
+    #[arg(long)]
+    pub vllm_events: Option<String>,
+    /// With `--vllm-events`: vLLM's replay ROUTER socket, bound here.
+    #[arg(long, requires = "vllm_events")]
+    pub vllm_replay: Option<String>,
+    /// With `--vllm-events`: serve vLLM's metric names over HTTP at
+    /// host:port (`/metrics`).
+    #[arg(long, requires = "vllm_events")]
+    pub vllm_metrics: Option<String>,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -111,7 +123,21 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         endpoint: format!("unix:{}", args.listen.display()),
         ring_capacity: 0,
     };
-    let mut publisher = crate::publish::connect(&args.runtime_dir, args.socket.as_deref(), &hello)?;
+    let mut feed = match &args.vllm_events {
+        Some(events) => Feed::Vllm(crate::vllm_feed::VllmFeed::bind(
+            events,
+            args.vllm_replay.as_deref(),
+            args.vllm_metrics.as_deref(),
+            params.block_size,
+            u64::from(params.device_blocks),
+            args.worker_id,
+        )?),
+        None => Feed::Ring(crate::publish::connect(
+            &args.runtime_dir,
+            args.socket.as_deref(),
+            &hello,
+        )?),
+    };
     let mut engine = EngineModel::new(params);
     let start = Instant::now();
     let sim_now = |speed: f64| (start.elapsed().as_secs_f64() * 1e6 * speed) as u64;
@@ -179,7 +205,15 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         if submitted || next_step.is_some_and(|t| t <= now) {
             out.clear();
             next_step = engine.advance(now, &mut out);
-            publish(&mut publisher, &out)?;
+            match &mut feed {
+                Feed::Ring(p) => publish(p, &out)?,
+                Feed::Vllm(v) => {
+                    v.publish(&out.events)?;
+                    if let Some(l) = out.loads.last() {
+                        v.set_load(l);
+                    }
+                }
+            }
             for c in &out.completions {
                 let (id, line) = match *c {
                     Completion::FirstToken {
@@ -221,6 +255,17 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         // Connections that hung up keep their index (requests in flight
         // point at it) but stop being read.
         // Resync requests: republish every block held, per tier.
+        // Over ZeroMQ there is no resync and no heartbeat: the bridge
+        // replays and probes.
+        let Feed::Ring(publisher) = &mut feed else {
+            let wait_us = match next_step {
+                Some(t) => ((t.saturating_sub(sim_now(args.speed))) as f64 / args.speed) as u64,
+                None => 50_000,
+            }
+            .min(50_000);
+            wait_readable(&listener, &conns, Duration::from_micros(wait_us));
+            continue;
+        };
         let served = publisher.serve_resync(|p| {
             p.publish_cleared(None)?;
             let device: Vec<u64> = engine.device_hashes().collect();
@@ -250,6 +295,14 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         wait_readable(&listener, &conns, Duration::from_micros(wait_us));
     }
     Ok(())
+}
+
+/// Where the engine's events go.
+enum Feed {
+    /// kvedge's own ring, registered over control.sock.
+    Ring(Publisher),
+    /// vLLM's ZeroMQ publisher and metrics (`--vllm-events`).
+    Vllm(crate::vllm_feed::VllmFeed),
 }
 
 fn publish(p: &mut Publisher, out: &Outputs) -> Result<(), String> {

@@ -1,0 +1,244 @@
+//! `kvedge mock-engine --vllm-events`: the mock engine speaking vLLM's
+//! outward protocols instead of kvedge's ring, so the demo can run the
+//! bridge's whole path on a bare machine. KV events go out as vLLM's
+//! ZeroMQ publisher sends them (topic, 8-byte big-endian sequence number,
+//! a msgspec-style msgpack batch with events as maps tagged by `type`), a
+//! ROUTER socket replays recent batches, and the load is served under
+//! vLLM's metric names over HTTP.
+//!
+//! The simulated engine works on block hashes, not tokens; each block's
+//! token ids are made from its hash by [`block_tokens`], which the demo's
+//! frontend uses too, so kvedge's hashes of those tokens line up.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex};
+
+use bytes::Bytes;
+use kvedge_shm::messages::{Load, Tier};
+use kvedge_sim::engine::KvEvent;
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+
+/// Batches kept for replay (vLLM's default buffer holds 10,000 steps).
+const REPLAY_BUFFER: usize = 10_000;
+
+/// The token ids of the block whose hash is `hash` (a fixed mixing of the
+/// hash, the same in the engine and the frontend).
+pub fn block_tokens(hash: u64, block_size: u32) -> impl Iterator<Item = u32> {
+    (0..u64::from(block_size)).map(move |j| {
+        let x = (hash ^ j.wrapping_mul(0x9E37_79B9_7F4A_7C15)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        ((x >> 33) as u32) & 0x3fff_ffff
+    })
+}
+
+type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
+
+/// The publisher, its replay socket and its metrics page.
+pub struct VllmFeed {
+    rt: tokio::runtime::Runtime,
+    socket: zeromq::PubSocket,
+    topic: Bytes,
+    seq: u64,
+    buffer: Buffer,
+    block_size: u32,
+    total_blocks: u64,
+    metrics: Arc<Mutex<String>>,
+    worker_id: u64,
+}
+
+impl std::fmt::Debug for VllmFeed {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("VllmFeed")
+            .field("seq", &self.seq)
+            .finish_non_exhaustive()
+    }
+}
+
+impl VllmFeed {
+    /// Binds the PUB socket at `events`, the replay ROUTER at `replay`
+    /// (optional) and the metrics page at `metrics` (host:port, optional).
+    pub fn bind(
+        events: &str,
+        replay: Option<&str>,
+        metrics: Option<&str>,
+        block_size: u32,
+        total_blocks: u64,
+        worker_id: u64,
+    ) -> Result<Self, String> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .map_err(|e| e.to_string())?;
+        let mut socket = zeromq::PubSocket::new();
+        rt.block_on(socket.bind(events))
+            .map_err(|e| format!("--vllm-events {events}: {e}"))?;
+        let topic = Bytes::from_static(b"kv-events");
+        let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
+        if let Some(replay) = replay {
+            let mut router = zeromq::RouterSocket::new();
+            rt.block_on(router.bind(replay))
+                .map_err(|e| format!("--vllm-replay {replay}: {e}"))?;
+            let buffer = Arc::clone(&buffer);
+            let topic = topic.clone();
+            rt.spawn(async move {
+                while let Ok(ask) = router.recv().await {
+                    let frames = ask.into_vec();
+                    let [client, _, start] = frames.as_slice() else {
+                        continue;
+                    };
+                    let Ok(start) = <[u8; 8]>::try_from(start.as_ref()) else {
+                        continue;
+                    };
+                    let start = u64::from_be_bytes(start);
+                    let batches: Vec<(u64, Bytes)> = match buffer.lock() {
+                        Ok(b) => b.iter().filter(|(s, _)| *s >= start).cloned().collect(),
+                        Err(_) => return,
+                    };
+                    for (seq, payload) in batches
+                        .into_iter()
+                        .chain(std::iter::once((u64::MAX, Bytes::new())))
+                    {
+                        let topic = if seq == u64::MAX {
+                            Bytes::new()
+                        } else {
+                            topic.clone()
+                        };
+                        let frames = vec![
+                            client.clone(),
+                            Bytes::new(),
+                            topic,
+                            Bytes::copy_from_slice(&seq.to_be_bytes()),
+                            payload,
+                        ];
+                        let Ok(msg) = ZmqMessage::try_from(frames) else {
+                            continue;
+                        };
+                        if router.send(msg).await.is_err() {
+                            break;
+                        }
+                    }
+                }
+            });
+        }
+        let page = Arc::new(Mutex::new(String::new()));
+        if let Some(addr) = metrics {
+            kvedge_daemon::metrics_http::serve_http(addr, Arc::clone(&page))
+                .map_err(|e| format!("--vllm-metrics {addr}: {e}"))?;
+        }
+        let feed = VllmFeed {
+            rt,
+            socket,
+            topic,
+            seq: 0,
+            buffer,
+            block_size,
+            total_blocks,
+            metrics: page,
+            worker_id,
+        };
+        feed.set_load(&Load::default());
+        Ok(feed)
+    }
+
+    /// Publishes `events` as one batch (nothing for none).
+    pub fn publish(&mut self, events: &[KvEvent]) -> Result<(), String> {
+        if events.is_empty() {
+            return Ok(());
+        }
+        let payload = Bytes::from(self.encode(events).map_err(|e| e.to_string())?);
+        let seq = self.seq;
+        self.seq += 1;
+        if let Ok(mut b) = self.buffer.lock() {
+            if b.len() == REPLAY_BUFFER {
+                b.pop_front();
+            }
+            b.push_back((seq, payload.clone()));
+        }
+        let mut msg = ZmqMessage::from(self.topic.clone());
+        msg.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
+        msg.push_back(payload);
+        self.rt
+            .block_on(self.socket.send(msg))
+            .map_err(|e| format!("publish: {e}"))
+    }
+
+    fn encode(&self, events: &[KvEvent]) -> Result<Vec<u8>, rmp::encode::ValueWriteError> {
+        use rmp::encode::*;
+        let ts = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64());
+        let mut b = Vec::with_capacity(256);
+        write_array_len(&mut b, 3)?;
+        write_f64(&mut b, ts)?;
+        write_array_len(&mut b, events.len() as u32)?;
+        let medium = |tier: &Tier| if *tier == Tier::Device { "GPU" } else { "CPU" };
+        for e in events {
+            match e {
+                KvEvent::Stored {
+                    tier,
+                    parent,
+                    hashes,
+                } => {
+                    write_map_len(&mut b, 6)?;
+                    write_str(&mut b, "type")?;
+                    write_str(&mut b, "BlockStored")?;
+                    write_str(&mut b, "block_hashes")?;
+                    write_array_len(&mut b, hashes.len() as u32)?;
+                    for &h in hashes {
+                        write_uint(&mut b, h)?;
+                    }
+                    write_str(&mut b, "parent_block_hash")?;
+                    match parent {
+                        Some(p) => drop(write_uint(&mut b, *p)?),
+                        None => write_nil(&mut b).map_err(ValueWriteError::InvalidMarkerWrite)?,
+                    }
+                    write_str(&mut b, "token_ids")?;
+                    write_array_len(&mut b, hashes.len() as u32 * self.block_size)?;
+                    for &h in hashes {
+                        for t in block_tokens(h, self.block_size) {
+                            write_uint(&mut b, t.into())?;
+                        }
+                    }
+                    write_str(&mut b, "block_size")?;
+                    write_uint(&mut b, self.block_size.into())?;
+                    write_str(&mut b, "medium")?;
+                    write_str(&mut b, medium(tier))?;
+                }
+                KvEvent::Removed { tier, hashes } => {
+                    write_map_len(&mut b, 3)?;
+                    write_str(&mut b, "type")?;
+                    write_str(&mut b, "BlockRemoved")?;
+                    write_str(&mut b, "block_hashes")?;
+                    write_array_len(&mut b, hashes.len() as u32)?;
+                    for &h in hashes {
+                        write_uint(&mut b, h)?;
+                    }
+                    write_str(&mut b, "medium")?;
+                    write_str(&mut b, medium(tier))?;
+                }
+            }
+        }
+        write_uint(&mut b, 0)?;
+        Ok(b)
+    }
+
+    /// The metrics page for the engine's latest load.
+    pub fn set_load(&self, load: &Load) {
+        let usage = if self.total_blocks == 0 {
+            0.0
+        } else {
+            load.kv_used_blocks as f64 / self.total_blocks as f64
+        };
+        let labels = format!("engine=\"0\",model_name=\"mock-{}\"", self.worker_id);
+        let text = format!(
+            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} {}\n\
+             # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} {}\n\
+             # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {usage}\n\
+             # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0\n",
+            load.active_requests, load.waiting_requests, self.block_size, self.total_blocks
+        );
+        if let Ok(mut page) = self.metrics.lock() {
+            *page = text;
+        }
+    }
+}
