@@ -408,6 +408,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
     let mut silent = false;
     let mut sub_problem_logged = false;
     let mut reported = Reported::default();
+    let mut scraper_gone = false;
     let mut tick = tokio::time::interval((timeout / 4).min(Duration::from_millis(250)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -467,11 +468,11 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                     Err(why) => feed.translator().undecodable(&why),
                 }
             }
-            changed = loads.changed() => {
+            changed = loads.changed(), if !scraper_gone => {
                 if changed.is_err() {
-                    // No scraper (no metrics URL): nothing more to hear.
-                    loads = watch::channel(Scraped::Nothing).1;
-                    std::future::pending::<()>().await;
+                    // The scraper is gone: nothing more to hear from it.
+                    scraper_gone = true;
+                    continue;
                 }
                 let scraped = loads.borrow_and_update().clone();
                 match scraped {
