@@ -41,13 +41,6 @@ pub struct Extra<'a> {
     pub later_more: bool,
 }
 
-impl Extra<'_> {
-    /// Whether any block has extra keys at all.
-    pub fn any(&self) -> bool {
-        self.first[0].is_some() || self.first_more || self.later.is_some() || self.later_more
-    }
-}
-
 /// Blocks became resident.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Stored<'a> {
@@ -202,26 +195,6 @@ fn mismatch(expected: &'static str, head: &Head<'_>) -> DecodeError {
     }
 }
 
-fn int_of(head: Head<'_>) -> Option<i64> {
-    match head {
-        Head::Int(v) => Some(v),
-        Head::Uint(v) => i64::try_from(v).ok(),
-        _ => None,
-    }
-}
-
-fn hash_of(head: Head<'_>) -> Option<u64> {
-    match head {
-        Head::Uint(v) => Some(v),
-        Head::Int(v) => Some(v as u64),
-        Head::Bin(b) => {
-            let tail = &b[b.len().saturating_sub(8)..];
-            Some(tail.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
-        }
-        _ => None,
-    }
-}
-
 /// Decodes batches; reuse one per feed so its scratch stays warm.
 #[derive(Debug, Default)]
 pub struct Decoder {
@@ -254,7 +227,7 @@ impl Decoder {
                 batch.ts = self.ts(&mut r)?;
                 batch.events = self.events(&mut r, &mut visit)?;
                 if n >= 3 {
-                    batch.dp_rank = r.int_or_nil("a dp rank").unwrap_or(None);
+                    batch.dp_rank = Self::dp_rank(&mut r)?;
                 }
                 for _ in 3..n {
                     r.skip()?;
@@ -266,7 +239,7 @@ impl Decoder {
                         Head::Str(b"ts") => batch.ts = self.ts(&mut r)?,
                         Head::Str(b"events") => batch.events = self.events(&mut r, &mut visit)?,
                         Head::Str(b"data_parallel_rank" | b"attn_dp_rank") => {
-                            batch.dp_rank = r.int_or_nil("a dp rank")?;
+                            batch.dp_rank = Self::dp_rank(&mut r)?;
                         }
                         _ => r.skip()?,
                     }
@@ -278,6 +251,14 @@ impl Decoder {
             0 => Ok(batch),
             n => Err(DecodeError::Trailing(n)),
         }
+    }
+
+    /// The batch's rank: informational, so a value of another type is
+    /// read past, not an error.
+    fn dp_rank(r: &mut Reader<'_>) -> Result<Option<i64>, DecodeError> {
+        let head = r.head()?;
+        r.skip_rest(head)?;
+        Ok(head.as_int())
     }
 
     fn ts(&mut self, r: &mut Reader<'_>) -> Result<f64, DecodeError> {
@@ -401,7 +382,7 @@ impl Decoder {
                     self.hashes.reserve(n);
                     for _ in 0..n {
                         let h = r.head()?;
-                        match hash_of(h) {
+                        match h.as_hash() {
                             Some(v) => self.hashes.push(v),
                             None => {
                                 bad(f, "a block hash (integer or bytes)", &h);
@@ -417,7 +398,7 @@ impl Decoder {
             },
             Field::Parent => match head {
                 Head::Nil => f.parent = None,
-                h => match hash_of(h) {
+                h => match h.as_hash() {
                     Some(v) => f.parent = Some(v),
                     None => {
                         bad(f, "a parent hash or nil", &h);
@@ -430,7 +411,7 @@ impl Decoder {
                     self.tokens.reserve(n);
                     for _ in 0..n {
                         let t = r.head()?;
-                        match int_of(t).and_then(|v| u32::try_from(v).ok()) {
+                        match t.as_int().and_then(|v| u32::try_from(v).ok()) {
                             Some(v) => self.tokens.push(v),
                             None => {
                                 bad(f, "a token id (0..2^32)", &t);
@@ -453,7 +434,7 @@ impl Decoder {
                 };
                 match head {
                     Head::Nil => *slot = None,
-                    h => match int_of(h) {
+                    h => match h.as_int() {
                         Some(v) => *slot = Some(v),
                         None => {
                             bad(f, "an integer or nil", &h);

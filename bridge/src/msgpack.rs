@@ -60,6 +60,30 @@ impl Head<'_> {
             Head::Ext(_) => "an extension",
         }
     }
+
+    /// An integer that fits `i64`.
+    pub fn as_int(&self) -> Option<i64> {
+        match *self {
+            Head::Int(v) => Some(v),
+            Head::Uint(v) => i64::try_from(v).ok(),
+            _ => None,
+        }
+    }
+
+    /// A block hash: an unsigned or signed 64-bit integer (its two's
+    /// complement bits), or a binary digest whose last 8 bytes, big-endian,
+    /// are the value (a shorter one is zero-extended on the left).
+    pub fn as_hash(&self) -> Option<u64> {
+        match *self {
+            Head::Uint(v) => Some(v),
+            Head::Int(v) => Some(v as u64),
+            Head::Bin(b) => {
+                let tail = &b[b.len().saturating_sub(8)..];
+                Some(tail.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
+            }
+            _ => None,
+        }
+    }
 }
 
 /// A cursor over one msgpack document.
@@ -236,65 +260,6 @@ impl<'a> Reader<'a> {
             }),
         }
     }
-
-    /// An array's length, or `None` for nil.
-    pub fn array_or_nil(&mut self, what: &'static str) -> Result<Option<usize>, DecodeError> {
-        match self.head()? {
-            Head::Array(n) => Ok(Some(n)),
-            Head::Nil => Ok(None),
-            other => Err(DecodeError::Type {
-                expected: what,
-                found: other.name(),
-            }),
-        }
-    }
-
-    /// An integer that fits `i64` (or nil).
-    pub fn int_or_nil(&mut self, what: &'static str) -> Result<Option<i64>, DecodeError> {
-        match self.head()? {
-            Head::Nil => Ok(None),
-            Head::Int(v) => Ok(Some(v)),
-            Head::Uint(v) => i64::try_from(v)
-                .map(Some)
-                .map_err(|_| DecodeError::Range(what)),
-            other => Err(DecodeError::Type {
-                expected: what,
-                found: other.name(),
-            }),
-        }
-    }
-
-    /// A string (or nil).
-    pub fn str_or_nil(&mut self, what: &'static str) -> Result<Option<&'a str>, DecodeError> {
-        match self.head()? {
-            Head::Nil => Ok(None),
-            Head::Str(s) => std::str::from_utf8(s)
-                .map(Some)
-                .map_err(|_| DecodeError::Utf8),
-            other => Err(DecodeError::Type {
-                expected: what,
-                found: other.name(),
-            }),
-        }
-    }
-
-    /// A block hash: an unsigned or signed 64-bit integer (its two's
-    /// complement bits), or a binary digest whose last 8 bytes, big-endian,
-    /// are the value (a shorter one is zero-extended on the left).
-    pub fn block_hash(&mut self) -> Result<u64, DecodeError> {
-        match self.head()? {
-            Head::Uint(v) => Ok(v),
-            Head::Int(v) => Ok(v as u64),
-            Head::Bin(b) => {
-                let tail = &b[b.len().saturating_sub(8)..];
-                Ok(tail.iter().fold(0u64, |acc, &x| (acc << 8) | u64::from(x)))
-            }
-            other => Err(DecodeError::Type {
-                expected: "a block hash (integer or bytes)",
-                found: other.name(),
-            }),
-        }
-    }
 }
 
 #[cfg(test)]
@@ -312,10 +277,10 @@ mod tests {
         assert_eq!(r.array("a list").unwrap(), 6);
         assert_eq!(r.head().unwrap(), Head::Uint(1));
         assert_eq!(r.head().unwrap(), Head::Int(-1));
-        assert_eq!(r.int_or_nil("n").unwrap(), Some(300));
-        assert_eq!(r.str_or_nil("s").unwrap(), Some("ab"));
-        assert_eq!(r.str_or_nil("s").unwrap(), None);
-        assert_eq!(r.block_hash().unwrap(), u64::MAX);
+        assert_eq!(r.head().unwrap().as_int(), Some(300));
+        assert_eq!(r.head().unwrap(), Head::Str(b"ab"));
+        assert_eq!(r.head().unwrap(), Head::Nil);
+        assert_eq!(r.head().unwrap().as_hash(), Some(u64::MAX));
         assert_eq!(r.remaining(), 0);
     }
 
@@ -325,12 +290,22 @@ mod tests {
         digest.extend([7u8; 24]);
         digest.extend(0x0102_0304_0506_0708u64.to_be_bytes());
         assert_eq!(
-            Reader::new(&digest).block_hash().unwrap(),
+            Reader::new(&digest).head().unwrap().as_hash().unwrap(),
             0x0102_0304_0506_0708
         );
         let neg = [0xd3, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xfe];
-        assert_eq!(Reader::new(&neg).block_hash().unwrap(), u64::MAX - 1);
-        assert_eq!(Reader::new(&[0xc4, 2, 1, 2]).block_hash().unwrap(), 0x0102);
+        assert_eq!(
+            Reader::new(&neg).head().unwrap().as_hash().unwrap(),
+            u64::MAX - 1
+        );
+        assert_eq!(
+            Reader::new(&[0xc4, 2, 1, 2])
+                .head()
+                .unwrap()
+                .as_hash()
+                .unwrap(),
+            0x0102
+        );
     }
 
     #[test]

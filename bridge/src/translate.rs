@@ -246,19 +246,30 @@ impl Translator {
         Ok(hash::block_seed(s.lora_name, salt))
     }
 
-    fn stored(&mut self, s: &Stored<'_>, sink: &mut impl Sink) {
-        let n = s.hashes.len() as u64;
-        let Some(tier) = tier_of(s.medium) else {
-            let medium = s.medium.unwrap_or_default().to_owned();
-            return self.skip(notice::UNKNOWN_MEDIUM, 1, || {
+    /// The tier an event's blocks live in, or `None` (counted) when kvedge
+    /// does not read them: an unknown medium, another KV cache group.
+    fn placement(&mut self, medium: Option<&str>, group_idx: Option<i64>) -> Option<Tier> {
+        let Some(tier) = tier_of(medium) else {
+            let medium = medium.unwrap_or_default().to_owned();
+            self.skip(notice::UNKNOWN_MEDIUM, 1, || {
                 format!("blocks on medium `{medium}` are skipped (kvedge knows GPU, CPU and DISK/STORAGE)")
             });
+            return None;
         };
-        if s.group_idx.is_some_and(|g| g != 0) {
-            return self.skip(notice::OTHER_GROUP, 1, || {
+        if group_idx.is_some_and(|g| g != 0) {
+            self.skip(notice::OTHER_GROUP, 1, || {
                 "events of KV cache groups other than 0 (a hybrid model's other attention types) are skipped".into()
             });
+            return None;
         }
+        Some(tier)
+    }
+
+    fn stored(&mut self, s: &Stored<'_>, sink: &mut impl Sink) {
+        let n = s.hashes.len() as u64;
+        let Some(tier) = self.placement(s.medium, s.group_idx) else {
+            return;
+        };
         let bs = self.block_size;
         if let Some(got) = s.block_size
             && got != i64::from(bs)
@@ -343,17 +354,9 @@ impl Translator {
     }
 
     fn removed(&mut self, r: &Removed<'_>, sink: &mut impl Sink) {
-        let Some(tier) = tier_of(r.medium) else {
-            let medium = r.medium.unwrap_or_default().to_owned();
-            return self.skip(notice::UNKNOWN_MEDIUM, 1, || {
-                format!("blocks on medium `{medium}` are skipped (kvedge knows GPU, CPU and DISK/STORAGE)")
-            });
+        let Some(tier) = self.placement(r.medium, r.group_idx) else {
+            return;
         };
-        if r.group_idx.is_some_and(|g| g != 0) {
-            return self.skip(notice::OTHER_GROUP, 1, || {
-                "events of KV cache groups other than 0 are skipped".into()
-            });
-        }
         self.removed.clear();
         let mut unknown = 0;
         for engine in r.hashes {
