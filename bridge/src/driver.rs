@@ -379,6 +379,39 @@ async fn probe(endpoint: &str) -> bool {
     )
 }
 
+/// When the engine was last heard (an event, a scrape, an accepted probe
+/// or connection), and whether the rank has declared it silent.
+#[derive(Debug, Default)]
+struct Liveness {
+    heard: Option<Instant>,
+    silent: bool,
+}
+
+impl Liveness {
+    fn hear(&mut self, rank: &EngineRank) {
+        self.heard = Some(Instant::now());
+        if std::mem::take(&mut self.silent) {
+            info!(
+                worker = rank.worker_id,
+                dp_rank = rank.dp_rank,
+                "engine heard again"
+            );
+        }
+    }
+
+    fn alive(&self, now: Instant, timeout: Duration) -> bool {
+        self.heard.is_some_and(|h| now.duration_since(h) < timeout)
+    }
+
+    /// Whether the engine has just gone silent (once per silence, and only
+    /// after it was heard at all).
+    fn goes_silent(&mut self, now: Instant, timeout: Duration) -> bool {
+        let fresh = !self.silent && self.heard.is_some() && !self.alive(now, timeout);
+        self.silent |= fresh;
+        fresh
+    }
+}
+
 fn monotonic_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
@@ -404,8 +437,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
     let mut last_message = Instant::now();
     let mut last_probe = Instant::now();
     let mut probe_failed = false;
-    let mut heard: Option<Instant> = None;
-    let mut silent = false;
+    let mut liveness = Liveness::default();
     let mut sub_problem_logged = false;
     let mut reported = Reported::default();
     let mut scraper_gone = false;
@@ -418,7 +450,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                     sub = Some(s);
                     last_message = Instant::now();
                     if !rank.events_bind {
-                        heard = Some(Instant::now());
+                        liveness.hear(&rank);
                     }
                     sub_problem_logged = false;
                 }
@@ -450,11 +482,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                     }
                 };
                 last_message = Instant::now();
-                heard = Some(last_message);
-                if silent {
-                    silent = false;
-                    info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
-                }
+                liveness.hear(&rank);
                 match frames(&msg) {
                     Ok((seq, payload)) => {
                         if let Live::Replay { from } = feed.handle_live(seq, &payload, &mut Ring(&mut publisher)) {
@@ -477,11 +505,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                 let scraped = loads.borrow_and_update().clone();
                 match scraped {
                     Scraped::Read(reading) => {
-                        heard = Some(Instant::now());
-                        if silent {
-                            silent = false;
-                            info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
-                        }
+                        liveness.hear(&rank);
                         let _ = publisher.publish_load(&scrape::load(&reading, monotonic_ns(start)));
                         if let Some(bs) = reading.block_size
                             && bs != u64::from(rank.block_size)
@@ -508,11 +532,9 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
             }
             _ = tick.tick() => {
                 let now = Instant::now();
-                let alive = heard.is_some_and(|h| now.duration_since(h) < timeout);
-                if alive {
+                if liveness.alive(now, timeout) {
                     let _ = publisher.heartbeat(monotonic_ns(start));
-                } else if !silent && heard.is_some() {
-                    silent = true;
+                } else if liveness.goes_silent(now, timeout) {
                     let message = format!("no events, metrics or connection from the engine for {timeout:?}: its blocks were dropped and it is out of routing until it is heard again");
                     warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
                     feed.forget(&mut Ring(&mut publisher));
@@ -526,11 +548,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                 {
                     last_probe = now;
                     if probe(&rank.events).await {
-                        heard = Some(Instant::now());
-                        if silent {
-                            silent = false;
-                            info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
-                        }
+                        liveness.hear(&rank);
                         if std::mem::take(&mut probe_failed) {
                             debug!(worker = rank.worker_id, "events socket is back; re-opening");
                             sub = None;
