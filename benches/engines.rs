@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use kvedge_bridge::decode::Decoder;
+use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_bridge::translate::{Sink, Translator};
 use kvedge_core::config::Config;
 use kvedge_core::index::{KvIndex, Slot};
@@ -33,31 +34,17 @@ use zeromq::{Socket, SocketSend, ZmqMessage};
 
 const BLOCK: u32 = 16;
 
-/// `[ts, [["BlockStored", hashes, parent, tokens, 16, nil, "GPU"]], 0]`.
+/// One batch of one `BlockStored` event in vLLM's positional layout.
 fn stored_batch(hashes: &[u64], parent: Option<u64>, tokens: &[u32]) -> Vec<u8> {
-    use rmp::encode::*;
     let mut b = Vec::new();
-    write_array_len(&mut b, 3).unwrap();
-    write_f64(&mut b, 1.0).unwrap();
-    write_array_len(&mut b, 1).unwrap();
-    write_array_len(&mut b, 7).unwrap();
-    write_str(&mut b, "BlockStored").unwrap();
-    write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for &h in hashes {
-        write_uint(&mut b, h).unwrap();
-    }
-    match parent {
-        Some(p) => drop(write_uint(&mut b, p).unwrap()),
-        None => write_nil(&mut b).unwrap(),
-    }
-    write_array_len(&mut b, tokens.len() as u32).unwrap();
-    for &t in tokens {
-        write_uint(&mut b, t.into()).unwrap();
-    }
-    write_uint(&mut b, BLOCK.into()).unwrap();
-    write_nil(&mut b).unwrap();
-    write_str(&mut b, "GPU").unwrap();
-    write_uint(&mut b, 0).unwrap();
+    let event = EventOut::Stored {
+        hashes,
+        parent,
+        tokens,
+        block_size: BLOCK,
+        medium: "GPU",
+    };
+    write_batch(&mut b, 1.0, &[event], Layout::Array, Some(0));
     b
 }
 

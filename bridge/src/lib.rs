@@ -5,7 +5,7 @@
 //! needs nothing new.
 //!
 //! - [`msgpack`] and [`decode`]: the payload, both layouts, without
-//!   allocating.
+//!   allocating; [`encode`] writes it (mock engines, tests, benches).
 //! - [`translate`]: the engine's block hashes to kvedge's, recomputed from
 //!   token ids; mismatches counted, never indexed.
 //! - [`feed`]: sequence numbers, gaps and replays, restarts, without I/O.
@@ -16,6 +16,7 @@
 
 pub mod decode;
 pub mod driver;
+pub mod encode;
 pub mod feed;
 pub mod msgpack;
 pub mod scrape;

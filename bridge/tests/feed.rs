@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Out, Recorder, batch, removed, stored};
+use common::{Out, Recorder, batch, raw_batch, removed, stored};
 use kvedge_bridge::decode::Decoder;
 use kvedge_bridge::feed::{Feed, Live};
 use kvedge_bridge::translate::Translator;
@@ -160,9 +160,9 @@ fn hostile_payloads_are_counted_and_change_nothing() {
         vec![0xc1],                      // reserved byte
         events_not_list,
         huge,
-        vec![0x91; 100_000],                   // nested far too deep
-        batch(&[hashes_as_strings]),           // a field of the wrong type
-        batch(&[b"\x92\xa3Foo\x01".to_vec()]), // unknown event tag
+        vec![0x91; 100_000],                       // nested far too deep
+        raw_batch(&[hashes_as_strings]),           // a field of the wrong type
+        raw_batch(&[b"\x92\xa3Foo\x01".to_vec()]), // unknown event tag
         wrong_types,
     ];
     for (i, payload) in cases.iter().enumerate() {

@@ -167,3 +167,67 @@ fn a_wrong_block_size_is_counted_and_never_indexed() {
         "{first:?}"
     );
 }
+
+#[test]
+fn kvedge_writes_the_array_layout_byte_for_byte_as_msgspec() {
+    use kvedge_bridge::encode::{EventOut, Layout, write_batch};
+    let first = tokens(100..132);
+    let second = tokens(132..148);
+    let mut out = Vec::new();
+    write_batch(
+        &mut out,
+        1767225600.25,
+        &[
+            EventOut::Stored {
+                hashes: &[BIG, 7],
+                parent: None,
+                tokens: &first,
+                block_size: 16,
+                medium: "GPU",
+            },
+            EventOut::Stored {
+                hashes: &[9],
+                parent: Some(7),
+                tokens: &second,
+                block_size: 16,
+                medium: "CPU",
+            },
+            EventOut::Removed {
+                hashes: &[7],
+                medium: "GPU",
+            },
+            EventOut::Cleared,
+        ],
+        Layout::Array,
+        Some(0),
+    );
+    assert_eq!(out, golden("vllm_array_int.msgpack"));
+    // The map layout carries the same events.
+    let mut map = Vec::new();
+    write_batch(
+        &mut map,
+        1.0,
+        &[EventOut::Stored {
+            hashes: &[BIG, 7],
+            parent: None,
+            tokens: &first,
+            block_size: 16,
+            medium: "GPU",
+        }],
+        Layout::Map,
+        None,
+    );
+    let mut t = Translator::new(16, 1 << 20);
+    let mut rec = Recorder::default();
+    Decoder::new()
+        .decode(&map, |e| t.apply(e, &mut rec))
+        .unwrap();
+    assert_eq!(
+        rec.0,
+        [Out::Stored(
+            Tier::Device,
+            sequence_hashes(&first, 16, None, None),
+            SEED
+        )]
+    );
+}

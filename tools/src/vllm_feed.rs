@@ -14,6 +14,7 @@ use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
+use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_shm::messages::{Load, Tier};
 use kvedge_sim::engine::KvEvent;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
@@ -145,7 +146,7 @@ impl VllmFeed {
         if events.is_empty() {
             return Ok(());
         }
-        let payload = Bytes::from(self.encode(events).map_err(|e| e.to_string())?);
+        let payload = Bytes::from(self.encode(events));
         let seq = self.seq;
         self.seq += 1;
         if let Ok(mut b) = self.buffer.lock() {
@@ -162,64 +163,45 @@ impl VllmFeed {
             .map_err(|e| format!("publish: {e}"))
     }
 
-    fn encode(&self, events: &[KvEvent]) -> Result<Vec<u8>, rmp::encode::ValueWriteError> {
-        use rmp::encode::*;
+    fn encode(&self, events: &[KvEvent]) -> Vec<u8> {
         let ts = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
-        let mut b = Vec::with_capacity(256);
-        write_array_len(&mut b, 3)?;
-        write_f64(&mut b, ts)?;
-        write_array_len(&mut b, events.len() as u32)?;
         let medium = |tier: &Tier| if *tier == Tier::Device { "GPU" } else { "CPU" };
-        for e in events {
-            match e {
+        let tokens: Vec<Vec<u32>> = events
+            .iter()
+            .map(|e| match e {
+                KvEvent::Stored { hashes, .. } => hashes
+                    .iter()
+                    .flat_map(|&h| block_tokens(h, self.block_size))
+                    .collect(),
+                KvEvent::Removed { .. } => Vec::new(),
+            })
+            .collect();
+        let out: Vec<EventOut<'_>> = events
+            .iter()
+            .zip(&tokens)
+            .map(|(e, tokens)| match e {
                 KvEvent::Stored {
                     tier,
                     parent,
                     hashes,
-                } => {
-                    write_map_len(&mut b, 6)?;
-                    write_str(&mut b, "type")?;
-                    write_str(&mut b, "BlockStored")?;
-                    write_str(&mut b, "block_hashes")?;
-                    write_array_len(&mut b, hashes.len() as u32)?;
-                    for &h in hashes {
-                        write_uint(&mut b, h)?;
-                    }
-                    write_str(&mut b, "parent_block_hash")?;
-                    match parent {
-                        Some(p) => drop(write_uint(&mut b, *p)?),
-                        None => write_nil(&mut b).map_err(ValueWriteError::InvalidMarkerWrite)?,
-                    }
-                    write_str(&mut b, "token_ids")?;
-                    write_array_len(&mut b, hashes.len() as u32 * self.block_size)?;
-                    for &h in hashes {
-                        for t in block_tokens(h, self.block_size) {
-                            write_uint(&mut b, t.into())?;
-                        }
-                    }
-                    write_str(&mut b, "block_size")?;
-                    write_uint(&mut b, self.block_size.into())?;
-                    write_str(&mut b, "medium")?;
-                    write_str(&mut b, medium(tier))?;
-                }
-                KvEvent::Removed { tier, hashes } => {
-                    write_map_len(&mut b, 3)?;
-                    write_str(&mut b, "type")?;
-                    write_str(&mut b, "BlockRemoved")?;
-                    write_str(&mut b, "block_hashes")?;
-                    write_array_len(&mut b, hashes.len() as u32)?;
-                    for &h in hashes {
-                        write_uint(&mut b, h)?;
-                    }
-                    write_str(&mut b, "medium")?;
-                    write_str(&mut b, medium(tier))?;
-                }
-            }
-        }
-        write_uint(&mut b, 0)?;
-        Ok(b)
+                } => EventOut::Stored {
+                    hashes,
+                    parent: *parent,
+                    tokens,
+                    block_size: self.block_size,
+                    medium: medium(tier),
+                },
+                KvEvent::Removed { tier, hashes } => EventOut::Removed {
+                    hashes,
+                    medium: medium(tier),
+                },
+            })
+            .collect();
+        let mut b = Vec::with_capacity(256);
+        write_batch(&mut b, ts, &out, Layout::Map, Some(0));
+        b
     }
 
     /// The metrics page for the engine's latest load.

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_bridge::translate::Sink;
 use kvedge_shm::messages::{StoredBlock, Tier};
 
@@ -36,53 +37,47 @@ pub fn golden(name: &str) -> Vec<u8> {
     std::fs::read(&path).unwrap_or_else(|e| panic!("{path}: {e}"))
 }
 
-/// A batch in vLLM's positional layout: `events` already encoded.
-pub fn batch(events: &[Vec<u8>]) -> Vec<u8> {
+/// A batch in vLLM's positional layout.
+pub fn batch(events: &[EventOut<'_>]) -> Vec<u8> {
     let mut b = Vec::new();
-    rmp::encode::write_array_len(&mut b, 3).unwrap();
+    write_batch(&mut b, 1.5, events, Layout::Array, None);
+    b
+}
+
+/// A batch around events encoded by hand (hostile ones).
+pub fn raw_batch(events: &[Vec<u8>]) -> Vec<u8> {
+    let mut b = Vec::new();
+    rmp::encode::write_array_len(&mut b, 2).unwrap();
     rmp::encode::write_f64(&mut b, 1.5).unwrap();
     rmp::encode::write_array_len(&mut b, events.len() as u32).unwrap();
     for e in events {
         b.extend_from_slice(e);
     }
-    rmp::encode::write_nil(&mut b).unwrap();
     b
 }
 
-/// `["BlockStored", hashes, parent, tokens, block_size, nil, "GPU"]`.
-pub fn stored(hashes: &[u64], parent: Option<u64>, tokens: &[u32], block_size: u32) -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_array_len(&mut b, 7).unwrap();
-    rmp::encode::write_str(&mut b, "BlockStored").unwrap();
-    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for &h in hashes {
-        rmp::encode::write_uint(&mut b, h).unwrap();
+/// Blocks stored on the GPU.
+pub fn stored<'a>(
+    hashes: &'a [u64],
+    parent: Option<u64>,
+    tokens: &'a [u32],
+    block_size: u32,
+) -> EventOut<'a> {
+    EventOut::Stored {
+        hashes,
+        parent,
+        tokens,
+        block_size,
+        medium: "GPU",
     }
-    match parent {
-        Some(p) => drop(rmp::encode::write_uint(&mut b, p).unwrap()),
-        None => rmp::encode::write_nil(&mut b).unwrap(),
-    }
-    rmp::encode::write_array_len(&mut b, tokens.len() as u32).unwrap();
-    for &t in tokens {
-        rmp::encode::write_uint(&mut b, t.into()).unwrap();
-    }
-    rmp::encode::write_uint(&mut b, block_size.into()).unwrap();
-    rmp::encode::write_nil(&mut b).unwrap();
-    rmp::encode::write_str(&mut b, "GPU").unwrap();
-    b
 }
 
-/// `["BlockRemoved", hashes, "GPU"]`.
-pub fn removed(hashes: &[u64]) -> Vec<u8> {
-    let mut b = Vec::new();
-    rmp::encode::write_array_len(&mut b, 3).unwrap();
-    rmp::encode::write_str(&mut b, "BlockRemoved").unwrap();
-    rmp::encode::write_array_len(&mut b, hashes.len() as u32).unwrap();
-    for &h in hashes {
-        rmp::encode::write_uint(&mut b, h).unwrap();
+/// Blocks removed from the GPU.
+pub fn removed(hashes: &[u64]) -> EventOut<'_> {
+    EventOut::Removed {
+        hashes,
+        medium: "GPU",
     }
-    rmp::encode::write_str(&mut b, "GPU").unwrap();
-    b
 }
 
 /// A sink that only counts (allocation-free).
