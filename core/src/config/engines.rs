@@ -263,13 +263,21 @@ pub(crate) fn validate(engines: &[EngineSpec], max_workers: usize) -> Result<(),
 pub(crate) fn item_lines(source: &str) -> Vec<usize> {
     let mut lines = Vec::new();
     let mut inside = false;
+    // The indentation of the section's items (that of the first one), so
+    // that lists nested inside an item are not taken for items.
+    let mut item_indent = None;
     for (n, line) in source.lines().enumerate() {
         let trimmed = line.trim_start();
-        if !line.starts_with(' ') && !line.starts_with('-') && !trimmed.is_empty() {
-            inside = line.starts_with("engines:");
+        if trimmed.is_empty() || trimmed.starts_with('#') {
             continue;
         }
-        if inside && trimmed.starts_with("- ") && line.len() - trimmed.len() <= 2 {
+        let indent = line.len() - trimmed.len();
+        if indent == 0 && !trimmed.starts_with('-') {
+            inside = trimmed.starts_with("engines:");
+            item_indent = None;
+            continue;
+        }
+        if inside && trimmed.starts_with('-') && *item_indent.get_or_insert(indent) == indent {
             lines.push(n + 1);
         }
     }
@@ -348,5 +356,8 @@ mod tests {
     fn item_lines_find_block_style_entries() {
         let src = "daemon: {}\nengines:\n  - kind: vllm\n    model: a\n  - kind: sglang\nlog: {}\n";
         assert_eq!(item_lines(src), [3, 5]);
+        // Any indentation, comments at the margin, lists inside an item.
+        let src = "engines:\n    - kind: vllm\n# a comment\n      taints:\n        - x\n    - kind: sglang\n";
+        assert_eq!(item_lines(src), [2, 6]);
     }
 }
