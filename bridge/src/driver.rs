@@ -53,6 +53,11 @@ const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
 /// Largest payload accepted (a batch of a few thousand blocks is ~100 KB).
 pub const MAX_PAYLOAD: usize = 64 << 20;
+/// Largest metrics page read (vLLM's is tens of kilobytes).
+const MAX_METRICS_PAGE: usize = 16 << 20;
+/// Most messages one replay may send (vLLM buffers 10,000 batches); an
+/// engine that sends more is cut off and the replay counts as failed.
+const MAX_REPLAY_MESSAGES: usize = 100_000;
 /// The replay end marker's sequence number.
 const END_SEQ: [u8; 8] = [0xff; 8];
 
@@ -194,7 +199,7 @@ async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scr
     loop {
         tick.tick().await;
         let text = match client.get(&url).send().await {
-            Ok(r) if r.status().is_success() => r.text().await.map_err(|e| e.to_string()),
+            Ok(r) if r.status().is_success() => read_page(r).await,
             Ok(r) => Err(format!("HTTP {}", r.status())),
             Err(e) => Err(e.to_string()),
         };
@@ -216,6 +221,18 @@ async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scr
             let _ = tx.send(scraped);
         }
     }
+}
+
+/// A metrics page, refused past [`MAX_METRICS_PAGE`] bytes.
+async fn read_page(mut response: reqwest::Response) -> Result<String, String> {
+    let mut page = Vec::new();
+    while let Some(chunk) = response.chunk().await.map_err(|e| e.to_string())? {
+        if page.len() + chunk.len() > MAX_METRICS_PAGE {
+            return Err(format!("a metrics page over {MAX_METRICS_PAGE} bytes"));
+        }
+        page.extend_from_slice(&chunk);
+    }
+    String::from_utf8(page).map_err(|_| "a metrics page that is not UTF-8".to_owned())
 }
 
 /// The ring side of a rank: translated events become ring records.
@@ -340,7 +357,7 @@ async fn replay(endpoint: &str, from: u64, feed: &mut Feed, publisher: &mut Publ
     if dealer.send(ask).await.is_err() {
         return false;
     }
-    loop {
+    for _ in 0..MAX_REPLAY_MESSAGES {
         let msg = match tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv()).await {
             Ok(Ok(m)) => m,
             _ => return false,
@@ -358,8 +375,12 @@ async fn replay(endpoint: &str, from: u64, feed: &mut Feed, publisher: &mut Publ
             return true;
         }
         let Ok(seq) = seq_of(seq) else { return false };
+        if payload.len() > MAX_PAYLOAD {
+            return false;
+        }
         feed.handle_replayed(seq, payload, &mut Ring(publisher));
     }
+    false
 }
 
 /// Whether something accepts connections at `endpoint` (the engine's PUB
@@ -629,5 +650,52 @@ fn flush_notices(
             };
             let _ = publisher.publish_notice(code, n, message);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::{Read, Write};
+
+    /// Serves one HTTP response with a `len`-byte body; returns its URL.
+    fn serve_once(len: usize) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/metrics", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            let (mut s, _) = listener.accept().unwrap();
+            let mut head = [0u8; 1024];
+            let _ = s.read(&mut head);
+            let _ = write!(s, "HTTP/1.1 200 OK\r\nContent-Length: {len}\r\n\r\n");
+            let line = b"vllm:num_requests_running 1\n";
+            let mut sent = 0;
+            while sent < len {
+                let n = line.len().min(len - sent);
+                if s.write_all(&line[..n]).is_err() {
+                    return;
+                }
+                sent += n;
+            }
+        });
+        url
+    }
+
+    #[tokio::test]
+    async fn a_metrics_page_is_read_up_to_its_limit() {
+        let client = reqwest::Client::new();
+        let small = client.get(serve_once(1000)).send().await.unwrap();
+        assert!(
+            read_page(small)
+                .await
+                .unwrap()
+                .starts_with("vllm:num_requests_running 1")
+        );
+        let huge = client
+            .get(serve_once(MAX_METRICS_PAGE + 1))
+            .send()
+            .await
+            .unwrap();
+        let err = read_page(huge).await.unwrap_err();
+        assert!(err.contains("over 16777216 bytes"), "{err}");
     }
 }
