@@ -439,8 +439,11 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
         (r["worker_id"].as_u64(), r["endpoint"].as_str()),
         (Some(5), Some("http://five"))
     );
-    let workers = c.ask(json!({"op": "workers"}));
-    assert_eq!(workers["workers"][0]["active_requests"], 2);
+    // The load record follows the blocks; it may land a turn later.
+    wait_for(
+        || c.ask(json!({"op": "workers"}))["workers"][0]["active_requests"] == 2,
+        "the published load",
+    );
     // SIGKILL: the kernel closes its control connection; its blocks stop
     // counting at once.
     publish.kill().unwrap();

@@ -455,6 +455,10 @@ impl Core {
             reload_failures: c.reload_failures,
             refused_connections: c.refused_connections,
             refused_registrations: c.refused_registrations,
+            dropped_connections: crate::ClientDrop::ALL
+                .iter()
+                .map(|&d| (d.as_str(), c.dropped_clients[d as usize]))
+                .collect(),
         }
     }
 

@@ -9,6 +9,7 @@ use kvedge_shm::control::PeerCred;
 use kvedge_wire::{ErrorReply, Status};
 
 use crate::routing::Core;
+use crate::warn::Warn;
 
 /// A handle on one query connection, given by the core when it admits the
 /// connection; stale once the client is gone.
@@ -16,6 +17,29 @@ use crate::routing::Core;
 pub struct ClientId {
     pub(crate) index: u32,
     pub(crate) generation: u32,
+}
+
+/// Why a driver dropped a query connection (the index of its counter).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ClientDrop {
+    /// Its replies waited unread past `daemon.max_reply_backlog_bytes`.
+    SlowReader = 0,
+    /// It held the most unfinished input when all connections' together
+    /// passed `daemon.max_input_backlog_bytes`.
+    InputBudget = 1,
+}
+
+impl ClientDrop {
+    /// Every reason, in counter order.
+    pub const ALL: [ClientDrop; 2] = [ClientDrop::SlowReader, ClientDrop::InputBudget];
+
+    /// The reason's label in metrics.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            ClientDrop::SlowReader => "slow_reader",
+            ClientDrop::InputBudget => "input_backlog",
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -37,8 +61,9 @@ impl Core {
     ) -> Result<ClientId, ErrorReply<'static>> {
         if let Err(refusal) = self.admission(peer) {
             self.counters.refused_connections += 1;
-            self.log_refusal(
+            self.warn(
                 now,
+                Warn::ClientRefused,
                 format_args!(
                     "query connection refused ({}): {}",
                     refusal.status, refusal.message
@@ -97,6 +122,31 @@ impl Core {
     /// Client `id`'s connection closed.
     pub fn handle_client_closed(&mut self, id: ClientId) {
         self.clients.remove(id.index, id.generation);
+    }
+
+    /// Client `id`'s driver dropped it (`why`): counted, logged (rate
+    /// limited) and forgotten, like a close.
+    pub fn handle_client_dropped(&mut self, now: Instant, id: ClientId, why: ClientDrop) {
+        if self.clients.remove(id.index, id.generation).is_none() {
+            return;
+        }
+        self.counters.dropped_clients[why as usize] += 1;
+        let d = &self.config.daemon;
+        let (limit, what) = match why {
+            ClientDrop::SlowReader => (
+                d.max_reply_backlog_bytes,
+                "its unread replies passed daemon.max_reply_backlog_bytes",
+            ),
+            ClientDrop::InputBudget => (
+                d.max_input_backlog_bytes,
+                "unfinished requests of all connections passed daemon.max_input_backlog_bytes, and it held the most",
+            ),
+        };
+        self.warn(
+            now,
+            Warn::ClientDropped,
+            format_args!("query connection dropped: {what} ({limit} bytes)"),
+        );
     }
 
     pub(crate) fn client_mut(&mut self, id: ClientId) -> Option<&mut Client> {

@@ -43,6 +43,8 @@ pub(crate) struct Counters {
     pub reload_failures: u64,
     pub refused_registrations: u64,
     pub refused_connections: u64,
+    /// Query connections dropped by their driver, by [`crate::ClientDrop`].
+    pub dropped_clients: [u64; 2],
     /// Ring records applied, by [`EVENT_KINDS`] index.
     pub events: [u64; 8],
     /// Records found missing in rings.

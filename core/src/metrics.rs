@@ -45,6 +45,8 @@ pub struct Snapshot {
     pub reload_failures: u64,
     pub refused_connections: u64,
     pub refused_registrations: u64,
+    /// (reason, query connections dropped by the daemon for it).
+    pub dropped_connections: Vec<(&'static str, u64)>,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -52,6 +54,11 @@ struct SelectionLabels {
     policy: String,
     rule: String,
     outcome: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    reason: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -187,7 +194,12 @@ pub fn render(s: &Snapshot) -> String {
         "Registered workers available for routing",
         gauge(s.workers.iter().filter(|w| w.available).count() as u64),
     );
-    let per_worker: [(&str, &str, WorkerValue); 6] = [
+    let per_worker: [(&str, &str, WorkerValue); 7] = [
+        (
+            "worker_in_sync",
+            "1 when the worker's view of its cache is complete; 0 while a resync snapshot is asked for or arriving (its view then counts as empty)",
+            |w| u64::from(w.state == "live"),
+        ),
         (
             "worker_active_requests",
             "Active requests (report plus projection)",
@@ -280,6 +292,19 @@ pub fn render(s: &Snapshot) -> String {
         "refused_connections",
         "Query connections refused (limit or credentials)",
         counter(s.refused_connections),
+    );
+    let dropped = Family::<ReasonLabels, Counter>::default();
+    for (reason, n) in &s.dropped_connections {
+        dropped
+            .get_or_create(&ReasonLabels {
+                reason: (*reason).to_owned(),
+            })
+            .inc_by(*n);
+    }
+    r.register(
+        "dropped_connections",
+        "Query connections the daemon dropped (slow_reader: replies left unread; input_backlog: unfinished requests over the budget)",
+        dropped,
     );
     r.register(
         "refused_registrations",

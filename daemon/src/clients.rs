@@ -7,9 +7,9 @@
 use std::io::{self, Read, Write};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
-use kvedge_core::{ClientId, Core};
+use kvedge_core::{ClientDrop, ClientId, Core};
 use kvedge_shm::channel::{self as query_channel, ServerChannel};
 use kvedge_shm::{Consumer, RingError};
 use kvedge_wire::framing::{self, Mode, Next};
@@ -22,6 +22,19 @@ use crate::poller::Poller;
 /// client cannot starve the rest.
 const RING_REQUESTS_PER_TURN: usize = 64;
 
+/// A connection's input buffer keeps at most this much capacity once it
+/// is empty; a larger one (a large request came) is given back.
+const KEPT_INPUT_CAPACITY: usize = 64 * 1024;
+
+/// Why a connection leaves at the end of its turn.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum End {
+    /// It closed, failed, or was closed after an error reply.
+    Closed,
+    /// The daemon drops it (counted, logged).
+    Dropped(ClientDrop),
+}
+
 /// One query connection.
 #[derive(Debug)]
 struct ClientConn {
@@ -29,6 +42,13 @@ struct ClientConn {
     stream: UnixStream,
     /// Bytes received and not yet cut into requests.
     buf: Vec<u8>,
+    /// Reply bytes the socket has not taken yet (the client is slow to
+    /// read); bounded by `daemon.max_reply_backlog_bytes`.
+    out: Vec<u8>,
+    /// The poller also reports this socket writable (while `out` holds
+    /// bytes).
+    writing: bool,
+    /// Readable, or writable while `writing`, at the last check.
     readable: bool,
     mode: Mode,
     /// The query channel this connection attached, if any.
@@ -47,6 +67,8 @@ pub(crate) struct Clients {
     scratch: Vec<u8>,
     /// The reply being written (retained).
     reply: Vec<u8>,
+    /// The bytes of every connection's `buf`, together.
+    input_backlog: usize,
 }
 
 impl Clients {
@@ -56,6 +78,7 @@ impl Clients {
             conns: Vec::new(),
             scratch: vec![0; 16384],
             reply: Vec::with_capacity(4096),
+            input_backlog: 0,
         }
     }
 
@@ -113,6 +136,8 @@ impl Clients {
                 id,
                 stream,
                 buf: Vec::with_capacity(4096),
+                out: Vec::new(),
+                writing: false,
                 readable: true,
                 mode: Mode::Unknown,
                 rings: None,
@@ -122,7 +147,10 @@ impl Clients {
     }
 
     /// Reads every readable connection and answers its complete requests,
-    /// then the requests in its query channel, if any.
+    /// then the requests in its query channel, if any. Replies are written
+    /// without waiting: what a slow client's socket does not take waits in
+    /// its own buffer, and a client that lets it pass the backlog limit is
+    /// dropped, so no client waits for another.
     pub fn serve(
         &mut self,
         core: &mut Core,
@@ -131,18 +159,30 @@ impl Clients {
         now: Instant,
     ) -> bool {
         let mut any = false;
-        let limit = core.config().daemon.max_frame_bytes;
+        let limits = Limits::of(core);
         let mut i = 0;
         while i < self.conns.len() {
-            let (read, mut closed) = self.read(i);
+            let mut end = None;
+            if self.conns[i].readable && !self.conns[i].out.is_empty() {
+                any = true;
+                if flush(&mut self.conns[i], poller).is_err() {
+                    end = Some(End::Closed);
+                }
+            }
+            let (read, closed) = self.read(i);
+            if closed {
+                end = end.or(Some(End::Closed));
+            }
             if read {
                 any = true;
                 core.handle_client_active(now, self.conns[i].id);
             }
-            let c = &mut self.conns[i];
-            framing::detect(&mut c.mode, &mut c.buf);
-            closed |= self.serve_requests(i, core, reloader, poller, now, limit);
-            if !closed {
+            if end.is_none() {
+                let c = &mut self.conns[i];
+                framing::detect(&mut c.mode, &mut c.buf);
+                end = self.serve_requests(i, core, reloader, poller, now, limits);
+            }
+            if end.is_none() {
                 match self.serve_ring(i, core, reloader, now) {
                     Ok(served) => any |= served,
                     Err(e) => {
@@ -150,19 +190,44 @@ impl Clients {
                             "a query channel's request ring is broken, closing its connection: {e}"
                         );
                         any = true;
-                        closed = true;
+                        end = Some(End::Closed);
                     }
                 }
             }
-            if closed {
-                let c = self.conns.swap_remove(i);
-                core.handle_client_closed(c.id);
-                unwatch(poller, &c);
-            } else {
-                i += 1;
+            match end {
+                Some(end) => {
+                    self.remove(i, end, core, poller, now);
+                    any = true;
+                }
+                None => i += 1,
             }
         }
+        // Unfinished requests over the budget: the connection holding the
+        // most goes (a slowloris, not the many clients with a few bytes).
+        while self.input_backlog > limits.input_backlog {
+            let Some(worst) = (0..self.conns.len()).max_by_key(|&j| self.conns[j].buf.len()) else {
+                break;
+            };
+            self.remove(
+                worst,
+                End::Dropped(ClientDrop::InputBudget),
+                core,
+                poller,
+                now,
+            );
+        }
         any
+    }
+
+    /// Takes connection `i` out of the loop and tells the core why.
+    fn remove(&mut self, i: usize, end: End, core: &mut Core, poller: &Poller, now: Instant) {
+        let c = self.conns.swap_remove(i);
+        self.input_backlog -= c.buf.len();
+        match end {
+            End::Closed => core.handle_client_closed(c.id),
+            End::Dropped(why) => core.handle_client_dropped(now, c.id, why),
+        }
+        unwatch(poller, &c);
     }
 
     /// Reads what connection `i` sent; returns whether anything arrived
@@ -177,6 +242,7 @@ impl Clients {
                 Ok(n) => {
                     read = true;
                     c.buf.extend_from_slice(&chunk[..n]);
+                    self.input_backlog += n;
                     // A short read drained the socket: skip the read that
                     // would only say EAGAIN (a system call per request).
                     // Anything newer shows at the next readiness check
@@ -193,7 +259,7 @@ impl Clients {
     }
 
     /// Answers every complete request of connection `i` (JSON lines or
-    /// binary frames); returns whether the connection must close.
+    /// binary frames); returns why the connection must go, if it must.
     fn serve_requests(
         &mut self,
         i: usize,
@@ -201,19 +267,19 @@ impl Clients {
         reloader: &mut Option<Reloader>,
         poller: &Poller,
         now: Instant,
-        limit: usize,
-    ) -> bool {
+        limits: Limits,
+    ) -> Option<End> {
         let c = &mut self.conns[i];
         let mode = c.mode;
         let buf = std::mem::take(&mut c.buf);
         let mut consumed = 0;
-        let mut closed = false;
+        let mut end = None;
         loop {
-            match framing::next(mode, &buf[consumed..], limit) {
+            match framing::next(mode, &buf[consumed..], limits.frame) {
                 Next::NeedMore => break,
                 Next::TooLarge => {
-                    let _ = write_reply(&mut c.stream, &framing::too_large(mode, limit));
-                    closed = true;
+                    let _ = queue(c, &framing::too_large(mode, limits.frame), &limits, poller);
+                    end = Some(End::Closed);
                     break;
                 }
                 Next::Request { body, used } => {
@@ -222,15 +288,15 @@ impl Clients {
                     if mode == Mode::Binary
                         && body.get(..2) == Some(&binary::op::ATTACH_RINGS.to_le_bytes()[..])
                     {
-                        if attach_rings(c, body, core, poller, now).is_err() {
-                            closed = true;
+                        if let Err(e) = attach_rings(c, body, core, poller, now, &limits) {
+                            end = Some(e);
                             break;
                         }
                         continue;
                     }
                     dispatch::answer(core, reloader, now, c.id, mode, body, &mut self.reply);
-                    if write_reply(&mut c.stream, &self.reply).is_err() {
-                        closed = true;
+                    if let Err(e) = queue(c, &self.reply, &limits, poller) {
+                        end = Some(e);
                         break;
                     }
                 }
@@ -238,7 +304,11 @@ impl Clients {
         }
         c.buf = buf;
         c.buf.drain(..consumed);
-        closed
+        self.input_backlog -= consumed;
+        if c.buf.is_empty() && c.buf.capacity() > KEPT_INPUT_CAPACITY {
+            c.buf = Vec::with_capacity(4096);
+        }
+        end
     }
 
     /// Answers the requests waiting in connection `i`'s query channel, if
@@ -288,14 +358,53 @@ impl Clients {
         Ok(served)
     }
 
+    /// On the way out: writes what slow readers have not taken yet,
+    /// waiting for their sockets for at most `within`.
+    pub fn flush_all(&mut self, poller: &Poller, within: std::time::Duration) {
+        let deadline = Instant::now() + within;
+        loop {
+            let mut pending = false;
+            for c in &mut self.conns {
+                if !c.out.is_empty() && flush(c, poller).is_ok() {
+                    pending |= !c.out.is_empty();
+                }
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if !pending || left.is_zero() {
+                return;
+            }
+            poller.sleep(left.min(std::time::Duration::from_millis(10)));
+        }
+    }
+
     /// Closes connection `id`, which the core has already forgotten (idle).
     pub fn close(&mut self, id: ClientId, poller: &Poller) -> bool {
         let Some(i) = self.conns.iter().position(|c| c.id == id) else {
             return false;
         };
         let c = self.conns.swap_remove(i);
+        self.input_backlog -= c.buf.len();
         unwatch(poller, &c);
         true
+    }
+}
+
+/// The limits of the configuration in force that bound a connection.
+#[derive(Clone, Copy, Debug)]
+struct Limits {
+    frame: usize,
+    reply_backlog: usize,
+    input_backlog: usize,
+}
+
+impl Limits {
+    fn of(core: &Core) -> Limits {
+        let d = &core.config().daemon;
+        Limits {
+            frame: d.max_frame_bytes,
+            reply_backlog: d.max_reply_backlog_bytes,
+            input_backlog: d.max_input_backlog_bytes,
+        }
     }
 }
 
@@ -311,25 +420,34 @@ fn unwatch(poller: &Poller, c: &ClientConn) {
 /// Answers an `attach_rings` frame: creates the connection's query
 /// channel and sends its four descriptors with the reply, or refuses
 /// (`RingsUnavailable`) and leaves the connection as it was. An error
-/// means the reply could not be sent: close the connection.
+/// means the connection must go.
 fn attach_rings(
     c: &mut ClientConn,
     body: &[u8],
     core: &mut Core,
     poller: &Poller,
     now: Instant,
-) -> io::Result<()> {
+    limits: &Limits,
+) -> Result<(), End> {
     let mut out = Vec::new();
     // Its op is attach_rings (the caller looked); the rest must be right.
     if let Err(e) = binary::decode_request(body) {
         binary::encode_reply(&mut out, &core.handle_undecodable(now, c.id, e));
-        return write_reply(&mut c.stream, &out);
+        return queue(c, &out, limits, poller);
+    }
+    if !c.out.is_empty() {
+        binary::write_error(
+            &mut out,
+            Status::RingsUnavailable,
+            "earlier replies on this connection are still unread; read them, then attach",
+        );
+        return queue(c, &out, limits, poller);
     }
     let grant = match core.handle_attach_rings(now, c.id) {
         Ok(grant) => grant,
         Err(refusal) => {
             binary::write_error(&mut out, refusal.status, &refusal.message);
-            return write_reply(&mut c.stream, &out);
+            return queue(c, &out, limits, poller);
         }
     };
     let rings = match ServerChannel::create(grant.capacity, grant.attach_epoch) {
@@ -342,7 +460,7 @@ fn attach_rings(
                 Status::RingsUnavailable,
                 &format!("the daemon cannot create the rings: {e}"),
             );
-            return write_reply(&mut c.stream, &out);
+            return queue(c, &out, limits, poller);
         }
     };
     binary::encode_reply(
@@ -351,14 +469,14 @@ fn attach_rings(
             capacity: grant.capacity,
         },
     );
-    // The descriptors go with the reply's first byte.
-    let sent = blocking_for_a_second(&mut c.stream, |s| {
-        query_channel::send_with_fds(s, &out, &rings.fds())
-    })
-    .and_then(|()| poller.watch_wake(rings.requests.wake_fd()));
+    // The descriptors go with the reply's first byte, on a socket with
+    // nothing else waiting: it takes a few dozen bytes at once, or the
+    // client is not reading and goes.
+    let sent = query_channel::send_with_fds(&c.stream, &out, &rings.fds())
+        .and_then(|()| poller.watch_wake(rings.requests.wake_fd()));
     if sent.is_err() {
         core.handle_rings_detached(c.id);
-        return sent;
+        return Err(End::Dropped(ClientDrop::SlowReader));
     }
     c.rings = Some(rings);
     Ok(())
@@ -375,30 +493,56 @@ pub(crate) fn send_refusal(stream: &UnixStream, status: Status, message: &str) {
     let _ = rustix::net::send(stream, &line, rustix::net::SendFlags::NOSIGNAL);
 }
 
-/// Writes a reply: straight through when the socket has room (the usual
-/// case), else blocking for at most a second.
-fn write_reply(stream: &mut UnixStream, bytes: &[u8]) -> io::Result<()> {
-    let written = match stream.write(bytes) {
-        Ok(n) => n,
-        Err(e) if e.kind() == io::ErrorKind::WouldBlock => 0,
-        Err(e) => return Err(e),
-    };
-    if written == bytes.len() {
-        return Ok(());
+/// Sends a reply without waiting: straight through when nothing is
+/// pending and the socket has room (the usual case); what the socket does
+/// not take waits in the connection's backlog, written when the poller
+/// says the socket has room. A backlog past its limit drops the client.
+fn queue(c: &mut ClientConn, bytes: &[u8], limits: &Limits, poller: &Poller) -> Result<(), End> {
+    let mut rest = bytes;
+    if c.out.is_empty() {
+        match c.stream.write(bytes) {
+            Ok(n) => rest = &bytes[n..],
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(_) => return Err(End::Closed),
+        }
+        if rest.is_empty() {
+            return Ok(());
+        }
     }
-    blocking_for_a_second(stream, |s| s.write_all(&bytes[written..]))
+    if c.out.len() + rest.len() > limits.reply_backlog {
+        return Err(End::Dropped(ClientDrop::SlowReader));
+    }
+    c.out.extend_from_slice(rest);
+    if !c.writing {
+        poller
+            .want_write(&c.stream, true)
+            .map_err(|_| End::Closed)?;
+        c.writing = true;
+    }
+    Ok(())
 }
 
-/// Runs `send` on `stream` switched to blocking with a one-second write
-/// timeout (a client whose socket is full gets that long), then switches
-/// it back to non-blocking.
-fn blocking_for_a_second<T>(
-    stream: &mut UnixStream,
-    send: impl FnOnce(&mut UnixStream) -> io::Result<T>,
-) -> io::Result<T> {
-    stream.set_nonblocking(false)?;
-    stream.set_write_timeout(Some(Duration::from_secs(1)))?;
-    let result = send(stream);
-    stream.set_nonblocking(true)?;
-    result
+/// Writes as much of connection `c`'s backlog as its socket takes now;
+/// once it is empty the poller stops reporting the socket writable.
+fn flush(c: &mut ClientConn, poller: &Poller) -> io::Result<()> {
+    let mut written = 0;
+    while written < c.out.len() {
+        match c.stream.write(&c.out[written..]) {
+            Ok(0) => return Err(io::ErrorKind::WriteZero.into()),
+            Ok(n) => written += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
+            Err(e) => return Err(e),
+        }
+    }
+    c.out.drain(..written);
+    if c.out.is_empty() {
+        if c.out.capacity() > KEPT_INPUT_CAPACITY {
+            c.out = Vec::new();
+        }
+        if c.writing {
+            poller.want_write(&c.stream, false)?;
+            c.writing = false;
+        }
+    }
+    Ok(())
 }

@@ -9,7 +9,7 @@
 use std::io;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::os::unix::net::{UnixListener, UnixStream};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvedge_core::{Core, EngineId, RegistrationError};
 use kvedge_shm::control::{
@@ -94,11 +94,10 @@ impl Engines {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     any = true;
-                    // A refusal is counted and logged by the core; dropping
-                    // the stream closes it.
-                    let Ok(id) = core.handle_engine_connected(now) else {
-                        continue;
-                    };
+                    // Admitted always; the core may close an older pending
+                    // connection to make room (an output).
+                    let uid = peer_credentials(&stream).ok().map(|c| c.uid);
+                    let id = core.handle_engine_connected(now, uid);
                     if stream.set_nonblocking(true).is_err() || poller.watch(&stream).is_err() {
                         core.handle_engine_closed(now, id, 0);
                         continue;
@@ -210,14 +209,25 @@ impl Engines {
         any
     }
 
-    /// Sends engine `id` a resync request (a few bytes on its control
-    /// connection; a failure shows as a closed connection next turn).
-    pub fn send_resync(&mut self, id: EngineId, request: &ResyncRequest) {
-        if let Some(c) = self.conns.iter().find(|c| c.id == id) {
-            let _ = c.stream.set_nonblocking(false);
-            let _ = c.stream.set_write_timeout(Some(Duration::from_secs(1)));
-            let _ = send_resync(&c.stream, request);
-            let _ = c.stream.set_nonblocking(true);
+    /// Sends engine `id` a resync request: a few bytes on its control
+    /// connection, never waiting. An engine that has let its connection
+    /// fill up (it does not read its resync requests) cannot be brought
+    /// back in sync: the core is told its feed is broken.
+    pub fn send_resync(
+        &mut self,
+        id: EngineId,
+        request: &ResyncRequest,
+        core: &mut Core,
+        now: Instant,
+    ) {
+        if let Some(c) = self.conns.iter().find(|c| c.id == id)
+            && let Err(e) = send_resync(&c.stream, request)
+        {
+            core.handle_engine_broken(
+                now,
+                id,
+                &format_args!("its resync request could not be sent without waiting: {e}"),
+            );
         }
     }
 
@@ -251,10 +261,10 @@ fn handshake(
     poller: &Poller,
     now: Instant,
 ) -> Result<Consumer, HandshakeError> {
+    // The stream stays non-blocking: the Hello has fully arrived, and the
+    // Welcome is a small frame on a fresh connection; a peer that could
+    // make either wait fails its registration instead.
     let stream = &c.stream;
-    stream.set_nonblocking(false)?;
-    stream.set_read_timeout(Some(Duration::from_secs(2)))?;
-    stream.set_write_timeout(Some(Duration::from_secs(2)))?;
     let hello = read_hello(stream).map_err(HandshakeError::Hello)?;
     let welcome = match core.handle_hello(now, c.id, &hello, || peer_credentials(stream)) {
         Ok(w) => w,
@@ -266,7 +276,6 @@ fn handshake(
     let ring = Consumer::create(welcome.ring_capacity, welcome.attach_epoch)
         .map_err(HandshakeError::Ring)?;
     send_welcome(stream, &welcome, &ring).map_err(HandshakeError::Welcome)?;
-    stream.set_nonblocking(true)?;
     poller.watch_wake(ring.wake_fd())?;
     Ok(ring)
 }

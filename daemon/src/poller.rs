@@ -54,6 +54,20 @@ impl Poller {
         Ok(())
     }
 
+    /// Watches socket `fd` (already watched) for writability as well, or
+    /// no longer: a connection with unwritten output wakes the loop when
+    /// its peer makes room, and is reported by [`Poller::take`].
+    pub fn want_write(&self, fd: impl AsFd, on: bool) -> io::Result<()> {
+        let key = fd.as_fd().as_raw_fd() as u64;
+        let flags = if on {
+            epoll::EventFlags::IN | epoll::EventFlags::OUT
+        } else {
+            epoll::EventFlags::IN
+        };
+        epoll::modify(&self.epoll, fd, epoll::EventData::new_u64(key), flags)?;
+        Ok(())
+    }
+
     /// Stops watching `fd` (a socket or a wake eventfd).
     pub fn unwatch(&self, fd: impl AsFd) {
         let _ = epoll::delete(&self.epoll, fd);
@@ -86,7 +100,8 @@ impl Poller {
         }
     }
 
-    /// Whether `fd` was readable at the last check (and forgets it).
+    /// Whether `fd` was readable (or, when asked for, writable) at the
+    /// last check (and forgets it).
     pub fn take(&mut self, fd: BorrowedFd<'_>) -> bool {
         self.ready
             .get_mut(fd.as_raw_fd() as usize)

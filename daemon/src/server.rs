@@ -28,6 +28,8 @@ use crate::poller::Poller;
 /// waking a sleeping thread costs tens of microseconds here, and a busy
 /// engine would otherwise pay it on every burst.
 const SPIN: Duration = Duration::from_micros(200);
+/// How long the way out waits for slow readers to take their replies.
+const DRAIN_WRITES: Duration = Duration::from_secs(1);
 /// The longest sleep: the loop's tick (signals, watchdog) runs at least
 /// this often.
 const MAX_SLEEP: Duration = Duration::from_millis(100);
@@ -177,8 +179,10 @@ impl Server {
                 std::hint::spin_loop();
             }
         }
-        // Drain: answer what the clients already sent.
+        // Drain: answer what the clients already sent, and let slow
+        // readers take their replies (for a second at most).
         self.turn(Instant::now());
+        self.clients.flush_all(&self.poller, DRAIN_WRITES);
         Ok(())
     }
 
@@ -219,7 +223,10 @@ impl Server {
     fn carry_out(&mut self, now: Instant) {
         while let Some(output) = self.core.poll_output() {
             match output {
-                Output::Resync { engine, request } => self.engines.send_resync(engine, &request),
+                Output::Resync { engine, request } => {
+                    self.engines
+                        .send_resync(engine, &request, &mut self.core, now)
+                }
                 Output::CloseEngine(id) => {
                     self.engines.close(id, &mut self.core, &self.poller, now)
                 }

@@ -45,6 +45,12 @@ pub struct DaemonSection {
     pub reservation_ttl_ms: u64,
     pub max_query_connections: usize,
     pub max_frame_bytes: usize,
+    /// Reply bytes a query connection may leave unread; past it the
+    /// connection is dropped (it is not reading), so nobody else waits.
+    pub max_reply_backlog_bytes: usize,
+    /// Bytes of unfinished requests buffered for all query connections
+    /// together; past it the connection holding the most is dropped.
+    pub max_input_backlog_bytes: usize,
     pub idle_timeout_ms: u64,
     /// Engine uids allowed on the control socket (with `allowed_gids`;
     /// both empty: any).
@@ -119,6 +125,8 @@ impl Default for DaemonSection {
             reservation_ttl_ms: 600_000,
             max_query_connections: 1024,
             max_frame_bytes: 1 << 20,
+            max_reply_backlog_bytes: 1 << 20,
+            max_input_backlog_bytes: 64 << 20,
             idle_timeout_ms: 300_000,
             allowed_uids: Vec::new(),
             allowed_gids: Vec::new(),
