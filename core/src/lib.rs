@@ -27,11 +27,12 @@ pub mod metrics;
 pub mod router;
 mod routing;
 mod table;
+mod warn;
 
 pub use answer::{ReloadError, RingsGrant};
-pub use client::ClientId;
+pub use client::{ClientDrop, ClientId};
 pub use engine::{EngineId, EngineState};
 pub use routing::{
-    Core, HEARTBEAT_INTERVAL_MS, MAX_PENDING_REGISTRATIONS, Output, REGISTRATION_DEADLINE,
-    RegistrationError,
+    Core, HEARTBEAT_INTERVAL_MS, MAX_PENDING_PER_UID, MAX_PENDING_REGISTRATIONS, Output,
+    REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, RegistrationError,
 };

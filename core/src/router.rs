@@ -138,6 +138,9 @@ pub struct Router {
     /// since the last load report.
     throughput: [PrefillThroughputEstimator; MAX_WORKERS],
     admitted_tokens: [u64; MAX_WORKERS],
+    /// Workers whose view of their cache is incomplete (a resync snapshot
+    /// is arriving): routable, but their view counts as empty.
+    syncing: u64,
     /// Retained (empty) buffer for the rule candidates of one request, and
     /// what each candidate stands for (a worker slot or a provider index).
     rule_buf: Vec<RuleCandidate<'static>>,
@@ -174,6 +177,7 @@ impl Router {
             rule_policy: None,
             throughput: [PrefillThroughputEstimator::default(); MAX_WORKERS],
             admitted_tokens: [0; MAX_WORKERS],
+            syncing: 0,
             rule_buf: Vec::new(),
             rule_targets: Vec::new(),
             explain_costs: false,
@@ -307,6 +311,7 @@ impl Router {
         self.load.remove_worker(slot);
         self.throughput[free] = PrefillThroughputEstimator::default();
         self.admitted_tokens[free] = 0;
+        self.syncing &= !(1u64 << free);
         self.workers[free] = Some(info);
         Ok(slot)
     }
@@ -315,6 +320,7 @@ impl Router {
     /// reservations and session bindings go at once.
     pub fn unregister(&mut self, slot: Slot) -> Option<WorkerInfo> {
         let info = self.workers[slot.index()].take()?;
+        self.syncing &= !(1u64 << slot.index());
         self.index.remove_worker(slot);
         self.load.remove_worker(slot);
         self.affinity.forget_worker(info.worker.worker_id);
@@ -337,6 +343,24 @@ impl Router {
         if let Some(w) = self.workers[slot.index()].as_mut() {
             w.available = available;
         }
+    }
+
+    /// Marks a worker's view of its cache (in)complete: while a resync
+    /// snapshot arrives, its index entries count as no overlap (a partial
+    /// view would attract requests for prefixes it may not hold, or hide
+    /// ones it does), though it stays routable on load.
+    pub fn set_syncing(&mut self, slot: Slot, syncing: bool) {
+        let bit = 1u64 << slot.index();
+        if syncing {
+            self.syncing |= bit;
+        } else {
+            self.syncing &= !bit;
+        }
+    }
+
+    /// Whether a worker's view is incomplete (see [`Router::set_syncing`]).
+    pub fn syncing(&self, slot: Slot) -> bool {
+        self.syncing & (1u64 << slot.index()) != 0
     }
 
     /// Applies one ring event of the worker in `slot`.
@@ -457,7 +481,8 @@ impl Router {
         }
         // Only the signal groups the policy declared.
         if required.contains(WorkerInputs::CACHE) {
-            self.index.overlap(req.hashes, mask, &mut self.overlap);
+            self.index
+                .overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
         } else {
             self.overlap = Overlap::default();
         }
@@ -557,7 +582,8 @@ impl Router {
                 mask |= 1u64 << i;
             }
         }
-        self.index.overlap(req.hashes, mask, &mut self.overlap);
+        self.index
+            .overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
         // Reuse the retained allocation for this request's candidates.
         let mut candidates: Vec<RuleCandidate<'_>> = std::mem::take(&mut self.rule_buf);
         // What each candidate stands for: a worker slot or a provider index.

@@ -25,11 +25,21 @@ use crate::counters::{Counters, event_kind};
 use crate::engine::{Engine, EngineId, EngineState};
 use crate::router::{RegisterError, Router, WorkerInfo};
 use crate::table::Table;
+use crate::warn::{Warn, Warnings};
 
-/// Engine connections waiting for their Hello at once, at most.
+/// Engine connections waiting for their Hello at once, at most; the
+/// oldest one yields to a new one.
 pub const MAX_PENDING_REGISTRATIONS: usize = 64;
-/// How long a connection on the control socket has to send its Hello.
-pub const REGISTRATION_DEADLINE: Duration = Duration::from_secs(2);
+/// Engine connections of one peer uid waiting for their Hello at once, at
+/// most; that uid's oldest one yields to its new one. A flood from one
+/// user therefore evicts only its own connections.
+pub const MAX_PENDING_PER_UID: usize = 8;
+/// How long a connection on the control socket has to send its Hello (a
+/// real engine sends it as soon as it connects).
+pub const REGISTRATION_DEADLINE: Duration = Duration::from_secs(1);
+/// How long an engine has to begin the snapshot it was asked for before
+/// it is asked again (it may have missed the request).
+pub const RESYNC_ANSWER_DEADLINE: Duration = Duration::from_secs(5);
 /// How often an engine must send a record (a heartbeat, if nothing else).
 pub const HEARTBEAT_INTERVAL_MS: u32 = 1000;
 
@@ -51,8 +61,6 @@ pub enum Output {
 /// Why an engine's registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RegistrationError {
-    #[error("{MAX_PENDING_REGISTRATIONS} registrations are already pending")]
-    TooManyPending,
     #[error(
         "uid {uid} gid {gid} (worker {worker}, pid {pid}) is not allowed by allowed_uids/allowed_gids"
     )]
@@ -80,9 +88,7 @@ impl RegistrationError {
             RegistrationError::Refused(RegisterError::Full(_)) => reject::TOO_MANY_WORKERS,
             RegistrationError::Refused(RegisterError::Duplicate(_)) => reject::DUPLICATE_WORKER,
             RegistrationError::Refused(RegisterError::BlockSize) => reject::INVALID_HELLO,
-            RegistrationError::TooManyPending | RegistrationError::NotRegistering => {
-                reject::INTERNAL
-            }
+            RegistrationError::NotRegistering => reject::INTERNAL,
         }
     }
 }
@@ -92,6 +98,8 @@ impl RegistrationError {
 pub(crate) struct Scratch {
     pub hashes: Vec<u64>,
     pub tokens: Vec<u32>,
+    /// Engines whose resync request is due (in `handle_timeout`).
+    pub resync: Vec<EngineId>,
 }
 
 /// All routing state, without I/O (see the module documentation).
@@ -111,8 +119,8 @@ pub struct Core {
     next_timeout: Option<Instant>,
     pub(crate) counters: Counters,
     pub(crate) scratch: Scratch,
-    /// When a refusal was last logged (a flood is logged once a second).
-    last_refusal_log: Option<Instant>,
+    /// Rate limits of the warnings a peer can provoke.
+    pub(crate) warnings: Warnings,
 }
 
 impl Core {
@@ -131,8 +139,9 @@ impl Core {
             scratch: Scratch {
                 hashes: Vec::with_capacity(4096),
                 tokens: Vec::with_capacity(4096),
+                resync: Vec::new(),
             },
-            last_refusal_log: None,
+            warnings: Warnings::default(),
         }
     }
 
@@ -175,41 +184,72 @@ impl Core {
         self.next_timeout = Some(self.next_timeout.map_or(at, |t| t.min(at)));
     }
 
-    /// Logs a refusal, at most once a second.
-    pub(crate) fn log_refusal(&mut self, now: Instant, what: std::fmt::Arguments<'_>) {
-        if self
-            .last_refusal_log
-            .is_none_or(|t| now.saturating_duration_since(t) >= Duration::from_secs(1))
-        {
-            tracing::warn!(
-                refused_connections = self.counters.refused_connections,
-                "{what}"
-            );
-            self.last_refusal_log = Some(now);
+    /// Logs a warning of `kind`, at most once a second per kind (with how
+    /// many were held back since the last one).
+    pub(crate) fn warn(&mut self, now: Instant, kind: Warn, what: std::fmt::Arguments<'_>) {
+        if let Some(held_back) = self.warnings.allow(now, kind) {
+            if held_back > 0 {
+                tracing::warn!("{what} (and {held_back} more like it in the last second or more)");
+            } else {
+                tracing::warn!("{what}");
+            }
         }
     }
 
     // ---------------------------------------------------------- engines
 
-    /// A connection arrived on the control socket; its Hello is awaited
-    /// for [`REGISTRATION_DEADLINE`].
-    pub fn handle_engine_connected(&mut self, now: Instant) -> Result<EngineId, RegistrationError> {
-        let pending = self
-            .engines
-            .iter()
-            .filter(|(_, e)| matches!(e.state, EngineState::Registering { .. }))
-            .count();
-        if pending >= MAX_PENDING_REGISTRATIONS {
-            self.counters.refused_registrations += 1;
-            tracing::warn!(
-                "engine connection refused: {}",
-                RegistrationError::TooManyPending
-            );
-            return Err(RegistrationError::TooManyPending);
+    /// A connection arrived on the control socket from a peer of `uid`
+    /// (`None`: its credentials could not be read); its Hello is awaited
+    /// for [`REGISTRATION_DEADLINE`]. It is always admitted: when
+    /// [`MAX_PENDING_PER_UID`] connections of its uid, or
+    /// [`MAX_PENDING_REGISTRATIONS`] in all, are already waiting, the
+    /// oldest of them is closed instead ([`Output::CloseEngine`]), so
+    /// silent connections cannot lock real engines out.
+    pub fn handle_engine_connected(&mut self, now: Instant, uid: Option<u32>) -> EngineId {
+        let mut pending = 0;
+        let mut same_uid = 0;
+        let mut oldest: Option<(Instant, (u32, u32))> = None;
+        let mut oldest_same: Option<(Instant, (u32, u32))> = None;
+        for (key, e) in self.engines.iter() {
+            if let EngineState::Registering { since } = e.state {
+                pending += 1;
+                if oldest.is_none_or(|(t, _)| since < t) {
+                    oldest = Some((since, key));
+                }
+                if e.uid == uid {
+                    same_uid += 1;
+                    if oldest_same.is_none_or(|(t, _)| since < t) {
+                        oldest_same = Some((since, key));
+                    }
+                }
+            }
         }
-        let (index, generation) = self.engines.insert(|_| Engine::registering(now));
+        let evict = if same_uid >= MAX_PENDING_PER_UID {
+            oldest_same
+        } else if pending >= MAX_PENDING_REGISTRATIONS {
+            oldest
+        } else {
+            None
+        };
+        if let Some((_, (index, generation))) = evict {
+            if let Some(e) = self.engines.get_mut(index, generation) {
+                e.state = EngineState::Broken;
+            }
+            self.counters.refused_registrations += 1;
+            self.outputs
+                .push_back(Output::CloseEngine(EngineId { index, generation }));
+            self.warn(
+                now,
+                Warn::Registration,
+                format_args!(
+                    "engine connection closed before its Hello: a newer connection took its place ({} pending at most, {} per uid)",
+                    MAX_PENDING_REGISTRATIONS, MAX_PENDING_PER_UID
+                ),
+            );
+        }
+        let (index, generation) = self.engines.insert(|_| Engine::registering(now, uid));
         self.due(now + REGISTRATION_DEADLINE);
-        Ok(EngineId { index, generation })
+        EngineId { index, generation }
     }
 
     /// Engine `id` sent its Hello: registers its worker and answers the
@@ -227,7 +267,11 @@ impl Core {
         if let Err(e) = &result {
             self.engines.remove(id.index, id.generation);
             self.counters.refused_registrations += 1;
-            tracing::warn!("engine registration refused: {e}");
+            self.warn(
+                now,
+                Warn::Registration,
+                format_args!("engine registration refused: {e}"),
+            );
         }
         result
     }
@@ -286,7 +330,7 @@ impl Core {
     /// registration, and forgotten.
     pub fn handle_registration_failed(
         &mut self,
-        _now: Instant,
+        now: Instant,
         id: EngineId,
         why: &dyn std::fmt::Display,
     ) {
@@ -295,7 +339,11 @@ impl Core {
                 self.router.unregister(slot);
             }
             self.counters.refused_registrations += 1;
-            tracing::warn!("engine registration refused: {why}");
+            self.warn(
+                now,
+                Warn::Registration,
+                format_args!("engine registration refused: {why}"),
+            );
         }
     }
 
@@ -326,7 +374,10 @@ impl Core {
             self.counters.events[event_kind(&event)] += 1;
             self.router.apply(slot, &event);
             match &event {
-                EventRef::SnapshotEnd(end) => e.snapshot_ended(end.snapshot_id.to_native()),
+                EventRef::SnapshotBegin(b) => e.snapshot_begun(b.snapshot_id.to_native()),
+                EventRef::SnapshotEnd(end) if e.snapshot_ended(end.snapshot_id.to_native()) => {
+                    self.router.set_syncing(slot, false);
+                }
                 EventRef::Notice(n) => {
                     let code = n.code.to_native();
                     e.notice(code, n.count.to_native(), &n.message);
@@ -358,7 +409,7 @@ impl Core {
     /// snapshot is asked for ([`Output::Resync`]).
     pub fn handle_engine_drained(
         &mut self,
-        _now: Instant,
+        now: Instant,
         id: EngineId,
         producer_dropped: u64,
         drained: bool,
@@ -366,17 +417,51 @@ impl Core {
         let Some(e) = self.engines.get_mut(id.index, id.generation) else {
             return;
         };
-        let Some(slot) = e.slot.filter(|_| e.registered()) else {
-            return;
-        };
-        if !e.end_batch(producer_dropped, drained) {
+        if !e.registered() || !e.end_batch(producer_dropped, drained) {
             return;
         }
+        self.begin_resync(now, id);
+    }
+
+    /// Engine `id` lost records (or its snapshot did): its view is cleared
+    /// and counts as empty from now on, and a snapshot is asked for, at
+    /// once or after its backoff ([`Engine::backoff`]).
+    fn begin_resync(&mut self, now: Instant, id: EngineId) {
+        let Some(e) = self.engines.get_mut(id.index, id.generation) else {
+            return;
+        };
+        let Some(slot) = e.slot else { return };
+        e.resync_attempts = e.resync_attempts.saturating_add(1);
+        let attempts = e.resync_attempts;
+        let wait = Engine::backoff(attempts);
+        self.router.index.clear(slot, None);
+        self.router.set_syncing(slot, true);
+        if wait.is_zero() {
+            self.send_resync(now, id);
+        } else {
+            e.resyncing(0, now + wait);
+            self.due(now + wait);
+            let worker = self.router.worker(slot).map(|w| w.worker);
+            self.warn(
+                now,
+                Warn::Resync,
+                format_args!(
+                    "worker {worker:?}: resync attempt {attempts} lost records again; asking again in {wait:?}"
+                ),
+            );
+        }
+    }
+
+    /// Asks engine `id` for snapshot under a fresh id ([`Output::Resync`]).
+    fn send_resync(&mut self, now: Instant, id: EngineId) {
         self.epoch += 1;
         let snapshot_id = self.epoch;
-        e.resyncing(snapshot_id);
-        self.router.index.clear(slot, None);
+        let Some(e) = self.engines.get_mut(id.index, id.generation) else {
+            return;
+        };
+        e.resyncing(snapshot_id, now);
         self.counters.resyncs += 1;
+        self.due(now + RESYNC_ANSWER_DEADLINE);
         self.outputs.push_back(Output::Resync {
             engine: id,
             request: ResyncRequest {
@@ -460,19 +545,47 @@ impl Core {
             .next_expiry_ms()
             .map(|ms| self.start + Duration::from_millis(ms));
         let mut soonest = |at: Instant| next = Some(next.map_or(at, |t| t.min(at)));
+        let mut silent = 0;
+        let mut resync = std::mem::take(&mut self.scratch.resync);
         for ((index, generation), e) in self.engines.iter_mut() {
             match e.state {
                 EngineState::Registering { since } => {
                     if now.saturating_duration_since(since) >= REGISTRATION_DEADLINE {
                         e.state = EngineState::Broken;
                         self.counters.refused_registrations += 1;
-                        tracing::warn!(
-                            "engine connection closed: no Hello within {REGISTRATION_DEADLINE:?}"
-                        );
+                        silent += 1;
                         self.outputs
                             .push_back(Output::CloseEngine(EngineId { index, generation }));
                     } else {
                         soonest(since + REGISTRATION_DEADLINE);
+                    }
+                }
+                EngineState::Resyncing {
+                    snapshot_id,
+                    begun: false,
+                    ..
+                } if e.slot.is_some() => {
+                    // A deferred request is due, or an asked one went
+                    // unanswered: ask (again).
+                    let due = if snapshot_id == 0 {
+                        e.resync_at
+                    } else {
+                        e.resync_at + RESYNC_ANSWER_DEADLINE
+                    };
+                    if now >= due {
+                        resync.push(EngineId { index, generation });
+                    } else {
+                        soonest(due);
+                    }
+                    if !e.late {
+                        if now.saturating_duration_since(e.last_seen) >= heartbeat {
+                            e.late = true;
+                            if let Some(slot) = e.slot {
+                                self.router.set_available(slot, false);
+                            }
+                        } else {
+                            soonest(e.last_seen + heartbeat);
+                        }
                     }
                 }
                 EngineState::Live | EngineState::Resyncing { .. } if !e.late => {
@@ -487,6 +600,20 @@ impl Core {
                 }
                 _ => {}
             }
+        }
+        for id in resync.drain(..) {
+            self.send_resync(now, id);
+            soonest(now + RESYNC_ANSWER_DEADLINE);
+        }
+        self.scratch.resync = resync;
+        if silent > 0 {
+            self.warn(
+                now,
+                Warn::Registration,
+                format_args!(
+                    "{silent} engine connection(s) closed: no Hello within {REGISTRATION_DEADLINE:?}"
+                ),
+            );
         }
         let outputs = &mut self.outputs;
         self.clients.retain(|(index, generation), c| {

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use kvedge_core::config::Config;
 use kvedge_core::{
-    ClientId, Core, EngineId, EngineState, MAX_PENDING_REGISTRATIONS, Output,
-    REGISTRATION_DEADLINE, RegistrationError, ReloadError,
+    ClientId, Core, EngineId, EngineState, MAX_PENDING_PER_UID, MAX_PENDING_REGISTRATIONS, Output,
+    REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, ReloadError,
 };
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::control::PeerCred;
@@ -116,7 +116,7 @@ impl Harness {
 
     /// An engine connects and registers as `worker_id`.
     fn engine(&mut self, worker_id: u64) -> EngineId {
-        let id = self.core.handle_engine_connected(self.now).unwrap();
+        let id = self.core.handle_engine_connected(self.now, Some(1000));
         self.core
             .handle_hello(self.now, id, &hello(worker_id), no_peer)
             .unwrap();
@@ -179,7 +179,7 @@ impl Harness {
 #[test]
 fn an_engine_registers_and_its_records_route() {
     let mut h = Harness::new("daemon:\n  ring_capacity: 65536\n");
-    let e = h.core.handle_engine_connected(h.now).unwrap();
+    let e = h.core.handle_engine_connected(h.now, Some(1000));
     assert!(matches!(
         h.core.engine_state(e),
         EngineState::Registering { .. }
@@ -192,7 +192,7 @@ fn an_engine_registers_and_its_records_route() {
     h.drained(e, 0);
     assert_eq!(h.select(c, &[1, 2, 3, 4], true), Ok((7, 3, 1)));
     // A second registration of the same worker is refused and forgotten.
-    let dup = h.core.handle_engine_connected(h.now).unwrap();
+    let dup = h.core.handle_engine_connected(h.now, Some(1000));
     let err = h
         .core
         .handle_hello(h.now, dup, &hello(7), no_peer)
@@ -200,7 +200,7 @@ fn an_engine_registers_and_its_records_route() {
     assert_eq!(err.reject_code(), reject::DUPLICATE_WORKER);
     assert_eq!(h.core.engine_state(dup), EngineState::Gone);
     // Another worker gets a later attach epoch.
-    let other = h.core.handle_engine_connected(h.now).unwrap();
+    let other = h.core.handle_engine_connected(h.now, Some(1000));
     let w2 = h
         .core
         .handle_hello(h.now, other, &hello(8), no_peer)
@@ -212,7 +212,7 @@ fn an_engine_registers_and_its_records_route() {
 #[test]
 fn a_silent_registration_is_closed_at_its_deadline_and_pending_ones_are_bounded() {
     let mut h = Harness::new("{}");
-    let silent = h.core.handle_engine_connected(h.now).unwrap();
+    let silent = h.core.handle_engine_connected(h.now, Some(1000));
     h.advance(REGISTRATION_DEADLINE - Duration::from_millis(1));
     assert!(h.take_outputs().is_empty(), "not yet");
     h.advance(Duration::from_millis(1));
@@ -221,20 +221,56 @@ fn a_silent_registration_is_closed_at_its_deadline_and_pending_ones_are_bounded(
     h.core.handle_engine_closed(h.now, silent, 0);
     assert_eq!(h.core.engine_state(silent), EngineState::Gone);
     assert_eq!(h.core.stats().refused_registrations, 1);
-    // At most MAX_PENDING_REGISTRATIONS wait for their Hello at once.
-    for _ in 0..MAX_PENDING_REGISTRATIONS {
-        h.core.handle_engine_connected(h.now).unwrap();
+}
+
+#[test]
+fn a_flood_of_silent_connections_evicts_only_its_own_and_the_oldest() {
+    let mut h = Harness::new("{}");
+    // One uid floods: its oldest pending connection yields to each new one,
+    // so it never holds more than MAX_PENDING_PER_UID.
+    let flood: Vec<EngineId> = (0..3 * MAX_PENDING_PER_UID)
+        .map(|_| {
+            h.now += Duration::from_millis(1);
+            h.core.handle_engine_connected(h.now, Some(666))
+        })
+        .collect();
+    let closed = h.take_outputs();
+    assert_eq!(closed.len(), 2 * MAX_PENDING_PER_UID);
+    for (out, id) in closed.iter().zip(&flood) {
+        assert_eq!(*out, Output::CloseEngine(*id), "oldest first");
     }
+    // Another uid's engine connects meanwhile and registers: the flood did
+    // not take its place.
+    let real = h.core.handle_engine_connected(h.now, Some(1000));
+    assert!(h.take_outputs().is_empty());
+    assert!(h.core.handle_hello(h.now, real, &hello(9), no_peer).is_ok());
+    // Many uids together: at most MAX_PENDING_REGISTRATIONS wait, the
+    // oldest of all yields.
+    let mut all = Vec::new();
+    for u in 0..MAX_PENDING_REGISTRATIONS as u32 + 5 {
+        h.now += Duration::from_millis(1);
+        all.push(h.core.handle_engine_connected(h.now, Some(2000 + u)));
+    }
+    let pending = h
+        .take_outputs()
+        .into_iter()
+        .filter(|o| matches!(o, Output::CloseEngine(_)))
+        .count();
+    // MAX_PENDING_PER_UID of the flood were still waiting, plus the new.
     assert_eq!(
-        h.core.handle_engine_connected(h.now),
-        Err(RegistrationError::TooManyPending)
+        pending,
+        MAX_PENDING_PER_UID + MAX_PENDING_REGISTRATIONS + 5 - MAX_PENDING_REGISTRATIONS
     );
+    assert!(matches!(
+        h.core.engine_state(*all.last().unwrap()),
+        EngineState::Registering { .. }
+    ));
 }
 
 #[test]
 fn engine_credentials_are_checked_only_under_a_policy() {
     let mut h = Harness::new("daemon:\n  allowed_uids: [1000]\n");
-    let e = h.core.handle_engine_connected(h.now).unwrap();
+    let e = h.core.handle_engine_connected(h.now, Some(1000));
     let stranger = || {
         Ok(PeerCred {
             pid: 42,
@@ -248,7 +284,7 @@ fn engine_credentials_are_checked_only_under_a_policy() {
         .unwrap_err();
     assert_eq!(err.reject_code(), reject::NOT_PERMITTED);
     assert!(err.to_string().contains("not allowed"), "{err}");
-    let e = h.core.handle_engine_connected(h.now).unwrap();
+    let e = h.core.handle_engine_connected(h.now, Some(1000));
     let friend = || {
         Ok(PeerCred {
             pid: 43,
@@ -278,6 +314,7 @@ fn a_gap_clears_the_view_and_a_complete_snapshot_restores_it() {
         h.core.engine_state(e),
         EngineState::Resyncing {
             snapshot_id: request.snapshot_id,
+            begun: false,
             gap_inside: false
         }
     );
@@ -291,6 +328,9 @@ fn a_gap_clears_the_view_and_a_complete_snapshot_restores_it() {
     );
     h.record(e, 0, Event::Cleared(KvCleared { tier: None }));
     h.record(e, 0, stored(&[1, 2, 3]));
+    h.drained(e, 2);
+    // Part of the snapshot is in: the view still counts as empty.
+    assert_eq!(h.select(c, &[1, 2, 3], true).map(|r| r.1), Ok(0));
     h.record(
         e,
         0,
@@ -321,10 +361,15 @@ fn a_loss_inside_a_snapshot_asks_for_another_and_trailing_drops_count() {
         0,
         Event::SnapshotBegin(SnapshotBegin { snapshot_id: id }),
     );
-    // A record lost inside the snapshot.
+    // A record lost inside the snapshot: it cannot complete, so a fresh
+    // one is asked for at once (its end may be what was lost).
     h.record(e, 1, stored(&[9]));
     h.drained(e, 6);
-    assert!(h.take_outputs().is_empty(), "not before the snapshot ends");
+    let [Output::Resync { request: again, .. }] = h.take_outputs()[..] else {
+        panic!("a fresh snapshot for the incomplete one")
+    };
+    assert!(again.snapshot_id > id);
+    // The old snapshot's end changes nothing.
     h.record(
         e,
         0,
@@ -334,10 +379,93 @@ fn a_loss_inside_a_snapshot_asks_for_another_and_trailing_drops_count() {
         }),
     );
     h.drained(e, 6);
-    let [Output::Resync { request: again, .. }] = h.take_outputs()[..] else {
-        panic!("a fresh snapshot for the incomplete one")
+    assert!(h.take_outputs().is_empty());
+    assert!(matches!(
+        h.core.engine_state(e),
+        EngineState::Resyncing { .. }
+    ));
+}
+
+#[test]
+fn a_snapshot_whose_end_is_lost_is_asked_again_and_repeated_failures_back_off() {
+    let mut h = Harness::new(
+        "daemon:
+  heartbeat_timeout_ms: 600000
+",
+    );
+    let e = h.engine(1);
+    let c = h.client();
+    // A trailing drop: the producer's count shows it, and the next
+    // record committed (each snapshot's begin) carries it as a gap.
+    let mut drops = 1;
+    h.drained(e, drops);
+    let mut asked = Vec::new();
+    for _ in 0..2 {
+        let [Output::Resync { request, .. }] = h.take_outputs()[..] else {
+            panic!("asked at once")
+        };
+        asked.push(request.snapshot_id);
+        h.record(
+            e,
+            1,
+            Event::SnapshotBegin(SnapshotBegin {
+                snapshot_id: request.snapshot_id,
+            }),
+        );
+        h.record(e, 0, stored(&[1]));
+        // The end was dropped.
+        drops += 1;
+        h.drained(e, drops);
+    }
+    // The third attempt waits for its backoff (a second), then goes.
+    assert!(h.take_outputs().is_empty(), "backing off");
+    assert_eq!(h.select(c, &[1], true).map(|r| r.1), Ok(0), "still empty");
+    h.advance(Duration::from_secs(1));
+    let [Output::Resync { request, .. }] = h.take_outputs()[..] else {
+        panic!("asked after the backoff")
     };
-    assert!(again.snapshot_id > id);
+    assert!(request.snapshot_id > asked[1]);
+    // This one completes: live, with its blocks, and the backoff resets.
+    let id = request.snapshot_id;
+    h.record(
+        e,
+        1,
+        Event::SnapshotBegin(SnapshotBegin { snapshot_id: id }),
+    );
+    h.record(e, 0, stored(&[1, 2]));
+    h.record(
+        e,
+        0,
+        Event::SnapshotEnd(SnapshotEnd {
+            snapshot_id: id,
+            blocks: 2,
+        }),
+    );
+    h.drained(e, drops);
+    assert_eq!(h.core.engine_state(e), EngineState::Live);
+    assert_eq!(h.select(c, &[1, 2], true).map(|r| r.1), Ok(2));
+    assert_eq!(h.core.metrics().resyncs, 3);
+}
+
+#[test]
+fn an_unanswered_resync_is_asked_again_after_its_deadline() {
+    let mut h = Harness::new(
+        "daemon:
+  heartbeat_timeout_ms: 600000
+",
+    );
+    let e = h.engine(1);
+    h.drained(e, 1);
+    let [Output::Resync { request: first, .. }] = h.take_outputs()[..] else {
+        panic!("asked")
+    };
+    h.advance(RESYNC_ANSWER_DEADLINE - Duration::from_millis(1));
+    assert!(h.take_outputs().is_empty());
+    h.advance(Duration::from_millis(1));
+    let [Output::Resync { request: again, .. }] = h.take_outputs()[..] else {
+        panic!("asked again")
+    };
+    assert!(again.snapshot_id > first.snapshot_id);
 }
 
 #[test]

@@ -4,7 +4,7 @@
 //! snapshots and answers the daemon's resync requests.
 
 use std::path::Path;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use rkyv::rancor;
 use rkyv::ser::allocator::Arena;
@@ -19,6 +19,12 @@ use crate::messages::{
     StoredBlock, Tier, kind,
 };
 use crate::ring::{Producer, Push, PushError};
+
+/// How long a snapshot's record waits for room in a full ring before it
+/// is dropped. A snapshot larger than the ring streams through it at the
+/// daemon's pace; only a daemon that stops reading this long makes it
+/// drop (the daemon then asks for the snapshot again).
+pub const SNAPSHOT_STALL: Duration = Duration::from_secs(2);
 
 /// Why a publish call did nothing at all (a dropped record is not an error:
 /// it is a [`Push::Dropped`] the daemon will resync).
@@ -109,7 +115,7 @@ impl Publisher {
         T: for<'a> rkyv::Serialize<Ser<'a>>,
     {
         encode(value, &mut self.buf, &mut self.arena).map_err(PublishError::Encode)?;
-        Ok(self.ring.try_push(kind, 0, &self.buf)?)
+        self.commit(kind)
     }
 
     fn push_stored(&mut self) -> Result<Push, PublishError> {
@@ -117,7 +123,44 @@ impl Publisher {
         if let Some((_, n)) = &mut self.snapshot {
             *n += self.stored.blocks.len() as u64;
         }
-        Ok(self.ring.try_push(kind::KV_STORED, 0, &self.buf)?)
+        self.commit(kind::KV_STORED)
+    }
+
+    /// Pushes the encoded record in `buf`. Outside a snapshot it never
+    /// waits (a full ring drops it, and the daemon resyncs). Inside one it
+    /// waits for room, at most [`SNAPSHOT_STALL`] per record: a snapshot
+    /// is the engine's whole state, larger than the ring when the engine
+    /// holds many blocks, and dropping any of it would only make the daemon
+    /// ask for all of it again.
+    fn commit(&mut self, kind: u16) -> Result<Push, PublishError> {
+        if self.snapshot.is_some() && self.buf.len() <= self.ring.max_payload() {
+            self.wait_for_room();
+        }
+        Ok(self.ring.try_push(kind, 0, &self.buf)?)
+    }
+
+    /// Waits until the record in `buf` fits, the consumer broke the ring,
+    /// or [`SNAPSHOT_STALL`] passes without room.
+    fn wait_for_room(&mut self) {
+        let len = self.buf.len();
+        if self.ring.has_room_for(len) {
+            return;
+        }
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !self.ring.has_room_for(len) && !self.ring.consumer_broken() {
+            if start.elapsed() >= SNAPSHOT_STALL {
+                return;
+            }
+            // The daemon drains thousands of records per turn: a short
+            // spin usually finds room; past it, yield the CPU.
+            if spins < 64 {
+                spins += 1;
+                std::hint::spin_loop();
+            } else {
+                std::thread::sleep(Duration::from_micros(50));
+            }
+        }
     }
 
     /// Blocks became resident in `tier` after `parent`.
@@ -266,7 +309,9 @@ impl Publisher {
 
     /// Serves a pending resync request, if any, by bracketing a snapshot
     /// around `republish`, which must publish every block the engine holds.
-    /// Returns whether a snapshot was sent.
+    /// Returns whether a snapshot was sent. Inside the snapshot a full
+    /// ring makes the publisher wait for room (see [`SNAPSHOT_STALL`]), so
+    /// a snapshot of any size arrives whole.
     pub fn serve_resync(
         &mut self,
         republish: impl FnOnce(&mut Publisher) -> Result<(), PublishError>,

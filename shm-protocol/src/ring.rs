@@ -236,6 +236,26 @@ impl Producer {
         Ok(Push::Committed { seq })
     }
 
+    /// Whether a record of `len` payload bytes would be committed now,
+    /// without pushing it (no sequence number is used). False for ever
+    /// once the consumer broke the ring's invariants.
+    pub fn has_room_for(&mut self, len: usize) -> bool {
+        let total = record_footprint(len) as u64;
+        let to_end = self.capacity - (self.tail & (self.capacity - 1));
+        let needed = if total <= to_end {
+            total
+        } else {
+            to_end + total
+        };
+        self.has_room(needed)
+    }
+
+    /// The consumer moved its head where no consumer could: the ring is
+    /// unusable and every push is dropped.
+    pub fn consumer_broken(&self) -> bool {
+        self.consumer_broken
+    }
+
     fn has_room(&mut self, needed: u64) -> bool {
         if self.consumer_broken {
             return false;
