@@ -155,7 +155,7 @@ impl Core {
         match loaded {
             Ok(config) => {
                 self.router.reconfigure(&config);
-                self.config = config;
+                self.retired = Some(std::mem::replace(&mut self.config, config));
                 self.counters.reloads += 1;
                 tracing::info!(reloads = self.counters.reloads, "configuration reloaded");
                 Ok(self.counters.reloads)
@@ -169,6 +169,12 @@ impl Core {
                 Err(e)
             }
         }
+    }
+
+    /// The configuration the last reload replaced, for the driver to drop
+    /// away from the routing thread (dropping a large one takes time).
+    pub fn take_retired_config(&mut self) -> Option<Config> {
+        self.retired.take()
     }
 
     /// Records how long a select took in the core, as its driver measured

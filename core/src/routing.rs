@@ -107,6 +107,8 @@ pub(crate) struct Scratch {
 pub struct Core {
     pub(crate) router: Router,
     pub(crate) config: Config,
+    /// The configuration a reload replaced, until the driver takes it.
+    pub(crate) retired: Option<Config>,
     /// The origin of the router's millisecond clock.
     start: Instant,
     engines: Table<Engine>,
@@ -129,6 +131,7 @@ impl Core {
         Core {
             router: Router::from_config(&config),
             config,
+            retired: None,
             start: now,
             engines: Table::default(),
             clients: Table::default(),

@@ -15,8 +15,9 @@ use kvedge_shm::{Consumer, RingError};
 use kvedge_wire::framing::{self, Mode, Next};
 use kvedge_wire::{Status, binary, json};
 
-use crate::dispatch::{self, Reloader};
+use crate::dispatch::{self, Answer};
 use crate::poller::Poller;
+use crate::reload::{Reloads, Waiter};
 
 /// Requests answered from one query channel per turn at most, so one
 /// client cannot starve the rest.
@@ -53,6 +54,9 @@ struct ClientConn {
     mode: Mode,
     /// The query channel this connection attached, if any.
     rings: Option<ServerChannel>,
+    /// It asked for a reload and waits for the answer: its later requests
+    /// wait too, so its replies stay in order.
+    awaiting_reload: bool,
 }
 
 /// Every query connection the routing thread serves itself.
@@ -141,6 +145,7 @@ impl Clients {
                 readable: true,
                 mode: Mode::Unknown,
                 rings: None,
+                awaiting_reload: false,
             });
         }
         any
@@ -154,7 +159,7 @@ impl Clients {
     pub fn serve(
         &mut self,
         core: &mut Core,
-        reloader: &mut Option<Reloader>,
+        reloads: &mut Reloads,
         poller: &Poller,
         now: Instant,
     ) -> bool {
@@ -177,13 +182,13 @@ impl Clients {
                 any = true;
                 core.handle_client_active(now, self.conns[i].id);
             }
-            if end.is_none() {
+            if end.is_none() && !self.conns[i].awaiting_reload {
                 let c = &mut self.conns[i];
                 framing::detect(&mut c.mode, &mut c.buf);
-                end = self.serve_requests(i, core, reloader, poller, now, limits);
+                end = self.serve_requests(i, core, reloads, poller, now, limits);
             }
-            if end.is_none() {
-                match self.serve_ring(i, core, reloader, now) {
+            if end.is_none() && !self.conns[i].awaiting_reload {
+                match self.serve_ring(i, core, reloads, now) {
                     Ok(served) => any |= served,
                     Err(e) => {
                         tracing::warn!(
@@ -264,7 +269,7 @@ impl Clients {
         &mut self,
         i: usize,
         core: &mut Core,
-        reloader: &mut Option<Reloader>,
+        reloads: &mut Reloads,
         poller: &Poller,
         now: Instant,
         limits: Limits,
@@ -294,7 +299,18 @@ impl Clients {
                         }
                         continue;
                     }
-                    dispatch::answer(core, reloader, now, c.id, mode, body, &mut self.reply);
+                    let answer =
+                        dispatch::answer(core, reloads, now, c.id, mode, body, &mut self.reply);
+                    if answer == Answer::Reload {
+                        let waiter = Waiter::Socket { client: c.id, mode };
+                        if let Err((e, _)) = reloads.begin(waiter) {
+                            self.reply.clear();
+                            reload_failed(mode, &e, &mut self.reply);
+                        } else {
+                            c.awaiting_reload = true;
+                            break;
+                        }
+                    }
                     if let Err(e) = queue(c, &self.reply, &limits, poller) {
                         end = Some(e);
                         break;
@@ -319,7 +335,7 @@ impl Clients {
         &mut self,
         i: usize,
         core: &mut Core,
-        reloader: &mut Option<Reloader>,
+        reloads: &mut Reloads,
         now: Instant,
     ) -> Result<bool, RingError> {
         let c = &mut self.conns[i];
@@ -334,7 +350,20 @@ impl Clients {
             };
             served = true;
             if record.kind == query_channel::FRAME {
-                dispatch::answer(core, reloader, now, c.id, Mode::Binary, record.payload, out);
+                let answer =
+                    dispatch::answer(core, reloads, now, c.id, Mode::Binary, record.payload, out);
+                if answer == Answer::Reload {
+                    match reloads.begin(Waiter::Ring { client: c.id }) {
+                        Ok(()) => {
+                            c.awaiting_reload = true;
+                            break;
+                        }
+                        Err((e, _)) => {
+                            out.clear();
+                            reload_failed(Mode::Binary, &e, out);
+                        }
+                    }
+                }
             } else {
                 out.clear();
                 let e = kvedge_wire::ErrorReply {
@@ -356,6 +385,31 @@ impl Clients {
             let _ = rings.replies.try_push(query_channel::FRAME, 0, &out[4..]);
         }
         Ok(served)
+    }
+
+    /// Delivers a reload's answer to connection `client` (socket or
+    /// query channel) and lets it be served again.
+    pub fn deliver(&mut self, waiter: &Waiter, bytes: &[u8], poller: &Poller, core: &mut Core) {
+        let (client, ring) = match waiter {
+            Waiter::Socket { client, .. } => (*client, false),
+            Waiter::Ring { client } => (*client, true),
+            _ => return,
+        };
+        let limits = Limits::of(core);
+        let Some(i) = self.conns.iter().position(|c| c.id == client) else {
+            return;
+        };
+        let c = &mut self.conns[i];
+        c.awaiting_reload = false;
+        // Its requests that arrived meanwhile are served at its next turn.
+        c.readable = true;
+        if ring {
+            if let Some(rings) = c.rings.as_mut() {
+                let _ = rings.replies.try_push(query_channel::FRAME, 0, &bytes[4..]);
+            }
+        } else if let Err(end) = queue(c, bytes, &limits, poller) {
+            self.remove(i, end, core, poller, std::time::Instant::now());
+        }
     }
 
     /// On the way out: writes what slow readers have not taken yet,
@@ -386,6 +440,18 @@ impl Clients {
         self.input_backlog -= c.buf.len();
         unwatch(poller, &c);
         true
+    }
+}
+
+/// The reply to a reload that could not be started.
+pub(crate) fn reload_failed(mode: Mode, e: &io::Error, out: &mut Vec<u8>) {
+    let reply = kvedge_wire::Reply::error(
+        Status::ReloadFailed,
+        format!("the reload could not start: {e}"),
+    );
+    match mode {
+        Mode::Binary => binary::encode_reply(out, &reply),
+        _ => json::encode_reply(out, &reply),
     }
 }
 

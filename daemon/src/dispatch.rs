@@ -2,35 +2,28 @@
 //! routing thread serves (query sockets, query channels, jobs from other
 //! threads): decode with the wire crate, let the core answer, encode in
 //! the request's own protocol. The two requests the core cannot answer
-//! alone are completed here: a reload (the file is read here) and the
-//! select timing (the core reads no clock).
+//! alone are completed here: the select timing (the core reads no clock)
+//! and a reload, which is handed to [`crate::reload`] (the file is read
+//! on another thread) and answered when it is done.
 
 use std::time::Instant;
 
-use kvedge_core::config::{Config, ConfigError};
 use kvedge_core::{ClientId, Core, ReloadError};
 use kvedge_wire::framing::Mode;
-use kvedge_wire::{Reply, Request, Status, binary, json};
+use kvedge_wire::{Reply, Request, binary, json};
 
-/// Produces a freshly loaded configuration, or the loader's error.
-pub type Reloader = Box<dyn FnMut() -> Result<Config, ConfigError> + Send>;
+use crate::reload::Reloads;
 
-/// Loads the configuration again with `reloader` and hands it to the core
-/// (which applies it, or keeps the old one); tells systemd RELOADING=1,
-/// then READY=1 either way. Returns the number of reloads so far.
-pub(crate) fn reload(
-    core: &mut Core,
-    reloader: &mut Option<Reloader>,
-    now: Instant,
-) -> Result<u64, ReloadError> {
-    let Some(reloader) = reloader.as_mut() else {
-        return core.handle_reload(now, Err(ReloadError::NoConfigFile));
-    };
-    crate::notify::reloading();
-    let loaded = reloader().map_err(ReloadError::from);
-    let outcome = core.handle_reload(now, loaded);
-    crate::notify::ready(&core.status());
-    outcome
+/// How a request was answered.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[must_use]
+pub(crate) enum Answer {
+    /// The reply is in `out`.
+    Now,
+    /// A reload: the transport registers its waiter with
+    /// [`Reloads::begin`]; the reply comes when the load is done, and the
+    /// connection's later requests wait for it.
+    Reload,
 }
 
 /// The reply bytes to one request `body` of `client` in `mode` (a JSON
@@ -38,13 +31,13 @@ pub(crate) fn reload(
 /// `out`.
 pub(crate) fn answer(
     core: &mut Core,
-    reloader: &mut Option<Reloader>,
+    reloads: &Reloads,
     now: Instant,
     client: ClientId,
     mode: Mode,
     body: &[u8],
     out: &mut Vec<u8>,
-) {
+) -> Answer {
     out.clear();
     // A JSON line is parsed into owned fields first; the request borrows
     // from them, as a binary request borrows from its frame.
@@ -61,26 +54,35 @@ pub(crate) fn answer(
         }
     };
     match decoded {
-        Ok(request) => respond(core, reloader, now, client, &request, out, encode),
-        Err(e) => encode(out, &core.handle_undecodable(now, client, e)),
+        Ok(request) => respond(core, reloads, now, client, &request, out, encode),
+        Err(e) => {
+            encode(out, &core.handle_undecodable(now, client, e));
+            Answer::Now
+        }
     }
 }
 
 /// Asks the core (completing a reload or timing a select) and encodes.
 fn respond(
     core: &mut Core,
-    reloader: &mut Option<Reloader>,
+    reloads: &Reloads,
     now: Instant,
     client: ClientId,
     request: &Request<'_>,
     out: &mut Vec<u8>,
     encode: fn(&mut Vec<u8>, &Reply<'_>),
-) {
+) -> Answer {
     match request {
-        Request::Reload => match reload(core, reloader, now) {
-            Ok(reloads) => encode(out, &Reply::Reloaded { reloads }),
-            Err(e) => encode(out, &Reply::error(Status::ReloadFailed, e.to_string())),
-        },
+        Request::Reload if reloads.configured() => return Answer::Reload,
+        Request::Reload => {
+            let e = core
+                .handle_reload(now, Err(ReloadError::NoConfigFile))
+                .expect_err("a refusal");
+            encode(
+                out,
+                &Reply::error(kvedge_wire::Status::ReloadFailed, e.to_string()),
+            );
+        }
         Request::Select(_) => {
             let started = Instant::now();
             let reply = core.handle_request(now, client, request);
@@ -90,4 +92,5 @@ fn respond(
         }
         _ => encode(out, &core.handle_request(now, client, request)),
     }
+    Answer::Now
 }

@@ -17,7 +17,8 @@ use kvedge_shm::control::PeerCred;
 use kvedge_wire::ErrorReply;
 use kvedge_wire::framing::Mode;
 
-use crate::dispatch::{self, Reloader};
+use crate::dispatch::{self, Answer};
+use crate::reload::{Reloads, Waiter};
 
 /// Called with the outcome of a connection's admission.
 pub type Admitted = Box<dyn FnOnce(Result<ClientId, ErrorReply<'static>>) + Send>;
@@ -129,12 +130,7 @@ impl Jobs {
     }
 
     /// Carries out every queued job; returns whether there was any.
-    pub fn serve(
-        &mut self,
-        core: &mut Core,
-        reloader: &mut Option<Reloader>,
-        now: Instant,
-    ) -> bool {
+    pub fn serve(&mut self, core: &mut Core, reloads: &mut Reloads, now: Instant) -> bool {
         let mut counter = [0u8; 8];
         let _ = rustix::io::read(&*self.wake, &mut counter);
         let mut any = false;
@@ -158,7 +154,26 @@ impl Jobs {
                     mode,
                     reply,
                 } => {
-                    dispatch::answer(core, reloader, now, client, mode, &request, &mut self.reply);
+                    let answer = dispatch::answer(
+                        core,
+                        reloads,
+                        now,
+                        client,
+                        mode,
+                        &request,
+                        &mut self.reply,
+                    );
+                    if answer == Answer::Reload {
+                        // The reply comes when the load is done; the
+                        // driver awaits it before its next request.
+                        let waiter = Waiter::Job { reply, mode };
+                        if let Err((e, Waiter::Job { reply, mode })) = reloads.begin(waiter) {
+                            self.reply.clear();
+                            crate::clients::reload_failed(mode, &e, &mut self.reply);
+                            reply(self.reply.clone());
+                        }
+                        continue;
+                    }
                     reply(self.reply.clone());
                 }
                 Job::Active { client } => core.handle_client_active(now, client),

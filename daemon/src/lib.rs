@@ -24,10 +24,11 @@ pub mod listen;
 pub mod metrics_http;
 pub mod notify;
 mod poller;
+mod reload;
 pub mod server;
 pub mod service;
 #[cfg(feature = "io-uring")]
 pub mod uring;
 
-pub use dispatch::Reloader;
+pub use reload::Reloader;
 pub use server::{RuntimeDir, Server};

@@ -25,10 +25,61 @@ impl RuntimeDir {
     }
 }
 
+/// Makes `dir` the daemon's runtime directory: created with `mode`
+/// whatever the umask, or, if it exists, checked to be a directory of this
+/// daemon's user (not a symlink) and given `mode`. Another user's
+/// directory is refused: whoever can write it can replace the sockets
+/// with their own and answer every frontend.
+pub(crate) fn prepare_dir(dir: &Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    let refuse = |why: String| io::Error::new(io::ErrorKind::PermissionDenied, why);
+    if std::fs::symlink_metadata(dir).is_err() {
+        if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent)?;
+        }
+        match std::fs::DirBuilder::new().mode(mode).create(dir) {
+            Ok(()) => {}
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let meta = std::fs::symlink_metadata(dir)?;
+    if !meta.file_type().is_dir() {
+        return Err(refuse(format!(
+            "{} is not a directory (a symlink or a file); refusing to use it as the runtime directory",
+            dir.display()
+        )));
+    }
+    let me = rustix::process::geteuid().as_raw();
+    if meta.uid() != me {
+        return Err(refuse(format!(
+            "{} belongs to uid {}, not to this daemon's uid {me}; another user could replace its sockets",
+            dir.display(),
+            meta.uid()
+        )));
+    }
+    if meta.mode() & 0o7777 != mode {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode))?;
+    }
+    Ok(())
+}
+
 /// Binds a socket (mode 0660, non-blocking), refusing to take over a live
-/// daemon's and removing a stale one.
+/// daemon's, and removing a stale one only if it is a socket of this
+/// daemon's user.
 pub(crate) fn bind(path: &Path) -> io::Result<UnixListener> {
-    if path.exists() {
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        use std::os::unix::fs::{FileTypeExt, MetadataExt};
+        let me = rustix::process::geteuid().as_raw();
+        if !meta.file_type().is_socket() || meta.uid() != me {
+            return Err(io::Error::new(
+                io::ErrorKind::PermissionDenied,
+                format!(
+                    "{} exists and is not a socket of uid {me}; not touching it",
+                    path.display()
+                ),
+            ));
+        }
         if UnixStream::connect(path).is_ok() {
             return Err(io::Error::new(
                 io::ErrorKind::AddrInUse,

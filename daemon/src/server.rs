@@ -18,11 +18,11 @@ use kvedge_core::{Core, Output, ReloadError};
 use kvedge_shm::Consumer;
 
 use crate::clients::Clients;
-use crate::dispatch::{self, Reloader};
 use crate::engines::Engines;
 use crate::jobs::{JobSender, Jobs};
 pub use crate::listen::RuntimeDir;
 use crate::poller::Poller;
+use crate::reload::{Reloader, Reloads, Waiter};
 
 /// How long the loop spins after its last activity before it sleeps:
 /// waking a sleeping thread costs tens of microseconds here, and a busy
@@ -43,7 +43,9 @@ pub struct Server {
     /// Work from drivers on other threads, once any was connected.
     jobs: Option<Jobs>,
     /// Loads the configuration again (SIGHUP, `kvedge reload`).
-    reloader: Option<Reloader>,
+    reloads: Reloads,
+    /// The reload thread's eventfd is in the epoll set.
+    reload_watched: bool,
     /// When the loop started (its tick counts milliseconds from here).
     started: Instant,
 }
@@ -58,9 +60,10 @@ impl std::fmt::Debug for Server {
 }
 
 impl Server {
-    /// Binds both sockets in `dir` (created if missing).
+    /// Binds both sockets in `dir` (created with `daemon.runtime_dir_mode`
+    /// if missing; refused if another user owns it).
     pub fn bind(config: Config, dir: &RuntimeDir) -> io::Result<Server> {
-        std::fs::create_dir_all(&dir.dir)?;
+        crate::listen::prepare_dir(&dir.dir, config.daemon.runtime_dir_mode())?;
         let control = crate::listen::bind(&dir.control())?;
         let query = crate::listen::bind(&dir.query())?;
         Server::from_listeners(config, control, query)
@@ -84,7 +87,8 @@ impl Server {
             engines: Engines::new(control),
             clients: Clients::new(query),
             jobs: None,
-            reloader: None,
+            reloads: Reloads::new(),
+            reload_watched: false,
             started: now,
         })
     }
@@ -96,14 +100,27 @@ impl Server {
 
     /// Sets how the configuration is loaded again (SIGHUP, `kvedge reload`).
     pub fn set_reloader(&mut self, reloader: Reloader) {
-        self.reloader = Some(reloader);
+        self.reloads.set_reloader(reloader);
+        self.reload_watched = false;
     }
 
-    /// Loads the configuration again and, if it is valid, applies it
-    /// between two requests (returns the number of reloads so far); an
-    /// invalid one is logged and the old one keeps serving.
-    pub fn reload(&mut self) -> Result<u64, ReloadError> {
-        dispatch::reload(&mut self.core, &mut self.reloader, Instant::now())
+    /// Starts loading the configuration again on the reload thread; once
+    /// loaded, a valid one is applied at the start of a turn, an invalid
+    /// one is logged and the old one keeps serving. Without a reloader
+    /// the refusal is immediate.
+    pub fn reload(&mut self) -> Result<(), ReloadError> {
+        if !self.reloads.configured() {
+            return self
+                .core
+                .handle_reload(Instant::now(), Err(ReloadError::NoConfigFile))
+                .map(|_| ());
+        }
+        self.reloads.begin(Waiter::Signal).map_err(|(e, _)| {
+            ReloadError::Invalid(kvedge_core::config::ConfigError {
+                file: String::new(),
+                message: format!("the reload could not start: {e}"),
+            })
+        })
     }
 
     /// A sender for a driver on another thread: its jobs are served by
@@ -211,12 +228,35 @@ impl Server {
             busy |= self.clients.accept(core, poller, now);
         }
         busy |= self.engines.drain(core, poller, now);
-        busy |= self.clients.serve(core, &mut self.reloader, poller, now);
+        busy |= self.clients.serve(core, &mut self.reloads, poller, now);
         if jobs_ready && let Some(jobs) = &mut self.jobs {
-            busy |= jobs.serve(core, &mut self.reloader, now);
+            busy |= jobs.serve(core, &mut self.reloads, now);
         }
+        busy |= self.finish_reload(now);
         self.carry_out(now);
         busy
+    }
+
+    /// Applies a reload the reload thread finished, and answers whoever
+    /// asked for it.
+    fn finish_reload(&mut self, now: Instant) -> bool {
+        if !self.reload_watched
+            && let Some(fd) = self.reloads.wake_fd()
+        {
+            self.reload_watched = self.poller.watch_wake(fd).is_ok();
+        }
+        let deliveries = self.reloads.poll(&mut self.core, now);
+        let any = !deliveries.is_empty();
+        for d in deliveries {
+            match d.waiter {
+                Waiter::Job { reply, .. } => reply(d.bytes),
+                Waiter::Signal => {}
+                w => self
+                    .clients
+                    .deliver(&w, &d.bytes, &self.poller, &mut self.core),
+            }
+        }
+        any
     }
 
     /// Does what the core asked.

@@ -188,6 +188,39 @@ fn key_of(line: &str) -> Option<&str> {
     (!key.is_empty() && !key.contains(' ')).then_some(key)
 }
 
+/// The line of the key at `path` (`["daemon", "max_workers"]`) in a
+/// block-style file: each key is looked for among the lines indented
+/// deeper than its parent's. When the last keys are not found (a flow
+/// mapping like `daemon: {max_workers: 0}`), the line of the deepest one
+/// found.
+pub fn key_line(source: &str, path: &[&str]) -> Option<usize> {
+    let mut found = None;
+    let mut parent_indent: Option<usize> = None;
+    let mut lines = source.lines().enumerate();
+    'keys: for key in path {
+        for (n, line) in lines.by_ref() {
+            let body = line.trim_start_matches(' ');
+            if body.is_empty() || body.starts_with('#') {
+                continue;
+            }
+            let indent = line.len() - body.len();
+            if parent_indent.is_some_and(|p| indent <= p) {
+                break 'keys;
+            }
+            let body = body.strip_prefix("- ").unwrap_or(body);
+            if let Some(rest) = body.strip_prefix(key)
+                && rest.trim_start().starts_with(':')
+            {
+                found = Some(n + 1);
+                parent_indent = Some(indent);
+                continue 'keys;
+            }
+        }
+        break;
+    }
+    found
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -537,11 +537,35 @@ classifiers:
 fn invalid_regex_patterns_are_refused_at_load() {
     let msg = load_err("classifiers:\n  regex:\n    patterns:\n      pii: '(unclosed'\n");
     assert!(
-        msg.starts_with("classifiers.regex.patterns.pii: regex parse error"),
+        msg.starts_with("classifiers.regex.patterns.pii (line 4): regex parse error"),
         "{msg}"
     );
     let msg = load_err("classifiers:\n  regex:\n    patterns:\n      Bad-Name: 'x'\n");
     assert!(msg.contains("a tag type is lowercase"), "{msg}");
+}
+
+#[test]
+fn providers_need_unique_non_empty_names_and_order_names_real_ones() {
+    let base = "policy:\n  rules:\n    - name: r\n      route:\n        select:\n          - type: Provider\n            order: [a, ghost]\nproviders:\n  - name: a\n    models: [m]\n    endpoint: http://a\n";
+    let msg = load_err(base);
+    assert_eq!(
+        msg,
+        "rule `r`, route.select.order (line 7): `ghost` is not a provider in `providers:`"
+    );
+    let dup = format!(
+        "{}  - name: a\n    models: [m]\n    endpoint: http://b\n",
+        base.replace(", ghost", "")
+    );
+    assert_eq!(
+        load_err(&dup),
+        "providers.a (line 9): another provider has the same name (rules could not tell them apart)"
+    );
+    let empty = base.replace(", ghost", "").replace("name: a", "name: ''");
+    assert!(
+        load_err(&empty).starts_with("providers (line 8): a provider needs a non-empty name"),
+        "{}",
+        load_err(&empty)
+    );
 }
 
 // ---- ranking by a worker-selection instance (the two seeds joined) ----

@@ -19,6 +19,7 @@ use serde::Deserialize;
 use crate::index::MAX_WORKERS;
 
 mod engines;
+pub mod source;
 pub use engines::{EngineKind, EngineRank, EngineSpec};
 
 /// A configuration that cannot be used.
@@ -74,6 +75,10 @@ pub struct DaemonSection {
     /// rings, `attach_rings` in the binary protocol) at once; 0 turns
     /// channels off.
     pub max_query_rings: usize,
+    /// The runtime directory's mode, in octal (`"0750"`): set whatever the
+    /// umask. It may not let other users write (they could replace the
+    /// sockets).
+    pub runtime_dir_mode: String,
     /// Size of each of a query channel's two rings, in bytes (a power of
     /// two); a request or reply larger than a quarter of it uses the
     /// socket.
@@ -90,6 +95,12 @@ pub enum QueryIo {
 }
 
 impl DaemonSection {
+    /// `runtime_dir_mode` as a number (checked at load; 0o750 if it
+    /// somehow is not octal).
+    pub fn runtime_dir_mode(&self) -> u32 {
+        parse_mode(&self.runtime_dir_mode).unwrap_or(0o750)
+    }
+
     /// Whether a peer with `uid`/`gid` may use the control socket.
     pub fn engine_allowed(&self, uid: u32, gid: u32) -> bool {
         allowed(&self.allowed_uids, &self.allowed_gids, uid, gid)
@@ -109,6 +120,116 @@ impl DaemonSection {
     pub fn client_policy(&self) -> bool {
         !self.query_allowed_uids.is_empty() || !self.query_allowed_gids.is_empty()
     }
+}
+
+/// The longest duration a setting may name, in milliseconds (a year):
+/// longer ones are surely mistakes, and would overflow the clock.
+pub const MAX_DURATION_MS: u64 = 365 * 24 * 3600 * 1000;
+/// The largest request frame or line a client may send.
+pub const MAX_FRAME_BYTES: usize = 64 << 20;
+
+/// The first `daemon:` value the daemon could not run on: (key, what is
+/// wrong with it).
+fn check_daemon(d: &DaemonSection) -> Option<(&'static str, String)> {
+    let range = |key: &'static str, v: u64, lo: u64, hi: u64, unit: &str| {
+        (v < lo || v > hi).then(|| (key, format!("must be between {lo} and {hi}{unit}, got {v}")))
+    };
+    let ms = |key: &'static str, v: u64| range(key, v, 1, MAX_DURATION_MS, " ms (a year)");
+    let pow2 = |key: &'static str, capacity: u64| {
+        (!capacity.is_power_of_two()
+            || !(kvedge_shm::layout::MIN_CAPACITY..=kvedge_shm::layout::MAX_CAPACITY)
+                .contains(&capacity))
+        .then(|| {
+            (
+                key,
+                format!(
+                    "must be a power of two between {} and {} bytes, got {capacity}",
+                    kvedge_shm::layout::MIN_CAPACITY,
+                    kvedge_shm::layout::MAX_CAPACITY,
+                ),
+            )
+        })
+    };
+    let n = |v: usize| v as u64;
+    range("max_workers", n(d.max_workers), 1, MAX_WORKERS as u64, "")
+        .or_else(|| pow2("ring_capacity", d.ring_capacity))
+        .or_else(|| pow2("query_ring_capacity", d.query_ring_capacity))
+        .or_else(|| {
+            range(
+                "index_capacity",
+                n(d.index_capacity),
+                1,
+                1 << 32,
+                " entries",
+            )
+        })
+        .or_else(|| {
+            range(
+                "max_query_connections",
+                n(d.max_query_connections),
+                1,
+                1 << 20,
+                "",
+            )
+        })
+        .or_else(|| {
+            range(
+                "max_frame_bytes",
+                n(d.max_frame_bytes),
+                64,
+                n(MAX_FRAME_BYTES),
+                " bytes",
+            )
+        })
+        .or_else(|| {
+            range(
+                "max_reply_backlog_bytes",
+                n(d.max_reply_backlog_bytes),
+                4096,
+                1 << 30,
+                " bytes",
+            )
+        })
+        .or_else(|| {
+            range(
+                "max_input_backlog_bytes",
+                n(d.max_input_backlog_bytes),
+                n(d.max_frame_bytes),
+                1 << 40,
+                " bytes (at least max_frame_bytes, so one whole request fits)",
+            )
+        })
+        .or_else(|| range("max_reservations", n(d.max_reservations), 1, 1 << 32, ""))
+        .or_else(|| range("max_query_rings", n(d.max_query_rings), 0, 1 << 16, ""))
+        .or_else(|| ms("heartbeat_timeout_ms", d.heartbeat_timeout_ms))
+        .or_else(|| ms("idle_timeout_ms", d.idle_timeout_ms))
+        .or_else(|| ms("reservation_ttl_ms", d.reservation_ttl_ms))
+        .or_else(|| {
+            parse_mode(&d.runtime_dir_mode)
+                .err()
+                .map(|e| ("runtime_dir_mode", e))
+        })
+}
+
+/// An octal permission string (`0750`, `750`, `0o750`) whose owner has
+/// every permission and others cannot write.
+fn parse_mode(s: &str) -> Result<u32, String> {
+    let digits = s.strip_prefix("0o").unwrap_or(s);
+    let mode = u32::from_str_radix(digits, 8)
+        .ok()
+        .filter(|m| *m <= 0o777 && !digits.is_empty())
+        .ok_or_else(|| format!("`{s}` is not an octal permission mode like \"0750\""))?;
+    if mode & 0o700 != 0o700 {
+        return Err(format!(
+            "`{s}` does not give the daemon's own user rwx on its directory"
+        ));
+    }
+    if mode & 0o002 != 0 {
+        return Err(format!(
+            "`{s}` lets every user write the directory (they could replace its sockets)"
+        ));
+    }
+    Ok(mode)
 }
 
 fn allowed(uids: &[u32], gids: &[u32], uid: u32, gid: u32) -> bool {
@@ -136,6 +257,7 @@ impl Default for DaemonSection {
             query_io: QueryIo::Epoll,
             max_query_rings: 64,
             query_ring_capacity: 64 * 1024,
+            runtime_dir_mode: "0750".into(),
         }
     }
 }
@@ -255,47 +377,54 @@ impl Config {
             file: file.to_owned(),
             message,
         };
+        source::precheck(source).map_err(&err)?;
         let doc: Document = serde_yaml::from_str(source).map_err(|e| {
             err(match e.location() {
                 Some(l) => format!("line {}: {e}", l.line()),
-                None => e.to_string(),
+                // Errors the parser cannot place (an alias expanded past
+                // its limit): the first alias's line, if any.
+                None => match source
+                    .lines()
+                    .position(|l| l.contains(" *") || l.trim_start().starts_with('*'))
+                {
+                    Some(n) => format!("line {}: {e}", n + 1),
+                    None => e.to_string(),
+                },
             })
         })?;
-        let d = &doc.daemon;
-        if d.max_workers == 0 || d.max_workers > MAX_WORKERS {
-            return Err(err(format!(
-                "daemon.max_workers must be between 1 and {MAX_WORKERS}, got {}",
-                d.max_workers
-            )));
-        }
-        for (name, capacity) in [
-            ("ring_capacity", d.ring_capacity),
-            ("query_ring_capacity", d.query_ring_capacity),
-        ] {
-            if !capacity.is_power_of_two()
-                || !(kvedge_shm::layout::MIN_CAPACITY..=kvedge_shm::layout::MAX_CAPACITY)
-                    .contains(&capacity)
-            {
-                return Err(err(format!(
-                    "daemon.{name} must be a power of two between {} and {} bytes, got {capacity}",
-                    kvedge_shm::layout::MIN_CAPACITY,
-                    kvedge_shm::layout::MAX_CAPACITY,
-                )));
-            }
-        }
-        if d.index_capacity == 0 || d.max_frame_bytes < 64 || d.max_query_connections == 0 {
-            return Err(err(
-                "daemon.index_capacity and daemon.max_query_connections must be positive, and daemon.max_frame_bytes at least 64"
-                    .into(),
-            ));
+        // Values the parser accepts but the daemon could not run on.
+        let at = |path: &[&str], message: String| {
+            err(match source::key_line(source, path) {
+                Some(line) => format!("line {line}: {message}"),
+                None => message,
+            })
+        };
+        if let Some((key, message)) = check_daemon(&doc.daemon) {
+            return Err(at(&["daemon", key], format!("daemon.{key} {message}")));
         }
         let a = &doc.session_affinity;
         if a.max_sessions == 0 || a.max_sessions > kvedge_policies::affinity::MAX_SESSIONS {
-            return Err(err(format!(
-                "session_affinity.max_sessions must be between 1 and {}, got {}",
-                kvedge_policies::affinity::MAX_SESSIONS,
-                a.max_sessions
-            )));
+            return Err(at(
+                &["session_affinity", "max_sessions"],
+                format!(
+                    "session_affinity.max_sessions must be between 1 and {}, got {}",
+                    kvedge_policies::affinity::MAX_SESSIONS,
+                    a.max_sessions
+                ),
+            ));
+        }
+        if a.ttl_ms == 0 || a.ttl_ms > MAX_DURATION_MS {
+            return Err(at(
+                &["session_affinity", "ttl_ms"],
+                format!(
+                    "session_affinity.ttl_ms must be between 1 and {MAX_DURATION_MS} (a year), got {}",
+                    a.ttl_ms
+                ),
+            ));
+        }
+        if let Err(message) = doc.router.validate() {
+            let key = message.split_whitespace().next().unwrap_or("");
+            return Err(at(&["router", key], format!("router.{message}")));
         }
         let selection =
             WorkerSelectionConfig::from_yaml_str(source).map_err(|e| err(e.to_string()))?;
@@ -310,15 +439,16 @@ impl Config {
         if let Some(addr) = &doc.metrics.listen
             && addr.parse::<std::net::SocketAddr>().is_err()
         {
-            return Err(err(format!(
-                "metrics.listen `{addr}` is not host:port (e.g. 127.0.0.1:9464)"
-            )));
+            return Err(at(
+                &["metrics", "listen"],
+                format!("metrics.listen `{addr}` is not host:port (e.g. 127.0.0.1:9464)"),
+            ));
         }
         let mut engines = doc.engines;
         for (e, line) in engines.iter_mut().zip(engines::item_lines(source)) {
             e.line = Some(line);
         }
-        engines::validate(&engines, d.max_workers).map_err(err)?;
+        engines::validate(&engines, doc.daemon.max_workers).map_err(err)?;
         Ok(Config {
             engines,
             daemon: doc.daemon,
@@ -374,15 +504,15 @@ mod tests {
             ("demon: {}\n", "k.yaml: line 1: unknown field `demon`"),
             (
                 "daemon:\n  ring_capacity: 1000\n",
-                "k.yaml: daemon.ring_capacity must be a power of two",
+                "k.yaml: line 2: daemon.ring_capacity must be a power of two",
             ),
             (
                 "daemon:\n  query_ring_capacity: 1024\n",
-                "k.yaml: daemon.query_ring_capacity must be a power of two between 4096 and 1073741824 bytes, got 1024",
+                "k.yaml: line 2: daemon.query_ring_capacity must be a power of two between 4096 and 1073741824 bytes, got 1024",
             ),
             (
                 "daemon:\n  max_workers: 65\n",
-                "k.yaml: daemon.max_workers must be between 1 and 64, got 65",
+                "k.yaml: line 2: daemon.max_workers must be between 1 and 64, got 65",
             ),
             (
                 "daemon:\n  index_capacty: 5\n",
@@ -395,6 +525,47 @@ mod tests {
             (
                 "policy:\n  rules:\n    - name: r\n      route: {}\n",
                 "k.yaml: rule `r`, route.select (line 3)",
+            ),
+            (
+                "daemon:\n  ring_capacity: 65536\n  heartbeat_timeout_ms: 0\n",
+                "k.yaml: line 3: daemon.heartbeat_timeout_ms must be between 1 and",
+            ),
+            (
+                "daemon: {idle_timeout_ms: 0}\n",
+                "k.yaml: line 1: daemon.idle_timeout_ms must be between 1",
+            ),
+            (
+                "daemon:\n  max_reservations: 0\n",
+                "k.yaml: line 2: daemon.max_reservations must be between 1",
+            ),
+            (
+                "daemon:\n  reservation_ttl_ms: 0\n",
+                "k.yaml: line 2: daemon.reservation_ttl_ms must be between 1",
+            ),
+            (
+                "daemon:\n  heartbeat_timeout_ms: 18446744073709551615\n",
+                "k.yaml: line 2: daemon.heartbeat_timeout_ms must be between 1 and 31536000000 ms",
+            ),
+            (
+                "daemon:\n  max_frame_bytes: 18446744073709551615\n",
+                "k.yaml: line 2: daemon.max_frame_bytes must be between 64 and 67108864 bytes",
+            ),
+            (
+                "daemon:\n  runtime_dir_mode: \"0777\"\n",
+                "k.yaml: line 2: daemon.runtime_dir_mode `0777` lets every user write",
+            ),
+            (
+                "daemon:\n  max_workers: 4\nrouter:\n  overlap_score_credit: .nan\n",
+                "k.yaml: line 4: router.overlap_score_credit must be a finite non-negative number, got NaN",
+            ),
+            (
+                "session_affinity:\n  ttl_ms: 0\n",
+                "k.yaml: line 2: session_affinity.ttl_ms must be between 1",
+            ),
+            ("\n# nothing\n", "k.yaml: the file is empty"),
+            (
+                "metrics:\n  listen: nowhere\n",
+                "k.yaml: line 2: metrics.listen `nowhere` is not host:port",
             ),
         ];
         for (src, expected) in cases {

@@ -218,15 +218,33 @@ pub fn load_with(
             });
         }
     }
-    let mut providers = Vec::new();
+    let mut providers: Vec<ProviderSpec> = Vec::new();
+    let provider_err = |name: &str, message: &str| RuleConfigError {
+        rule: None,
+        field: Some(format!("providers.{name}")),
+        line: provider_line(source, name),
+        message: message.into(),
+    };
     for p in doc.providers {
-        if p.models.is_empty() {
+        if p.name.trim().is_empty() {
             return Err(RuleConfigError {
                 rule: None,
-                field: Some(format!("providers.{}", p.name)),
-                line: None,
-                message: "a provider must serve at least one model".into(),
+                field: Some("providers".into()),
+                line: crate::yaml::key_line(source, &["providers"]),
+                message: "a provider needs a non-empty name".into(),
             });
+        }
+        if providers.iter().any(|q| q.name == p.name) {
+            return Err(provider_err(
+                &p.name,
+                "another provider has the same name (rules could not tell them apart)",
+            ));
+        }
+        if p.models.is_empty() {
+            return Err(provider_err(
+                &p.name,
+                "a provider must serve at least one model",
+            ));
         }
         providers.push(ProviderSpec {
             labels: p.labels.iter().map(|(k, v)| format!("{k}={v}")).collect(),
@@ -235,6 +253,24 @@ pub fn load_with(
             endpoint: p.endpoint,
         });
     }
+    // A Provider tier's `order` names providers: each must exist.
+    for (i, r) in rules.iter().enumerate() {
+        for t in &r.tiers {
+            if let (TierType::Provider, Objective::Order(names)) = (t.kind, &t.objective)
+                && let Some(missing) = names
+                    .iter()
+                    .find(|n| !providers.iter().any(|p| &p.name == *n))
+            {
+                return Err(RuleConfigError {
+                    rule: Some(r.name.clone()),
+                    field: Some("route.select.order".into()),
+                    line: lines.field(i, "order").or(lines.rule(i)),
+                    message: format!("`{missing}` is not a provider in `providers:`"),
+                });
+            }
+        }
+    }
+    let section_line = |path: &[&str]| crate::yaml::key_line(source, path);
     let (length, regex) = match doc.classifiers {
         Some(c) => (c.length, c.regex),
         None => (None, None),
@@ -252,14 +288,15 @@ pub fn load_with(
                     return Err(RuleConfigError {
                         rule: None,
                         field: Some(format!("classifiers.regex.patterns.{name}")),
-                        line: None,
+                        line: section_line(&["classifiers", "regex", "patterns"]),
                         message: "a tag type is lowercase letters, digits and `_`".into(),
                     });
                 }
                 let re = regex::Regex::new(&pattern).map_err(|e| RuleConfigError {
                     rule: None,
                     field: Some(format!("classifiers.regex.patterns.{name}")),
-                    line: None,
+                    line: section_line(&["classifiers", "regex", "patterns", &name])
+                        .or_else(|| section_line(&["classifiers", "regex", "patterns"])),
                     message: e.to_string(),
                 })?;
                 patterns.push((name, re));
@@ -276,7 +313,7 @@ pub fn load_with(
             return Err(RuleConfigError {
                 rule: None,
                 field: Some("classifiers.length".into()),
-                line: None,
+                line: section_line(&["classifiers", "length"]),
                 message: format!("low ({}) must not exceed high ({})", l.low, l.high),
             });
         }
@@ -293,7 +330,7 @@ pub fn load_with(
                 return Err(RuleConfigError {
                     rule: None,
                     field: Some("ttft.prefill_tokens_per_second".into()),
-                    line: None,
+                    line: section_line(&["ttft", "prefill_tokens_per_second"]),
                     message: format!("must be a finite positive number, got {tp}"),
                 });
             }
@@ -303,7 +340,7 @@ pub fn load_with(
             ttft.queue_wait_per_request = parse_duration(&w).ok_or_else(|| RuleConfigError {
                 rule: None,
                 field: Some("ttft.queue_wait_per_request".into()),
-                line: None,
+                line: section_line(&["ttft", "queue_wait_per_request"]),
                 message: format!("`{w}` is not a duration (e.g. 50ms, 1s, 1m30s)"),
             })?;
         }
@@ -662,6 +699,23 @@ fn operator(name: &str, v: &Value) -> Result<Op, String> {
         Value::Sequence(_) => Ok(Op::In(list(name, v)?)),
         _ => Ok(Op::Equal(constant(name, v)?)),
     }
+}
+
+/// The line of provider `name`'s entry (its `name:` key) under
+/// `providers:`, in a block-style document.
+fn provider_line(source: &str, name: &str) -> Option<usize> {
+    let start = crate::yaml::key_line(source, &["providers"])?;
+    source
+        .lines()
+        .enumerate()
+        .skip(start)
+        .find(|(_, l)| {
+            let t = l.trim_start().trim_start_matches('-').trim_start();
+            t.strip_prefix("name:")
+                .is_some_and(|v| v.trim().trim_matches(|c| c == '"' || c == '\'') == name)
+        })
+        .map(|(n, _)| n + 1)
+        .or(Some(start))
 }
 
 /// Lines of rule items and their fields in a block-style document.
