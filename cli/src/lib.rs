@@ -120,6 +120,10 @@ struct Target {
     /// Print the daemon's JSON reply as it is.
     #[arg(long, global = true)]
     json: bool,
+    /// Seconds to wait for the daemon's answer (a stopped or hung daemon
+    /// is reported as unreachable after this long).
+    #[arg(long, global = true, default_value_t = 10.0)]
+    timeout: f64,
 }
 
 impl Target {
@@ -169,6 +173,26 @@ enum QueryCommand {
     Finish { request_id: u64 },
 }
 
+/// Writes to stdout; a closed stdout (`kvedge stats | head -c 0`) ends
+/// the command quietly instead of in a panic.
+fn write_stdout(args: std::fmt::Arguments<'_>) {
+    let mut stdout = std::io::stdout().lock();
+    if stdout.write_fmt(args).and_then(|()| stdout.flush()).is_err() {
+        std::process::exit(0);
+    }
+}
+
+/// `print!` that survives a closed stdout.
+macro_rules! out {
+    ($($arg:tt)*) => { write_stdout(format_args!($($arg)*)) };
+}
+
+/// `println!` that survives a closed stdout.
+macro_rules! outln {
+    () => { write_stdout(format_args!("\n")) };
+    ($($arg:tt)*) => { write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
 /// The code the CLI reports when the daemon cannot be reached (it is not a
 /// daemon status: nothing answered).
 const UNREACHABLE: &str = "unreachable";
@@ -180,12 +204,37 @@ fn request(target: &Target, request: &Request<'_>) -> serde_json::Value {
     if let Err(e) = kvedge_wire::json::encode_request(&mut line, request) {
         return serde_json::json!({"error": {"code": UNREACHABLE, "message": e}});
     }
+    let timeout = std::time::Duration::try_from_secs_f64(target.timeout)
+        .ok()
+        .filter(|t| !t.is_zero())
+        .unwrap_or(std::time::Duration::from_secs(10));
     let result = (|| -> std::io::Result<String> {
         let mut stream = UnixStream::connect(&path)?;
-        stream.write_all(&line)?;
+        stream.set_read_timeout(Some(timeout))?;
+        stream.set_write_timeout(Some(timeout))?;
+        // A refused connection gets one error line and is closed, maybe
+        // before the request is written: that line, not the failed
+        // write, is the answer.
+        let sent = stream.write_all(&line);
         let mut reply = String::new();
-        BufReader::new(stream).read_line(&mut reply)?;
-        Ok(reply)
+        let read = BufReader::new(stream).read_line(&mut reply);
+        if !reply.is_empty() {
+            return Ok(reply);
+        }
+        sent?;
+        match read {
+            Ok(_) => Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "the daemon closed the connection without answering",
+            )),
+            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+                Err(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!("no answer within {timeout:?} (is the daemon stopped or hung?)"),
+                ))
+            }
+            Err(e) => Err(e),
+        }
     })();
     match result
         .map_err(|e| format!("{}: {e}", path.display()))
@@ -205,7 +254,7 @@ fn ask(target: &Target, query: &Request<'_>) -> ExitCode {
     let reply = request(target, query);
     let failed = reply.get("error").is_some();
     if target.json {
-        println!("{reply}");
+        outln!("{reply}");
     } else if failed {
         eprintln!(
             "kvedge: {}: {}",
@@ -213,7 +262,7 @@ fn ask(target: &Target, query: &Request<'_>) -> ExitCode {
             reply["error"]["message"].as_str().unwrap_or("")
         );
     } else {
-        print!("{}", human::render(query.op_name(), &reply));
+        out!("{}", human::render(query.op_name(), &reply));
     }
     if failed {
         ExitCode::from(1)
@@ -318,7 +367,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             let reply = request(&target, &Request::Metrics);
             match reply["text"].as_str() {
                 Some(text) => {
-                    print!("{text}");
+                    out!("{text}");
                     ExitCode::SUCCESS
                 }
                 None => {
@@ -357,10 +406,10 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 namespace.as_deref(),
             );
             if json {
-                println!("{}", serde_json::json!({ "hashes": hashes }));
+                outln!("{}", serde_json::json!({ "hashes": hashes }));
             } else {
                 for h in hashes {
-                    println!("{h}");
+                    outln!("{h}");
                 }
             }
             ExitCode::SUCCESS
@@ -370,13 +419,13 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             match kvedge_tools::publish::run(args) {
                 Ok(summary) => {
                     if json {
-                        println!("{summary}");
+                        outln!("{summary}");
                     }
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
                     if json {
-                        println!(
+                        outln!(
                             "{}",
                             serde_json::json!({"error": {"code": "publish", "message": e}})
                         );
@@ -389,9 +438,9 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         }
         Command::Sim(args) => match kvedge_tools::sim_cmd::execute(&args, &registry) {
             Ok(text) => {
-                print!("{text}");
+                out!("{text}");
                 if !text.ends_with('\n') {
-                    println!();
+                    outln!();
                 }
                 ExitCode::SUCCESS
             }
@@ -409,7 +458,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         },
         Command::Demo(args) => match kvedge_tools::demo::run(&args) {
             Ok(text) => {
-                println!("{}", text.trim_end());
+                outln!("{}", text.trim_end());
                 ExitCode::SUCCESS
             }
             Err(e) => {
@@ -426,15 +475,15 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 Ok(config) => {
                     let rules = config.rules.as_ref().map_or(0, |r| r.rules.len());
                     if json {
-                        println!("{}", serde_json::json!({"ok": true, "rules": rules}));
+                        outln!("{}", serde_json::json!({"ok": true, "rules": rules}));
                     } else {
-                        println!("{}: ok ({rules} rules)", file.display());
+                        outln!("{}: ok ({rules} rules)", file.display());
                     }
                     ExitCode::SUCCESS
                 }
                 Err(e) => {
                     if json {
-                        println!(
+                        outln!(
                             "{}",
                             serde_json::json!({"error": {"code": "config", "message": e.to_string()}})
                         );

@@ -6,6 +6,7 @@
 
 use std::time::{Duration, Instant};
 
+use kvedge_policies::rules::TagBuf;
 use kvedge_policies::{AgentHeaders, InputTrigger, SessionContext, WorkerType};
 use kvedge_shm::hash::{block_seed, full_blocks, sequence_hashes_into};
 use kvedge_shm::messages::Tier;
@@ -248,18 +249,27 @@ impl Core {
         }
         let block_size = self.block_size_for(s.model, role);
         let (hashes, prompt_tokens) = self.hash_prompt(s, block_size);
-        // Tags on the stack (at most MAX_TAGS); headers only when sent.
-        let mut tags = [""; MAX_TAGS];
-        if !s.tags.is_empty() {
-            for (slot, tag) in tags.iter_mut().zip(s.tags.iter()) {
-                *slot = tag;
+        // Tags on the stack (at most MAX_TAGS): the client's, then the
+        // configured classifiers' (length over the prompt's tokens, regex
+        // over its text), which borrow from the rule policy held here.
+        let policy = self.router.rule_policy();
+        let mut tags = TagBuf::default();
+        for tag in s.tags.iter() {
+            tags.push(tag);
+        }
+        if let Some(p) = &policy {
+            if let Some(l) = p.length {
+                tags.push(l.tag(prompt_tokens));
+            }
+            if let Some(re) = &p.regex {
+                re.classify(s.text, &mut tags);
             }
         }
         let headers = (!s.headers.is_empty()).then(|| AgentHeaders::from_pairs(s.headers.iter()));
         let req = SelectRequest {
             model: s.model,
             tenant: s.tenant,
-            tags: &tags[..s.tags.len()],
+            tags: tags.as_slice(),
             headers: headers.as_ref(),
             priority: s.priority,
             role,
@@ -452,6 +462,7 @@ impl Core {
             resyncs: c.resyncs,
             index_entries: self.router.index.entries() as u64,
             index_refused_full: self.router.index.refused_full(),
+            index_evicted: self.router.index.evicted(),
             workers: self.worker_rows(),
             clients: self.clients() as u64,
             query_channels: self.query_channels() as u64,

@@ -13,10 +13,14 @@
 //!   worker's death cost O(that worker's blocks), not a scan of the index.
 //!
 //! Capacity is counted in (block, worker, tier) entries. When a store would
-//! exceed it, the new entries are **not** indexed (the newcomer is evicted,
-//! never an older block a worker is actively reusing) and
-//! [`KvIndex::refused_full`] counts them. A later `Removed`/`Cleared` makes
-//! room again.
+//! exceed it, room is made by evicting entries of the worker that holds the
+//! most (so one engine cannot keep a later one out), its oldest-stored
+//! first: engines report when a block enters and leaves their cache, not
+//! when it is reused, so the block resident longest is the best guess at
+//! the least recently used. [`KvIndex::evicted`] counts them, and a log
+//! line says when eviction starts. A worker's store order is kept in a
+//! queue beside its set (removed hashes leave it lazily, and it is
+//! compacted when mostly stale).
 //!
 //! The overlap query walks the request's hashes in order, keeping for each
 //! tier the mask of workers whose prefix is still unbroken, and stops as soon
@@ -24,7 +28,7 @@
 //! 32, 64 hashes) so the cache misses of a large index overlap instead of
 //! queuing, while a short prefix still stops after a few.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::{HashMap, HashSet, VecDeque};
 
 use kvedge_shm::messages::Tier;
 
@@ -76,9 +80,16 @@ impl Overlap {
 pub struct KvIndex {
     tiers: [IdMap<u64>; 3],
     held: Vec<[IdSet; 3]>,
+    /// Per worker and tier, hashes in the order they were stored (some
+    /// already removed: checked against `held` when evicting).
+    order: Vec<[VecDeque<u64>; 3]>,
     entries: usize,
     capacity: usize,
     refused_full: u64,
+    evicted: u64,
+    /// Eviction has started and the index has not drained below 90% since
+    /// (it is logged once per episode).
+    evicting: bool,
 }
 
 impl KvIndex {
@@ -87,9 +98,12 @@ impl KvIndex {
         KvIndex {
             tiers: Default::default(),
             held: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
+            order: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
             entries: 0,
             capacity,
             refused_full: 0,
+            evicted: 0,
+            evicting: false,
         }
     }
 
@@ -103,9 +117,15 @@ impl KvIndex {
         self.tiers[tier as usize].len()
     }
 
-    /// Entries not indexed because the index was full.
+    /// Entries not indexed because the index was full and nothing could
+    /// be evicted.
     pub fn refused_full(&self) -> u64 {
         self.refused_full
+    }
+
+    /// Entries evicted to make room for newer ones.
+    pub fn evicted(&self) -> u64 {
+        self.evicted
     }
 
     /// Blocks `slot` holds in `tier`.
@@ -121,26 +141,64 @@ impl KvIndex {
     }
 
     /// Records that `slot` stored `hashes` in `tier`. Returns how many were
-    /// new; a store beyond capacity is refused and counted.
+    /// new; when the index is full, older entries are evicted for them.
     pub fn store(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) -> usize {
         let t = tier as usize;
-        let held = &mut self.held[slot.index()][t];
-        let map = &mut self.tiers[t];
         let mut added = 0;
         for &h in hashes {
-            if held.contains(&h) {
+            if self.held[slot.index()][t].contains(&h) {
                 continue;
             }
-            if self.entries >= self.capacity {
+            if self.entries >= self.capacity && !self.evict_one() {
                 self.refused_full += 1;
                 continue;
             }
-            held.insert(h);
-            *map.entry(h).or_insert(0) |= slot.bit();
+            self.held[slot.index()][t].insert(h);
+            self.order[slot.index()][t].push_back(h);
+            *self.tiers[t].entry(h).or_insert(0) |= slot.bit();
             self.entries += 1;
             added += 1;
         }
         added
+    }
+
+    /// Evicts the oldest-stored entry of the worker holding the most
+    /// (from its largest tier); false if the index is empty.
+    fn evict_one(&mut self) -> bool {
+        let Some((w, t)) = (0..MAX_WORKERS)
+            .max_by_key(|&w| self.held[w].iter().map(IdSet::len).sum::<usize>())
+            .and_then(|w| {
+                let t = (0..3).max_by_key(|&t| self.held[w][t].len())?;
+                (!self.held[w][t].is_empty()).then_some((w, t))
+            })
+        else {
+            return false;
+        };
+        if !self.evicting {
+            self.evicting = true;
+            tracing::warn!(
+                capacity = self.capacity,
+                "the KV index is full (daemon.index_capacity): evicting the oldest entries of the worker holding the most"
+            );
+        }
+        let slot = Slot(w as u8);
+        while let Some(h) = self.order[w][t].pop_front() {
+            if self.held[w][t].remove(&h) {
+                Self::unset(&mut self.tiers[t], h, slot);
+                self.entries -= 1;
+                self.evicted += 1;
+                return true;
+            }
+        }
+        // The queue lost track (it cannot, but stay correct): any entry.
+        let Some(&h) = self.held[w][t].iter().next() else {
+            return false;
+        };
+        self.held[w][t].remove(&h);
+        Self::unset(&mut self.tiers[t], h, slot);
+        self.entries -= 1;
+        self.evicted += 1;
+        true
     }
 
     /// Records that `slot` evicted `hashes` from `tier`.
@@ -154,7 +212,22 @@ impl KvIndex {
                 removed += 1;
             }
         }
+        self.compact(slot.index(), t);
         removed
+    }
+
+    /// Drops the removed hashes from a store-order queue once they are
+    /// most of it, and notes the end of an eviction episode.
+    fn compact(&mut self, w: usize, t: usize) {
+        let live = self.held[w][t].len();
+        let queue = &mut self.order[w][t];
+        if queue.len() > 2 * live + 1024 {
+            let held = &self.held[w][t];
+            queue.retain(|h| held.contains(h));
+        }
+        if self.evicting && self.entries < self.capacity / 10 * 9 {
+            self.evicting = false;
+        }
     }
 
     /// Drops everything `slot` holds in `tier` (or in every tier).
@@ -167,11 +240,15 @@ impl KvIndex {
         for &tier in tiers {
             let t = tier as usize;
             let held = std::mem::take(&mut self.held[slot.index()][t]);
+            self.order[slot.index()][t] = VecDeque::new();
             for h in &held {
                 Self::unset(&mut self.tiers[t], *h, slot);
             }
             removed += held.len();
             self.entries -= held.len();
+        }
+        if self.evicting && self.entries < self.capacity / 10 * 9 {
+            self.evicting = false;
         }
         removed
     }
@@ -304,13 +381,36 @@ mod tests {
     }
 
     #[test]
-    fn a_full_index_refuses_newcomers_and_counts_them() {
-        let mut ix = KvIndex::new(3);
-        assert_eq!(ix.store(s(0), Tier::Device, &[1, 2, 3, 4, 5]), 3);
-        assert_eq!((ix.entries(), ix.refused_full()), (3, 2));
-        ix.remove(s(0), Tier::Device, &[1]);
-        assert_eq!(ix.store(s(1), Tier::Device, &[9]), 1);
-        assert!(ix.holds(s(1), Tier::Device, 9));
+    fn a_full_index_evicts_the_oldest_of_the_largest_holder() {
+        let mut ix = KvIndex::new(4);
+        // One worker fills the index; its own newer blocks push out its
+        // oldest.
+        assert_eq!(ix.store(s(0), Tier::Device, &[1, 2, 3, 4, 5, 6]), 6);
+        assert_eq!((ix.entries(), ix.evicted(), ix.refused_full()), (4, 2, 0));
+        assert!(!ix.holds(s(0), Tier::Device, 1) && !ix.holds(s(0), Tier::Device, 2));
+        assert!(ix.holds(s(0), Tier::Device, 6));
+        // A later worker gets room, taken from the one holding the most,
+        // oldest first (3, then 4), until they hold the same.
+        assert_eq!(ix.store(s(1), Tier::Device, &[10, 11]), 2);
+        assert_eq!(ix.worker_blocks(s(0), Tier::Device), 2);
+        assert!(ix.holds(s(0), Tier::Device, 5) && ix.holds(s(0), Tier::Device, 6));
+        assert!(!ix.holds(s(0), Tier::Device, 3) && !ix.holds(s(0), Tier::Device, 4));
+        // Removed hashes leave the order queue too: a removal then an
+        // eviction never evicts a stale hash.
+        ix.remove(s(0), Tier::Device, &[5]);
+        assert_eq!(ix.store(s(1), Tier::Device, &[12, 13]), 2);
+        assert_eq!(ix.entries(), 4);
+        // s(1) held the most then (3 to 1): its oldest went.
+        assert!(!ix.holds(s(1), Tier::Device, 10));
+        assert_eq!(ix.overlap_count(&[6], s(0)), 1);
+    }
+
+    impl KvIndex {
+        fn overlap_count(&self, hashes: &[u64], slot: Slot) -> u32 {
+            let mut o = Overlap::default();
+            self.overlap(hashes, slot.bit(), &mut o);
+            o.get(slot, Tier::Device)
+        }
     }
 
     #[test]

@@ -35,6 +35,7 @@ pub struct Snapshot {
     pub resyncs: u64,
     pub index_entries: u64,
     pub index_refused_full: u64,
+    pub index_evicted: u64,
     pub workers: Vec<WorkerRow>,
     pub clients: u64,
     /// Query connections with a query channel (shared-memory rings).
@@ -183,6 +184,11 @@ pub fn render(s: &Snapshot) -> String {
         "index_refused_full",
         "Stored blocks refused because the index was at capacity",
         counter(s.index_refused_full),
+    );
+    r.register(
+        "index_evicted",
+        "Index entries evicted to make room (daemon.index_capacity reached; oldest-stored of the worker holding the most)",
+        counter(s.index_evicted),
     );
     r.register(
         "workers_registered",

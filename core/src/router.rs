@@ -271,6 +271,12 @@ impl Router {
     }
 
     /// The rule policy in use, if any.
+    /// The rule policy, shared (its classifiers' tags borrow from it while
+    /// the router decides).
+    pub fn rule_policy(&self) -> Option<std::sync::Arc<RulePolicy>> {
+        self.rule_policy.clone()
+    }
+
     pub fn rules(&self) -> Option<&RulePolicy> {
         self.rules.as_ref().map(RuleEngine::policy)
     }

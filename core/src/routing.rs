@@ -302,6 +302,28 @@ impl Core {
                 });
             }
         }
+        // A registration of a worker whose engine is still connected but
+        // silent past its heartbeat (hung, SIGSTOPped) replaces it: the
+        // new process is the worker now.
+        let worker = WorkerWithDpRank::new(hello.worker_id, hello.dp_rank);
+        let hung = self.engines.iter().find_map(|(key, e)| {
+            let slot = e.slot?;
+            (e.late && self.router.worker(slot).is_some_and(|w| w.worker == worker)).then_some(key)
+        });
+        if let Some((index, generation)) = hung {
+            let old = EngineId { index, generation };
+            tracing::warn!(
+                worker = ?worker,
+                "a new engine registered as this worker while its previous engine was silent past its heartbeat: the previous one is closed and replaced"
+            );
+            if let Some(e) = self.engines.get_mut(index, generation) {
+                e.state = EngineState::Broken;
+                if let Some(slot) = e.slot.take() {
+                    self.router.unregister(slot);
+                }
+            }
+            self.outputs.push_back(Output::CloseEngine(old));
+        }
         let slot = self.router.register(WorkerInfo {
             worker: WorkerWithDpRank::new(hello.worker_id, hello.dp_rank),
             model: hello.model.clone(),
@@ -401,6 +423,10 @@ impl Core {
             // Its heartbeat came back: routable again, and its next
             // deadline counts.
             self.router.set_available(slot, true);
+            tracing::info!(
+                worker = ?self.router.worker(slot).map(|w| w.worker),
+                "worker available again: its engine spoke"
+            );
             self.due(now + Duration::from_millis(self.config.daemon.heartbeat_timeout_ms));
         }
     }
@@ -596,6 +622,10 @@ impl Core {
                         e.late = true;
                         if let Some(slot) = e.slot {
                             self.router.set_available(slot, false);
+                            tracing::warn!(
+                                worker = ?self.router.worker(slot).map(|w| w.worker),
+                                "worker unavailable: nothing from its engine for {heartbeat:?} (heartbeat_timeout_ms); it returns with its next record"
+                            );
                         }
                     } else {
                         soonest(e.last_seen + heartbeat);

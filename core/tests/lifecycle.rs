@@ -689,3 +689,29 @@ fn an_engines_notices_reach_workers_and_are_bounded() {
         "{text}"
     );
 }
+
+#[test]
+fn a_hung_engine_is_replaced_by_a_new_one_of_the_same_worker() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 1000\n");
+    let old = h.engine(7);
+    // While it beats, a second engine of the same worker is a duplicate.
+    let dup = h.core.handle_engine_connected(h.now, Some(1000));
+    let err = h
+        .core
+        .handle_hello(h.now, dup, &hello(7), no_peer)
+        .unwrap_err();
+    assert_eq!(err.reject_code(), reject::DUPLICATE_WORKER);
+    // Silent past its heartbeat (SIGSTOPped): the restarted engine takes
+    // the worker over and the old connection is closed.
+    h.advance(Duration::from_millis(1000));
+    let new = h.core.handle_engine_connected(h.now, Some(1000));
+    assert!(h.core.handle_hello(h.now, new, &hello(7), no_peer).is_ok());
+    assert!(h.take_outputs().contains(&Output::CloseEngine(old)));
+    assert_eq!(h.core.engine_state(old), EngineState::Broken);
+    h.core.handle_engine_closed(h.now, old, 0);
+    assert_eq!(h.core.engine_state(new), EngineState::Live);
+    let c = h.client();
+    h.record(new, 0, stored(&[4]));
+    h.drained(new, 0);
+    assert_eq!(h.select(c, &[4], true).map(|r| r.0), Ok(7));
+}

@@ -229,9 +229,9 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), En
 }
 
 fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
-    if s.lora.is_some() || s.explain {
+    if s.lora.is_some() || s.explain || s.text.is_some() {
         return Err(EncodeError(
-            "a select's lora and explain are in the JSON protocol only",
+            "a select's lora, text and explain are in the JSON protocol only",
         ));
     }
     let session = s.session.unwrap_or("");

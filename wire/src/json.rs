@@ -31,6 +31,7 @@ pub struct JsonRequest {
     #[serde(default)]
     tags: Vec<String>,
     lora: Option<String>,
+    text: Option<String>,
     #[serde(default)]
     dry_run: bool,
     #[serde(default)]
@@ -99,6 +100,7 @@ impl JsonRequest {
         s.prompt_tokens = self.prompt_tokens;
         s.session = self.session.as_deref();
         s.lora = self.lora.as_deref();
+        s.text = self.text.as_deref();
         s.dry_run = self.dry_run;
         s.explain = self.explain;
         s.priority = self.priority;
@@ -165,6 +167,8 @@ struct RequestOut<'a> {
     tags: Strs<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     lora: Option<&'a str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    text: Option<&'a str>,
     #[serde(skip_serializing_if = "is_false")]
     dry_run: bool,
     #[serde(skip_serializing_if = "is_false")]
@@ -191,6 +195,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
         tenant: None,
         tags: Strs::EMPTY,
         lora: None,
+        text: None,
         dry_run: false,
         explain: false,
         priority: 0,
@@ -210,6 +215,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
             line.tenant = s.tenant;
             line.tags = s.tags;
             line.lora = s.lora;
+            line.text = s.text;
             line.dry_run = s.dry_run;
             line.explain = s.explain;
             line.priority = s.priority;

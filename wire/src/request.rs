@@ -59,6 +59,9 @@ pub struct Select<'a> {
     pub session: Option<&'a str>,
     /// LoRA adapter whose blocks the token ids hash into (JSON only).
     pub lora: Option<&'a str>,
+    /// The prompt's text, for the `regex` classifier (JSON only; over the
+    /// binary protocol the classifier sees no text).
+    pub text: Option<&'a str>,
     /// Answer without reserving the worker or rebinding the session.
     pub dry_run: bool,
     /// Include how the choice was made (JSON only).
@@ -84,6 +87,7 @@ impl<'a> Select<'a> {
             prompt_tokens: None,
             session: None,
             lora: None,
+            text: None,
             dry_run: false,
             explain: false,
             priority: 0,
