@@ -177,7 +177,11 @@ enum QueryCommand {
 /// the command quietly instead of in a panic.
 fn write_stdout(args: std::fmt::Arguments<'_>) {
     let mut stdout = std::io::stdout().lock();
-    if stdout.write_fmt(args).and_then(|()| stdout.flush()).is_err() {
+    if stdout
+        .write_fmt(args)
+        .and_then(|()| stdout.flush())
+        .is_err()
+    {
         std::process::exit(0);
     }
 }
@@ -227,7 +231,12 @@ fn request(target: &Target, request: &Request<'_>) -> serde_json::Value {
                 std::io::ErrorKind::UnexpectedEof,
                 "the daemon closed the connection without answering",
             )),
-            Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => {
+            Err(e)
+                if matches!(
+                    e.kind(),
+                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                ) =>
+            {
                 Err(std::io::Error::new(
                     std::io::ErrorKind::TimedOut,
                     format!("no answer within {timeout:?} (is the daemon stopped or hung?)"),

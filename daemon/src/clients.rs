@@ -23,6 +23,16 @@ use crate::reload::{Reloads, Waiter};
 /// client cannot starve the rest.
 const RING_REQUESTS_PER_TURN: usize = 64;
 
+/// Requests answered from one connection per turn at most (a `metrics` or
+/// `workers` request ends its turn), so a client pipelining thousands
+/// cannot make the others wait for all of them.
+const REQUESTS_PER_TURN: usize = 32;
+
+/// Bytes read from one connection per turn at most; the rest waits in its
+/// socket for the next turn (the poller reports it readable again), so a
+/// client sending megabytes does not make the others wait for them.
+const READ_PER_TURN: usize = 64 * 1024;
+
 /// A connection's input buffer keeps at most this much capacity once it
 /// is empty; a larger one (a large request came) is given back.
 const KEPT_INPUT_CAPACITY: usize = 64 * 1024;
@@ -51,6 +61,12 @@ struct ClientConn {
     writing: bool,
     /// Readable, or writable while `writing`, at the last check.
     readable: bool,
+    /// Its buffer may hold a complete request: new bytes arrived, or its
+    /// last turn ended before its requests did. Only then is it framed
+    /// (a slowloris's megabyte is not searched again every turn).
+    unframed: bool,
+    /// Leading bytes of `buf` known to hold no newline (JSON lines).
+    scanned: usize,
     mode: Mode,
     /// The query channel this connection attached, if any.
     rings: Option<ServerChannel>,
@@ -143,6 +159,8 @@ impl Clients {
                 out: Vec::new(),
                 writing: false,
                 readable: true,
+                unframed: false,
+                scanned: 0,
                 mode: Mode::Unknown,
                 rings: None,
                 awaiting_reload: false,
@@ -174,18 +192,28 @@ impl Clients {
                     end = Some(End::Closed);
                 }
             }
-            let (read, closed) = self.read(i);
+            // Requests left from its last turn are served before more is
+            // read: a pipelining client waits in its own socket buffer
+            // (backpressure), not in the daemon's memory.
+            let (read, closed) = if self.conns[i].unframed {
+                (false, false)
+            } else {
+                self.read(i)
+            };
             if closed {
                 end = end.or(Some(End::Closed));
             }
             if read {
                 any = true;
+                self.conns[i].unframed = true;
                 core.handle_client_active(now, self.conns[i].id);
             }
-            if end.is_none() && !self.conns[i].awaiting_reload {
+            if end.is_none() && self.conns[i].unframed && !self.conns[i].awaiting_reload {
                 let c = &mut self.conns[i];
                 framing::detect(&mut c.mode, &mut c.buf);
                 end = self.serve_requests(i, core, reloads, poller, now, limits);
+                // Requests left for its next turn keep the loop awake.
+                any |= self.conns[i].unframed;
             }
             if end.is_none() && !self.conns[i].awaiting_reload {
                 match self.serve_ring(i, core, reloads, now) {
@@ -241,11 +269,13 @@ impl Clients {
         let c = &mut self.conns[i];
         let chunk = &mut self.scratch[..];
         let mut read = false;
-        while c.readable {
+        let mut total = 0;
+        while c.readable && total < READ_PER_TURN {
             match c.stream.read(chunk) {
                 Ok(0) => return (read, true),
                 Ok(n) => {
                     read = true;
+                    total += n;
                     c.buf.extend_from_slice(&chunk[..n]);
                     self.input_backlog += n;
                     // A short read drained the socket: skip the read that
@@ -275,11 +305,28 @@ impl Clients {
         limits: Limits,
     ) -> Option<End> {
         let c = &mut self.conns[i];
+        c.unframed = false;
         let mode = c.mode;
+        // A JSON line still incomplete: look for its newline only in the
+        // bytes that are new since the last look.
+        if mode == Mode::Json
+            && c.buf.len() <= limits.frame
+            && !c.buf[c.scanned.min(c.buf.len())..].contains(&b'\n')
+        {
+            c.scanned = c.buf.len();
+            return None;
+        }
+        c.scanned = 0;
         let buf = std::mem::take(&mut c.buf);
         let mut consumed = 0;
         let mut end = None;
+        let mut served = 0;
         loop {
+            if served == REQUESTS_PER_TURN {
+                c.unframed = true;
+                break;
+            }
+            served += 1;
             match framing::next(mode, &buf[consumed..], limits.frame) {
                 Next::NeedMore => break,
                 Next::TooLarge => {
@@ -301,6 +348,9 @@ impl Clients {
                     }
                     let answer =
                         dispatch::answer(core, reloads, now, c.id, mode, body, &mut self.reply);
+                    if answer == Answer::Heavy {
+                        served = REQUESTS_PER_TURN;
+                    }
                     if answer == Answer::Reload {
                         let waiter = Waiter::Socket { client: c.id, mode };
                         if let Err((e, _)) = reloads.begin(waiter) {
@@ -402,7 +452,7 @@ impl Clients {
         let c = &mut self.conns[i];
         c.awaiting_reload = false;
         // Its requests that arrived meanwhile are served at its next turn.
-        c.readable = true;
+        c.unframed = true;
         if ring {
             if let Some(rings) = c.rings.as_mut() {
                 let _ = rings.replies.try_push(query_channel::FRAME, 0, &bytes[4..]);

@@ -20,6 +20,10 @@ use crate::reload::Reloads;
 pub(crate) enum Answer {
     /// The reply is in `out`.
     Now,
+    /// The reply is in `out`, and it cost a rendering of every worker or
+    /// metric: the connection's turn ends here, so a client pipelining
+    /// such requests gets one per turn and no one else waits for it.
+    Heavy,
     /// A reload: the transport registers its waiter with
     /// [`Reloads::begin`]; the reply comes when the load is done, and the
     /// connection's later requests wait for it.
@@ -89,6 +93,10 @@ fn respond(
             let took = started.elapsed();
             encode(out, &reply);
             core.note_select_time(took);
+        }
+        Request::Metrics | Request::Workers => {
+            encode(out, &core.handle_request(now, client, request));
+            return Answer::Heavy;
         }
         _ => encode(out, &core.handle_request(now, client, request)),
     }

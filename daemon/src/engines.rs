@@ -24,6 +24,10 @@ use crate::poller::Poller;
 /// Records read from one ring per turn at most, so queries are not
 /// starved by a busy engine.
 const RECORDS_PER_TURN: usize = 4096;
+/// Payload bytes read from one ring per turn at most (past the first
+/// record): a snapshot's records carry thousands of blocks each, and a
+/// turn that applied 4,096 of them would hold every query for seconds.
+const BYTES_PER_TURN: usize = 64 * 1024;
 
 /// Why a registration handshake failed.
 #[derive(Debug, thiserror::Error)]
@@ -176,10 +180,12 @@ impl Engines {
                 continue;
             };
             let mut n = 0;
+            let mut bytes = 0;
             let mut drained = false;
-            while n < RECORDS_PER_TURN {
+            while n < RECORDS_PER_TURN && bytes < BYTES_PER_TURN {
                 match ring.poll() {
                     Ok(Some(record)) => {
+                        bytes += record.payload.len();
                         core.handle_engine_record(now, c.id, &record);
                         n += 1;
                     }

@@ -139,6 +139,10 @@ impl Reloads {
             std::thread::Builder::new()
                 .name("kvedge-reload".into())
                 .spawn(move || {
+                    // Below the routing thread: on a busy node a long
+                    // parse takes its time, not the selects'.
+                    let _ =
+                        rustix::process::setpriority_process(Some(rustix::thread::gettid()), 10);
                     for command in commands {
                         match command {
                             Command::Load => {

@@ -1,12 +1,40 @@
 //! Entry point shared by the cargo-fuzz target and the property tests: lay
 //! arbitrary bytes into a real ring segment as a hostile producer would, and
 //! run the consumer's record parser and decoder over them. Must never panic,
-//! hang, or touch memory outside the segment.
+//! hang, or touch memory outside the segment. Also the hostile peer's own
+//! tools, for tests that attack a daemon through a mapped ring: scribble
+//! bytes into a segment's data area, move its tail or head anywhere.
 
 use std::sync::atomic::Ordering;
 
 use crate::layout::{MIN_CAPACITY, RECORD_HEADER_SIZE};
 use crate::ring::Consumer;
+use crate::segment::Segment;
+
+/// Writes `bytes` into `seg`'s data area from byte `offset` (wrapping at
+/// the end), as a producer that ignores the record format would. The
+/// segment is shared: only atomic-free copies into its data area, no
+/// reference to it is held.
+pub fn scribble(seg: &Segment, offset: u64, bytes: &[u8]) {
+    let capacity = seg.capacity();
+    for (i, b) in bytes.iter().enumerate() {
+        let at = (offset + i as u64) % capacity;
+        // SAFETY: `at` is below the data area's capacity, so the write is
+        // inside the mapping; it is a single byte, and the peer reading
+        // shared memory must treat it as hostile anyway.
+        unsafe { seg.data_ptr().add(at as usize).write_volatile(*b) };
+    }
+}
+
+/// Publishes `tail` as `seg`'s producer position, whatever it is.
+pub fn set_tail(seg: &Segment, tail: u64) {
+    seg.header().tail.0.store(tail, Ordering::Release);
+}
+
+/// Publishes `head` as `seg`'s consumer position, whatever it is.
+pub fn set_head(seg: &Segment, head: u64) {
+    seg.header().head.0.store(head, Ordering::Release);
+}
 
 /// What the consumer made of the bytes.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]

@@ -236,6 +236,12 @@ impl Producer {
         Ok(Push::Committed { seq })
     }
 
+    /// The shared segment (for inspection, and for tests that play a
+    /// hostile producer through [`crate::fuzzing`]).
+    pub fn segment(&self) -> &Segment {
+        &self.seg
+    }
+
     /// Whether a record of `len` payload bytes would be committed now,
     /// without pushing it (no sequence number is used). False for ever
     /// once the consumer broke the ring's invariants.

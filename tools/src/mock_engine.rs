@@ -89,7 +89,8 @@ struct Conn {
 /// Hashes per Stored/Removed record (well under the ring's record limit).
 const CHUNK: usize = 256;
 
-/// Runs the engine until SIGTERM/SIGINT or until the daemon goes away.
+/// Runs the engine until SIGTERM/SIGINT. When the daemon goes away it
+/// says so on stderr and registers again once the daemon is back.
 pub fn run(args: MockEngineArgs) -> Result<(), String> {
     let params = args.engine.params()?;
     if !(args.speed.is_finite() && args.speed > 0.0) {
@@ -268,22 +269,26 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         };
         let served = publisher.serve_resync(|p| {
             p.publish_cleared(None)?;
-            let device: Vec<u64> = engine.device_hashes().collect();
-            let host: Vec<u64> = engine.host_hashes().collect();
-            for (tier, set) in [(Tier::Device, device), (Tier::Host, host)] {
-                for chunk in set.chunks(CHUNK) {
-                    p.publish_stored_hashes(tier, None, chunk)?;
-                }
-            }
-            Ok(())
+            republish(p, &engine)
         });
-        if served.is_err() {
-            return Ok(()); // the daemon is gone
+        if let Err(e) = served {
+            // The daemon went away (a restart, a crash): register again
+            // once it is back, and tell it every block held.
+            eprintln!("kvedge mock-engine: the daemon went away ({e}); reconnecting");
+            match reconnect(&args, &hello, &stop) {
+                Some(mut p) => {
+                    let _ = p.serve_resync(|_| Ok(()));
+                    republish(&mut p, &engine).map_err(|e| format!("publish: {e}"))?;
+                    eprintln!("kvedge mock-engine: registered again");
+                    feed = Feed::Ring(p);
+                }
+                None => return Ok(()),
+            }
+            continue;
         }
         if last_beat.elapsed() >= Duration::from_millis(500) {
-            if publisher.heartbeat(sim_now(args.speed) * 1000).is_err() {
-                return Ok(());
-            }
+            // A failed heartbeat shows as a closed connection next turn.
+            let _ = publisher.heartbeat(sim_now(args.speed) * 1000);
             last_beat = Instant::now();
         }
         // Sleep until the next step is due or a socket has something.
@@ -293,6 +298,37 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         }
         .min(50_000);
         wait_readable(&listener, &conns, Duration::from_micros(wait_us));
+    }
+    Ok(())
+}
+
+/// Registers again until the daemon answers or the engine is stopped
+/// (then `None`), every half second.
+fn reconnect(args: &MockEngineArgs, hello: &Hello, stop: &AtomicBool) -> Option<Publisher> {
+    let mut last_error = String::new();
+    while !stop.load(Ordering::Relaxed) {
+        match crate::publish::connect(&args.runtime_dir, args.socket.as_deref(), hello) {
+            Ok(p) => return Some(p),
+            Err(e) if e != last_error => {
+                eprintln!("kvedge mock-engine: {e}; retrying");
+                last_error = e;
+            }
+            Err(_) => {}
+        }
+        std::thread::sleep(Duration::from_millis(500));
+    }
+    None
+}
+
+/// Publishes every block the engine holds (after registering again, the
+/// daemon knows none of them).
+fn republish(p: &mut Publisher, engine: &EngineModel) -> Result<(), kvedge_shm::PublishError> {
+    let device: Vec<u64> = engine.device_hashes().collect();
+    let host: Vec<u64> = engine.host_hashes().collect();
+    for (tier, set) in [(Tier::Device, device), (Tier::Host, host)] {
+        for chunk in set.chunks(CHUNK) {
+            p.publish_stored_hashes(tier, None, chunk)?;
+        }
     }
     Ok(())
 }

@@ -210,6 +210,12 @@ impl Client {
     }
 
     /// Whether requests go through a query channel.
+    /// The attached query channel, if any (its rings' positions, and the
+    /// segments tests attack through `kvedge_shm::fuzzing`).
+    pub fn channel(&self) -> Option<&kvedge_shm::channel::ClientChannel> {
+        self.rings.as_ref()
+    }
+
     pub fn rings_attached(&self) -> bool {
         self.rings.is_some()
     }
