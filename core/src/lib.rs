@@ -20,6 +20,7 @@ mod client;
 pub mod config;
 mod counters;
 mod engine;
+pub mod fuzzing;
 pub mod index;
 pub mod latency;
 pub mod load;

@@ -55,6 +55,7 @@
 pub mod binary;
 mod client;
 pub mod framing;
+pub mod fuzzing;
 #[cfg(feature = "json")]
 pub mod json;
 mod reply;

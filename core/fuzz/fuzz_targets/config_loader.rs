@@ -1,0 +1,6 @@
+//! Fuzzes the configuration loader (size and nesting bounds, UTF-8, the
+//! YAML parser, every section's validation) with arbitrary files.
+#![no_main]
+libfuzzer_sys::fuzz_target!(|data: &[u8]| {
+    let _ = kvedge_core::fuzzing::load_hostile_config(data);
+});
