@@ -12,7 +12,7 @@ fn valid_frame(hashes: &[u64], tenant: &str, priority: i32, op: u8) -> Vec<u8> {
     let mut s = Select::new("model", Role::Prefill, Ids::hashes(hashes));
     s.tenant = (!tenant.is_empty()).then_some(tenant);
     s.priority = priority;
-    s.dry_run = op % 2 == 0;
+    s.dry_run = op.is_multiple_of(2);
     let request = match op % 4 {
         0 | 1 => Request::Select(s),
         2 => Request::Finish {
