@@ -252,24 +252,27 @@ impl Core {
         // Tags on the stack (at most MAX_TAGS): the client's, then the
         // configured classifiers' (length over the prompt's tokens, regex
         // over its text), which borrow from the rule policy held here.
+        // Without rules or tags (the common fast path) nothing is built.
         let policy = self.router.rule_policy();
-        let mut tags = TagBuf::default();
-        for tag in s.tags.iter() {
-            tags.push(tag);
-        }
-        if let Some(p) = &policy {
-            if let Some(l) = p.length {
-                tags.push(l.tag(prompt_tokens));
+        let mut tags = TagBuf::default_if(policy.is_some() || !s.tags.is_empty());
+        if let Some(tags) = &mut tags {
+            for tag in s.tags.iter() {
+                tags.push(tag);
             }
-            if let Some(re) = &p.regex {
-                re.classify(s.text, &mut tags);
+            if let Some(p) = &policy {
+                if let Some(l) = p.length {
+                    tags.push(l.tag(prompt_tokens));
+                }
+                if let Some(re) = &p.regex {
+                    re.classify(s.text, tags);
+                }
             }
         }
         let headers = (!s.headers.is_empty()).then(|| AgentHeaders::from_pairs(s.headers.iter()));
         let req = SelectRequest {
             model: s.model,
             tenant: s.tenant,
-            tags: tags.as_slice(),
+            tags: tags.as_ref().map_or(&[], TagBuf::as_slice),
             headers: headers.as_ref(),
             priority: s.priority,
             role,

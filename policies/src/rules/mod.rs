@@ -601,6 +601,12 @@ impl Default for TagBuf<'_> {
 }
 
 impl<'a> TagBuf<'a> {
+    /// An empty buffer when `needed`, else none (it is a few hundred bytes
+    /// to clear, which a request without tags or rules need not pay).
+    pub fn default_if(needed: bool) -> Option<Self> {
+        needed.then(Self::default)
+    }
+
     /// Adds a tag; false (and nothing added) when full.
     pub fn push(&mut self, tag: &'a str) -> bool {
         if self.len == MAX_TAGS {

@@ -7,8 +7,10 @@ use crate::table::WorkerWithDpRank;
 
 use super::predicate::AttrValue;
 
-/// Most tags a request carries (client tags plus classifier tags).
-pub const MAX_TAGS: usize = 16;
+/// Most tags a request carries: up to 32 from the client (the query
+/// protocol's limit) plus the classifiers' (one per length classifier and
+/// regex pattern; past this, further classifier tags are not added).
+pub const MAX_TAGS: usize = 48;
 
 /// The request, borrowed from the host for one decision.
 #[derive(Clone, Copy, Debug)]
