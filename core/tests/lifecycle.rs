@@ -176,6 +176,9 @@ impl Harness {
     }
 }
 
+/// A configuration whose heartbeat never expires during a test.
+const NO_HEARTBEAT_TIMEOUT: &str = "daemon:\n  heartbeat_timeout_ms: 600000\n";
+
 #[test]
 fn an_engine_registers_and_its_records_route() {
     let mut h = Harness::new("daemon:\n  ring_capacity: 65536\n");
@@ -388,11 +391,7 @@ fn a_loss_inside_a_snapshot_asks_for_another_and_trailing_drops_count() {
 
 #[test]
 fn a_snapshot_whose_end_is_lost_is_asked_again_and_repeated_failures_back_off() {
-    let mut h = Harness::new(
-        "daemon:
-  heartbeat_timeout_ms: 600000
-",
-    );
+    let mut h = Harness::new(NO_HEARTBEAT_TIMEOUT);
     let e = h.engine(1);
     let c = h.client();
     // A trailing drop: the producer's count shows it, and the next
@@ -449,11 +448,7 @@ fn a_snapshot_whose_end_is_lost_is_asked_again_and_repeated_failures_back_off() 
 
 #[test]
 fn an_unanswered_resync_is_asked_again_after_its_deadline() {
-    let mut h = Harness::new(
-        "daemon:
-  heartbeat_timeout_ms: 600000
-",
-    );
+    let mut h = Harness::new(NO_HEARTBEAT_TIMEOUT);
     let e = h.engine(1);
     h.drained(e, 1);
     let [Output::Resync { request: first, .. }] = h.take_outputs()[..] else {
