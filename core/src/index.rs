@@ -20,7 +20,12 @@
 //! the least recently used. [`KvIndex::evicted`] counts them, and a log
 //! line says when eviction starts. A worker's store order is kept in a
 //! queue beside its set (removed hashes leave it lazily, and it is
-//! compacted when mostly stale).
+//! compacted when mostly stale), but only while the index is at least half
+//! full: far from capacity, where most nodes live, a store costs no more
+//! than its set and map inserts and no memory goes to the queues. When the
+//! index first reaches half, the queues start from the sets as they are
+//! (the blocks already held count as equally old); below a quarter they
+//! are dropped again.
 //!
 //! The overlap query walks the request's hashes in order, keeping for each
 //! tier the mask of workers whose prefix is still unbroken, and stops as soon
@@ -90,6 +95,9 @@ pub struct KvIndex {
     /// Eviction has started and the index has not drained below 90% since
     /// (it is logged once per episode).
     evicting: bool,
+    /// The store-order queues are kept (the index is at least half full,
+    /// and has not drained below a quarter since).
+    ordered: bool,
 }
 
 impl KvIndex {
@@ -104,6 +112,7 @@ impl KvIndex {
             refused_full: 0,
             evicted: 0,
             evicting: false,
+            ordered: false,
         }
     }
 
@@ -154,12 +163,41 @@ impl KvIndex {
                 continue;
             }
             self.held[slot.index()][t].insert(h);
-            self.order[slot.index()][t].push_back(h);
+            if self.ordered {
+                self.order[slot.index()][t].push_back(h);
+            }
             *self.tiers[t].entry(h).or_insert(0) |= slot.bit();
             self.entries += 1;
             added += 1;
+            if !self.ordered && self.entries >= self.capacity / 2 {
+                self.start_ordering();
+            }
         }
         added
+    }
+
+    /// Starts keeping store order: each queue from its set as it is.
+    fn start_ordering(&mut self) {
+        for (held, order) in self.held.iter().zip(self.order.iter_mut()) {
+            for (set, queue) in held.iter().zip(order.iter_mut()) {
+                queue.clear();
+                queue.extend(set.iter().copied());
+            }
+        }
+        self.ordered = true;
+    }
+
+    /// Below a quarter full: stops keeping store order, and frees it.
+    fn maybe_stop_ordering(&mut self) {
+        if self.evicting && self.entries < self.capacity / 10 * 9 {
+            self.evicting = false;
+        }
+        if self.ordered && self.entries < self.capacity / 4 {
+            for order in &mut self.order {
+                *order = Default::default();
+            }
+            self.ordered = false;
+        }
     }
 
     /// Evicts the oldest-stored entry of the worker holding the most
@@ -180,6 +218,9 @@ impl KvIndex {
                 capacity = self.capacity,
                 "the KV index is full (daemon.index_capacity): evicting the oldest entries of the worker holding the most"
             );
+        }
+        if !self.ordered {
+            self.start_ordering();
         }
         let slot = Slot(w as u8);
         while let Some(h) = self.order[w][t].pop_front() {
@@ -217,17 +258,17 @@ impl KvIndex {
     }
 
     /// Drops the removed hashes from a store-order queue once they are
-    /// most of it, and notes the end of an eviction episode.
+    /// most of it.
     fn compact(&mut self, w: usize, t: usize) {
-        let live = self.held[w][t].len();
-        let queue = &mut self.order[w][t];
-        if queue.len() > 2 * live + 1024 {
-            let held = &self.held[w][t];
-            queue.retain(|h| held.contains(h));
+        if self.ordered {
+            let live = self.held[w][t].len();
+            let queue = &mut self.order[w][t];
+            if queue.len() > 2 * live + 1024 {
+                let held = &self.held[w][t];
+                queue.retain(|h| held.contains(h));
+            }
         }
-        if self.evicting && self.entries < self.capacity / 10 * 9 {
-            self.evicting = false;
-        }
+        self.maybe_stop_ordering();
     }
 
     /// Drops everything `slot` holds in `tier` (or in every tier).
@@ -240,16 +281,14 @@ impl KvIndex {
         for &tier in tiers {
             let t = tier as usize;
             let held = std::mem::take(&mut self.held[slot.index()][t]);
-            self.order[slot.index()][t] = VecDeque::new();
+            self.order[slot.index()][t].clear();
             for h in &held {
                 Self::unset(&mut self.tiers[t], *h, slot);
             }
             removed += held.len();
             self.entries -= held.len();
         }
-        if self.evicting && self.entries < self.capacity / 10 * 9 {
-            self.evicting = false;
-        }
+        self.maybe_stop_ordering();
         removed
     }
 
