@@ -444,6 +444,29 @@ mod tests {
         assert_eq!(ix.overlap_count(&[6], s(0)), 1);
     }
 
+    #[test]
+    fn store_order_is_kept_only_while_at_least_half_full() {
+        let mut ix = KvIndex::new(8);
+        ix.store(s(0), Tier::Device, &[1, 2, 3]);
+        assert!(!ix.ordered, "far from capacity: no queue");
+        ix.store(s(0), Tier::Device, &[4]);
+        assert!(
+            ix.ordered && ix.order[0][0].len() == 4,
+            "half full: from the set"
+        );
+        ix.store(s(0), Tier::Device, &[5, 6, 7, 8, 9]);
+        assert_eq!((ix.entries(), ix.evicted()), (8, 1));
+        ix.remove(s(0), Tier::Device, &[1, 2, 3, 5, 6, 7, 8, 9]);
+        assert!(
+            !ix.ordered && ix.order[0][0].capacity() == 0,
+            "below a quarter: freed"
+        );
+        // Evicting again starts from the sets as they are.
+        ix.store(s(1), Tier::Device, &[20, 21, 22, 23, 24, 25, 26, 27]);
+        assert_eq!(ix.entries(), 8);
+        assert!(ix.worker_blocks(s(1), Tier::Device) >= 7);
+    }
+
     impl KvIndex {
         fn overlap_count(&self, hashes: &[u64], slot: Slot) -> u32 {
             let mut o = Overlap::default();
