@@ -146,3 +146,34 @@ fn plot_writes_png_charts() {
     assert!(err.contains("wrote"), "{err}");
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+#[test]
+fn no_shipped_policy_leaves_a_worker_without_traffic_on_a_4_worker_replay() {
+    let trace = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../testdata/mooncake/synthetic_trace.jsonl"
+    );
+    // Every shipped policy (no --policy: the presets).
+    let (code, out, err) = sim(&["--trace", trace, "--workers", "4", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let rows = v["policies"].as_array().unwrap();
+    assert!(rows.len() >= 8, "{out}");
+    for r in rows {
+        let per_worker: Vec<u64> = r["requests_per_worker"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n.as_u64().unwrap())
+            .collect();
+        assert_eq!(per_worker.len(), 4);
+        assert!(
+            per_worker.iter().all(|&n| n > 0),
+            "{} left a worker without traffic: {per_worker:?}",
+            r["policy"]
+        );
+    }
+    // The table says so when it happens; here it must not.
+    let (_, text, _) = sim(&["--trace", trace, "--workers", "4", "--limit", "500"]);
+    assert!(!text.contains("sent no request"), "{text}");
+}

@@ -228,6 +228,12 @@ fn least_busy_filters_on_device_overlap_then_takes_fewest_requests() {
         3,
         "worker 1 is filtered out"
     );
+    // A long queue is not idle: 1 running + 6 waiting is busier than 3.
+    let rows = [
+        w(2).device(2).active(1).waiting(6),
+        w(3).device(4).active(3),
+    ];
+    assert_eq!(pick(&mut p, &ctx(160), &rows), 3);
     let cold = [w(1).device(1), w(2).device(0)];
     assert!(matches!(
         p.select(&ctx(160), &table(&cold))
@@ -285,9 +291,37 @@ fn power_of_two_never_takes_the_busier_of_its_two_draws() {
 }
 
 #[test]
-fn least_kv_usage_takes_the_emptiest_cache_and_counts_no_capacity_as_full() {
+fn least_kv_usage_takes_the_emptiest_cache_and_counts_its_queue() {
     let mut p = policy("least-kv-usage", "{}");
-    let rows = [w(1).kv(50, 100), w(2).kv(10, 100), w(3).kv(0, 0)];
+    let rows = [w(1).kv(50, 100), w(2).kv(10, 100)];
+    assert_eq!(pick(&mut p, &ctx(16), &rows), 2);
+    // Worker 2 holds less but has a queue that will need as much again
+    // per request as its running one: 10 + 8 x 10 = 90 of 100.
+    let rows = [
+        w(1).kv(50, 100).active(5),
+        w(2).kv(10, 100).active(1).waiting(8),
+    ];
+    assert_eq!(pick(&mut p, &ctx(16), &rows), 1);
+}
+
+#[test]
+fn least_kv_usage_treats_an_unreported_capacity_as_unknown_not_full() {
+    let mut p = policy("least-kv-usage", "{}");
+    // Worker 3 has not reported yet and has nothing: it is the emptiest.
+    let unknown = w(3).kv(0, 0);
+    let rows = [
+        w(1).kv(50, 100).active(5),
+        w(2).kv(10, 100).active(1),
+        unknown,
+    ];
+    assert_eq!(pick(&mut p, &ctx(16), &rows), 3);
+    // Busy by kvedge's own count (10 requests at the others' 10% each),
+    // it is estimated full, not idle.
+    let rows = [
+        w(1).kv(50, 100).active(5),
+        w(2).kv(10, 100).active(1),
+        unknown.active(10),
+    ];
     assert_eq!(pick(&mut p, &ctx(16), &rows), 2);
 }
 
@@ -321,6 +355,13 @@ fn cache_aware_follows_overlap_when_balanced_and_above_threshold() {
 }
 
 // ---- soft-pin, with the affinity table in soft mode ----
+
+#[test]
+fn soft_pin_without_a_target_counts_queued_requests() {
+    let mut p = policy("soft-pin", "{max_active_requests: 4}");
+    let rows = [w(1).active(1).waiting(5), w(2).active(3)];
+    assert_eq!(pick(&mut p, &ctx(16), &rows), 2);
+}
 
 #[test]
 fn soft_pin_keeps_the_target_until_it_is_overloaded_a_b_b() {

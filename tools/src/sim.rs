@@ -95,6 +95,8 @@ pub struct Run {
     pub refused: usize,
     /// Per worker, active (running + waiting) requests every `sample_us`.
     pub load_samples: Vec<Vec<u32>>,
+    /// Requests the router sent to each worker.
+    pub requests_per_worker: Vec<u64>,
 }
 
 const MODEL: &str = "sim";
@@ -151,6 +153,7 @@ pub fn run(
     let mut samples: Vec<Vec<u32>> = vec![Vec::new(); n];
     let mut next_sample = 0u64;
     let (mut unplaced, mut refused) = (0, 0);
+    let mut requests_per_worker = vec![0u64; n];
     let mut out = Outputs::default();
     let mut session = String::new();
 
@@ -212,6 +215,7 @@ pub fn run(
                     continue;
                 };
                 let w = worker_of[slot.index()];
+                requests_per_worker[w] += 1;
                 router_ids[i] = chosen.request_id;
                 outcomes[i] = Outcome {
                     arrival_us: now,
@@ -292,5 +296,6 @@ pub fn run(
         unplaced,
         refused,
         load_samples: samples,
+        requests_per_worker,
     }
 }

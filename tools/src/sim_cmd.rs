@@ -175,6 +175,8 @@ pub struct PolicyRow {
     pub summary: Summary,
     pub unplaced: usize,
     pub refused: usize,
+    /// Requests the router sent to each worker, in worker order.
+    pub requests_per_worker: Vec<u64>,
 }
 
 /// Loads the workload `args` describe.
@@ -270,6 +272,7 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
                     summary: r.summary,
                     unplaced: r.unplaced,
                     refused: r.refused,
+                    requests_per_worker: r.requests_per_worker,
                 })
                 .collect(),
         };
@@ -290,6 +293,20 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
             text.push_str(&format!(
                 "{}: {} requests not placed by the router, {} refused by an engine\n",
                 r.summary.policy, r.unplaced, r.refused
+            ));
+        }
+        let idle: Vec<String> = r
+            .requests_per_worker
+            .iter()
+            .enumerate()
+            .filter(|(_, n)| **n == 0)
+            .map(|(w, _)| (w + 1).to_string())
+            .collect();
+        if !idle.is_empty() {
+            text.push_str(&format!(
+                "warning: {} sent no request to worker {}\n",
+                r.summary.policy,
+                idle.join(", ")
             ));
         }
     }

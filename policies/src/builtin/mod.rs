@@ -5,11 +5,11 @@
 //! | type | components |
 //! |---|---|
 //! | `dynamo-default-cost-fn` | default cost scorer + argmin/softmax picker |
-//! | `least-busy` | min-device-overlap filter + active-requests scorer + lowest-cost picker |
+//! | `least-busy` | min-device-overlap filter + requests (running plus queued) scorer + lowest-cost picker |
 //! | `round-robin` | next worker in identity order |
 //! | `random` | uniform, seeded |
 //! | `power-of-two` | two random candidates, fewer requests wins |
-//! | `least-kv-usage` | KV usage scorer + lowest cost (seeded ties) |
+//! | `least-kv-usage` | projected KV usage scorer (queue counted, unknown capacity estimated) + lowest cost (seeded ties) |
 //! | `cache-aware` | least loaded when imbalanced, else best overlap above a threshold |
 //! | `soft-pin` | keep the soft-affinity target until overloaded |
 //! | `tool-result-cache-local` | default cost, but tool-result turns go to the most device overlap |

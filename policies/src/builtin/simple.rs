@@ -8,7 +8,7 @@ use crate::inputs::WorkerInputs;
 use crate::policy::{WorkerFilter, WorkerPicker, WorkerScorer};
 use crate::rng::PolicyRng;
 use crate::table::WorkerWithDpRank;
-use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView, kv_usage};
+use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView};
 
 use super::default_cost::argmin_random_ties;
 
@@ -41,7 +41,9 @@ impl WorkerFilter for MinimumDeviceOverlapFilter {
     }
 }
 
-/// Cost = active requests above the batch minimum.
+/// Cost = requests on the worker (running plus queued) above the
+/// candidates' minimum. Queued requests count: a worker with a long
+/// waiting queue is not idle.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct ActiveRequestsScorer;
 
@@ -56,14 +58,16 @@ impl WorkerScorer for ActiveRequestsScorer {
         candidates: WorkerCandidates<'_>,
         costs: &mut [f64],
     ) -> Result<(), WorkerSelectionPolicyError> {
+        let busy =
+            |load: crate::view::LoadView<'_>| load.active_requests() + load.waiting_requests();
         let mut minimum = usize::MAX;
         for candidate in candidates.iter() {
             let load = candidate.load().ok_or_else(load_unavailable)?;
-            minimum = minimum.min(load.active_requests());
+            minimum = minimum.min(busy(load));
         }
         for (candidate, cost) in candidates.iter().zip(costs) {
             let load = candidate.load().ok_or_else(load_unavailable)?;
-            *cost = (load.active_requests() - minimum) as f64;
+            *cost = (busy(load) - minimum) as f64;
         }
         Ok(())
     }
@@ -213,14 +217,30 @@ impl WorkerPicker for PowerOfTwoPicker {
     }
 }
 
-/// Cost = KV usage (used / total blocks; a worker reporting no capacity
-/// counts as full).
+/// Cost = projected KV usage: used blocks plus what the queued requests
+/// will need (as many blocks each as the worker's running requests hold on
+/// average), over total blocks. A worker that has not reported its
+/// capacity is unknown, not full: its usage is estimated from its requests
+/// (running, queued and kvedge's own reservations, which the load columns
+/// include) at the usage per request of the candidates that did report (0
+/// per request when none did). An idle unknown worker thus costs 0 and gets
+/// traffic until it reports, and a busy one is not mistaken for idle.
 #[derive(Clone, Copy, Debug, Default)]
 pub struct KvUsageScorer;
 
+/// `used` plus `waiting` requests of the average running one's size, over
+/// `total`; `None` when the capacity is unknown.
+fn projected_kv_usage(used: u32, total: u32, active: u32, waiting: u32) -> Option<f64> {
+    if total == 0 {
+        return None;
+    }
+    let per_request = f64::from(used) / f64::from(active.max(1));
+    Some((f64::from(used) + f64::from(waiting) * per_request) / f64::from(total))
+}
+
 impl WorkerScorer for KvUsageScorer {
     fn required_worker_inputs(&self) -> WorkerInputs {
-        WorkerInputs::OCCUPANCY
+        WorkerInputs::OCCUPANCY | WorkerInputs::LOAD
     }
 
     fn score(
@@ -232,12 +252,27 @@ impl WorkerScorer for KvUsageScorer {
         let occ = candidates
             .occupancy_columns()
             .ok_or_else(|| WorkerSelectionPolicyError::failed("occupancy input unavailable"))?;
-        for ((cost, &used), &total) in costs
-            .iter_mut()
-            .zip(occ.kv_used_blocks)
-            .zip(occ.kv_total_blocks)
-        {
-            *cost = kv_usage(used, total);
+        let load = candidates.load_columns().ok_or_else(load_unavailable)?;
+        let usage = |r: usize| {
+            projected_kv_usage(
+                occ.kv_used_blocks[r],
+                occ.kv_total_blocks[r],
+                load.active_requests[r],
+                load.waiting_requests[r],
+            )
+        };
+        let requests =
+            |r: usize| f64::from(load.active_requests[r]) + f64::from(load.waiting_requests[r]);
+        let (mut sum, mut known) = (0.0, 0usize);
+        for r in 0..costs.len() {
+            if let Some(u) = usage(r) {
+                sum += u / requests(r).max(1.0);
+                known += 1;
+            }
+        }
+        let per_request = if known == 0 { 0.0 } else { sum / known as f64 };
+        for (r, cost) in costs.iter_mut().enumerate() {
+            *cost = usage(r).unwrap_or(per_request * requests(r));
         }
         Ok(())
     }
@@ -310,10 +345,11 @@ impl WorkerPicker for CacheAwarePicker {
 }
 
 /// Overload-aware soft affinity: keeps the session's affinity target while
-/// its active requests stay at or below `max_active_requests`; otherwise (or
-/// without a target among the candidates) the candidate with the fewest
-/// active requests, exact ties broken by the seeded RNG. A target without a
-/// rank matches its least-loaded rank.
+/// its requests (running plus queued) stay at or below
+/// `max_active_requests`; otherwise (or without a target among the
+/// candidates) the candidate with the fewest requests, running plus queued,
+/// exact ties broken by the seeded RNG. A target without a rank matches its
+/// least-loaded rank.
 #[derive(Clone, Debug)]
 pub struct SoftPinPicker {
     pub max_active_requests: u32,
@@ -346,22 +382,23 @@ impl WorkerPicker for SoftPinPicker {
         if input.is_empty() {
             return Err(SelectionErrorKind::NoCandidates.into());
         }
+        let busy = |r: usize| load.active_requests[r].saturating_add(load.waiting_requests[r]);
         if let Some(target) = context.affinity_target() {
             let pinned = c
                 .workers()
                 .iter()
                 .enumerate()
                 .filter(|(_, w)| target.matches(**w))
-                .min_by_key(|(r, _)| load.active_requests[*r]);
+                .min_by_key(|(r, _)| busy(*r));
             if let Some((row, _)) = pinned
-                && load.active_requests[row] <= self.max_active_requests
+                && busy(row) <= self.max_active_requests
             {
                 return Ok(row);
             }
         }
         self.scratch.clear();
         self.scratch
-            .extend(load.active_requests.iter().map(|&a| f64::from(a)));
+            .extend((0..input.len()).map(|r| f64::from(busy(r))));
         Ok(argmin_random_ties(&self.scratch, &mut self.rng))
     }
 }
