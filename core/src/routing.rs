@@ -577,6 +577,26 @@ impl Core {
         let mut silent = 0;
         let mut resync = std::mem::take(&mut self.scratch.resync);
         for ((index, generation), e) in self.engines.iter_mut() {
+            // A deferred resync request is due, or an asked one went
+            // unanswered: ask (again).
+            if let EngineState::Resyncing {
+                snapshot_id,
+                begun: false,
+                ..
+            } = e.state
+                && e.slot.is_some()
+            {
+                let due = if snapshot_id == 0 {
+                    e.resync_at
+                } else {
+                    e.resync_at + RESYNC_ANSWER_DEADLINE
+                };
+                if now >= due {
+                    resync.push(EngineId { index, generation });
+                } else {
+                    soonest(due);
+                }
+            }
             match e.state {
                 EngineState::Registering { since } => {
                     if now.saturating_duration_since(since) >= REGISTRATION_DEADLINE {
@@ -587,34 +607,6 @@ impl Core {
                             .push_back(Output::CloseEngine(EngineId { index, generation }));
                     } else {
                         soonest(since + REGISTRATION_DEADLINE);
-                    }
-                }
-                EngineState::Resyncing {
-                    snapshot_id,
-                    begun: false,
-                    ..
-                } if e.slot.is_some() => {
-                    // A deferred request is due, or an asked one went
-                    // unanswered: ask (again).
-                    let due = if snapshot_id == 0 {
-                        e.resync_at
-                    } else {
-                        e.resync_at + RESYNC_ANSWER_DEADLINE
-                    };
-                    if now >= due {
-                        resync.push(EngineId { index, generation });
-                    } else {
-                        soonest(due);
-                    }
-                    if !e.late {
-                        if now.saturating_duration_since(e.last_seen) >= heartbeat {
-                            e.late = true;
-                            if let Some(slot) = e.slot {
-                                self.router.set_available(slot, false);
-                            }
-                        } else {
-                            soonest(e.last_seen + heartbeat);
-                        }
                     }
                 }
                 EngineState::Live | EngineState::Resyncing { .. } if !e.late => {

@@ -439,7 +439,14 @@ impl Clients {
 
     /// Delivers a reload's answer to connection `client` (socket or
     /// query channel) and lets it be served again.
-    pub fn deliver(&mut self, waiter: &Waiter, bytes: &[u8], poller: &Poller, core: &mut Core) {
+    pub fn deliver(
+        &mut self,
+        waiter: &Waiter,
+        bytes: &[u8],
+        poller: &Poller,
+        core: &mut Core,
+        now: Instant,
+    ) {
         let (client, ring) = match waiter {
             Waiter::Socket { client, .. } => (*client, false),
             Waiter::Ring { client } => (*client, true),
@@ -458,7 +465,7 @@ impl Clients {
                 let _ = rings.replies.try_push(query_channel::FRAME, 0, &bytes[4..]);
             }
         } else if let Err(end) = queue(c, bytes, &limits, poller) {
-            self.remove(i, end, core, poller, std::time::Instant::now());
+            self.remove(i, end, core, poller, now);
         }
     }
 

@@ -125,38 +125,35 @@ impl Reloads {
 
     /// Starts the reload thread with the reloader.
     fn start(&mut self) -> io::Result<Worker> {
-        {
-            let Some(mut reloader) = self.reloader.take() else {
-                return Err(io::Error::other("no configuration file to reload"));
-            };
-            let wake = Arc::new(rustix::event::eventfd(
-                0,
-                rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
-            )?);
-            let (tx, commands) = mpsc::channel::<Command>();
-            let (results, rx) = mpsc::channel();
-            let thread_wake = Arc::clone(&wake);
-            std::thread::Builder::new()
-                .name("kvedge-reload".into())
-                .spawn(move || {
-                    // Below the routing thread: on a busy node a long
-                    // parse takes its time, not the selects'.
-                    let _ =
-                        rustix::process::setpriority_process(Some(rustix::thread::gettid()), 10);
-                    for command in commands {
-                        match command {
-                            Command::Load => {
-                                if results.send(reloader()).is_err() {
-                                    return;
-                                }
-                                let _ = rustix::io::write(&*thread_wake, &1u64.to_ne_bytes());
+        let Some(mut reloader) = self.reloader.take() else {
+            return Err(io::Error::other("no configuration file to reload"));
+        };
+        let wake = Arc::new(rustix::event::eventfd(
+            0,
+            rustix::event::EventfdFlags::CLOEXEC | rustix::event::EventfdFlags::NONBLOCK,
+        )?);
+        let (tx, commands) = mpsc::channel::<Command>();
+        let (results, rx) = mpsc::channel();
+        let thread_wake = Arc::clone(&wake);
+        std::thread::Builder::new()
+            .name("kvedge-reload".into())
+            .spawn(move || {
+                // Below the routing thread: on a busy node a long
+                // parse takes its time, not the selects'.
+                let _ = rustix::process::setpriority_process(Some(rustix::thread::gettid()), 10);
+                for command in commands {
+                    match command {
+                        Command::Load => {
+                            if results.send(reloader()).is_err() {
+                                return;
                             }
-                            Command::Retire(old) => drop(old),
+                            let _ = rustix::io::write(&*thread_wake, &1u64.to_ne_bytes());
                         }
+                        Command::Retire(old) => drop(old),
                     }
-                })?;
-            Ok(Worker { tx, rx, wake })
-        }
+                }
+            })?;
+        Ok(Worker { tx, rx, wake })
     }
 
     fn send_load(&mut self) {

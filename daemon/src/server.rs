@@ -253,7 +253,7 @@ impl Server {
                 Waiter::Signal => {}
                 w => self
                     .clients
-                    .deliver(&w, &d.bytes, &self.poller, &mut self.core),
+                    .deliver(&w, &d.bytes, &self.poller, &mut self.core, now),
             }
         }
         any
