@@ -247,7 +247,7 @@ fn a_mock_engine_registers_again_after_the_daemon_restarts() {
 
 #[test]
 fn a_sigstopped_engine_is_replaced_by_its_restart_after_its_heartbeat() {
-    let d = start("rel-hung", "daemon:\n  heartbeat_timeout_ms: 300\n");
+    let d = start("rel-hung", "daemon:\n  heartbeat_timeout_ms: 1500\n");
     let mut first = engine(&d.control(), 9, "m");
     first
         .publish_stored_hashes(Tier::Device, None, &[1])
@@ -256,7 +256,7 @@ fn a_sigstopped_engine_is_replaced_by_its_restart_after_its_heartbeat() {
     let _ = first.heartbeat(0);
     assert!(try_engine(&d.control(), 9, "m").is_err());
     // It goes silent (hung); past its heartbeat a new one takes over.
-    std::thread::sleep(Duration::from_millis(500));
+    std::thread::sleep(Duration::from_millis(1800));
     let mut second = try_engine(&d.control(), 9, "m").expect("the restart registers");
     second
         .publish_stored_hashes(Tier::Device, None, &[2])
