@@ -254,13 +254,23 @@ impl Clients {
 
     /// Takes connection `i` out of the loop and tells the core why.
     fn remove(&mut self, i: usize, end: End, core: &mut Core, poller: &Poller, now: Instant) {
+        let id = self.detach(i, poller);
+        match end {
+            End::Closed => core.handle_client_closed(id),
+            End::Dropped(why) => core.handle_client_dropped(now, id, why),
+        }
+    }
+
+    /// Takes connection `i` out of the loop (its socket and wake eventfd
+    /// out of the epoll set, its input out of the backlog) and drops it.
+    fn detach(&mut self, i: usize, poller: &Poller) -> ClientId {
         let c = self.conns.swap_remove(i);
         self.input_backlog -= c.buf.len();
-        match end {
-            End::Closed => core.handle_client_closed(c.id),
-            End::Dropped(why) => core.handle_client_dropped(now, c.id, why),
+        poller.unwatch(&c.stream);
+        if let Some(r) = &c.rings {
+            poller.unwatch(r.requests.wake_fd());
         }
-        unwatch(poller, &c);
+        c.id
     }
 
     /// Reads what connection `i` sent; returns whether anything arrived
@@ -355,7 +365,7 @@ impl Clients {
                         let waiter = Waiter::Socket { client: c.id, mode };
                         if let Err((e, _)) = reloads.begin(waiter) {
                             self.reply.clear();
-                            reload_failed(mode, &e, &mut self.reply);
+                            crate::reload::could_not_start(mode, &e, &mut self.reply);
                         } else {
                             c.awaiting_reload = true;
                             break;
@@ -410,7 +420,7 @@ impl Clients {
                         }
                         Err((e, _)) => {
                             out.clear();
-                            reload_failed(Mode::Binary, &e, out);
+                            crate::reload::could_not_start(Mode::Binary, &e, out);
                         }
                     }
                 }
@@ -493,22 +503,8 @@ impl Clients {
         let Some(i) = self.conns.iter().position(|c| c.id == id) else {
             return false;
         };
-        let c = self.conns.swap_remove(i);
-        self.input_backlog -= c.buf.len();
-        unwatch(poller, &c);
+        self.detach(i, poller);
         true
-    }
-}
-
-/// The reply to a reload that could not be started.
-pub(crate) fn reload_failed(mode: Mode, e: &io::Error, out: &mut Vec<u8>) {
-    let reply = kvedge_wire::Reply::error(
-        Status::ReloadFailed,
-        format!("the reload could not start: {e}"),
-    );
-    match mode {
-        Mode::Binary => binary::encode_reply(out, &reply),
-        _ => json::encode_reply(out, &reply),
     }
 }
 
@@ -528,15 +524,6 @@ impl Limits {
             reply_backlog: d.max_reply_backlog_bytes,
             input_backlog: d.max_input_backlog_bytes,
         }
-    }
-}
-
-/// Takes a departing connection's socket (and its query channel's wake
-/// eventfd) out of the epoll set.
-fn unwatch(poller: &Poller, c: &ClientConn) {
-    poller.unwatch(&c.stream);
-    if let Some(r) = &c.rings {
-        poller.unwatch(r.requests.wake_fd());
     }
 }
 

@@ -30,6 +30,15 @@ pub(crate) enum Answer {
     Reload,
 }
 
+/// How a reply is written in a connection's protocol (JSON lines unless
+/// the connection speaks binary frames).
+pub(crate) fn reply_encoder(mode: Mode) -> fn(&mut Vec<u8>, &Reply<'_>) {
+    match mode {
+        Mode::Binary => binary::encode_reply,
+        Mode::Json | Mode::Unknown => json::encode_reply,
+    }
+}
+
 /// The reply bytes to one request `body` of `client` in `mode` (a JSON
 /// line without its newline, or a binary frame after its length), into
 /// `out`.
@@ -47,14 +56,14 @@ pub(crate) fn answer(
     // from them, as a binary request borrows from its frame.
     let line;
     let (decoded, encode): (_, fn(&mut Vec<u8>, &Reply<'_>)) = match mode {
-        Mode::Binary => (binary::decode_request(body), binary::encode_reply),
+        Mode::Binary => (binary::decode_request(body), reply_encoder(mode)),
         Mode::Json | Mode::Unknown => {
             line = json::decode_request(body);
             let decoded = match &line {
                 Ok(line) => line.request(),
                 Err(e) => Err(e.clone()),
             };
-            (decoded, json::encode_reply)
+            (decoded, reply_encoder(mode))
         }
     };
     match decoded {

@@ -169,7 +169,7 @@ impl Jobs {
                         let waiter = Waiter::Job { reply, mode };
                         if let Err((e, Waiter::Job { reply, mode })) = reloads.begin(waiter) {
                             self.reply.clear();
-                            crate::clients::reload_failed(mode, &e, &mut self.reply);
+                            crate::reload::could_not_start(mode, &e, &mut self.reply);
                             reply(self.reply.clone());
                         }
                         continue;

@@ -18,7 +18,9 @@ use std::time::Instant;
 use kvedge_core::config::{Config, ConfigError};
 use kvedge_core::{ClientId, Core, ReloadError};
 use kvedge_wire::framing::Mode;
-use kvedge_wire::{Reply, Status, binary, json};
+use kvedge_wire::{Reply, Status};
+
+use crate::dispatch::reply_encoder;
 
 use crate::jobs::Replied;
 
@@ -203,23 +205,27 @@ impl Reloads {
     }
 }
 
-/// The reply to a reload, in the waiter's protocol.
+/// The reply to a reload, in the waiter's protocol (nothing for SIGHUP).
 fn encode(waiter: &Waiter, outcome: &Result<u64, ReloadError>) -> Vec<u8> {
     let reply = match outcome {
         Ok(reloads) => Reply::Reloaded { reloads: *reloads },
         Err(e) => Reply::error(Status::ReloadFailed, e.to_string()),
     };
     let mut out = Vec::new();
-    match waiter {
-        Waiter::Socket {
-            mode: Mode::Binary, ..
-        }
-        | Waiter::Ring { .. }
-        | Waiter::Job {
-            mode: Mode::Binary, ..
-        } => binary::encode_reply(&mut out, &reply),
-        Waiter::Signal => {}
-        _ => json::encode_reply(&mut out, &reply),
-    }
+    let mode = match waiter {
+        Waiter::Socket { mode, .. } | Waiter::Job { mode, .. } => *mode,
+        Waiter::Ring { .. } => Mode::Binary,
+        Waiter::Signal => return out,
+    };
+    reply_encoder(mode)(&mut out, &reply);
     out
+}
+
+/// The reply to a reload that could not be started, in `mode`.
+pub(crate) fn could_not_start(mode: Mode, e: &io::Error, out: &mut Vec<u8>) {
+    let reply = Reply::error(
+        Status::ReloadFailed,
+        format!("the reload could not start: {e}"),
+    );
+    reply_encoder(mode)(out, &reply);
 }
