@@ -1,7 +1,8 @@
 //! A hostile or broken neighbour: a connection flood beyond the limit is
 //! refused while existing clients keep their answers; peers outside the
 //! allowed uids/gids are refused on both sockets; a silent engine connection
-//! cannot stall the daemon; an engine that stops heartbeating is marked
+//! cannot stall the daemon, nor can a flood of them push out an engine
+//! whose Hello has arrived; an engine that stops heartbeating is marked
 //! unavailable and recovers when it resumes; a worker cannot register under
 //! a live worker's identity; reservations are bounded.
 
@@ -115,6 +116,26 @@ fn a_silent_engine_connection_does_not_stall_the_daemon() {
     std::thread::sleep(Duration::from_millis(1600));
     let stats = c.ask(json!({"op": "stats"}));
     assert_eq!(stats["refused_registrations"], 5, "{stats}");
+}
+
+#[test]
+fn an_engine_whose_hello_arrived_is_not_pushed_out_by_a_flood_behind_it() {
+    let d = start("hello-first", "daemon:\n  heartbeat_timeout_ms: 600000\n");
+    // With the daemon stopped, the engine connects and sends its Hello, and
+    // then 40 silent connections (same uid) queue up behind it: when the
+    // daemon resumes, all are waiting at once.
+    d.signal("STOP");
+    let control = d.control();
+    let registering = std::thread::spawn(move || try_engine(&control, 7, "m").map(|_| ()));
+    std::thread::sleep(Duration::from_millis(200));
+    let _flood: Vec<UnixStream> = (0..40)
+        .map(|_| UnixStream::connect(d.dir.join("control.sock")).unwrap())
+        .collect();
+    d.signal("CONT");
+    registering
+        .join()
+        .unwrap()
+        .expect("the engine's Hello is read before newer connections can push it out");
 }
 
 #[test]

@@ -28,6 +28,11 @@ const RECORDS_PER_TURN: usize = 4096;
 /// record): a snapshot's records carry thousands of blocks each, and a
 /// turn that applied 4,096 of them would hold every query for seconds.
 const BYTES_PER_TURN: usize = 64 * 1024;
+/// Connections accepted on `control.sock` per turn at most: half the
+/// pending connections one uid may hold, so a connection is read for its
+/// Hello in at least two turns before a flood of newer ones can push it
+/// out ([`kvedge_core::MAX_PENDING_PER_UID`]).
+const ACCEPTS_PER_TURN: usize = kvedge_core::MAX_PENDING_PER_UID / 2;
 
 /// Why a registration handshake failed.
 #[derive(Debug, thiserror::Error)]
@@ -91,10 +96,11 @@ impl Engines {
         }
     }
 
-    /// Accepts every waiting connection; the core admits or refuses each.
+    /// Accepts up to [`ACCEPTS_PER_TURN`] waiting connections; the core
+    /// admits each, closing an older pending one if need be.
     pub fn accept(&mut self, core: &mut Core, poller: &Poller, now: Instant) -> bool {
         let mut any = false;
-        loop {
+        for _ in 0..ACCEPTS_PER_TURN {
             match self.listener.accept() {
                 Ok((stream, _)) => {
                     any = true;

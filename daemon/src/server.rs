@@ -220,10 +220,13 @@ impl Server {
 
         let (core, poller) = (&mut self.core, &self.poller);
         let mut busy = false;
+        // Hellos that arrived are read before new connections are
+        // accepted: an accept may close the oldest pending connection, and
+        // one whose Hello is already here must not be that one.
+        busy |= self.engines.register(core, poller, now);
         if control_ready {
             busy |= self.engines.accept(core, poller, now);
         }
-        busy |= self.engines.register(core, poller, now);
         if query_ready {
             busy |= self.clients.accept(core, poller, now);
         }
