@@ -4,7 +4,9 @@
 //! replies, a flood of silent connections on control.sock, slowloris
 //! connections holding half-sent requests, a configuration reloaded with
 //! pathological files, and an engine bursting 10 M blocks into a 1 MiB
-//! ring. The well-behaved client's select p99 must stay under 10 ms, a
+//! ring. The well-behaved client's select p99 must stay under 100 ms (no
+//! stall: the ones this suite guards against took 0.6-10 s; its speed is
+//! for the benchmarks, and a loaded machine must not fail it), a
 //! real engine must register during the flood, and afterwards the index
 //! must hold exactly what the engines hold. Bounded in time and count,
 //! local sockets only.
@@ -237,7 +239,7 @@ fn a_well_behaved_client_and_real_engines_are_served_through_every_attack() {
             .map(|c| c.load(Ordering::Relaxed))
             .collect::<Vec<_>>()
     );
-    assert!(p99 < Duration::from_millis(10), "p99 {p99:?}");
+    assert!(p99 < Duration::from_millis(100), "p99 {p99:?}");
     let third = registered_during_flood
         .expect("the test ran long enough")
         .expect("a real engine registers while the control socket is flooded");
