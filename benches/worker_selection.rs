@@ -55,6 +55,7 @@ fn rows(n: usize) -> Vec<CandidateRow> {
                 kv_total_blocks: 131_072,
             },
             preferred_taint_multiplier: None,
+            predicted_ttft_s: None,
         })
         .collect()
 }

@@ -67,17 +67,34 @@ fn select(out: &mut String, r: &Value) {
         );
         let _ = writeln!(
             out,
-            "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14}",
-            "worker", "dp", "cost", "device", "host", "disk", "active", "prefill tokens"
+            "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14} {:>10} {:>10} {:>8} {:>10} {:>9}",
+            "worker",
+            "dp",
+            "cost",
+            "device",
+            "host",
+            "disk",
+            "active",
+            "prefill tokens",
+            "ttft ms",
+            "queue ms",
+            "own ms",
+            "tokens/s",
+            "speed"
         );
         for w in e["workers"].as_array().into_iter().flatten() {
             let o = &w["overlap_blocks"];
             let cost = w["cost"]
                 .as_f64()
                 .map_or_else(|| "-".to_owned(), |c| format!("{c:.3}"));
+            let t = &w["ttft"];
+            let ms = |v: &Value| {
+                v.as_f64()
+                    .map_or_else(|| "-".to_owned(), |x| format!("{x:.1}"))
+            };
             let _ = writeln!(
                 out,
-                "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14}",
+                "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14} {:>10} {:>10} {:>8} {:>10} {:>9}",
                 text(&w["worker_id"]),
                 text(&w["dp_rank"]),
                 cost,
@@ -85,7 +102,14 @@ fn select(out: &mut String, r: &Value) {
                 text(&o["host"]),
                 text(&o["disk"]),
                 text(&w["active_requests"]),
-                text(&w["active_prefill_tokens"])
+                text(&w["active_prefill_tokens"]),
+                ms(&t["total_ms"]),
+                ms(&t["queue_ms"]),
+                ms(&t["prefill_ms"]),
+                t["tokens_per_second"]
+                    .as_f64()
+                    .map_or_else(|| "-".to_owned(), |x| format!("{x:.0}")),
+                text(&t["speed"])
             );
         }
     }

@@ -42,10 +42,24 @@ fn round(e: &mut Publisher, blocks: &[u64], clients: &mut [&mut Client], q: &Sel
 
 #[test]
 fn a_warm_daemon_serves_binary_and_ring_requests_without_allocating() {
-    let dir = temp_dir("alloc");
+    serves_without_allocating("alloc", "daemon:\n  heartbeat_timeout_ms: 600000\n");
+}
+
+#[test]
+fn the_predicted_ttft_policy_and_its_learning_allocate_nothing_either() {
+    serves_without_allocating(
+        "alloc-ttft",
+        "daemon:\n  heartbeat_timeout_ms: 600000\nworker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n",
+    );
+}
+
+/// Selects, prefill_done and finish over the socket and query channels
+/// while an engine publishes: nothing allocated once warm.
+fn serves_without_allocating(name: &str, yaml: &str) {
+    let dir = temp_dir(name);
     let config = Config::load(
-        "alloc",
-        "daemon:\n  heartbeat_timeout_ms: 600000\n",
+        name,
+        yaml,
         &router_plugin_registry(),
         &SelectionOverrides::default(),
     )

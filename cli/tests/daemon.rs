@@ -10,7 +10,7 @@ use std::time::Duration;
 use common::{Conn, Daemon, start as start_with, wait_for};
 use kvedge_shm::Publisher;
 use kvedge_shm::messages::Tier;
-use serde_json::json;
+use serde_json::{Value, json};
 
 /// A daemon with the test defaults. Test engines send no heartbeats: a
 /// long deadline keeps them available.
@@ -88,6 +88,19 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     let chosen = c.ask(dry.clone())["cost"].as_f64().unwrap();
     assert_eq!(chosen, a_cost);
     assert!(c.ask(dry.clone())["explain"].is_null(), "only when asked");
+    // And each candidate's predicted TTFT, term by term: A holds the
+    // prefix, so its own prefill is shorter; the terms add up.
+    let t = |row: &Value, k: &str| row["ttft"][k].as_f64().unwrap();
+    assert!(
+        t(a_row, "prefill_ms") < t(b_row, "prefill_ms"),
+        "{a_row} {b_row}"
+    );
+    for row in [a_row, b_row] {
+        let sum = t(row, "queue_ms") + t(row, "prefill_ms") + t(row, "wait_ms");
+        assert!((sum - t(row, "total_ms")).abs() < 1e-9, "{row}");
+        assert!(t(row, "tokens_per_second") > 0.0);
+        assert!(["learned", "peers", "prior"].contains(&row["ttft"]["speed"].as_str().unwrap()));
+    }
 
     // Engine A dies (its control connection closes): its blocks stop
     // counting. A's reservations were finished above.

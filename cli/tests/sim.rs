@@ -177,3 +177,54 @@ fn no_shipped_policy_leaves_a_worker_without_traffic_on_a_4_worker_replay() {
     let (_, text, _) = sim(&["--trace", trace, "--workers", "4", "--limit", "500"]);
     assert!(!text.contains("sent no request"), "{text}");
 }
+
+#[test]
+fn a_sweep_prints_ttft_per_policy_per_load_and_refuses_bad_loads() {
+    let args = [
+        "--requests",
+        "300",
+        "--workers",
+        "2",
+        "--policy",
+        "default",
+        "--policy",
+        "predicted-ttft",
+        "--sweep",
+        "0.2,0.6",
+    ];
+    let (code, out, err) = sim(&args);
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains("| policy | 20% p50 | p90 | 60% p50 | p90 |"),
+        "{out}"
+    );
+    for policy in ["default", "predicted-ttft"] {
+        assert!(out.contains(&format!("| {policy} |")), "{out}");
+    }
+    // Each column's best is marked.
+    assert!(out.matches('*').count() >= 4, "{out}");
+    let (code, out, err) = sim(&[&args[..], &["--json"]].concat());
+    assert_eq!(code, 0, "{err}");
+    let v: Value = serde_json::from_str(&out).unwrap();
+    let points = v["points"].as_array().unwrap();
+    assert_eq!(points.len(), 2);
+    // The higher load replays the same requests faster: later arrivals
+    // are squeezed, so TTFT does not fall.
+    let p90 = |i: usize, policy: &str| {
+        points[i]["policies"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["policy"] == policy)
+            .unwrap()["ttft_ms_p90"]
+            .as_f64()
+            .unwrap()
+    };
+    assert!(p90(1, "default") >= p90(0, "default"), "{out}");
+    assert!(points[0]["time_scale"].as_f64().unwrap() > points[1]["time_scale"].as_f64().unwrap());
+    for bad in ["--sweep=0", "--sweep=-1", "--sweep=x"] {
+        let (code, _, err) = sim(&["--requests", "50", bad]);
+        assert_ne!(code, 0, "--sweep {bad} was accepted");
+        assert!(err.contains("sweep"), "{err}");
+    }
+}

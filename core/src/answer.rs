@@ -62,8 +62,11 @@ impl Core {
         self.handle_client_active(now, client);
         let reply = match request {
             Request::Select(s) => return self.select(now, s),
-            Request::PrefillDone { request_id } => self.release(|l| l.prefill_done(*request_id)),
-            Request::Finish { request_id } => self.release(|l| l.finish(*request_id)),
+            Request::PrefillDone { request_id } => {
+                let now_ms = self.ms(now);
+                self.release(|r| r.prefill_done(*request_id, now_ms))
+            }
+            Request::Finish { request_id } => self.release(|r| r.finish(*request_id)),
             Request::AttachRings => Reply::error(
                 Status::RingsUnavailable,
                 "query channels are attached over query.sock served by the routing loop (daemon.query_io: epoll)",
@@ -186,9 +189,9 @@ impl Core {
 
     fn release(
         &mut self,
-        release: impl FnOnce(&mut crate::load::LoadTable) -> Result<(), crate::load::LoadError>,
+        release: impl FnOnce(&mut crate::router::Router) -> Result<(), crate::load::LoadError>,
     ) -> Reply<'static> {
-        match release(&mut self.router.load) {
+        match release(&mut self.router) {
             Ok(()) => Reply::Done,
             Err(e) => Reply::error(Status::UnknownRequest, e.to_string()),
         }
@@ -376,6 +379,17 @@ impl Core {
                         active_requests: load.active_requests,
                         active_prefill_tokens: load.active_prefill_tokens,
                         active_decode_blocks: load.active_decode_blocks,
+                        ttft: {
+                            let t = self.router.last_ttft(slot);
+                            kvedge_wire::TtftExplained {
+                                queue_ms: t.queue_s * 1e3,
+                                prefill_ms: t.prefill_s * 1e3,
+                                wait_ms: t.wait_s * 1e3,
+                                total_ms: t.total_s() * 1e3,
+                                tokens_per_second: t.tokens_per_second,
+                                speed: t.speed_source.as_str(),
+                            }
+                        },
                     }
                 })
                 .collect(),

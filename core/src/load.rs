@@ -42,6 +42,19 @@ struct Reservation {
     epoch: u64,
     prefill_pending: bool,
     expires_ms: u64,
+    /// When it was reserved, and the prefill work the predictor counted
+    /// for it (the queue ahead plus its own), for learning the worker's
+    /// prefill speed at `prefill_done`.
+    reserved_ms: u64,
+    work_tokens: f64,
+}
+
+/// A first `prefill_done` of a reservation: what its prefill took.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefillTiming {
+    pub slot: Slot,
+    pub reserved_ms: u64,
+    pub work_tokens: f64,
 }
 
 impl From<&kvedge_shm::messages::Load> for LoadReport {
@@ -109,7 +122,8 @@ impl LoadTable {
         r.epoch == self.epochs[r.slot.index()]
     }
 
-    /// Reserves a selected request on `slot`.
+    /// Reserves a selected request on `slot`; `work_tokens` is the
+    /// prefill work predicted for it (see [`PrefillTiming`]).
     pub fn reserve(
         &mut self,
         request_id: u64,
@@ -117,6 +131,7 @@ impl LoadTable {
         prefill_tokens: u64,
         blocks: u64,
         now_ms: u64,
+        work_tokens: f64,
     ) {
         if let Some(old) = self.reservations.remove(&request_id) {
             self.unproject(&old);
@@ -134,6 +149,8 @@ impl LoadTable {
                 epoch: self.epochs[slot.index()],
                 prefill_pending: true,
                 expires_ms: now_ms.saturating_add(self.ttl_ms),
+                reserved_ms: now_ms,
+                work_tokens,
             },
         );
         self.order
@@ -141,8 +158,8 @@ impl LoadTable {
     }
 
     /// The request finished its prefill: its prefill tokens leave the
-    /// projection.
-    pub fn prefill_done(&mut self, request_id: u64) -> Result<(), LoadError> {
+    /// projection. The first report of it returns its timing.
+    pub fn prefill_done(&mut self, request_id: u64) -> Result<Option<PrefillTiming>, LoadError> {
         let r = self
             .reservations
             .get_mut(&request_id)
@@ -152,8 +169,12 @@ impl LoadTable {
             let e = &mut self.extra[r.slot.index()];
             e.1 = e.1.saturating_sub(r.prefill_tokens);
         }
-        r.prefill_pending = false;
-        Ok(())
+        let first = std::mem::replace(&mut r.prefill_pending, false);
+        Ok(first.then_some(PrefillTiming {
+            slot: r.slot,
+            reserved_ms: r.reserved_ms,
+            work_tokens: r.work_tokens,
+        }))
     }
 
     /// The request finished: it leaves the projection entirely.
@@ -273,8 +294,8 @@ mod tests {
     fn reservations_project_until_released() {
         let mut t = LoadTable::new(60_000);
         t.report(s(0), report(2, 100, 10));
-        t.reserve(1, s(0), 500, 32, 0);
-        t.reserve(2, s(0), 300, 16, 0);
+        t.reserve(1, s(0), 500, 32, 0, 0.0);
+        t.reserve(2, s(0), 300, 16, 0, 0.0);
         let p = t.projected(s(0));
         assert_eq!(
             (
@@ -303,7 +324,7 @@ mod tests {
     #[test]
     fn a_report_supersedes_earlier_reservations() {
         let mut t = LoadTable::new(60_000);
-        t.reserve(1, s(1), 500, 32, 0);
+        t.reserve(1, s(1), 500, 32, 0, 0.0);
         // The engine now counts request 1 itself.
         t.report(s(1), report(1, 500, 32));
         assert_eq!(t.projected(s(1)).active_requests, 1, "not counted twice");
@@ -318,9 +339,9 @@ mod tests {
     #[test]
     fn a_reservation_after_a_report_counts_until_the_next_one() {
         let mut t = LoadTable::new(60_000);
-        t.reserve(1, s(1), 500, 32, 0);
+        t.reserve(1, s(1), 500, 32, 0, 0.0);
         t.report(s(1), report(1, 500, 32));
-        t.reserve(2, s(1), 100, 8, 0);
+        t.reserve(2, s(1), 100, 8, 0, 0.0);
         assert_eq!(t.projected(s(1)).active_requests, 2);
         t.prefill_done(1).unwrap(); // superseded: changes nothing
         assert_eq!(t.projected(s(1)).active_prefill_tokens, 600);
@@ -335,9 +356,9 @@ mod tests {
     fn expiry_follows_reservation_order_and_finished_ids_do_not_pile_up() {
         let mut t = LoadTable::new(1_000);
         // One forgotten reservation, then 5,000 that finish.
-        t.reserve(1, s(0), 1, 1, 0);
+        t.reserve(1, s(0), 1, 1, 0, 0.0);
         for id in 2..5_002 {
-            t.reserve(id, s(0), 1, 1, 10);
+            t.reserve(id, s(0), 1, 1, 10, 0.0);
             t.finish(id).unwrap();
             t.expire(10);
         }
@@ -354,8 +375,8 @@ mod tests {
             (0, 0)
         );
         // Reserved again under the same id: the later expiry stands.
-        t.reserve(7, s(0), 1, 1, 2_000);
-        t.reserve(7, s(0), 1, 1, 2_500);
+        t.reserve(7, s(0), 1, 1, 2_000, 0.0);
+        t.reserve(7, s(0), 1, 1, 2_500, 0.0);
         assert_eq!(t.expire(3_000), 0);
         assert_eq!(t.expire(3_500), 1);
         assert_eq!(t.expired(), 2);
@@ -364,13 +385,13 @@ mod tests {
     #[test]
     fn forgotten_reservations_expire_and_workers_leave_cleanly() {
         let mut t = LoadTable::new(1_000);
-        t.reserve(1, s(2), 10, 1, 0);
-        t.reserve(2, s(2), 10, 1, 500);
+        t.reserve(1, s(2), 10, 1, 0, 0.0);
+        t.reserve(2, s(2), 10, 1, 500, 0.0);
         assert_eq!(t.expire(999), 0);
         assert_eq!(t.expire(1_000), 1);
         assert_eq!((t.projected(s(2)).active_requests, t.expired()), (1, 1));
         t.report(s(3), report(5, 0, 0));
-        t.reserve(3, s(3), 1, 1, 0);
+        t.reserve(3, s(3), 1, 1, 0, 0.0);
         t.remove_worker(s(3));
         assert_eq!(t.projected(s(3)), LoadRow::default());
         assert_eq!(t.finish(3), Err(LoadError::UnknownRequest(3)));

@@ -10,9 +10,8 @@
 
 use std::collections::HashMap;
 
-use kvedge_policies::rules::{
-    Outcome, PrefillThroughputEstimator, RuleCandidate, RuleEngine, RulePolicy, RuleRequest,
-};
+use kvedge_policies::predict::{PrefillSpeedLearner, TtftInputs, TtftPredictor, TtftTerms};
+use kvedge_policies::rules::{Outcome, RuleCandidate, RuleEngine, RulePolicy, RuleRequest};
 use kvedge_policies::{
     AffinityMode, CacheRow, CandidateRow, CandidateTable, OccupancyRow, RouterPlugins,
     RoutingPartition, SessionAffinityTable, SessionContext, WorkerInputs, WorkerSelectionContext,
@@ -22,7 +21,7 @@ use kvedge_policies::{
 use kvedge_shm::messages::{EventRef, Tier};
 
 use crate::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
-use crate::load::{LoadReport, LoadTable};
+use crate::load::{LoadError, LoadReport, LoadTable};
 
 /// A registered worker (one engine rank).
 #[derive(Clone, Debug, PartialEq)]
@@ -134,10 +133,12 @@ pub struct Router {
     last: Explain,
     rules: Option<RuleEngine>,
     rule_policy: Option<std::sync::Arc<RulePolicy>>,
-    /// Per slot: learned prefill throughput, and prompt tokens admitted
-    /// since the last load report.
-    throughput: [PrefillThroughputEstimator; MAX_WORKERS],
-    admitted_tokens: [u64; MAX_WORKERS],
+    /// The TTFT predictor (the `ttft:` section), and per slot the prefill
+    /// speed learned from completed prefills.
+    ttft: TtftPredictor,
+    speed: [PrefillSpeedLearner; MAX_WORKERS],
+    /// The mean of the learned speeds (for workers that learned none).
+    peer_speed: Option<f64>,
     /// Workers whose view of their cache is incomplete (a resync snapshot
     /// is arriving): routable, but their view counts as empty.
     syncing: u64,
@@ -151,6 +152,9 @@ pub struct Router {
     /// Per slot: the total cost under the partition's policy at the last
     /// explained selection (NaN: filtered out or not computed).
     last_costs: [f64; MAX_WORKERS],
+    /// Per slot: the TTFT prediction at the last explained selection, made
+    /// before the chosen worker was reserved.
+    last_ttft: [TtftTerms; MAX_WORKERS],
 }
 
 impl Router {
@@ -175,14 +179,16 @@ impl Router {
             last: Explain::default(),
             rules: None,
             rule_policy: None,
-            throughput: [PrefillThroughputEstimator::default(); MAX_WORKERS],
-            admitted_tokens: [0; MAX_WORKERS],
+            ttft: TtftPredictor::default(),
+            speed: [PrefillSpeedLearner::default(); MAX_WORKERS],
+            peer_speed: None,
             syncing: 0,
             rule_buf: Vec::new(),
             rule_targets: Vec::new(),
             explain_costs: false,
             cost_buf: Vec::new(),
             last_costs: [f64::NAN; MAX_WORKERS],
+            last_ttft: [TtftTerms::default(); MAX_WORKERS],
         }
     }
 
@@ -200,6 +206,7 @@ impl Router {
             ),
         );
         router.set_max_workers(config.daemon.max_workers);
+        router.ttft = config.ttft;
         if let Some(rules) = config.rules.clone() {
             router.set_rules(rules);
         }
@@ -248,6 +255,7 @@ impl Router {
     pub fn reconfigure(&mut self, config: &crate::config::Config) {
         self.plugins = config.plugins.clone();
         self.policies.clear();
+        self.ttft = config.ttft;
         match config.rules.clone() {
             Some(rules) => self.set_rules(rules),
             None => {
@@ -315,8 +323,8 @@ impl Router {
         // A fresh slot starts clean (a previous occupant was unregistered).
         self.index.remove_worker(slot);
         self.load.remove_worker(slot);
-        self.throughput[free] = PrefillThroughputEstimator::default();
-        self.admitted_tokens[free] = 0;
+        self.speed[free] = PrefillSpeedLearner::default();
+        self.update_peer_speed();
         self.syncing &= !(1u64 << free);
         self.workers[free] = Some(info);
         Ok(slot)
@@ -326,6 +334,8 @@ impl Router {
     /// reservations and session bindings go at once.
     pub fn unregister(&mut self, slot: Slot) -> Option<WorkerInfo> {
         let info = self.workers[slot.index()].take()?;
+        self.speed[slot.index()] = PrefillSpeedLearner::default();
+        self.update_peer_speed();
         self.syncing &= !(1u64 << slot.index());
         self.index.remove_worker(slot);
         self.load.remove_worker(slot);
@@ -397,7 +407,6 @@ impl Router {
                     kv_used_blocks: l.kv_used_blocks.to_native(),
                     kv_total_blocks: l.kv_total_blocks.to_native(),
                 },
-                l.timestamp_ns.to_native() / 1_000_000,
             ),
             EventRef::Heartbeat(_)
             | EventRef::SnapshotBegin(_)
@@ -422,17 +431,74 @@ impl Router {
         self.index.clear(slot, tier);
     }
 
-    /// The worker in `slot` reported its load at `engine_ms` (its clock).
-    pub fn apply_load(&mut self, slot: Slot, report: LoadReport, engine_ms: u64) {
-        // Learn the worker's prefill speed from its reports and the prompt
-        // tokens admitted to it in between.
-        let i = slot.index();
-        self.throughput[i].observe(
-            engine_ms,
-            report.active_prefill_tokens,
-            std::mem::take(&mut self.admitted_tokens[i]),
-        );
+    /// The worker in `slot` reported its load.
+    pub fn apply_load(&mut self, slot: Slot, report: LoadReport) {
         self.load.report(slot, report);
+    }
+
+    /// The request's first token came out at `now_ms`: its prefill tokens
+    /// leave the worker's projected load, and the time since it was placed
+    /// teaches the worker's prefill speed.
+    pub fn prefill_done(&mut self, request_id: u64, now_ms: u64) -> Result<(), LoadError> {
+        if let Some(t) = self.load.prefill_done(request_id)?
+            && now_ms > t.reserved_ms
+        {
+            let seconds = (now_ms - t.reserved_ms) as f64 / 1000.0;
+            self.speed[t.slot.index()].observe(t.work_tokens, seconds);
+            self.update_peer_speed();
+        }
+        Ok(())
+    }
+
+    fn update_peer_speed(&mut self) {
+        self.peer_speed = PrefillSpeedLearner::pooled(&self.speed);
+    }
+
+    /// The request finished: it leaves the worker's projected load.
+    pub fn finish(&mut self, request_id: u64) -> Result<(), LoadError> {
+        self.load.finish(request_id)
+    }
+
+    /// The prefill speed learned for `slot`, tokens per second.
+    pub fn learned_speed(&self, slot: Slot) -> Option<f64> {
+        let anchor = self
+            .peer_speed
+            .unwrap_or(self.ttft.prefill_tokens_per_second);
+        self.speed[slot.index()].tokens_per_second(anchor)
+    }
+
+    /// The TTFT prediction for `slot` at the last selection made with
+    /// explain costs on, as it stood before the chosen worker was reserved.
+    pub fn last_ttft(&self, slot: Slot) -> TtftTerms {
+        self.last_ttft[slot.index()]
+    }
+
+    /// With explain costs on, notes every worker's TTFT prediction for the
+    /// request being decided (before its reservation changes one of them).
+    fn explain_ttft(&mut self, prompt_tokens: u32) {
+        if self.explain_costs {
+            let mut out = self.last_ttft;
+            self.predicting()
+                .all_into(&mut out, &self.workers, &self.overlap, prompt_tokens);
+            self.last_ttft = out;
+        }
+    }
+
+    fn predict(&self, slot: Slot, prompt_tokens: u32, overlap: [u32; 3]) -> TtftTerms {
+        let block_size = self.workers[slot.index()]
+            .as_ref()
+            .map_or(1, |w| w.block_size);
+        self.predicting()
+            .terms(slot, block_size, prompt_tokens, overlap)
+    }
+
+    fn predicting(&self) -> Predicting<'_> {
+        Predicting {
+            ttft: &self.ttft,
+            load: &self.load,
+            speed: &self.speed,
+            peer_speed: self.peer_speed,
+        }
     }
 
     /// Chooses a worker for `req`, reserves it (unless a dry run) and
@@ -486,7 +552,8 @@ impl Router {
             });
         }
         // Only the signal groups the policy declared.
-        if required.contains(WorkerInputs::CACHE) {
+        let predict_ttft = required.contains(WorkerInputs::TTFT);
+        if predict_ttft || required.contains(WorkerInputs::CACHE) {
             self.index
                 .overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
         } else {
@@ -498,12 +565,27 @@ impl Router {
                 .as_ref()
                 .expect("candidate is registered");
             let report = self.load.reported(slot);
+            let overlap = [
+                self.overlap.get(slot, Tier::Device),
+                self.overlap.get(slot, Tier::Host),
+                self.overlap.get(slot, Tier::Disk),
+            ];
+            let predicted_ttft_s = predict_ttft.then(|| {
+                Predicting {
+                    ttft: &self.ttft,
+                    load: &self.load,
+                    speed: &self.speed,
+                    peer_speed: self.peer_speed,
+                }
+                .terms(slot, w.block_size, req.prompt_tokens, overlap)
+                .total_s()
+            });
             self.table.push(CandidateRow {
                 worker: w.worker,
                 cache: CacheRow {
-                    device_blocks: self.overlap.get(slot, Tier::Device),
-                    host_blocks: self.overlap.get(slot, Tier::Host),
-                    disk_blocks: self.overlap.get(slot, Tier::Disk),
+                    device_blocks: overlap[0],
+                    host_blocks: overlap[1],
+                    disk_blocks: overlap[2],
                     shared_beyond_blocks: 0,
                 },
                 load: self.load.projected(slot),
@@ -512,13 +594,15 @@ impl Router {
                     kv_total_blocks: report.kv_total_blocks,
                 },
                 preferred_taint_multiplier: None,
+                predicted_ttft_s,
             });
         }
         self.table.set_present(
             WorkerInputs::CACHE
                 | WorkerInputs::LOAD
                 | WorkerInputs::OCCUPANCY
-                | WorkerInputs::PREFERRED_TAINT,
+                | WorkerInputs::PREFERRED_TAINT
+                | WorkerInputs::TTFT,
         );
 
         let request_id = self.next_request_id;
@@ -556,6 +640,7 @@ impl Router {
         let selection = policy.select(&ctx, &self.table)?;
         self.last.survivors = selection.candidates;
         let slot = self.rows[selection.row];
+        self.explain_ttft(req.prompt_tokens);
         let overlap_blocks = self.commit(req, request_id, slot)?;
         Ok(SelectResult {
             request_id,
@@ -614,7 +699,12 @@ impl Router {
             c.device_overlap_blocks = Some(self.overlap.get(slot, Tier::Device));
             c.host_overlap_blocks = Some(self.overlap.get(slot, Tier::Host));
             c.disk_overlap_blocks = Some(self.overlap.get(slot, Tier::Disk));
-            c.prefill_tokens_per_second = self.throughput[i].tokens_per_second();
+            c.prefill_tokens_per_second = self.speed[i]
+                .tokens_per_second(
+                    self.peer_speed
+                        .unwrap_or(self.ttft.prefill_tokens_per_second),
+                )
+                .or(self.peer_speed);
             targets.push(Ok(slot));
             candidates.push(c);
         }
@@ -653,6 +743,17 @@ impl Router {
             .into_iter()
             .map(|_| unreachable!("empty"))
             .collect();
+        if self.explain_costs {
+            let mut out = self.last_ttft;
+            Predicting {
+                ttft: &self.ttft,
+                load: &self.load,
+                speed: &self.speed,
+                peer_speed: self.peer_speed,
+            }
+            .all_into(&mut out, &self.workers, &self.overlap, req.prompt_tokens);
+            self.last_ttft = out;
+        }
         let rule_name = |i: Option<usize>| {
             i.and_then(|i| policy.rules.get(i))
                 .map(|r| r.name.clone())
@@ -718,6 +819,9 @@ impl Router {
         if req.dry_run {
             return Ok(overlap_blocks);
         }
+        // The work its prefill will measure, from the load before it.
+        let terms = self.predict(slot, req.prompt_tokens, overlap_blocks);
+        let work_tokens = terms.work_tokens();
         let w = self.workers[slot.index()]
             .as_ref()
             .expect("chosen worker is registered");
@@ -728,8 +832,7 @@ impl Router {
         let uncached = u64::from(req.prompt_tokens).saturating_sub(cached_tokens);
         let blocks = u64::from(req.prompt_tokens).div_ceil(block_size);
         self.load
-            .reserve(request_id, slot, uncached, blocks, req.now_ms);
-        self.admitted_tokens[slot.index()] += uncached;
+            .reserve(request_id, slot, uncached, blocks, req.now_ms, work_tokens);
         if let Some(s) = req.session {
             if s.is_final() {
                 self.affinity.end(s.session_id())?;
@@ -743,6 +846,64 @@ impl Router {
     /// (instance name, type name) serving `role`.
     pub fn policy_name(&self, role: WorkerType) -> (&str, &str) {
         self.plugins.selection(role)
+    }
+}
+
+/// What a TTFT prediction reads of the router (see
+/// [`kvedge_policies::predict`]): the predictor, the projected loads, the
+/// learned speeds.
+struct Predicting<'a> {
+    ttft: &'a TtftPredictor,
+    load: &'a LoadTable,
+    speed: &'a [PrefillSpeedLearner; MAX_WORKERS],
+    peer_speed: Option<f64>,
+}
+
+impl Predicting<'_> {
+    /// The prediction for `slot`, with the request's overlap there.
+    fn terms(
+        &self,
+        slot: Slot,
+        block_size: u32,
+        prompt_tokens: u32,
+        overlap: [u32; 3],
+    ) -> TtftTerms {
+        let projected = self.load.projected(slot);
+        let anchor = self
+            .peer_speed
+            .unwrap_or(self.ttft.prefill_tokens_per_second);
+        self.ttft.terms(&TtftInputs {
+            prompt_tokens,
+            block_size,
+            device_blocks: overlap[0],
+            host_blocks: overlap[1],
+            disk_blocks: overlap[2],
+            queued_prefill_tokens: projected.active_prefill_tokens,
+            waiting_requests: projected.waiting_requests,
+            learned_tokens_per_second: self.speed[slot.index()].tokens_per_second(anchor),
+            peer_tokens_per_second: self.peer_speed,
+        })
+    }
+
+    /// Every registered worker's prediction into `out` (explain).
+    fn all_into(
+        &self,
+        out: &mut [TtftTerms; MAX_WORKERS],
+        workers: &[Option<WorkerInfo>],
+        overlap: &Overlap,
+        prompt_tokens: u32,
+    ) {
+        for (i, w) in workers.iter().enumerate() {
+            let (Some(w), Some(slot)) = (w, Slot::new(i)) else {
+                continue;
+            };
+            let blocks = [
+                overlap.get(slot, Tier::Device),
+                overlap.get(slot, Tier::Host),
+                overlap.get(slot, Tier::Disk),
+            ];
+            out[i] = self.terms(slot, w.block_size, prompt_tokens, blocks);
+        }
     }
 }
 

@@ -337,33 +337,137 @@ fn rules_choose_between_local_workers_and_providers() {
     );
 }
 
-#[test]
-fn rules_use_the_prefill_speed_learned_from_load_reports() {
-    let mut router = Router::with_defaults();
-    router.set_rules(
-        kvedge_policies::rules::load(
-            "policy:\n  rules:\n    - name: fastest\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\n",
-        )
-        .unwrap(),
-    );
-    let mut a = engine(&mut router, 1);
-    let mut b = engine(&mut router, 2);
-    // Both work through a 10,000-token backlog; A drains 1,000 tokens in a
-    // second, B all of it.
-    for (e, after) in [(&mut a, 9_000u64), (&mut b, 1)] {
-        for (t, backlog) in [(0u64, 10_000u64), (1_000, after), (2_000, 5_000)] {
-            e.publisher
-                .publish_load(&Load {
-                    active_prefill_tokens: backlog,
-                    timestamp_ns: t * 1_000_000,
-                    ..Load::default()
-                })
-                .unwrap();
-        }
-        ingest(&mut router, e);
+/// A router with the `predicted-ttft` policy everywhere.
+fn predicted_ttft_router() -> Router {
+    let registry = kvedge_policies::router_plugin_registry();
+    let config = kvedge_core::config::Config::load(
+        "test",
+        "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n",
+        &registry,
+        &Default::default(),
+    )
+    .unwrap();
+    Router::from_config(&config)
+}
+
+/// Teaches the router that worker `slot` does a 4,096-token prefill in
+/// `ms` milliseconds, `n` times (requests pinned to it, first token
+/// reported `ms` after the select, then finished).
+fn teach(router: &mut Router, worker: u64, ms: u64, n: u64, clock: &mut u64) {
+    let hashes = sequence_hashes(&prompt(90 + worker as u32, 4096), 16, None, None);
+    for _ in 0..n {
+        let r = router
+            .select(&SelectRequest {
+                pinned: Some(WorkerWithDpRank::new(worker, 0)),
+                now_ms: *clock,
+                ..req(&hashes, 4096)
+            })
+            .unwrap();
+        assert_eq!(r.worker.worker_id, worker);
+        *clock += ms;
+        router.prefill_done(r.request_id, *clock).unwrap();
+        router.finish(r.request_id).unwrap();
     }
-    // Same backlog now (5,000 each): the faster worker wins.
-    let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
-    let r = router.select(&req(&hashes, 256)).unwrap();
-    assert_eq!(r.worker.worker_id, 2);
+}
+
+#[test]
+fn prefill_speed_is_learned_from_prefill_done_and_the_policy_and_rules_agree() {
+    let rules = kvedge_policies::rules::load(
+        "policy:\n  rules:\n    - name: fastest\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\n",
+    )
+    .unwrap();
+    let mut by_rules = Router::with_defaults();
+    by_rules.set_rules(rules);
+    let mut by_policy = predicted_ttft_router();
+    for router in [&mut by_rules, &mut by_policy] {
+        let a = engine(router, 1);
+        let b = engine(router, 2);
+        // Nothing learned yet: both at the prior.
+        assert_eq!(router.learned_speed(a.slot), None);
+        // Worker 1 prefills 4,096 tokens in 200 ms (20,480/s), worker 2 in
+        // 1,000 ms (4,096/s).
+        let mut clock = 0;
+        teach(router, 1, 200, 30, &mut clock);
+        teach(router, 2, 1000, 30, &mut clock);
+        let fast = router.learned_speed(a.slot).unwrap();
+        let slow = router.learned_speed(b.slot).unwrap();
+        assert!(fast > 15_000.0 && slow < 6_000.0, "{fast} {slow}");
+        // Equal load and no overlap: the faster worker wins, by rules and
+        // by the policy alike.
+        let hashes = sequence_hashes(&prompt(7, 2048), 16, None, None);
+        let r = router
+            .select(&SelectRequest {
+                dry_run: true,
+                now_ms: clock,
+                ..req(&hashes, 2048)
+            })
+            .unwrap();
+        assert_eq!(r.worker.worker_id, 1);
+        // A prefill reported twice teaches once; an unknown id is an error.
+        let r = router
+            .select(&SelectRequest {
+                pinned: Some(WorkerWithDpRank::new(2, 0)),
+                now_ms: clock,
+                ..req(&hashes, 2048)
+            })
+            .unwrap();
+        router.prefill_done(r.request_id, clock + 1).unwrap();
+        let before = router.learned_speed(b.slot);
+        router.prefill_done(r.request_id, clock + 50_000).unwrap();
+        assert_eq!(router.learned_speed(b.slot), before);
+        assert!(router.prefill_done(9_999_999, clock).is_err());
+    }
+    // The same learned state gives the same prediction either way: the
+    // policy's cost is the rules' PredictedTTFT.
+    let hashes = sequence_hashes(&prompt(8, 1024), 16, None, None);
+    let r = by_policy
+        .select(&SelectRequest {
+            dry_run: true,
+            ..req(&hashes, 1024)
+        })
+        .unwrap();
+    let slot = r.slot.unwrap();
+    by_policy.set_explain_costs(true);
+    let again = by_policy
+        .select(&SelectRequest {
+            dry_run: true,
+            ..req(&hashes, 1024)
+        })
+        .unwrap();
+    assert_eq!(again.worker, r.worker);
+    let terms = by_policy.last_ttft(slot);
+    assert!(
+        (terms.total_s() - r.cost).abs() < 1e-12,
+        "{terms:?} {}",
+        r.cost
+    );
+    assert_eq!(
+        terms.speed_source,
+        kvedge_policies::predict::SpeedSource::Learned
+    );
+}
+
+#[test]
+fn an_unknown_worker_is_neutral_not_slow() {
+    // Worker 1 has learned a speed well above the prior; worker 2, new,
+    // has learned none. It must not look slower than its peer (it would
+    // get no request and never learn): it gets its peers' speed.
+    let mut router = predicted_ttft_router();
+    let _a = engine(&mut router, 1);
+    let mut clock = 0;
+    teach(&mut router, 1, 100, 20, &mut clock);
+    let b = engine(&mut router, 2);
+    assert_eq!(router.learned_speed(b.slot), None);
+    let hashes = sequence_hashes(&prompt(7, 2048), 16, None, None);
+    let mut to_new = 0;
+    for _ in 0..20 {
+        let r = router
+            .select(&SelectRequest {
+                now_ms: clock,
+                ..req(&hashes, 2048)
+            })
+            .unwrap();
+        to_new += u32::from(r.worker.worker_id == 2);
+    }
+    assert!(to_new >= 8, "the new worker got {to_new} of 20");
 }

@@ -22,14 +22,18 @@ impl WorkerInputs {
     pub const PREFERRED_TAINT: WorkerInputs = WorkerInputs(1 << 2);
     /// KV-cache occupancy: used and total blocks.
     pub const OCCUPANCY: WorkerInputs = WorkerInputs(1 << 3);
+    /// The host's predicted time to first token on each candidate, seconds
+    /// (see [`crate::predict`]).
+    pub const TTFT: WorkerInputs = WorkerInputs(1 << 4);
     /// Every group.
-    pub const ALL: WorkerInputs = WorkerInputs(0b1111);
+    pub const ALL: WorkerInputs = WorkerInputs(0b1_1111);
 
-    const NAMES: [(WorkerInputs, &'static str); 4] = [
+    const NAMES: [(WorkerInputs, &'static str); 5] = [
         (Self::CACHE, "CACHE"),
         (Self::LOAD, "LOAD"),
         (Self::PREFERRED_TAINT, "PREFERRED_TAINT"),
         (Self::OCCUPANCY, "OCCUPANCY"),
+        (Self::TTFT, "TTFT"),
     ];
 
     /// True when every group of `other` is in `self`.

@@ -23,6 +23,7 @@ pub mod context;
 pub mod error;
 pub mod inputs;
 pub mod policy;
+pub mod predict;
 pub mod registry;
 pub mod rng;
 pub mod rules;

@@ -64,6 +64,8 @@ pub struct CandidateRow {
     pub occupancy: OccupancyRow,
     /// `PREFERRED_TAINT`: cost multiplier from preferred routing constraints.
     pub preferred_taint_multiplier: Option<f64>,
+    /// `TTFT`: the host's predicted time to first token, seconds.
+    pub predicted_ttft_s: Option<f64>,
 }
 
 /// Columnar candidates. Row order is unspecified to policies.
@@ -88,6 +90,8 @@ pub struct CandidateTable {
     pub(crate) kv_total: Vec<u32>,
     /// NaN where the candidate has no multiplier.
     pub(crate) taint: Vec<f64>,
+    /// Predicted TTFT, seconds (NaN: not predicted).
+    pub(crate) ttft: Vec<f64>,
     /// Some row may have host, disk or shared-cache overlap (conservative:
     /// cleared only by `reset`). Lets scorers skip three all-zero columns.
     pub(crate) lower_tiers: bool,
@@ -116,6 +120,7 @@ impl CandidateTable {
         self.kv_used.clear();
         self.kv_total.clear();
         self.taint.clear();
+        self.ttft.clear();
         self.lower_tiers = false;
         self.any_taint = false;
     }
@@ -142,6 +147,7 @@ impl CandidateTable {
         self.kv_total.push(saturate(row.occupancy.kv_total_blocks));
         self.taint
             .push(row.preferred_taint_multiplier.unwrap_or(f64::NAN));
+        self.ttft.push(row.predicted_ttft_s.unwrap_or(f64::NAN));
         self.lower_tiers |= has_lower_tiers(&row.cache);
         self.any_taint |= row.preferred_taint_multiplier.is_some();
     }
@@ -216,6 +222,7 @@ impl CandidateTable {
                 kv_total_blocks: u64::from(self.kv_total[row]),
             },
             preferred_taint_multiplier: (!taint.is_nan()).then_some(taint),
+            predicted_ttft_s: Some(self.ttft[row]).filter(|t| !t.is_nan()),
         }
     }
 
@@ -249,6 +256,7 @@ impl CandidateTable {
         take(&mut self.kv_used, &src.kv_used, rows);
         take(&mut self.kv_total, &src.kv_total, rows);
         take(&mut self.taint, &src.taint, rows);
+        take(&mut self.ttft, &src.ttft, rows);
     }
 }
 

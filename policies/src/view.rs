@@ -60,6 +60,16 @@ impl<'a> WorkerCandidate<'a> {
     pub fn preferred_taint_multiplier(&self) -> Option<f64> {
         taint(self.table, self.row, self.grant)
     }
+
+    /// The host's predicted time to first token, seconds: `None` unless this
+    /// component declared `TTFT` and the host predicted one.
+    pub fn predicted_ttft_s(&self) -> Option<f64> {
+        if !self.grant.contains(WorkerInputs::TTFT) {
+            return None;
+        }
+        let t = self.table.ttft[self.row];
+        (!t.is_nan()).then_some(t)
+    }
 }
 
 fn taint(table: &CandidateTable, row: usize, grant: WorkerInputs) -> Option<f64> {
@@ -202,6 +212,13 @@ impl<'a> WorkerCandidates<'a> {
     /// False when no candidate has a taint multiplier.
     pub fn has_taint_multipliers(&self) -> bool {
         self.table.any_taint
+    }
+
+    /// `TTFT` column (seconds; NaN = not predicted), if declared.
+    pub fn ttft_column(&self) -> Option<&'a [f64]> {
+        self.grant
+            .contains(WorkerInputs::TTFT)
+            .then_some(&self.table.ttft[..])
     }
 
     /// `PREFERRED_TAINT` column (NaN = no multiplier), if declared.

@@ -9,7 +9,7 @@ use kvedge_policies::{
     AffinityMode, InputTrigger, SessionAffinityTable, SessionContext, WorkerSelectionContext,
 };
 
-const TYPES: [(&str, &str); 11] = [
+const TYPES: [(&str, &str); 12] = [
     ("dynamo-default-cost-fn", "{}"),
     ("dynamo-default-cost-fn", "{router_temperature: 0.7}"),
     (
@@ -24,6 +24,7 @@ const TYPES: [(&str, &str); 11] = [
     ("cache-aware", "{}"),
     ("soft-pin", "{max_active_requests: 3}"),
     ("tool-result-cache-local", "{}"),
+    ("predicted-ttft", "{}"),
 ];
 
 fn rows(n: u64) -> Vec<W> {
@@ -34,6 +35,7 @@ fn rows(n: u64) -> Vec<W> {
                 .prefill(i * 16)
                 .decode(i % 11)
                 .kv(i % 50, 100)
+                .ttft((i % 13) as f64 * 0.1)
         })
         .collect()
 }

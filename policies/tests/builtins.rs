@@ -325,6 +325,43 @@ fn least_kv_usage_treats_an_unreported_capacity_as_unknown_not_full() {
     assert_eq!(pick(&mut p, &ctx(16), &rows), 2);
 }
 
+// ---- predicted-ttft ----
+
+#[test]
+fn predicted_ttft_takes_the_lowest_prediction_whatever_the_overlap_or_load() {
+    let mut p = policy("predicted-ttft", "{}");
+    // The host's prediction decides: not the overlap, not the request count.
+    let rows = [
+        w(1).device(30).active(1).ttft(0.8),
+        w(2).active(9).ttft(0.3),
+        w(3).ttft(0.5),
+    ];
+    assert_eq!(pick(&mut p, &ctx(64), &rows), 2);
+    // Exact ties go to either, by the seeded RNG.
+    let rows = [w(1).ttft(0.5), w(2).ttft(0.5), w(3).ttft(0.9)];
+    let mut seen = [false; 4];
+    for _ in 0..200 {
+        seen[pick(&mut p, &ctx(64), &rows) as usize] = true;
+    }
+    assert_eq!(seen, [false, true, true, false]);
+}
+
+#[test]
+fn predicted_ttft_fails_cleanly_without_a_prediction() {
+    let mut p = policy("predicted-ttft", "{}");
+    let rows = [w(1).ttft(0.5), w(2)];
+    let e = p.select(&ctx(64), &table(&rows)).unwrap_err();
+    assert!(e.to_string().contains("predicted no TTFT"), "{e}");
+    // Unknown parameters are refused.
+    let registry = kvedge_policies::router_plugin_registry();
+    let yaml = "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n      parameters: { speed: 3 }\n";
+    let config = kvedge_policies::WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
+    let e = registry
+        .resolve_plugins(&config, &Default::default(), &Default::default())
+        .unwrap_err();
+    assert!(e.to_string().contains("speed"), "{e}");
+}
+
 // ---- cache-aware ----
 
 #[test]

@@ -10,7 +10,7 @@ use kvedge_policies::{
 };
 use proptest::prelude::*;
 
-const TYPES: [(&str, &str); 10] = [
+const TYPES: [(&str, &str); 11] = [
     ("dynamo-default-cost-fn", "{}"),
     (
         "dynamo-default-cost-fn",
@@ -24,6 +24,7 @@ const TYPES: [(&str, &str); 10] = [
     ("cache-aware", "{}"),
     ("soft-pin", "{max_active_requests: 1}"),
     ("tool-result-cache-local", "{}"),
+    ("predicted-ttft", "{}"),
 ];
 
 fn any_worker() -> impl Strategy<Value = W> {
@@ -56,6 +57,10 @@ fn any_worker() -> impl Strategy<Value = W> {
                 kv_used: used,
                 kv_total: total,
                 taint,
+                // A prediction the way the host makes one: work over speed.
+                ttft: Some(
+                    (prefill as f64 + 16.0 * f64::from(64u32.saturating_sub(device))) / 10_000.0,
+                ),
             },
         )
 }

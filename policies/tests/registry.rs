@@ -12,7 +12,7 @@ use kvedge_policies::{
     WorkerSelectionPolicyRegistryError, router_plugin_registry,
 };
 
-const TYPES: [(&str, &str); 9] = [
+const TYPES: [(&str, &str); 10] = [
     (
         "dynamo-default-cost-fn",
         "{overlap_score_credit: 0.5, router_temperature: 0.2}",
@@ -25,13 +25,18 @@ const TYPES: [(&str, &str); 9] = [
     ("cache-aware", "{cache_threshold: 0.25}"),
     ("soft-pin", "{max_active_requests: 2}"),
     ("tool-result-cache-local", "{}"),
+    ("predicted-ttft", "{seed: 1}"),
 ];
 
 fn registration_case(type_name: &str, params: &str) {
     let registry = router_plugin_registry();
     assert!(registry.contains(type_name), "{type_name} is registered");
     let mut p = policy(type_name, params);
-    let rows = [w(1).device(3).active(1), w(2).active(2), w(3).device(1)];
+    let rows = [
+        w(1).device(3).active(1).ttft(0.3),
+        w(2).active(2).ttft(0.9),
+        w(3).device(1).ttft(0.2),
+    ];
     let s = p
         .select(&WorkerSelectionContext::new("r", 64, 16), &table(&rows))
         .unwrap_or_else(|e| panic!("{type_name}: {e}"));
@@ -54,6 +59,7 @@ registration_tests! {
     registers_cache_aware => 6,
     registers_soft_pin => 7,
     registers_tool_result_cache_local => 8,
+    registers_predicted_ttft => 9,
 }
 
 #[test]

@@ -6,6 +6,7 @@
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
 
+use plotters::coord::ranged1d::{AsRangedCoord, ValueFormatter};
 use plotters::prelude::*;
 use plotters::style::FontStyle;
 
@@ -45,6 +46,7 @@ pub fn write_charts(dir: &Path, runs: &[Run], oracle: f64) -> Result<Vec<PathBuf
         &hits,
         &["hit rate"],
         Some(("oracle", oracle * 100.0)),
+        Axis::Linear,
     )?;
     files.push(path);
 
@@ -59,14 +61,17 @@ pub fn write_charts(dir: &Path, runs: &[Run], oracle: f64) -> Result<Vec<PathBuf
             ]
         })
         .collect();
+    // A log axis: TTFT spans orders of magnitude between policies (and
+    // between p50 and p99), and a linear one hides the small bars.
     bars(
         &path,
-        "Time to first token",
+        "Time to first token (log scale)",
         "ms",
         &names,
         &ttft,
         &["p50", "p90", "p99"],
         None,
+        Axis::Log,
     )?;
     files.push(path);
 
@@ -97,7 +102,15 @@ const SERIES: [RGBColor; 4] = [
     RGBColor(44, 160, 44),
 ];
 
+/// The value axis of a bar chart.
+#[derive(Clone, Copy)]
+enum Axis {
+    Linear,
+    Log,
+}
+
 /// Horizontal bars: one group per name, one bar per series.
+#[allow(clippy::too_many_arguments)]
 fn bars<const N: usize>(
     path: &Path,
     title: &str,
@@ -106,23 +119,75 @@ fn bars<const N: usize>(
     values: &[[f64; N]],
     series: &[&str; N],
     marker: Option<(&str, f64)>,
+    axis: Axis,
 ) -> Result<(), String> {
+    let finite = || values.iter().flatten().copied().filter(|v| v.is_finite());
+    let max = finite()
+        .chain(marker.map(|m| m.1))
+        .fold(0.0f64, f64::max)
+        .max(1e-9);
+    match axis {
+        Axis::Linear => draw_bars(
+            path,
+            title,
+            unit,
+            names,
+            values,
+            series,
+            marker,
+            0.0,
+            0f64..max * 1.1,
+        ),
+        Axis::Log => {
+            // From a power of ten below the smallest positive value.
+            let min = finite().filter(|v| *v > 0.0).fold(f64::INFINITY, f64::min);
+            let base = if min.is_finite() {
+                10f64.powf(min.log10().floor())
+            } else {
+                1.0
+            };
+            let max = max.max(base * 10.0) * 1.5;
+            draw_bars(
+                path,
+                title,
+                unit,
+                names,
+                values,
+                series,
+                marker,
+                base,
+                (base..max).log_scale(),
+            )
+        }
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn draw_bars<const N: usize, X>(
+    path: &Path,
+    title: &str,
+    unit: &str,
+    names: &[String],
+    values: &[[f64; N]],
+    series: &[&str; N],
+    marker: Option<(&str, f64)>,
+    base: f64,
+    x_range: X,
+) -> Result<(), String>
+where
+    X: AsRangedCoord<Value = f64>,
+    X::CoordDescType: ValueFormatter<f64>,
+{
     let height = 120 + 36 * names.len() as u32 * N.max(1) as u32 / 2 + 40 * names.len() as u32;
     let root = BitMapBackend::new(path, (1000, height)).into_drawing_area();
     root.fill(&WHITE).map_err(err)?;
-    let finite = values.iter().flatten().copied().filter(|v| v.is_finite());
-    let max = finite
-        .chain(marker.map(|m| m.1))
-        .fold(0.0f64, f64::max)
-        .max(1e-9)
-        * 1.1;
     let n = names.len().max(1);
     let mut chart = ChartBuilder::on(&root)
         .caption(title, (FONT, 22))
         .margin(15)
         .x_label_area_size(40)
         .y_label_area_size(220)
-        .build_cartesian_2d(0f64..max, 0f64..n as f64)
+        .build_cartesian_2d(x_range, 0f64..n as f64)
         .map_err(err)?;
     let label = |y: &f64| -> String {
         let i = y.floor() as usize;
@@ -149,8 +214,12 @@ fn bars<const N: usize>(
             .draw_series(values.iter().enumerate().map(|(i, v)| {
                 let row = (names.len() - 1 - i) as f64;
                 let top = row + 0.9 - band * s as f64;
-                let x = if v[s].is_finite() { v[s] } else { 0.0 };
-                Rectangle::new([(0.0, top - band), (x, top)], color.filled())
+                let x = if v[s].is_finite() {
+                    v[s].max(base)
+                } else {
+                    base
+                };
+                Rectangle::new([(base, top - band), (x, top)], color.filled())
             }))
             .map_err(err)?
             .label(*name)

@@ -37,6 +37,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("round-robin", ""),
     ("soft-pin", "max_active_requests: 16"),
     ("tool-result-cache-local", ""),
+    ("predicted-ttft", ""),
 ];
 
 /// The configuration that runs `name`, one of [`PRESETS`], as the
@@ -252,7 +253,7 @@ pub fn run(
             }
         }
         for l in &out.loads {
-            router.apply_load(slot, LoadReport::from(l), l.timestamp_ns / 1_000_000);
+            router.apply_load(slot, LoadReport::from(l));
         }
         for c in &out.completions {
             match *c {
@@ -264,11 +265,11 @@ pub fn run(
                     let o = &mut outcomes[id as usize];
                     o.first_token_us = at_us;
                     o.cached_tokens = cached_tokens;
-                    let _ = router.load.prefill_done(router_ids[id as usize]);
+                    let _ = router.prefill_done(router_ids[id as usize], at_us / 1000);
                 }
                 Completion::Finished { id, at_us } => {
                     outcomes[id as usize].finish_us = at_us;
-                    let _ = router.load.finish(router_ids[id as usize]);
+                    let _ = router.finish(router_ids[id as usize]);
                 }
             }
         }

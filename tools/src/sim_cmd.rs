@@ -157,6 +157,159 @@ pub struct SimArgs {
     /// policy, and active requests per worker over time for each policy.
     #[arg(long)]
     pub plot: Option<PathBuf>,
+    /// Replay the workload at each of these offered loads (fractions of
+    /// the node's nominal prefill capacity, comma-separated, e.g.
+    /// 0.2,0.4,0.6) and print TTFT p50/p90 per policy per load in one
+    /// table. The arrivals are stretched or compressed to the load; the
+    /// nominal load is prompt tokens per second over workers × prefill
+    /// tokens per second, as if nothing were cached.
+    #[arg(long, value_delimiter = ',')]
+    pub sweep: Vec<f64>,
+}
+
+/// The offered load of `requests` on `workers` engines of `engine`: prompt
+/// tokens per second over the node's prefill capacity.
+pub fn nominal_load(requests: &[TraceRequest], workers: usize, engine: &EngineParams) -> f64 {
+    let (Some(first), Some(last)) = (requests.first(), requests.last()) else {
+        return 0.0;
+    };
+    let span_s = (last.arrival_us.saturating_sub(first.arrival_us)) as f64 / 1e6;
+    if span_s <= 0.0 {
+        return 0.0;
+    }
+    let tokens: f64 = requests.iter().map(|r| f64::from(r.prompt_tokens())).sum();
+    tokens / span_s / (workers as f64 * engine.prefill_tokens_per_s)
+}
+
+/// `requests` with their arrivals rescaled so their offered load is `load`.
+fn at_load(requests: &[TraceRequest], nominal: f64, load: f64) -> Vec<TraceRequest> {
+    let first = requests.first().map_or(0, |r| r.arrival_us);
+    let scale = nominal / load;
+    requests
+        .iter()
+        .map(|r| TraceRequest {
+            arrival_us: first + ((r.arrival_us - first) as f64 * scale).round() as u64,
+            ..r.clone()
+        })
+        .collect()
+}
+
+/// One load of a sweep, as `--sweep --json` prints it.
+#[derive(Debug, Serialize)]
+pub struct SweepPoint {
+    /// The offered load, a fraction of nominal prefill capacity.
+    pub load: f64,
+    /// The factor the arrival times were multiplied by.
+    pub time_scale: f64,
+    pub policies: Vec<PolicyRow>,
+}
+
+/// The JSON that `kvedge sim --sweep ... --json` prints.
+#[derive(Debug, Serialize)]
+pub struct SweepReport {
+    pub workload: String,
+    pub requests: usize,
+    pub workers: usize,
+    /// The workload's own offered load.
+    pub nominal_load: f64,
+    pub points: Vec<SweepPoint>,
+}
+
+fn policy_rows(runs: Vec<Run>) -> Vec<PolicyRow> {
+    runs.into_iter()
+        .map(|r| PolicyRow {
+            summary: r.summary,
+            unplaced: r.unplaced,
+            refused: r.refused,
+            requests_per_worker: r.requests_per_worker,
+        })
+        .collect()
+}
+
+fn sweep(
+    args: &SimArgs,
+    configs: &[(String, Config)],
+    setup: &Setup,
+    name: String,
+    requests: &[TraceRequest],
+) -> Result<String, String> {
+    if let Some(bad) = args.sweep.iter().find(|l| !(l.is_finite() && **l > 0.0)) {
+        return Err(format!(
+            "--sweep loads must be positive fractions, got {bad}"
+        ));
+    }
+    let nominal = nominal_load(requests, setup.workers, &setup.engine);
+    if nominal <= 0.0 {
+        return Err("--sweep needs a workload whose arrivals span some time".into());
+    }
+    let mut points = Vec::new();
+    for &load in &args.sweep {
+        let scaled = at_load(requests, nominal, load);
+        let oracle = oracle_hit_rate(&scaled, setup.engine.block_size);
+        let runs = run_all(configs, setup, &scaled, oracle);
+        points.push(SweepPoint {
+            load,
+            time_scale: nominal / load,
+            policies: policy_rows(runs),
+        });
+    }
+    if args.json {
+        let report = SweepReport {
+            workload: name,
+            requests: requests.len(),
+            workers: setup.workers,
+            nominal_load: nominal,
+            points,
+        };
+        return serde_json::to_string_pretty(&report).map_err(|e| e.to_string());
+    }
+    let mut text = format!(
+        "{name}: {} requests on {} workers; its own offered load is {:.0}% of nominal prefill capacity\nTTFT p50 / p90, ms, at each offered load (best of each column marked *)\n\n| policy |",
+        requests.len(),
+        setup.workers,
+        nominal * 100.0
+    );
+    for p in &points {
+        text.push_str(&format!(" {:.0}% p50 | p90 |", p.load * 100.0));
+    }
+    text.push_str("\n|---|");
+    for _ in &points {
+        text.push_str("---|---|");
+    }
+    text.push('\n');
+    let best = |i: usize, f: fn(&PolicyRow) -> f64| {
+        points[i]
+            .policies
+            .iter()
+            .map(f)
+            .fold(f64::INFINITY, f64::min)
+    };
+    for (row, (label, _)) in configs.iter().enumerate() {
+        text.push_str(&format!("| {label} |"));
+        for (i, p) in points.iter().enumerate() {
+            let r = &p.policies[row];
+            for (v, b) in [
+                (r.summary.ttft_ms_p50, best(i, |r| r.summary.ttft_ms_p50)),
+                (r.summary.ttft_ms_p90, best(i, |r| r.summary.ttft_ms_p90)),
+            ] {
+                let mark = if v <= b { "*" } else { "" };
+                text.push_str(&format!(" {v:.1}{mark} |"));
+            }
+        }
+        text.push('\n');
+    }
+    for p in &points {
+        for r in &p.policies {
+            if r.requests_per_worker.contains(&0) {
+                text.push_str(&format!(
+                    "warning: {} sent no request to some worker at {:.0}% load\n",
+                    r.summary.policy,
+                    p.load * 100.0
+                ));
+            }
+        }
+    }
+    Ok(text)
 }
 
 /// The JSON that `kvedge sim --json` prints.
@@ -248,12 +401,18 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
         configs.push((path.display().to_string(), c));
     }
     let (name, requests) = workload(args)?;
-    let oracle = oracle_hit_rate(&requests, engine.block_size);
     let setup = Setup {
         workers: args.workers,
         engine,
         sample_us: 1_000_000,
     };
+    if !args.sweep.is_empty() {
+        if args.plot.is_some() {
+            return Err("--plot draws one replay; it does not combine with --sweep".into());
+        }
+        return sweep(args, &configs, &setup, name, &requests);
+    }
+    let oracle = oracle_hit_rate(&requests, setup.engine.block_size);
     let runs = run_all(&configs, &setup, &requests, oracle);
     let charts = match &args.plot {
         Some(dir) => crate::plot::write_charts(dir, &runs, oracle)
@@ -266,15 +425,7 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
             requests: requests.len(),
             workers: args.workers,
             oracle_hit_rate: oracle,
-            policies: runs
-                .into_iter()
-                .map(|r| PolicyRow {
-                    summary: r.summary,
-                    unplaced: r.unplaced,
-                    refused: r.refused,
-                    requests_per_worker: r.requests_per_worker,
-                })
-                .collect(),
+            policies: policy_rows(runs),
         };
         return serde_json::to_string_pretty(&report).map_err(|e| e.to_string());
     }

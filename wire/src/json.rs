@@ -436,6 +436,7 @@ mod tests {
                     active_requests: 1,
                     active_prefill_tokens: 2,
                     active_decode_blocks: 3,
+                    ttft: Default::default(),
                 }],
                 ..Explanation::default()
             })),

@@ -173,6 +173,28 @@ pub struct ExplainedWorker {
     pub active_requests: u32,
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
+    /// Its predicted time to first token for this request, term by term.
+    pub ttft: TtftExplained,
+}
+
+/// A worker's TTFT prediction at an explained select (the predictor of
+/// the `predicted-ttft` policy and the rules' `PredictedTTFT`), before the
+/// chosen worker was reserved.
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct TtftExplained {
+    /// The prefill queued ahead, over the speed.
+    pub queue_ms: f64,
+    /// The request's own uncached prefill (host and disk hits priced apart).
+    pub prefill_ms: f64,
+    /// The wait per request queued on the worker.
+    pub wait_ms: f64,
+    pub total_ms: f64,
+    /// The prefill speed used, and where it came from: `learned` from the
+    /// worker's completed prefills, its `peers`' mean (it has learned none
+    /// yet), or the configured `prior` (no worker has).
+    pub tokens_per_second: f64,
+    pub speed: &'static str,
 }
 
 /// One registered worker, as `workers` and the metrics report it.

@@ -361,6 +361,9 @@ pub struct Config {
     pub plugins: RouterPlugins,
     /// The rule policy, when a `policy:` section is present.
     pub rules: Option<RulePolicy>,
+    /// The TTFT predictor (`ttft:`), behind the `predicted-ttft` policy and
+    /// the rules' `PredictedTTFT` alike.
+    pub ttft: kvedge_policies::predict::TtftPredictor,
     /// Engines read over ZeroMQ and Prometheus (`engines:`).
     pub engines: Vec<EngineSpec>,
 }
@@ -431,6 +434,7 @@ impl Config {
         let plugins = registry
             .resolve_plugins(&selection, overrides, &doc.router)
             .map_err(|e| err(e.to_string()))?;
+        let ttft = kvedge_policies::rules::load_ttft(source).map_err(|e| err(e.to_string()))?;
         let rules = if doc.policy.is_some() {
             Some(load_with(source, Some(&plugins)).map_err(|e| err(e.to_string()))?)
         } else {
@@ -457,6 +461,7 @@ impl Config {
             session_affinity: doc.session_affinity,
             plugins,
             rules,
+            ttft,
         })
     }
 }

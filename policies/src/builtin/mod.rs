@@ -13,8 +13,10 @@
 //! | `cache-aware` | least loaded when imbalanced, else best overlap above a threshold |
 //! | `soft-pin` | keep the soft-affinity target until overloaded |
 //! | `tool-result-cache-local` | default cost, but tool-result turns go to the most device overlap |
+//! | `predicted-ttft` | the host's predicted time to first token + lowest cost (seeded ties) |
 
 pub mod default_cost;
+pub mod predicted_ttft;
 pub mod simple;
 
 use std::sync::Arc;
@@ -51,6 +53,7 @@ pub fn register_builtins(
     registry.register_worker_selection("soft-pin", Arc::new(soft_pin_provider))?;
     registry
         .register_worker_selection("tool-result-cache-local", Arc::new(tool_result_provider))?;
+    registry.register_worker_selection("predicted-ttft", Arc::new(predicted_ttft_provider))?;
     Ok(())
 }
 
@@ -158,6 +161,15 @@ fn random_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResu
 fn power_of_two_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
     seeded(parameters, |rng| {
         (Vec::new(), Box::new(PowerOfTwoPicker::new(rng)))
+    })
+}
+
+fn predicted_ttft_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    seeded(parameters, |rng| {
+        (
+            vec![Box::new(predicted_ttft::PredictedTtftScorer)],
+            Box::new(LowestCostRandomTiesPicker::new(rng)),
+        )
     })
 }
 

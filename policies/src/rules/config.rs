@@ -5,12 +5,13 @@
 use serde::Deserialize;
 use serde_yaml::{Mapping, Value};
 
-use super::model::{CandidateAttr, RequestAttr, TtftModel};
+use super::model::{CandidateAttr, RequestAttr};
 use super::predicate::{Constant, Op, parse_duration};
 use super::{
     CompiledPredicate, CompiledRule, Consider, Exclude, LengthClassifier, Objective, OnEmpty,
     ProviderSpec, RulePolicy, TieBreak, Tier, TierType,
 };
+use crate::predict::TtftPredictor;
 use crate::registry::RouterPlugins;
 
 /// A rule policy that cannot be loaded.
@@ -168,6 +169,8 @@ struct LengthYaml {
 struct TtftYaml {
     prefill_tokens_per_second: Option<f64>,
     queue_wait_per_request: Option<String>,
+    host_hit_cost: Option<f64>,
+    disk_hit_cost: Option<f64>,
 }
 
 /// Loads and compiles a rule policy from a YAML document. Rules that rank by
@@ -323,28 +326,7 @@ pub fn load_with(
         }),
         None => None,
     };
-    let mut ttft = TtftModel::default();
-    if let Some(t) = doc.ttft {
-        if let Some(tp) = t.prefill_tokens_per_second {
-            if !(tp.is_finite() && tp > 0.0) {
-                return Err(RuleConfigError {
-                    rule: None,
-                    field: Some("ttft.prefill_tokens_per_second".into()),
-                    line: section_line(&["ttft", "prefill_tokens_per_second"]),
-                    message: format!("must be a finite positive number, got {tp}"),
-                });
-            }
-            ttft.prefill_tokens_per_second = tp;
-        }
-        if let Some(w) = t.queue_wait_per_request {
-            ttft.queue_wait_per_request = parse_duration(&w).ok_or_else(|| RuleConfigError {
-                rule: None,
-                field: Some("ttft.queue_wait_per_request".into()),
-                line: section_line(&["ttft", "queue_wait_per_request"]),
-                message: format!("`{w}` is not a duration (e.g. 50ms, 1s, 1m30s)"),
-            })?;
-        }
-    }
+    let ttft = compile_ttft(source, doc.ttft)?;
     let cost_policies_empty = cost_policies.is_empty();
     Ok(RulePolicy {
         rules,
@@ -780,4 +762,49 @@ impl RuleLines {
                 .is_some_and(|rest| rest.starts_with(':'))
         })
     }
+}
+
+/// The `ttft:` section of `source` (the predictor's defaults without one).
+pub fn load_ttft(source: &str) -> Result<TtftPredictor, RuleConfigError> {
+    #[derive(Deserialize)]
+    struct Only {
+        #[serde(default)]
+        ttft: Option<TtftYaml>,
+    }
+    let doc: Only = serde_yaml::from_str(source).map_err(|e| RuleConfigError {
+        rule: None,
+        field: Some("ttft".into()),
+        line: e.location().map(|l| l.line()),
+        message: e.to_string(),
+    })?;
+    compile_ttft(source, doc.ttft)
+}
+
+fn compile_ttft(source: &str, section: Option<TtftYaml>) -> Result<TtftPredictor, RuleConfigError> {
+    let mut ttft = TtftPredictor::default();
+    let Some(t) = section else {
+        return Ok(ttft);
+    };
+    let fail = |key: &str, message: String| RuleConfigError {
+        rule: None,
+        field: Some(format!("ttft.{key}")),
+        line: crate::yaml::key_line(source, &["ttft", key]),
+        message,
+    };
+    if let Some(w) = &t.queue_wait_per_request {
+        ttft.queue_wait_per_request = parse_duration(w).ok_or_else(|| {
+            fail(
+                "queue_wait_per_request",
+                format!("`{w}` is not a duration (e.g. 50ms, 1s, 1m30s)"),
+            )
+        })?;
+    }
+    ttft.prefill_tokens_per_second = t
+        .prefill_tokens_per_second
+        .unwrap_or(ttft.prefill_tokens_per_second);
+    ttft.host_hit_cost = t.host_hit_cost.unwrap_or(ttft.host_hit_cost);
+    ttft.disk_hit_cost = t.disk_hit_cost.unwrap_or(ttft.disk_hit_cost);
+    ttft.validate()
+        .map_err(|(key, message)| fail(key, message))?;
+    Ok(ttft)
 }

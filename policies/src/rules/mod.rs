@@ -39,12 +39,10 @@ pub mod predicate;
 
 use serde::Deserialize;
 
+pub use crate::predict::TtftPredictor;
 use crate::rng::PolicyRng;
-pub use config::{RuleConfigError, load, load_with};
-pub use model::{
-    CandidateAttr, CandidateKind, MAX_TAGS, PrefillThroughputEstimator, RequestAttr, RuleCandidate,
-    RuleRequest, TtftModel,
-};
+pub use config::{RuleConfigError, load, load_ttft, load_with};
+pub use model::{CandidateAttr, CandidateKind, MAX_TAGS, RequestAttr, RuleCandidate, RuleRequest};
 use predicate::Op;
 
 /// One compiled predicate: an attribute and an operator.
@@ -287,7 +285,7 @@ pub struct RulePolicy {
     pub cost_policies: Vec<String>,
     /// Where those instances come from (set when `cost_policies` is not empty).
     pub plugins: Option<crate::registry::RouterPlugins>,
-    pub ttft: TtftModel,
+    pub ttft: TtftPredictor,
     pub seed: u64,
 }
 
@@ -432,6 +430,7 @@ impl RuleEngine {
                         &mut self.cost_rows,
                         &mut self.costs,
                         &mut self.ranked,
+                        &ttft,
                     );
                 }
                 let by_attribute = !matches!(tier.objective, Objective::PolicyCost(_));
@@ -508,6 +507,7 @@ fn rank_by_policy(
     rows: &mut Vec<u32>,
     costs: &mut Vec<f64>,
     ranked: &mut Vec<(f64, u32)>,
+    ttft: &crate::predict::TtftPredictor,
 ) {
     let Some(instance) = instance else {
         return;
@@ -519,7 +519,7 @@ fn rank_by_policy(
         if c.kind != CandidateKind::Local {
             continue;
         }
-        table.push(c.as_candidate_row());
+        table.push(c.as_candidate_row(ttft.predict(c, request)));
         rows.push(i);
     }
     if rows.is_empty() {

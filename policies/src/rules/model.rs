@@ -3,6 +3,7 @@
 //! the PredictedTTFT model.
 
 use crate::context::AgentHeaders;
+use crate::predict::{TtftInputs, TtftPredictor};
 use crate::table::WorkerWithDpRank;
 
 use super::predicate::AttrValue;
@@ -91,8 +92,9 @@ impl<'a> RuleCandidate<'a> {
     }
 
     /// The candidate as a worker-selection row (missing signals as zero;
-    /// KV usage as parts per million of a nominal capacity).
-    pub fn as_candidate_row(&self) -> crate::table::CandidateRow {
+    /// KV usage as parts per million of a nominal capacity), with its
+    /// predicted TTFT.
+    pub fn as_candidate_row(&self, predicted_ttft_s: Option<f64>) -> crate::table::CandidateRow {
         use crate::table::{CacheRow, CandidateRow, LoadRow, OccupancyRow};
         const NOMINAL: u64 = 1_000_000;
         CandidateRow {
@@ -115,6 +117,7 @@ impl<'a> RuleCandidate<'a> {
                 kv_total_blocks: NOMINAL,
             },
             preferred_taint_multiplier: None,
+            predicted_ttft_s,
         }
     }
 
@@ -243,7 +246,7 @@ impl CandidateAttr {
         &self,
         c: &RuleCandidate<'_>,
         r: &RuleRequest<'_>,
-        ttft: &TtftModel,
+        ttft: &TtftPredictor,
     ) -> Option<f64> {
         match self {
             CandidateAttr::PredictedTtft => ttft.predict(c, r),
@@ -270,7 +273,7 @@ impl CandidateAttr {
         &'a self,
         c: &RuleCandidate<'a>,
         r: &RuleRequest<'_>,
-        ttft: &TtftModel,
+        ttft: &TtftPredictor,
     ) -> Option<AttrValue<'a>> {
         let num = |v: Option<u32>| v.map(|n| AttrValue::Num(f64::from(n)));
         match self {
@@ -300,103 +303,27 @@ impl CandidateAttr {
     }
 }
 
-/// The PredictedTTFT model: the prefill work ahead of the request plus its
-/// own uncached prompt, over the worker's prefill throughput, plus a wait
-/// per queued request.
-///
-/// ```text
-/// uncached_tokens = max(prompt_tokens - device_overlap_blocks * block_size, 0)
-/// ttft_seconds    = (active_prefill_tokens + uncached_tokens) / prefill_tokens_per_second
-///                 + waiting_requests * queue_wait_per_request
-/// ```
-///
-/// The throughput is the candidate's own when the host knows it (configured
-/// per worker, or learned from load reports), else the model's default.
-/// Providers have no PredictedTTFT.
-#[derive(Clone, Copy, Debug, PartialEq)]
-pub struct TtftModel {
-    pub prefill_tokens_per_second: f64,
-    pub queue_wait_per_request: f64,
-}
-
-impl Default for TtftModel {
-    fn default() -> Self {
-        TtftModel {
-            prefill_tokens_per_second: 10_000.0,
-            queue_wait_per_request: 0.05,
-        }
-    }
-}
-
-impl TtftModel {
-    /// Seconds, or `None` for a provider or a worker without load signals.
+impl TtftPredictor {
+    /// A candidate's `PredictedTTFT`, seconds: [`TtftPredictor::terms`] over
+    /// its attributes (the same model as the `predicted-ttft` policy), or
+    /// `None` for a provider or a worker without load signals.
     #[inline]
     pub fn predict(&self, c: &RuleCandidate<'_>, r: &RuleRequest<'_>) -> Option<f64> {
         if c.kind != CandidateKind::Local {
             return None;
         }
-        let queued = c.active_prefill_tokens? as f64;
-        let cached = f64::from(c.device_overlap_blocks.unwrap_or(0)) * f64::from(r.block_size);
-        let uncached = (f64::from(r.prompt_tokens) - cached).max(0.0);
-        let throughput = c
-            .prefill_tokens_per_second
-            .filter(|t| t.is_finite() && *t > 0.0)
-            .unwrap_or(self.prefill_tokens_per_second);
-        let waiting = f64::from(c.waiting_requests.unwrap_or(0));
-        Some((queued + uncached) / throughput + waiting * self.queue_wait_per_request)
-    }
-}
-
-/// Learns a worker's prefill throughput from its load reports, for
-/// [`RuleCandidate::prefill_tokens_per_second`].
-///
-/// Between two reports the worker processed
-/// `previous backlog + tokens admitted since − current backlog` prefill
-/// tokens; the rate over the interval feeds an exponentially weighted moving
-/// average. Intervals with no backlog at either end are skipped (an idle
-/// worker says nothing about its speed), as are non-increasing timestamps
-/// and negative work (a report that lost a race with an admission).
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct PrefillThroughputEstimator {
-    last: Option<(u64, u64)>,
-    rate: Option<f64>,
-}
-
-impl PrefillThroughputEstimator {
-    /// Weight of the newest interval.
-    const ALPHA: f64 = 0.2;
-
-    /// Feeds one load report: its timestamp (ms), the worker's active
-    /// prefill tokens, and the prompt tokens the host admitted to this worker
-    /// since the previous report. Returns the current estimate.
-    pub fn observe(
-        &mut self,
-        now_ms: u64,
-        active_prefill_tokens: u64,
-        admitted_tokens: u64,
-    ) -> Option<f64> {
-        if let Some((then, backlog)) = self.last
-            && now_ms > then
-            && (backlog > 0 || active_prefill_tokens > 0)
-        {
-            let processed = (backlog + admitted_tokens) as f64 - active_prefill_tokens as f64;
-            if processed > 0.0 {
-                let rate = processed / ((now_ms - then) as f64 / 1000.0);
-                self.rate = Some(match self.rate {
-                    None => rate,
-                    Some(old) => old + Self::ALPHA * (rate - old),
-                });
-            }
-        }
-        if self.last.is_none_or(|(then, _)| now_ms > then) {
-            self.last = Some((now_ms, active_prefill_tokens));
-        }
-        self.rate
-    }
-
-    /// Tokens per second, once learned.
-    pub fn tokens_per_second(&self) -> Option<f64> {
-        self.rate
+        let inputs = TtftInputs {
+            prompt_tokens: r.prompt_tokens,
+            block_size: r.block_size,
+            device_blocks: c.device_overlap_blocks.unwrap_or(0),
+            host_blocks: c.host_overlap_blocks.unwrap_or(0),
+            disk_blocks: c.disk_overlap_blocks.unwrap_or(0),
+            queued_prefill_tokens: c.active_prefill_tokens?,
+            waiting_requests: c.waiting_requests.unwrap_or(0),
+            learned_tokens_per_second: c.prefill_tokens_per_second,
+            peer_tokens_per_second: None,
+        };
+        Some(self.terms(&inputs).total_s())
     }
 }
 
@@ -405,26 +332,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn throughput_is_learned_from_backlog_and_admissions() {
-        let mut e = PrefillThroughputEstimator::default();
-        assert_eq!(e.observe(0, 0, 0), None);
-        assert_eq!(e.observe(1000, 0, 0), None, "idle: nothing learned");
-        // 5,000 tokens admitted; after 100 ms, 4,000 remain: 1,000 in 0.1 s.
-        assert_eq!(e.observe(1100, 4000, 5000), Some(10_000.0));
-        // Next 100 ms: 2,000 processed -> 20,000/s, smoothed by 0.2.
-        let r = e.observe(1200, 2000, 0).unwrap();
-        assert!((r - 12_000.0).abs() < 1e-9, "{r}");
-        // A stale or reordered report changes nothing.
-        assert_eq!(e.observe(1150, 0, 0), Some(r));
-        // Negative work (backlog grew more than admissions explain): skipped.
-        assert_eq!(e.observe(1300, 9000, 0), Some(r));
-    }
-
-    #[test]
     fn predicted_ttft_counts_backlog_uncached_prompt_and_queue() {
-        let m = TtftModel {
+        let m = TtftPredictor {
             prefill_tokens_per_second: 1000.0,
             queue_wait_per_request: 0.1,
+            ..TtftPredictor::default()
         };
         let r = RuleRequest {
             model: "m",

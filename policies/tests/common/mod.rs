@@ -23,6 +23,7 @@ pub struct W {
     pub kv_used: u64,
     pub kv_total: u64,
     pub taint: Option<f64>,
+    pub ttft: Option<f64>,
 }
 
 pub fn w(id: u64) -> W {
@@ -67,6 +68,11 @@ impl W {
         self.kv_total = total;
         self
     }
+    /// The host's predicted TTFT, seconds.
+    pub fn ttft(mut self, s: f64) -> Self {
+        self.ttft = Some(s);
+        self
+    }
     pub fn taint(mut self, m: f64) -> Self {
         self.taint = Some(m);
         self
@@ -91,6 +97,7 @@ impl W {
                 kv_total_blocks: self.kv_total,
             },
             preferred_taint_multiplier: self.taint,
+            predicted_ttft_s: self.ttft,
         }
     }
 }
