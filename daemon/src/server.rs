@@ -196,10 +196,16 @@ impl Server {
                 std::hint::spin_loop();
             }
         }
-        // Drain: answer what the clients already sent, and let slow
-        // readers take their replies (for a second at most).
-        self.turn(Instant::now());
-        self.clients.flush_all(&self.poller, DRAIN_WRITES);
+        // Drain: answer what the clients already sent (a turn serves at
+        // most 32 requests per connection, so as many turns as that takes
+        // while they are busy), and let slow readers take their replies;
+        // a second at most for both.
+        let draining = Instant::now();
+        while self.turn(Instant::now()) && draining.elapsed() < DRAIN_WRITES {}
+        self.clients.flush_all(
+            &self.poller,
+            DRAIN_WRITES.saturating_sub(draining.elapsed()),
+        );
         Ok(())
     }
 
