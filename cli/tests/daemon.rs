@@ -96,7 +96,8 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
         "{a_row} {b_row}"
     );
     for row in [a_row, b_row] {
-        let sum = t(row, "queue_ms") + t(row, "prefill_ms") + t(row, "wait_ms");
+        let sum =
+            t(row, "queue_ms") + t(row, "prefill_ms") + t(row, "wait_ms") + t(row, "decode_ms");
         assert!((sum - t(row, "total_ms")).abs() < 1e-9, "{row}");
         assert!(t(row, "tokens_per_second") > 0.0);
         assert!(["learned", "peers", "prior"].contains(&row["ttft"]["speed"].as_str().unwrap()));

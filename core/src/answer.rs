@@ -385,6 +385,7 @@ impl Core {
                                 queue_ms: t.queue_s * 1e3,
                                 prefill_ms: t.prefill_s * 1e3,
                                 wait_ms: t.wait_s * 1e3,
+                                decode_ms: t.decode_s * 1e3,
                                 total_ms: t.total_s() * 1e3,
                                 tokens_per_second: t.tokens_per_second,
                                 speed: t.speed_source.as_str(),

@@ -880,6 +880,7 @@ impl Predicting<'_> {
             disk_blocks: overlap[2],
             queued_prefill_tokens: projected.active_prefill_tokens,
             waiting_requests: projected.waiting_requests,
+            decode_blocks: projected.active_decode_blocks,
             learned_tokens_per_second: self.speed[slot.index()].tokens_per_second(anchor),
             peer_tokens_per_second: self.peer_speed,
         })

@@ -189,6 +189,9 @@ pub struct TtftExplained {
     pub prefill_ms: f64,
     /// The wait per request queued on the worker.
     pub wait_ms: f64,
+    /// The worker's decoding requests' share of the steps until the first
+    /// token.
+    pub decode_ms: f64,
     pub total_ms: f64,
     /// The prefill speed used, and where it came from: `learned` from the
     /// worker's completed prefills, its `peers`' mean (it has learned none

@@ -171,6 +171,8 @@ struct TtftYaml {
     queue_wait_per_request: Option<String>,
     host_hit_cost: Option<f64>,
     disk_hit_cost: Option<f64>,
+    decode_per_block_step: Option<String>,
+    step_tokens: Option<f64>,
 }
 
 /// Loads and compiles a rule policy from a YAML document. Rules that rank by
@@ -799,6 +801,15 @@ fn compile_ttft(source: &str, section: Option<TtftYaml>) -> Result<TtftPredictor
             )
         })?;
     }
+    if let Some(d) = &t.decode_per_block_step {
+        ttft.decode_per_block_step = parse_duration(d).ok_or_else(|| {
+            fail(
+                "decode_per_block_step",
+                format!("`{d}` is not a duration (e.g. 700ns, 0.7us)"),
+            )
+        })?;
+    }
+    ttft.step_tokens = t.step_tokens.unwrap_or(ttft.step_tokens);
     ttft.prefill_tokens_per_second = t
         .prefill_tokens_per_second
         .unwrap_or(ttft.prefill_tokens_per_second);

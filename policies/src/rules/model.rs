@@ -320,6 +320,7 @@ impl TtftPredictor {
             disk_blocks: c.disk_overlap_blocks.unwrap_or(0),
             queued_prefill_tokens: c.active_prefill_tokens?,
             waiting_requests: c.waiting_requests.unwrap_or(0),
+            decode_blocks: c.active_decode_blocks.unwrap_or(0),
             learned_tokens_per_second: c.prefill_tokens_per_second,
             peer_tokens_per_second: None,
         };
