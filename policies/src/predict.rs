@@ -254,7 +254,13 @@ impl TtftPredictor {
 /// [`PrefillSpeedLearner::ANCHOR_SECONDS`] of pseudo-observation: a worker
 /// with few samples sits near its peers instead of wherever its first odd
 /// sample put it, which would make identical workers look different and
-/// starve the ones that look slower. Samples of less than
+/// starve the ones that look slower. And an estimate within
+/// [`PrefillSpeedLearner::SAME_AS_PEERS`] of the anchor counts as the
+/// anchor (the learner answers `None`, and the predictor uses the peers'
+/// speed): such differences between identical GPUs are noise, and acting on
+/// them sends every request that is new to all workers to whichever one
+/// drifted fastest, where it evicts that worker's cache. A real difference
+/// (another GPU model, a noisy neighbour) is larger. Samples of less than
 /// [`PrefillSpeedLearner::MIN_WORK_TOKENS`] say more about per-step
 /// overheads than about speed and are skipped, as are non-positive times.
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
@@ -271,6 +277,9 @@ impl PrefillSpeedLearner {
     pub const MIN_WORK_TOKENS: f64 = 1024.0;
     /// How much observation the anchor counts for, seconds.
     pub const ANCHOR_SECONDS: f64 = 2.0;
+    /// Relative difference from the anchor below which an estimate is the
+    /// anchor's.
+    pub const SAME_AS_PEERS: f64 = 0.15;
 
     /// Feeds one completed prefill: `work_tokens` took `seconds`.
     pub fn observe(&mut self, work_tokens: f64, seconds: f64) {
@@ -286,11 +295,15 @@ impl PrefillSpeedLearner {
     }
 
     /// Tokens per second, shrunk towards `anchor`; `None` before any
-    /// sample.
+    /// sample, and while the estimate is within [`Self::SAME_AS_PEERS`] of
+    /// the anchor.
     pub fn tokens_per_second(&self, anchor: f64) -> Option<f64> {
-        (self.samples > 0).then(|| {
-            (self.tokens + Self::ANCHOR_SECONDS * anchor) / (self.seconds + Self::ANCHOR_SECONDS)
-        })
+        if self.samples == 0 {
+            return None;
+        }
+        let s =
+            (self.tokens + Self::ANCHOR_SECONDS * anchor) / (self.seconds + Self::ANCHOR_SECONDS);
+        ((s / anchor - 1.0).abs() >= Self::SAME_AS_PEERS).then_some(s)
     }
 
     /// The pooled speed of several learners (the anchor of each), `None`
@@ -459,8 +472,12 @@ mod tests {
             let w = *sizes.next().unwrap();
             l.observe(w, w / 25_000.0);
         }
-        let s = l.tokens_per_second(anchor).unwrap();
-        assert!((s - 25_000.0).abs() / 25_000.0 < 0.01, "{s}");
+        // As fast as its peers: it gets their speed (no estimate of its own).
+        assert_eq!(l.tokens_per_second(anchor), None);
+        // Against peers at 20,000 it is the faster one (shrunk towards
+        // them by 2 s against its own 6-7 s of observation).
+        let s = l.tokens_per_second(20_000.0).unwrap();
+        assert!((s - 25_000.0).abs() / 25_000.0 < 0.06, "{s}");
         // Its speed halves (another tenant on the GPU) while its peers stay
         // at 25,000: within 100 samples the estimate is within 15 % of the
         // new speed (about 14 s of its own observation against the anchor's
@@ -482,6 +499,10 @@ mod tests {
         l.observe(1024.0, 2.0);
         let s = l.tokens_per_second(25_000.0).unwrap();
         assert!(s > 12_000.0, "{s}");
+        // A short fast one near its peers' speed: the peers' (no estimate).
+        let mut l = PrefillSpeedLearner::default();
+        l.observe(2048.0, 0.08);
+        assert_eq!(l.tokens_per_second(25_000.0), None);
         // The anchor is the peers' pooled speed.
         let mut a = PrefillSpeedLearner::default();
         let mut b = PrefillSpeedLearner::default();
