@@ -141,6 +141,9 @@ fn overflow_gap_resync_restores_the_exact_block_set() {
 
     let control = ControlListener::bind();
     let path = control.path.clone();
+    // The reader waits for the whole burst before it reads, so the ring
+    // overflows however the two threads are scheduled.
+    let (burst_done, burst_seen) = std::sync::mpsc::channel();
     let engine = std::thread::spawn(move || {
         let mut p = Publisher::connect(&path, &kvedge_tests::test_hello(3), Duration::from_secs(5))
             .unwrap();
@@ -164,6 +167,7 @@ fn overflow_gap_resync_restores_the_exact_block_set() {
                 kept.push(t.clone());
             }
         }
+        burst_done.send(()).unwrap();
         // Serve the daemon's resync request once it arrives.
         let deadline = Instant::now() + Duration::from_secs(10);
         while !p
@@ -188,6 +192,9 @@ fn overflow_gap_resync_restores_the_exact_block_set() {
     });
     // 8 KiB: the 11 KB burst overflows it; the 5.7 KB snapshot fits.
     let (stream, _, mut ring) = control.accept(8192);
+    burst_seen
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the engine published its burst");
     let mut view = BTreeSet::new();
     let mut requested = false;
     let mut in_snapshot = false;
