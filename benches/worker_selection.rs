@@ -13,6 +13,10 @@
 //! - `custom_worker_selection/10000/{no_filter,keep_all_filter}`: Dynamo's
 //!   custom bench policy (one scorer over the per-candidate API, lowest-cost
 //!   picker), written against our API;
+//! - `predicted_ttft_with_table_fill/N`: the `predicted-ttft` policy with
+//!   the host's work for it: predicting each candidate's TTFT
+//!   (`TtftPredictor::terms`) while refilling the table, then selecting;
+//!   beside `default_worker_selection_with_table_fill`;
 //! - `plain_columnar_loop/N`: the default cost and an argmin as one bare loop
 //!   over plain vectors, the floor the pipeline's overhead is measured from;
 //! - with `--features dynamo-peer`: `dynamo_1.6.1/...`, Dynamo's own selector
@@ -234,6 +238,52 @@ fn plain_columnar_loop(c: &mut Criterion) {
     g.finish();
 }
 
+fn predicted_ttft_selection(c: &mut Criterion) {
+    use kvedge_policies::predict::{TtftInputs, TtftPredictor};
+    let registry = kvedge_policies::router_plugin_registry();
+    let config = kvedge_policies::WorkerSelectionConfig::from_yaml_str(
+        "worker_selection:\n  prefill: p\n  instances:\n    - name: p\n      type: predicted-ttft\n",
+    )
+    .unwrap();
+    let plugins = registry
+        .resolve_plugins(&config, &Default::default(), &RouterConfig::default())
+        .unwrap();
+    let predictor = TtftPredictor::default();
+    let mut g = group(c, "predicted_ttft_with_table_fill");
+    for n in SIZES {
+        let host_rows = rows(n);
+        let mut table = CandidateTable::new();
+        let mut policy = plugins.build(&RoutingPartition::new(WorkerType::Prefill, "bench"));
+        let ctx = context();
+        g.throughput(Throughput::Elements(n as u64));
+        g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
+            b.iter(|| {
+                table.reset(WorkerInputs::ALL);
+                for r in black_box(&host_rows) {
+                    let t = predictor.terms(&TtftInputs {
+                        prompt_tokens: PROMPT_TOKENS,
+                        block_size: BLOCK_SIZE,
+                        device_blocks: r.cache.device_blocks,
+                        host_blocks: r.cache.host_blocks,
+                        disk_blocks: r.cache.disk_blocks,
+                        queued_prefill_tokens: r.load.active_prefill_tokens,
+                        waiting_requests: r.load.waiting_requests,
+                        decode_blocks: r.load.active_decode_blocks,
+                        learned_tokens_per_second: None,
+                        peer_tokens_per_second: Some(25_000.0),
+                    });
+                    table.push(CandidateRow {
+                        predicted_ttft_s: Some(t.total_s()),
+                        ..*r
+                    });
+                }
+                black_box(policy.select(black_box(&ctx), &table).unwrap())
+            })
+        });
+    }
+    g.finish();
+}
+
 #[cfg(feature = "dynamo-peer")]
 mod peer;
 
@@ -241,6 +291,7 @@ fn main() {
     let mut c = Criterion::default().configure_from_args();
     default_selection(&mut c);
     custom_selection(&mut c);
+    predicted_ttft_selection(&mut c);
     plain_columnar_loop(&mut c);
     #[cfg(feature = "dynamo-peer")]
     peer::benches(&mut c);
