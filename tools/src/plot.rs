@@ -146,7 +146,8 @@ fn bars<const N: usize>(
             } else {
                 1.0
             };
-            let max = max.max(base * 10.0) * 1.5;
+            // To the next power of ten, so the last decade is labelled.
+            let max = 10f64.powf((max * 1.05).log10().ceil()).max(base * 10.0);
             draw_bars(
                 path,
                 title,
@@ -203,6 +204,9 @@ where
         .disable_y_mesh()
         .y_labels(2 * n + 1)
         .y_label_formatter(&label)
+        .x_labels(8)
+        .x_label_formatter(&|v: &f64| format!("{v:.0}"))
+        .max_light_lines(1)
         .x_desc(unit)
         .label_style((FONT, 14))
         .draw()
