@@ -481,6 +481,22 @@ mod tests {
     }
 
     #[test]
+    fn the_ttft_section_configures_the_predictor_with_or_without_rules() {
+        let c = load(
+            "ttft:\n  decode_per_block_step: 2us\n  step_tokens: 2048\n  host_hit_cost: 0.5\n",
+        )
+        .unwrap();
+        assert!(c.rules.is_none());
+        assert_eq!(c.ttft.step_tokens, 2048.0);
+        assert_eq!(c.ttft.host_hit_cost, 0.5);
+        assert!((c.ttft.decode_per_block_step - 2e-6).abs() < 1e-15);
+        assert_eq!(
+            load("{}").unwrap().ttft,
+            kvedge_policies::predict::TtftPredictor::default()
+        );
+    }
+
+    #[test]
     fn empty_file_means_defaults() {
         let c = load("{}").unwrap();
         assert_eq!(c.daemon, DaemonSection::default());
@@ -571,6 +587,18 @@ mod tests {
             (
                 "metrics:\n  listen: nowhere\n",
                 "k.yaml: line 2: metrics.listen `nowhere` is not host:port",
+            ),
+            (
+                "ttft:\n  host_hit_cost: 0.1\n  step_tokens: 0\n",
+                "k.yaml: ttft.step_tokens (line 3): must be at least 1",
+            ),
+            (
+                "ttft:\n  decode_per_block_step: fast\n",
+                "k.yaml: ttft.decode_per_block_step (line 2): `fast` is not a duration",
+            ),
+            (
+                "ttft:\n  prefill_tokens_per_second: -5\n",
+                "k.yaml: ttft.prefill_tokens_per_second (line 2): must be a finite positive number",
             ),
         ];
         for (src, expected) in cases {
