@@ -406,6 +406,7 @@ impl Core {
             .map(|(slot, w)| {
                 let load = self.router.load.projected(slot);
                 let report = self.router.load.reported(slot);
+                let speed = self.router.prefill_speed(slot);
                 WorkerRow {
                     worker_id: w.worker.worker_id,
                     dp_rank: w.worker.dp_rank,
@@ -432,6 +433,8 @@ impl Core {
                     kv_used_blocks: report.kv_used_blocks,
                     kv_total_blocks: report.kv_total_blocks,
                     device_blocks: self.router.index.worker_blocks(slot, Tier::Device) as u64,
+                    prefill_tokens_per_second: speed.0.round() as u64,
+                    speed: speed.1.as_str(),
                 }
             })
             .collect()

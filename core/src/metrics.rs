@@ -200,7 +200,7 @@ pub fn render(s: &Snapshot) -> String {
         "Registered workers available for routing",
         gauge(s.workers.iter().filter(|w| w.available).count() as u64),
     );
-    let per_worker: [(&str, &str, WorkerValue); 7] = [
+    let per_worker: [(&str, &str, WorkerValue); 8] = [
         (
             "worker_in_sync",
             "1 when the worker's view of its cache is complete; 0 while a resync snapshot is asked for or arriving (its view then counts as empty)",
@@ -235,6 +235,11 @@ pub fn render(s: &Snapshot) -> String {
             "worker_device_blocks",
             "Device-tier blocks in the index",
             |w| w.device_blocks,
+        ),
+        (
+            "worker_prefill_tokens_per_second",
+            "Prefill speed the TTFT predictor uses for the worker: learned from prefill_done, its peers' while its own is within 15% of theirs or unknown, the configured prior while no worker has learned one",
+            |w| w.prefill_tokens_per_second,
         ),
     ];
     for (name, help, value) in per_worker {
@@ -347,6 +352,7 @@ mod tests {
                 model: "llama".into(),
                 available: true,
                 active_requests: 2,
+                prefill_tokens_per_second: 25_000,
                 ..WorkerRow::default()
             }],
             reloads: 1,
@@ -358,6 +364,7 @@ mod tests {
             "kvedge_selections_total{policy=\"default\",rule=\"burst\",outcome=\"no_worker\"} 2",
             "kvedge_ring_events_applied_total{kind=\"stored\"} 10",
             "kvedge_worker_active_requests{worker_id=\"4\",dp_rank=\"1\",model=\"llama\"} 2",
+            "kvedge_worker_prefill_tokens_per_second{worker_id=\"4\",dp_rank=\"1\",model=\"llama\"} 25000",
             "kvedge_workers_live 1",
             "kvedge_reloads_total 1",
             "kvedge_selection_duration_seconds_count 4",

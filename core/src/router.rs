@@ -459,6 +459,13 @@ impl Router {
         self.load.finish(request_id)
     }
 
+    /// The prefill speed the TTFT predictions of `slot` use, and where it
+    /// comes from.
+    pub fn prefill_speed(&self, slot: Slot) -> (f64, kvedge_policies::predict::SpeedSource) {
+        let t = self.predict(slot, 1, [0; 3]);
+        (t.tokens_per_second, t.speed_source)
+    }
+
     /// The prefill speed learned for `slot`, tokens per second.
     pub fn learned_speed(&self, slot: Slot) -> Option<f64> {
         let anchor = self

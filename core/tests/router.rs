@@ -458,6 +458,10 @@ fn an_unknown_worker_is_neutral_not_slow() {
     teach(&mut router, 1, 100, 20, &mut clock);
     let b = engine(&mut router, 2);
     assert_eq!(router.learned_speed(b.slot), None);
+    // What its predictions use, and what metrics and `workers` show.
+    let (speed, source) = router.prefill_speed(b.slot);
+    assert_eq!(source, kvedge_policies::predict::SpeedSource::Peers);
+    assert!(speed > 30_000.0, "{speed}");
     let hashes = sequence_hashes(&prompt(7, 2048), 16, None, None);
     let mut to_new = 0;
     for _ in 0..20 {

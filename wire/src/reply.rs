@@ -221,6 +221,10 @@ pub struct WorkerRow {
     pub kv_total_blocks: u64,
     /// Device-tier blocks in the index.
     pub device_blocks: u64,
+    /// The prefill speed its TTFT predictions use, tokens per second, and
+    /// where it comes from (`learned`, `peers` or `prior`).
+    pub prefill_tokens_per_second: u64,
+    pub speed: &'static str,
     /// What its engine reported about its own feed (mismatches, lost
     /// events), by code.
     pub notices: Vec<WorkerNotice>,
