@@ -1,0 +1,120 @@
+"""Type stubs of the native module (see kvedge/__init__.py)."""
+
+from os import PathLike
+from typing import Any, Optional, Sequence, Tuple, Union
+
+class KvedgeError(Exception):
+    status: Optional[str]
+    code: Optional[int]
+
+class DaemonUnavailable(KvedgeError): ...
+class BadRequest(KvedgeError): ...
+class NoWorker(KvedgeError): ...
+class Rejected(KvedgeError): ...
+class UnknownRequest(KvedgeError): ...
+class TooManyRequests(KvedgeError): ...
+class Refused(KvedgeError): ...
+
+class Selection:
+    worker_id: Optional[int]
+    dp_rank: Optional[int]
+    endpoint: str
+    provider: Optional[str]
+    device_blocks: int
+    host_blocks: int
+    disk_blocks: int
+    cost: Optional[float]
+    policy: Optional[str]
+    rule: Optional[str]
+    request_id: int
+    explain: Optional[dict[str, Any]]
+    @property
+    def overlap_blocks(self) -> Tuple[int, int, int]: ...
+    def __init__(
+        self,
+        *,
+        worker_id: Optional[int],
+        dp_rank: Optional[int],
+        endpoint: str,
+        provider: Optional[str] = None,
+        device_blocks: int = 0,
+        host_blocks: int = 0,
+        disk_blocks: int = 0,
+        cost: Optional[float] = None,
+        policy: Optional[str] = None,
+        rule: Optional[str] = None,
+        request_id: int = 0,
+        explain: Optional[dict[str, Any]] = None,
+    ) -> None: ...
+
+class NativeClient:
+    def __init__(self, query_socket: Union[str, PathLike[str]], timeout: Optional[float] = 10.0) -> None: ...
+    def select(
+        self,
+        model: str,
+        *,
+        tokens: Optional[Sequence[int]] = None,
+        hashes: Optional[Sequence[int]] = None,
+        prompt_tokens: Optional[int] = None,
+        tenant: Optional[str] = None,
+        tags: Optional[Sequence[str]] = None,
+        headers: Optional[Sequence[Tuple[str, str]]] = None,
+        session: Optional[str] = None,
+        role: str = "aggregated",
+        priority: int = 0,
+        dry_run: bool = False,
+    ) -> Selection: ...
+    def prefill_done(self, request_id: int) -> None: ...
+    def finish(self, request_id: int) -> None: ...
+    def attach_rings(self) -> bool: ...
+    @property
+    def rings_attached(self) -> bool: ...
+    def close(self) -> None: ...
+
+class Publisher:
+    def __init__(
+        self,
+        control_socket: Union[str, PathLike[str]],
+        worker_id: int,
+        model: str,
+        *,
+        dp_rank: int = 0,
+        role: str = "aggregated",
+        block_size: int = 16,
+        kv_blocks: Tuple[int, int, int] = (0, 0, 0),
+        endpoint: str = "",
+        timeout: float = 5.0,
+    ) -> None: ...
+    def stored(
+        self,
+        *,
+        hashes: Optional[Sequence[int]] = None,
+        tokens: Optional[Sequence[int]] = None,
+        tier: str = "device",
+        parent: Optional[int] = None,
+        lora: Optional[str] = None,
+        namespace: Optional[str] = None,
+    ) -> bool: ...
+    def removed(self, hashes: Sequence[int], *, tier: str = "device") -> bool: ...
+    def cleared(self, tier: Optional[str] = None) -> bool: ...
+    def load(
+        self,
+        *,
+        active_requests: int = 0,
+        waiting_requests: int = 0,
+        active_prefill_tokens: int = 0,
+        active_decode_blocks: int = 0,
+        kv_used_blocks: int = 0,
+        kv_total_blocks: int = 0,
+        timestamp_ns: int = 0,
+    ) -> bool: ...
+    def heartbeat(self, timestamp_ns: int = 0) -> bool: ...
+    def poll(self) -> Optional[int]: ...
+    def begin_snapshot(self, snapshot_id: int) -> bool: ...
+    def end_snapshot(self) -> bool: ...
+    @property
+    def dropped(self) -> int: ...
+
+def hash_blocks(
+    tokens: Sequence[int], block_size: int, lora: Optional[str] = None, namespace: Optional[str] = None
+) -> list[int]: ...

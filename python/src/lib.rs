@@ -1,0 +1,627 @@
+//! `kvedge._kvedge`: the native half of the `kvedge` Python package. It
+//! wraps the Rust binary-protocol client (`kvedge_wire::Client`: over
+//! `query.sock`, or over a query channel once attached), block hashing
+//! (`kvedge_shm::hash`) and the engine publisher (`kvedge_shm::Publisher`).
+//! Every call that waits on the daemon or hashes a prompt releases the GIL.
+//! The pure-Python half (`kvedge/__init__.py`) adds the JSON-only requests
+//! (`explain`, `workers`, `stats`) and the asyncio client.
+//!
+//! No hand-written `unsafe`: the only unsafe code is what PyO3's macros
+//! generate for the export itself.
+
+#![deny(unsafe_code)]
+
+use std::path::PathBuf;
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Load, Tier};
+use kvedge_shm::ring::Push;
+use kvedge_wire::{Ids, Pairs, Role, Select, Status, Strs};
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::prelude::*;
+
+create_exception!(
+    _kvedge,
+    KvedgeError,
+    PyException,
+    "Base of every kvedge error. `status` is the daemon's status name and `code` its number (both None when the daemon was not reached)."
+);
+create_exception!(
+    _kvedge,
+    DaemonUnavailable,
+    KvedgeError,
+    "The daemon could not be reached or went away (connection refused, closed, timed out)."
+);
+create_exception!(
+    _kvedge,
+    BadRequest,
+    KvedgeError,
+    "The daemon refused the request as malformed."
+);
+create_exception!(
+    _kvedge,
+    NoWorker,
+    KvedgeError,
+    "No available worker serves the request's model and role."
+);
+create_exception!(
+    _kvedge,
+    Rejected,
+    KvedgeError,
+    "A rule found no candidate and rejects the request, or no rule matches it."
+);
+create_exception!(
+    _kvedge,
+    UnknownRequest,
+    KvedgeError,
+    "prefill_done or finish for a request id the daemon does not hold."
+);
+create_exception!(
+    _kvedge,
+    TooManyRequests,
+    KvedgeError,
+    "The daemon holds its maximum of selected, unfinished requests."
+);
+create_exception!(
+    _kvedge,
+    Refused,
+    KvedgeError,
+    "The daemon refused the connection or the request's shape (permissions, connection limit, frame size, protocol version)."
+);
+
+/// The exception for a daemon's error status, with `status` and `code`.
+fn status_error(py: Python<'_>, status: Status, message: &str) -> PyErr {
+    let message = message.to_owned();
+    let err = match status {
+        Status::BadRequest => BadRequest::new_err(message),
+        Status::NoWorker => NoWorker::new_err(message),
+        Status::Rejected | Status::NoRule => Rejected::new_err(message),
+        Status::UnknownRequest => UnknownRequest::new_err(message),
+        Status::TooManyRequests => TooManyRequests::new_err(message),
+        _ => Refused::new_err(message),
+    };
+    let value = err.value(py);
+    let _ = value.setattr("status", status.name());
+    let _ = value.setattr("code", status.code());
+    err
+}
+
+/// The exception for an I/O failure talking to the daemon.
+fn io_error(py: Python<'_>, e: std::io::Error) -> PyErr {
+    if e.kind() == std::io::ErrorKind::InvalidInput {
+        return PyValueError::new_err(e.to_string());
+    }
+    let err = DaemonUnavailable::new_err(format!("kvedge daemon: {e}"));
+    let value = err.value(py);
+    let _ = value.setattr("status", py.None());
+    let _ = value.setattr("code", py.None());
+    err
+}
+
+fn role(name: &str) -> PyResult<Role> {
+    match name {
+        "aggregated" => Ok(Role::Aggregated),
+        "prefill" => Ok(Role::Prefill),
+        "decode" => Ok(Role::Decode),
+        "encode" => Ok(Role::Encode),
+        _ => Err(PyValueError::new_err(format!(
+            "role must be aggregated, prefill, decode or encode, not {name:?}"
+        ))),
+    }
+}
+
+fn tier(name: &str) -> PyResult<Tier> {
+    match name {
+        "device" => Ok(Tier::Device),
+        "host" => Ok(Tier::Host),
+        "disk" => Ok(Tier::Disk),
+        _ => Err(PyValueError::new_err(format!(
+            "tier must be device, host or disk, not {name:?}"
+        ))),
+    }
+}
+
+fn timeout(seconds: Option<f64>) -> PyResult<Option<Duration>> {
+    match seconds {
+        None => Ok(None),
+        Some(s) if s.is_finite() && s > 0.0 => Ok(Some(Duration::from_secs_f64(s))),
+        Some(s) => Err(PyValueError::new_err(format!(
+            "timeout must be a positive number of seconds or None, not {s}"
+        ))),
+    }
+}
+
+/// The worker a select chose.
+#[pyclass(module = "kvedge._kvedge", frozen, get_all)]
+#[derive(Debug)]
+pub struct Selection {
+    /// The chosen worker and its data-parallel rank (None when a rule chose
+    /// an off-cluster provider).
+    worker_id: Option<u64>,
+    dp_rank: Option<u32>,
+    /// Where to send the request.
+    endpoint: String,
+    /// The provider a rule chose, if it chose one (its name when known).
+    provider: Option<String>,
+    /// Prefix overlap in blocks, per tier.
+    device_blocks: u32,
+    host_blocks: u32,
+    disk_blocks: u32,
+    /// The policy's cost of the chosen worker (None: chosen by a rule).
+    cost: Option<f64>,
+    /// The worker-selection policy and the deciding rule (JSON path only:
+    /// `explain=True`; None over the binary protocol).
+    policy: Option<String>,
+    rule: Option<String>,
+    /// For prefill_done and finish (0 for a dry run's answer).
+    request_id: u64,
+    /// How the choice was made (`explain=True`): the daemon's explanation
+    /// as a dict, else None.
+    explain: Option<Py<PyAny>>,
+}
+
+#[pymethods]
+impl Selection {
+    #[new]
+    #[pyo3(signature = (*, worker_id, dp_rank, endpoint, provider=None, device_blocks=0, host_blocks=0, disk_blocks=0, cost=None, policy=None, rule=None, request_id=0, explain=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        worker_id: Option<u64>,
+        dp_rank: Option<u32>,
+        endpoint: String,
+        provider: Option<String>,
+        device_blocks: u32,
+        host_blocks: u32,
+        disk_blocks: u32,
+        cost: Option<f64>,
+        policy: Option<String>,
+        rule: Option<String>,
+        request_id: u64,
+        explain: Option<Py<PyAny>>,
+    ) -> Self {
+        Selection {
+            worker_id,
+            dp_rank,
+            endpoint,
+            provider,
+            device_blocks,
+            host_blocks,
+            disk_blocks,
+            cost,
+            policy,
+            rule,
+            request_id,
+            explain,
+        }
+    }
+
+    /// (device, host, disk) overlap in blocks.
+    #[getter]
+    fn overlap_blocks(&self) -> (u32, u32, u32) {
+        (self.device_blocks, self.host_blocks, self.disk_blocks)
+    }
+
+    fn __repr__(&self) -> String {
+        match self.worker_id {
+            Some(w) => format!(
+                "Selection(worker_id={w}, dp_rank={}, endpoint={:?}, overlap_blocks={:?}, request_id={})",
+                self.dp_rank.unwrap_or(0),
+                self.endpoint,
+                self.overlap_blocks(),
+                self.request_id
+            ),
+            None => format!(
+                "Selection(provider={:?}, endpoint={:?}, request_id={})",
+                self.provider, self.endpoint, self.request_id
+            ),
+        }
+    }
+}
+
+/// A blocking client of the binary protocol (see the module docs).
+#[pyclass(module = "kvedge._kvedge", name = "NativeClient")]
+pub struct NativeClient {
+    inner: Mutex<Option<kvedge_wire::Client>>,
+}
+
+impl NativeClient {
+    fn lock(&self) -> MutexGuard<'_, Option<kvedge_wire::Client>> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+#[pymethods]
+impl NativeClient {
+    /// Connects to `query_socket` (a daemon's `query.sock`).
+    #[new]
+    #[pyo3(signature = (query_socket, timeout=Some(10.0)))]
+    fn new(py: Python<'_>, query_socket: PathBuf, timeout: Option<f64>) -> PyResult<Self> {
+        let timeout = self::timeout(timeout)?;
+        let client = py
+            .detach(|| {
+                let mut c = kvedge_wire::Client::connect(&query_socket)?;
+                c.set_timeout(timeout)?;
+                Ok::<_, std::io::Error>(c)
+            })
+            .map_err(|e| io_error(py, e))?;
+        Ok(NativeClient {
+            inner: Mutex::new(Some(client)),
+        })
+    }
+
+    /// Chooses a worker. Exactly one of `tokens` (token ids; the daemon
+    /// hashes them with the model's block size) and `hashes` (sequence
+    /// hashes of the prompt's full blocks) is given.
+    #[pyo3(signature = (model, *, tokens=None, hashes=None, prompt_tokens=None, tenant=None, tags=None, headers=None, session=None, role="aggregated", priority=0, dry_run=false))]
+    #[allow(clippy::too_many_arguments)]
+    fn select(
+        &self,
+        py: Python<'_>,
+        model: &str,
+        tokens: Option<Vec<u32>>,
+        hashes: Option<Vec<u64>>,
+        prompt_tokens: Option<u32>,
+        tenant: Option<&str>,
+        tags: Option<Vec<String>>,
+        headers: Option<Vec<(String, String)>>,
+        session: Option<&str>,
+        role: &str,
+        priority: i32,
+        dry_run: bool,
+    ) -> PyResult<Selection> {
+        let role = self::role(role)?;
+        let tags: Vec<String> = tags.unwrap_or_default();
+        if tags.len() > kvedge_wire::MAX_TAGS {
+            return Err(PyValueError::new_err(format!(
+                "at most {} tags, got {}",
+                kvedge_wire::MAX_TAGS,
+                tags.len()
+            )));
+        }
+        let headers = headers.unwrap_or_default();
+        let mut guard = self.lock();
+        let client = guard
+            .as_mut()
+            .ok_or_else(|| DaemonUnavailable::new_err("the client is closed"))?;
+        let outcome = py.detach(|| {
+            let ids = match (&tokens, &hashes) {
+                (Some(t), None) => Ids::tokens(t),
+                (None, Some(h)) => Ids::hashes(h),
+                _ => {
+                    return Err(std::io::Error::new(
+                        std::io::ErrorKind::InvalidInput,
+                        "give exactly one of tokens and hashes",
+                    ));
+                }
+            };
+            let tag_refs: Vec<&str> = tags.iter().map(String::as_str).collect();
+            let header_refs: Vec<(&str, &str)> = headers
+                .iter()
+                .map(|(k, v)| (k.as_str(), v.as_str()))
+                .collect();
+            let mut q = Select::new(model, role, ids);
+            q.prompt_tokens = prompt_tokens;
+            q.tenant = tenant;
+            q.session = session;
+            q.priority = priority;
+            q.dry_run = dry_run;
+            q.tags = Strs::new(&tag_refs);
+            q.headers = Pairs::new(&header_refs);
+            Ok(match client.select(&q)? {
+                Ok(v) => Ok(Selection {
+                    worker_id: (!v.provider).then_some(v.worker_id),
+                    dp_rank: (!v.provider).then_some(v.dp_rank),
+                    endpoint: v.endpoint.to_owned(),
+                    provider: None,
+                    device_blocks: v.overlap_blocks[0],
+                    host_blocks: v.overlap_blocks[1],
+                    disk_blocks: v.overlap_blocks[2],
+                    cost: (!v.cost.is_nan()).then_some(v.cost),
+                    policy: None,
+                    rule: None,
+                    request_id: v.request_id,
+                    explain: None,
+                }),
+                Err((status, message)) => Err((status, message.to_owned())),
+            })
+        });
+        match outcome {
+            Ok(Ok(s)) => Ok(s),
+            Ok(Err((status, message))) => Err(status_error(py, status, &message)),
+            Err(e) => Err(io_error(py, e)),
+        }
+    }
+
+    /// The request's prefill is done (its first token came out).
+    fn prefill_done(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+        self.release(py, request_id, true)
+    }
+
+    /// The request finished: it leaves the worker's load.
+    fn finish(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+        self.release(py, request_id, false)
+    }
+
+    /// Moves this connection onto a query channel (shared-memory rings).
+    /// Returns False, leaving the client on the socket, when the daemon
+    /// offers none.
+    fn attach_rings(&self, py: Python<'_>) -> PyResult<bool> {
+        let mut guard = self.lock();
+        let client = guard
+            .as_mut()
+            .ok_or_else(|| DaemonUnavailable::new_err("the client is closed"))?;
+        match py.detach(|| client.attach_rings()) {
+            Ok(Ok(())) => Ok(true),
+            Ok(Err((Status::RingsUnavailable, _))) => Ok(false),
+            Ok(Err((status, message))) => Err(status_error(py, status, &message)),
+            Err(e) => Err(io_error(py, e)),
+        }
+    }
+
+    /// Whether requests go through a query channel.
+    #[getter]
+    fn rings_attached(&self) -> bool {
+        self.lock().as_ref().is_some_and(|c| c.rings_attached())
+    }
+
+    /// Closes the connection (and its query channel); later calls raise.
+    fn close(&self) {
+        self.lock().take();
+    }
+}
+
+impl NativeClient {
+    fn release(&self, py: Python<'_>, request_id: u64, prefill: bool) -> PyResult<()> {
+        let mut guard = self.lock();
+        let client = guard
+            .as_mut()
+            .ok_or_else(|| DaemonUnavailable::new_err("the client is closed"))?;
+        let outcome = py.detach(|| {
+            if prefill {
+                client.prefill_done(request_id)
+            } else {
+                client.finish(request_id)
+            }
+        });
+        match outcome {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err((status, message))) => Err(status_error(py, status, &message)),
+            Err(e) => Err(io_error(py, e)),
+        }
+    }
+}
+
+/// The sequence hashes of `tokens`' full blocks, as engines and the daemon
+/// compute them (a LoRA adapter and a namespace change the seed).
+#[pyfunction]
+#[pyo3(signature = (tokens, block_size, lora=None, namespace=None))]
+fn hash_blocks(
+    py: Python<'_>,
+    tokens: Vec<u32>,
+    block_size: usize,
+    lora: Option<&str>,
+    namespace: Option<&str>,
+) -> PyResult<Vec<u64>> {
+    if block_size == 0 {
+        return Err(PyValueError::new_err("block_size must be positive"));
+    }
+    Ok(py.detach(|| kvedge_shm::hash::sequence_hashes(&tokens, block_size, lora, namespace)))
+}
+
+/// An engine's publisher: registers with the daemon over `control.sock`
+/// and publishes its KV events and load through its ring.
+#[pyclass(module = "kvedge._kvedge", name = "Publisher")]
+pub struct Publisher {
+    inner: Mutex<kvedge_shm::Publisher>,
+    block_size: u32,
+}
+
+fn pushed(py: Python<'_>, r: Result<Push, kvedge_shm::PublishError>) -> PyResult<bool> {
+    match r {
+        Ok(Push::Committed { .. }) => Ok(true),
+        Ok(Push::Dropped { .. }) => Ok(false),
+        Err(e) => {
+            let err = KvedgeError::new_err(format!("publish: {e}"));
+            let _ = err.value(py).setattr("status", py.None());
+            let _ = err.value(py).setattr("code", py.None());
+            Err(err)
+        }
+    }
+}
+
+#[pymethods]
+impl Publisher {
+    /// Registers worker (`worker_id`, `dp_rank`) serving `model` with the
+    /// daemon at `control_socket`.
+    #[new]
+    #[pyo3(signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        control_socket: PathBuf,
+        worker_id: u64,
+        model: String,
+        dp_rank: u32,
+        role: &str,
+        block_size: u32,
+        kv_blocks: (u64, u64, u64),
+        endpoint: &str,
+        timeout: f64,
+    ) -> PyResult<Self> {
+        if block_size == 0 {
+            return Err(PyValueError::new_err("block_size must be positive"));
+        }
+        let timeout = self::timeout(Some(timeout))?.expect("given");
+        let hello = Hello {
+            worker_id,
+            dp_rank,
+            model,
+            role: self::role(role)?,
+            block_size,
+            kv_blocks: [kv_blocks.0, kv_blocks.1, kv_blocks.2],
+            labels: vec![],
+            taints: vec![],
+            endpoint: endpoint.to_owned(),
+            ring_capacity: 0,
+        };
+        let p = py
+            .detach(|| kvedge_shm::Publisher::connect(&control_socket, &hello, timeout))
+            .map_err(|e| {
+                let err = DaemonUnavailable::new_err(format!("registration: {e}"));
+                let _ = err.value(py).setattr("status", py.None());
+                let _ = err.value(py).setattr("code", py.None());
+                err
+            })?;
+        Ok(Publisher {
+            inner: Mutex::new(p),
+            block_size,
+        })
+    }
+
+    /// Blocks now in `tier`: given as sequence hashes, or as the token ids
+    /// of a prompt (hashed with the registered block size). Returns False
+    /// when the ring was full and the event was dropped (the daemon then
+    /// asks for a resync).
+    #[pyo3(signature = (*, hashes=None, tokens=None, tier="device", parent=None, lora=None, namespace=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn stored(
+        &self,
+        py: Python<'_>,
+        hashes: Option<Vec<u64>>,
+        tokens: Option<Vec<u32>>,
+        tier: &str,
+        parent: Option<u64>,
+        lora: Option<&str>,
+        namespace: Option<&str>,
+    ) -> PyResult<bool> {
+        let tier = self::tier(tier)?;
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let p: &mut kvedge_shm::Publisher = &mut guard;
+        let block_size = self.block_size as usize;
+        let r = match (hashes, tokens) {
+            (Some(h), None) => py.detach(|| p.publish_stored_hashes(tier, parent, &h)),
+            (None, Some(t)) => {
+                let seed = kvedge_shm::hash::block_seed(lora, namespace);
+                py.detach(|| p.publish_stored_tokens(tier, parent, &t, block_size, seed))
+            }
+            _ => {
+                return Err(PyValueError::new_err(
+                    "give exactly one of hashes and tokens",
+                ));
+            }
+        };
+        pushed(py, r)
+    }
+
+    /// Blocks (by sequence hash) left `tier`.
+    #[pyo3(signature = (hashes, *, tier="device"))]
+    fn removed(&self, py: Python<'_>, hashes: Vec<u64>, tier: &str) -> PyResult<bool> {
+        let tier = self::tier(tier)?;
+        let mut guard = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let p: &mut kvedge_shm::Publisher = &mut guard;
+        let r = py.detach(|| p.publish_removed(tier, &hashes));
+        pushed(py, r)
+    }
+
+    /// Every block of `tier` (of every tier with None) is gone.
+    #[pyo3(signature = (tier=None))]
+    fn cleared(&self, py: Python<'_>, tier: Option<&str>) -> PyResult<bool> {
+        let tier = tier.map(self::tier).transpose()?;
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let r = p.publish_cleared(tier);
+        pushed(py, r)
+    }
+
+    /// The engine's load now.
+    #[pyo3(signature = (*, active_requests=0, waiting_requests=0, active_prefill_tokens=0, active_decode_blocks=0, kv_used_blocks=0, kv_total_blocks=0, timestamp_ns=0))]
+    #[allow(clippy::too_many_arguments)]
+    fn load(
+        &self,
+        py: Python<'_>,
+        active_requests: u32,
+        waiting_requests: u32,
+        active_prefill_tokens: u64,
+        active_decode_blocks: u64,
+        kv_used_blocks: u64,
+        kv_total_blocks: u64,
+        timestamp_ns: u64,
+    ) -> PyResult<bool> {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let r = p.publish_load(&Load {
+            active_requests,
+            waiting_requests,
+            active_prefill_tokens,
+            active_decode_blocks,
+            kv_used_blocks,
+            kv_total_blocks,
+            timestamp_ns,
+        });
+        pushed(py, r)
+    }
+
+    /// A liveness beat (engines send one at least every heartbeat interval).
+    #[pyo3(signature = (timestamp_ns=0))]
+    fn heartbeat(&self, py: Python<'_>, timestamp_ns: u64) -> PyResult<bool> {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let r = p.heartbeat(timestamp_ns);
+        pushed(py, r)
+    }
+
+    /// Checks the control connection for a resync request (non-blocking):
+    /// its snapshot id, or None. On one, call `begin_snapshot(id)`, publish
+    /// every block held with `stored`, then `end_snapshot()`.
+    fn poll(&self, py: Python<'_>) -> PyResult<Option<u64>> {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        match p.poll() {
+            Ok(r) => Ok(r.map(|r| r.snapshot_id)),
+            Err(e) => {
+                let err = DaemonUnavailable::new_err(format!("control connection: {e}"));
+                let _ = err.value(py).setattr("status", py.None());
+                let _ = err.value(py).setattr("code", py.None());
+                Err(err)
+            }
+        }
+    }
+
+    fn begin_snapshot(&self, py: Python<'_>, snapshot_id: u64) -> PyResult<bool> {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let r = p.begin_snapshot(snapshot_id);
+        pushed(py, r)
+    }
+
+    fn end_snapshot(&self, py: Python<'_>) -> PyResult<bool> {
+        let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let r = p.end_snapshot();
+        pushed(py, r)
+    }
+
+    /// Records dropped because the ring was full.
+    #[getter]
+    fn dropped(&self) -> u64 {
+        self.inner
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .dropped()
+    }
+}
+
+#[pymodule]
+fn _kvedge(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    m.add_class::<NativeClient>()?;
+    m.add_class::<Selection>()?;
+    m.add_class::<Publisher>()?;
+    m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
+    m.add("KvedgeError", py.get_type::<KvedgeError>())?;
+    m.add("DaemonUnavailable", py.get_type::<DaemonUnavailable>())?;
+    m.add("BadRequest", py.get_type::<BadRequest>())?;
+    m.add("NoWorker", py.get_type::<NoWorker>())?;
+    m.add("Rejected", py.get_type::<Rejected>())?;
+    m.add("UnknownRequest", py.get_type::<UnknownRequest>())?;
+    m.add("TooManyRequests", py.get_type::<TooManyRequests>())?;
+    m.add("Refused", py.get_type::<Refused>())?;
+    Ok(())
+}
