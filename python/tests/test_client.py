@@ -161,3 +161,35 @@ def test_the_asyncio_client_keeps_100_concurrent_selects_apart(daemon: Daemon) -
 
     asyncio.run(main())
     del engines
+
+
+def test_a_waiting_call_releases_the_gil(daemon: Daemon) -> None:
+    # With the daemon stopped, a select waits for its reply (until its
+    # timeout); meanwhile other Python threads keep running.
+    import os
+    import signal
+    import threading
+    import time
+
+    c = kvedge.Client(daemon.dir, timeout=1.0)
+    os.kill(daemon.process.pid, signal.SIGSTOP)
+    try:
+        outcome = []
+
+        def call() -> None:
+            try:
+                c.select("m", tokens=TOKENS)
+            except kvedge.KvedgeError as e:
+                outcome.append(e)
+
+        t = threading.Thread(target=call)
+        t.start()
+        spins = 0
+        stop = time.monotonic() + 0.5
+        while time.monotonic() < stop:
+            spins += 1
+        t.join()
+    finally:
+        os.kill(daemon.process.pid, signal.SIGCONT)
+    assert spins > 100_000, spins
+    assert len(outcome) == 1 and isinstance(outcome[0], kvedge.DaemonUnavailable), outcome
