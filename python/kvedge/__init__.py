@@ -24,6 +24,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 from ._kvedge import (
     BadRequest,
+    BlockHashes,
     DaemonUnavailable,
     KvedgeError,
     NativeClient,
@@ -34,12 +35,14 @@ from ._kvedge import (
     Selection,
     TooManyRequests,
     UnknownRequest,
+    block_hashes,
     hash_blocks,
 )
 
 __all__ = [
     "AsyncClient",
     "BadRequest",
+    "BlockHashes",
     "Client",
     "DaemonUnavailable",
     "KvedgeError",
@@ -50,6 +53,7 @@ __all__ = [
     "Selection",
     "TooManyRequests",
     "UnknownRequest",
+    "block_hashes",
     "hash_blocks",
 ]
 
@@ -131,6 +135,20 @@ class _JsonConnection:
         self._sock.close()
 
 
+_SELECT_ARGS = {
+    "tokens",
+    "hashes",
+    "prompt_tokens",
+    "tenant",
+    "tags",
+    "headers",
+    "session",
+    "role",
+    "priority",
+    "dry_run",
+}
+
+
 def _selection_from_json(answer: Mapping[str, Any]) -> Selection:
     overlap = answer.get("overlap_blocks") or {}
     return Selection(
@@ -183,51 +201,43 @@ class Client:
         self,
         model: str,
         *,
-        tokens: Optional[Sequence[int]] = None,
-        hashes: Optional[Sequence[int]] = None,
-        prompt_tokens: Optional[int] = None,
-        tenant: Optional[str] = None,
-        tags: Optional[Sequence[str]] = None,
-        headers: Optional[Mapping[str, str]] = None,
-        session: Optional[str] = None,
-        role: str = "aggregated",
-        priority: int = 0,
-        dry_run: bool = False,
         explain: bool = False,
         text: Optional[str] = None,
+        **kwargs: Any,
     ) -> Selection:
-        """Chooses a worker (see the module docs). Exactly one of ``tokens``
-        and ``hashes``. With ``explain`` or ``text`` the request goes over
-        the JSON protocol and the answer also names the policy and rule."""
+        """Chooses a worker: ``select(model, *, tokens=None, hashes=None,
+        prompt_tokens=None, tenant=None, tags=None, headers=None,
+        session=None, role="aggregated", priority=0, dry_run=False,
+        explain=False, text=None)``. Exactly one of ``tokens`` and
+        ``hashes`` (a list of ints, or a ``BlockHashes`` from
+        ``block_hashes``, which is read without conversion). With
+        ``explain`` or ``text`` the request goes over the JSON protocol and
+        the answer also names the policy and the rule."""
+        if not explain and text is None:
+            headers = kwargs.get("headers")
+            if headers is not None and not isinstance(headers, list):
+                kwargs["headers"] = list(headers.items())
+            return self._native.select(model, **kwargs)
+        unknown = set(kwargs) - _SELECT_ARGS
+        if unknown:
+            raise TypeError(f"select() got unexpected keyword arguments {sorted(unknown)}")
+        tokens, hashes = kwargs.get("tokens"), kwargs.get("hashes")
         if (tokens is None) == (hashes is None):
             raise ValueError("give exactly one of tokens and hashes")
-        if not (explain or text is not None):
-            return self._native.select(
-                model,
-                tokens=list(tokens) if tokens is not None else None,
-                hashes=list(hashes) if hashes is not None else None,
-                prompt_tokens=prompt_tokens,
-                tenant=tenant,
-                tags=list(tags) if tags else None,
-                headers=list(headers.items()) if headers else None,
-                session=session,
-                role=role,
-                priority=priority,
-                dry_run=dry_run,
-            )
-        request: Dict[str, Any] = {"op": "select", "model": model, "role": role}
+        request: Dict[str, Any] = {"op": "select", "model": model, "role": kwargs.get("role", "aggregated")}
         if tokens is not None:
             request["tokens"] = list(tokens)
         else:
-            request["hashes"] = list(hashes or ())
+            request["hashes"] = list(hashes)
+        headers = kwargs.get("headers")
         optional = {
-            "prompt_tokens": prompt_tokens,
-            "tenant": tenant,
-            "tags": list(tags) if tags else None,
+            "prompt_tokens": kwargs.get("prompt_tokens"),
+            "tenant": kwargs.get("tenant"),
+            "tags": list(kwargs["tags"]) if kwargs.get("tags") else None,
             "headers": dict(headers) if headers else None,
-            "session": session,
-            "priority": priority or None,
-            "dry_run": dry_run or None,
+            "session": kwargs.get("session"),
+            "priority": kwargs.get("priority") or None,
+            "dry_run": kwargs.get("dry_run") or None,
             "explain": explain or None,
             "text": text,
         }

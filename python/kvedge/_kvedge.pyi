@@ -47,6 +47,13 @@ class Selection:
         explain: Optional[dict[str, Any]] = None,
     ) -> None: ...
 
+class BlockHashes:
+    """A prompt's block hashes held natively (read by select without conversion)."""
+    def __init__(self, hashes: Sequence[int]) -> None: ...
+    def __len__(self) -> int: ...
+    def __getitem__(self, index: int) -> int: ...
+    def to_list(self) -> list[int]: ...
+
 class NativeClient:
     def __init__(self, query_socket: Union[str, PathLike[str]], timeout: Optional[float] = 10.0) -> None: ...
     def select(
@@ -54,7 +61,7 @@ class NativeClient:
         model: str,
         *,
         tokens: Optional[Sequence[int]] = None,
-        hashes: Optional[Sequence[int]] = None,
+        hashes: Union[Sequence[int], BlockHashes, None] = None,
         prompt_tokens: Optional[int] = None,
         tenant: Optional[str] = None,
         tags: Optional[Sequence[str]] = None,
@@ -118,3 +125,7 @@ class Publisher:
 def hash_blocks(
     tokens: Sequence[int], block_size: int, lora: Optional[str] = None, namespace: Optional[str] = None
 ) -> list[int]: ...
+
+def block_hashes(
+    tokens: Sequence[int], block_size: int, lora: Optional[str] = None, namespace: Optional[str] = None
+) -> BlockHashes: ...

@@ -193,3 +193,23 @@ def test_a_waiting_call_releases_the_gil(daemon: Daemon) -> None:
         os.kill(daemon.process.pid, signal.SIGCONT)
     assert spins > 100_000, spins
     assert len(outcome) == 1 and isinstance(outcome[0], kvedge.DaemonUnavailable), outcome
+
+
+def test_block_hashes_are_read_natively_and_behave_as_a_sequence(daemon: Daemon) -> None:
+    a = engine(daemon, 1)
+    a.stored(tokens=TOKENS)
+    bh = kvedge.block_hashes(TOKENS, 16)
+    assert isinstance(bh, kvedge.BlockHashes)
+    assert len(bh) == 16 and bh.to_list() == kvedge.hash_blocks(TOKENS, 16)
+    assert bh[0] == bh.to_list()[0] and bh[-1] == bh.to_list()[-1]
+    with pytest.raises(IndexError):
+        bh[16]
+    assert kvedge.BlockHashes(bh.to_list()).to_list() == bh.to_list()
+    with kvedge.Client(daemon.dir) as c:
+        wait_for(lambda: c.select("m", hashes=bh, dry_run=True).device_blocks == 16, "the blocks")
+        c.attach_rings()
+        assert c.select("m", hashes=bh, dry_run=True).worker_id == 1
+        # The JSON path takes them too.
+        assert c.select("m", hashes=bh, dry_run=True, explain=True).device_blocks == 16
+        with pytest.raises(TypeError):
+            c.select("m", hashes=bh, explain=True, colour="blue")
