@@ -69,6 +69,9 @@ def test_the_proxy_routes_streams_and_reports_prefill_done_and_finish(daemon: Da
             assert r.status_code == 200, r.text
             assert r.headers["x-kvedge-worker"] == "1"
             assert "Hello" in r.text and "[DONE]" in r.text
+            chat = {"model": "m", "messages": [{"role": "user", "content": prompt}], "stream": True}
+            r = await client.post("/v1/chat/completions", json=chat, headers={"x-session-id": "s1"})
+            assert r.status_code == 200 and "[DONE]" in r.text
             # Errors never reach a worker.
             r = await client.post("/v1/completions", json={"model": "nobody", "prompt": "x"})
             assert r.status_code == 503 and "nobody" in r.json()["error"]["message"]
@@ -79,7 +82,7 @@ def test_the_proxy_routes_streams_and_reports_prefill_done_and_finish(daemon: Da
         await proxy.kvedge.close()
 
     asyncio.run(main())
-    assert [p for p, _ in FakeEngine.received] == ["/v1/completions"]
+    assert [p for p, _ in FakeEngine.received] == ["/v1/completions", "/v1/chat/completions"]
     assert FakeEngine.received[0][1]["prompt"] == prompt
     with kvedge.Client(daemon.dir) as c:
         # finish released the reservation; prefill_done taught the speed
