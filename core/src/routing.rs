@@ -76,6 +76,10 @@ pub enum RegistrationError {
     Refused(#[from] RegisterError),
     #[error("the connection is not waiting for its Hello")]
     NotRegistering,
+    #[error(
+        "the connection was closed before its Hello was read (newer connections of the same uid took its place, or the registration deadline passed); connect again"
+    )]
+    Displaced,
 }
 
 impl RegistrationError {
@@ -89,6 +93,7 @@ impl RegistrationError {
             RegistrationError::Refused(RegisterError::Duplicate(_)) => reject::DUPLICATE_WORKER,
             RegistrationError::Refused(RegisterError::BlockSize) => reject::INVALID_HELLO,
             RegistrationError::NotRegistering => reject::INTERNAL,
+            RegistrationError::Displaced => reject::DISPLACED,
         }
     }
 }
@@ -288,6 +293,11 @@ impl Core {
     ) -> Result<Welcome, RegistrationError> {
         match self.engines.get(id.index, id.generation) {
             Some(e) if matches!(e.state, EngineState::Registering { .. }) => {}
+            // Closed by the core while waiting (displaced or past its
+            // deadline); the driver has not dropped the socket yet.
+            Some(e) if e.state == EngineState::Broken && e.slot.is_none() => {
+                return Err(RegistrationError::Displaced);
+            }
             _ => return Err(RegistrationError::NotRegistering),
         }
         let d = &self.config.daemon;

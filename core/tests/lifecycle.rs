@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use kvedge_core::config::Config;
 use kvedge_core::{
     ClientId, Core, EngineId, EngineState, MAX_PENDING_PER_UID, MAX_PENDING_REGISTRATIONS, Output,
-    REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, ReloadError,
+    REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, RegistrationError, ReloadError,
 };
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::control::PeerCred;
@@ -242,6 +242,14 @@ fn a_flood_of_silent_connections_evicts_only_its_own_and_the_oldest() {
     for (out, id) in closed.iter().zip(&flood) {
         assert_eq!(*out, Output::CloseEngine(*id), "oldest first");
     }
+    // A displaced connection's Hello, read before the driver dropped the
+    // socket, is told to connect again rather than an internal error.
+    let err = h
+        .core
+        .handle_hello(h.now, flood[0], &hello(8), no_peer)
+        .unwrap_err();
+    assert_eq!(err, RegistrationError::Displaced);
+    assert_eq!(err.reject_code(), reject::DISPLACED);
     // Another uid's engine connects meanwhile and registers: the flood did
     // not take its place.
     let real = h.core.handle_engine_connected(h.now, Some(1000));

@@ -347,8 +347,35 @@ impl ProducerSession {
     /// Connects to the daemon's control socket, registers with `hello`, and
     /// returns the session and the ring producer. Blocks at most `timeout`
     /// for each step.
+    ///
+    /// A daemon flooded with silent connections from this engine's uid
+    /// closes the oldest waiting ones, which may be this one if the engine
+    /// was descheduled between its connect and its Hello; it is told
+    /// [`reject::DISPLACED`](crate::messages::control::reject::DISPLACED)
+    /// or finds the connection closed. Both are retried, with a short
+    /// backoff, until `timeout` has passed since the first attempt; every
+    /// other outcome is returned at once.
     pub fn connect(
         path: impl AsRef<Path>,
+        hello: &Hello,
+        timeout: Duration,
+    ) -> Result<(ProducerSession, Producer), ControlError> {
+        let path = path.as_ref();
+        let start = std::time::Instant::now();
+        let mut backoff = Duration::from_millis(1);
+        loop {
+            match Self::connect_once(path, hello, timeout) {
+                Err(e) if e.is_displaced() && start.elapsed() + backoff < timeout => {
+                    std::thread::sleep(backoff);
+                    backoff = (backoff * 2).min(Duration::from_millis(50));
+                }
+                other => return other,
+            }
+        }
+    }
+
+    fn connect_once(
+        path: &Path,
         hello: &Hello,
         timeout: Duration,
     ) -> Result<(ProducerSession, Producer), ControlError> {

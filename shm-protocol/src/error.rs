@@ -101,3 +101,22 @@ pub enum ControlError {
     #[error(transparent)]
     Segment(#[from] SegmentError),
 }
+
+impl ControlError {
+    /// The daemon closed a registration before reading its Hello (told
+    /// [`DISPLACED`](crate::messages::control::reject::DISPLACED), or the
+    /// connection found closed or reset): connecting again may succeed.
+    pub fn is_displaced(&self) -> bool {
+        match self {
+            ControlError::Rejected { code, .. } => {
+                *code == crate::messages::control::reject::DISPLACED
+            }
+            ControlError::Closed => true,
+            ControlError::Io(e) => matches!(
+                e.kind(),
+                io::ErrorKind::ConnectionReset | io::ErrorKind::BrokenPipe
+            ),
+            _ => false,
+        }
+    }
+}

@@ -418,6 +418,10 @@ pub mod control {
         pub const INVALID_HELLO: u32 = 3;
         pub const TOO_MANY_WORKERS: u32 = 4;
         pub const INTERNAL: u32 = 5;
+        /// The connection was closed before its Hello was read: newer
+        /// connections of the same uid took its place, or the registration
+        /// deadline passed. Connecting again is the answer.
+        pub const DISPLACED: u32 = 6;
     }
 }
 
