@@ -83,6 +83,11 @@ pub struct DaemonSection {
     /// two); a request or reply larger than a quarter of it uses the
     /// socket.
     pub query_ring_capacity: u64,
+    /// How long the routing loop keeps polling after its last activity
+    /// before it sleeps, in microseconds (0: sleep at once). Spinning
+    /// spares the next request the wake-up from sleep, at the price of a
+    /// core busy for that long after each burst.
+    pub spin_us: u64,
 }
 
 /// `daemon.query_io`.
@@ -125,6 +130,10 @@ impl DaemonSection {
 /// The longest duration a setting may name, in milliseconds (a year):
 /// longer ones are surely mistakes, and would overflow the clock.
 pub const MAX_DURATION_MS: u64 = 365 * 24 * 3600 * 1000;
+/// `daemon.spin_us` by default.
+pub const DEFAULT_SPIN_US: u64 = 200;
+/// The longest `daemon.spin_us` (10 ms): longer spins are a busy core.
+pub const MAX_SPIN_US: u64 = 10_000;
 /// The largest request frame or line a client may send.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
@@ -201,6 +210,7 @@ fn check_daemon(d: &DaemonSection) -> Option<(&'static str, String)> {
         })
         .or_else(|| range("max_reservations", n(d.max_reservations), 1, 1 << 32, ""))
         .or_else(|| range("max_query_rings", n(d.max_query_rings), 0, 1 << 16, ""))
+        .or_else(|| range("spin_us", d.spin_us, 0, MAX_SPIN_US, " µs"))
         .or_else(|| ms("heartbeat_timeout_ms", d.heartbeat_timeout_ms))
         .or_else(|| ms("idle_timeout_ms", d.idle_timeout_ms))
         .or_else(|| ms("reservation_ttl_ms", d.reservation_ttl_ms))
@@ -258,6 +268,7 @@ impl Default for DaemonSection {
             max_query_rings: 64,
             query_ring_capacity: 64 * 1024,
             runtime_dir_mode: "0750".into(),
+            spin_us: DEFAULT_SPIN_US,
         }
     }
 }
@@ -554,6 +565,10 @@ mod tests {
             (
                 "daemon: {idle_timeout_ms: 0}\n",
                 "k.yaml: line 1: daemon.idle_timeout_ms must be between 1",
+            ),
+            (
+                "daemon:\n  spin_us: 20000\n",
+                "k.yaml: line 2: daemon.spin_us must be between 0 and 10000 µs, got 20000",
             ),
             (
                 "daemon:\n  max_reservations: 0\n",

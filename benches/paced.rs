@@ -1,0 +1,298 @@
+//! Selects as frontends send them: paced at fixed rates and in bursts, not
+//! back to back, with an engine publishing in the background, so the
+//! daemon sleeps between requests and its caches go cold. For each pace,
+//! over the binary socket and over a query channel: the round trip's p50
+//! and p99, and the router core's own time per select (the daemon's
+//! latency histogram, a fresh daemon per row). Beside them, with the same
+//! pacing, a kernel socket echo (a thread that reads a frame and writes it
+//! back): the floor of a socket round trip with a sleeping peer.
+//!
+//! Not criterion: criterion sizes its samples by the measured time, which a
+//! paced loop (mostly waiting) defeats, and reports a mean where these
+//! figures are percentiles. Each row times every call on the monotonic
+//! clock and sorts the samples.
+//!
+//! `cargo bench --bench paced [-- --quick] [--only <pace label prefix>]`
+
+#![forbid(unsafe_code)]
+
+use std::io::{Read, Write};
+use std::os::unix::net::UnixStream;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvedge_core::config::Config;
+use kvedge_daemon::server::{RuntimeDir, Server};
+use kvedge_policies::{SelectionOverrides, router_plugin_registry};
+use kvedge_shm::Publisher;
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Load, Role, Tier};
+use kvedge_wire::{Client, Ids, Select};
+
+/// How requests are spaced.
+#[derive(Clone, Copy)]
+enum Pace {
+    /// Back to back.
+    Hot,
+    /// One every `1 / rate` seconds.
+    Rate(u32),
+    /// `n` back to back every `every`.
+    Burst { n: u32, every: Duration },
+}
+
+impl Pace {
+    fn label(self) -> String {
+        match self {
+            Pace::Hot => "hot (back to back)".into(),
+            Pace::Rate(r) => format!("{r}/s"),
+            Pace::Burst { n, every } => format!("bursts of {n} every {} ms", every.as_millis()),
+        }
+    }
+
+    /// When request `i` is due, from `start`.
+    fn due(self, start: Instant, i: u32) -> Instant {
+        match self {
+            Pace::Hot => start,
+            Pace::Rate(r) => start + Duration::from_secs_f64(f64::from(i) / f64::from(r)),
+            Pace::Burst { n, every } => start + every * (i / n),
+        }
+    }
+}
+
+fn wait_until(t: Instant) {
+    let now = Instant::now();
+    if t > now {
+        std::thread::sleep(t - now);
+    }
+}
+
+fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration) {
+    v.sort();
+    (v[v.len() / 2], v[v.len() * 99 / 100])
+}
+
+struct Daemon {
+    dir: PathBuf,
+    stop: Arc<AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    engine: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Daemon {
+    /// A daemon in a thread, and an engine that holds a 2,048-token prompt
+    /// and publishes a 16-block Stored and a Load every millisecond.
+    fn start(name: &str, spin_us: u64) -> (Daemon, Vec<u64>) {
+        let dir = std::env::temp_dir().join(format!("kvedge-paced-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let config = Config::load(
+            "bench",
+            &format!("daemon:\n  heartbeat_timeout_ms: 600000\n  spin_us: {spin_us}\n"),
+            &router_plugin_registry(),
+            &SelectionOverrides::default(),
+        )
+        .unwrap();
+        let rd = RuntimeDir { dir: dir.clone() };
+        let mut server = Server::bind(config, &rd).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let s = Arc::clone(&stop);
+        let thread = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
+        let hello = Hello {
+            worker_id: 1,
+            dp_rank: 0,
+            model: "llama".into(),
+            role: Role::Aggregated,
+            block_size: 16,
+            kv_blocks: [1 << 20, 0, 0],
+            labels: vec![],
+            taints: vec![],
+            endpoint: "http://engine-1".into(),
+            ring_capacity: 0,
+        };
+        let (session, ring) =
+            ProducerSession::connect(dir.join("control.sock"), &hello, Duration::from_secs(5))
+                .unwrap();
+        let mut p = Publisher::new(Some(session), ring);
+        let tokens: Vec<u32> = (0..2048).collect();
+        let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+        p.publish_stored_hashes(Tier::Device, None, &hashes)
+            .unwrap();
+        let s = Arc::clone(&stop);
+        let engine = std::thread::spawn(move || {
+            let mut next = 1u64 << 40;
+            while !s.load(Ordering::Relaxed) {
+                let blocks: Vec<u64> = (next..next + 16).collect();
+                next += 16;
+                let _ = p.publish_stored_hashes(Tier::Device, None, &blocks);
+                let _ = p.publish_load(&Load::default());
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        });
+        (
+            Daemon {
+                dir,
+                stop,
+                thread: Some(thread),
+                engine: Some(engine),
+            },
+            hashes,
+        )
+    }
+
+    /// The router core's select latency so far (p50, p99 in µs).
+    fn core_latency(&self) -> (f64, f64) {
+        let mut s = UnixStream::connect(self.dir.join("query.sock")).unwrap();
+        s.write_all(b"{\"op\":\"stats\"}\n").unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        while !buf.ends_with(b"\n") {
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0);
+            buf.extend_from_slice(&chunk[..n]);
+        }
+        let v: serde_json::Value = serde_json::from_slice(&buf).unwrap();
+        let l = &v["select_latency"];
+        (l["p50_us"].as_f64().unwrap(), l["p99_us"].as_f64().unwrap())
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(t) = self.engine.take() {
+            let _ = t.join();
+        }
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// One row: `n` paced dry-run selects over the socket or a query channel.
+fn selects(pace: Pace, rings: bool, n: u32, spin_us: u64) -> (Duration, Duration, f64, f64) {
+    let (d, hashes) = Daemon::start(if rings { "rings" } else { "socket" }, spin_us);
+    let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
+    if rings {
+        c.attach_rings().unwrap().unwrap();
+    }
+    let mut q = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
+    q.dry_run = true;
+    // The engine's blocks are in before the clock starts.
+    while c.select(&q).unwrap().unwrap().overlap_blocks[0] != 128 {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    for _ in 0..200 {
+        c.select(&q).unwrap().unwrap();
+    }
+    let mut samples = Vec::with_capacity(n as usize);
+    let start = Instant::now();
+    for i in 0..n {
+        wait_until(pace.due(start, i));
+        let t = Instant::now();
+        let r = c.select(&q).unwrap().unwrap();
+        samples.push(t.elapsed());
+        assert_eq!(r.worker_id, 1);
+    }
+    let (p50, p99) = percentiles(samples);
+    let (core50, core99) = d.core_latency();
+    (p50, p99, core50, core99)
+}
+
+/// The kernel's floor: a 64-byte frame to a thread that reads it and
+/// writes it back, paced the same way.
+fn echo(pace: Pace, n: u32) -> (Duration, Duration) {
+    let (mut a, mut b) = UnixStream::pair().unwrap();
+    let peer = std::thread::spawn(move || {
+        let mut buf = [0u8; 64];
+        while b.read_exact(&mut buf).is_ok() {
+            if b.write_all(&buf).is_err() {
+                break;
+            }
+        }
+    });
+    let frame = [7u8; 64];
+    let mut back = [0u8; 64];
+    for _ in 0..200 {
+        a.write_all(&frame).unwrap();
+        a.read_exact(&mut back).unwrap();
+    }
+    let mut samples = Vec::with_capacity(n as usize);
+    let start = Instant::now();
+    for i in 0..n {
+        wait_until(pace.due(start, i));
+        let t = Instant::now();
+        a.write_all(&frame).unwrap();
+        a.read_exact(&mut back).unwrap();
+        samples.push(t.elapsed());
+    }
+    drop(a);
+    peer.join().unwrap();
+    percentiles(samples)
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    let quick = args.iter().any(|a| a == "--quick");
+    // `--only <label prefix>` runs the matching rows (for profiling one).
+    let only = args
+        .iter()
+        .position(|a| a == "--only")
+        .and_then(|i| args.get(i + 1).cloned());
+    // `--spin 0,200,1000` compares daemon.spin_us settings (default: the
+    // shipped one).
+    let spins: Vec<u64> = args
+        .iter()
+        .position(|a| a == "--spin")
+        .and_then(|i| args.get(i + 1))
+        .map(|v| {
+            v.split(',')
+                .map(|x| x.parse().expect("--spin takes µs"))
+                .collect()
+        })
+        .unwrap_or(vec![kvedge_core::config::DEFAULT_SPIN_US]);
+    // About 2 s per row (1 s with --quick), at least 1,000 samples.
+    let paces = [
+        (Pace::Hot, 20_000),
+        (Pace::Rate(10_000), 20_000),
+        (Pace::Rate(1_000), 2_000),
+        (Pace::Rate(100), 300),
+        (
+            Pace::Burst {
+                n: 16,
+                every: Duration::from_millis(20),
+            },
+            1_600,
+        ),
+    ];
+    println!(
+        "| pace | path | spin | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|");
+    for (pace, n) in paces {
+        if only
+            .as_ref()
+            .is_some_and(|o| !pace.label().starts_with(o.as_str()))
+        {
+            continue;
+        }
+        let n = if quick { (n / 2).max(200) } else { n };
+        let (e50, e99) = echo(pace, n);
+        for rings in [false, true] {
+            for &spin in &spins {
+                let (p50, p99, c50, c99) = selects(pace, rings, n, spin);
+                println!(
+                    "| {} | {} | {spin} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
+                    pace.label(),
+                    if rings { "query channel" } else { "socket" },
+                    p50.as_secs_f64() * 1e6,
+                    p99.as_secs_f64() * 1e6,
+                    e50.as_secs_f64() * 1e6,
+                    e99.as_secs_f64() * 1e6,
+                );
+            }
+        }
+    }
+}
