@@ -19,6 +19,7 @@ mod clients;
 pub mod config;
 mod dispatch;
 mod engines;
+pub mod epp;
 pub mod jobs;
 pub mod listen;
 pub mod metrics_http;

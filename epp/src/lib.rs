@@ -1,0 +1,23 @@
+//! kvedge as a gateway's endpoint picker. Gateways built on Envoy (Envoy
+//! itself, kgateway, Istio, the Gateway API Inference Extension) ask an
+//! "endpoint picker" which pod serves each request over Envoy's
+//! external-processing gRPC protocol; this crate answers from kvedge's
+//! routing core, so a gateway routes on the same KV-cache view, load and
+//! rules as every other kvedge client.
+//!
+//! - [`body`]: what the pick needs from an OpenAI-compatible body.
+//! - [`tokenize`]: the served models, their tokenizers and chat templates.
+//! - [`picker`]: one stream's exchange with Envoy, without I/O.
+//! - [`server`]: the tonic services, and the [`server::Backend`] seam to
+//!   the routing core.
+
+#![forbid(unsafe_code)]
+
+pub mod body;
+pub mod picker;
+pub mod server;
+pub mod tokenize;
+
+pub use picker::Limits;
+pub use server::{Backend, Picker};
+pub use tokenize::{ModelSpec, Models};

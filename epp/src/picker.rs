@@ -1,0 +1,551 @@
+//! One HTTP request's life through the gateway, as the ext_proc stream
+//! shows it: request headers, the buffered request body (where the pick
+//! is made), then the response headers and body (where the reservation is
+//! accounted: `prefill_done` at the first body chunk, `finish` at the end
+//! of the stream or when the stream goes away early).
+//!
+//! [`Exchange`] is the state of one stream; it does no I/O. Each
+//! `handle_*` returns what to answer Envoy, and the [`Step::Select`] it may
+//! ask for is carried out by the server against the routing core.
+
+use std::collections::HashMap;
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders,
+    ImmediateResponse, ProcessingResponse, processing_response::Response,
+};
+use envoy_types::pb::envoy::r#type::v3::HttpStatus;
+use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
+
+use crate::body::{self, Route};
+use crate::tokenize::{Models, PromptError, Tokens};
+
+/// The header (and `envoy.lb` metadata key) that carries the pick.
+pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The dynamic-metadata namespace Envoy's load balancer reads.
+pub const LB_NAMESPACE: &str = "envoy.lb";
+
+/// What the picker is configured with.
+#[derive(Clone, Debug)]
+pub struct Limits {
+    /// Largest request body read, in bytes (larger: 413).
+    pub max_body_bytes: usize,
+    /// Largest prompt, in tokens (larger: 400).
+    pub max_prompt_tokens: usize,
+    /// The header naming the tenant the rule language sees (lower case).
+    pub tenant_header: Option<String>,
+    /// The header naming a session for affinity (lower case).
+    pub session_header: Option<String>,
+}
+
+/// A select the core is asked for.
+#[derive(Debug, PartialEq)]
+pub struct SelectArgs {
+    pub model: String,
+    pub tokens: Vec<u32>,
+    /// The prompt length when `tokens` is empty because no tokenizer
+    /// could count them (an estimate: bytes / 4).
+    pub prompt_tokens: Option<u32>,
+    pub tenant: Option<String>,
+    pub session: Option<String>,
+    pub headers: Vec<(String, String)>,
+}
+
+/// What the core answered a select.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Picked {
+    /// A worker at `endpoint` (its URL, `http://host:port`), reserved
+    /// under `request_id`.
+    Worker { endpoint: String, request_id: u64 },
+    /// The core's refusal: its status name and message.
+    Refused {
+        status: &'static str,
+        message: String,
+    },
+}
+
+/// What to do after a message.
+#[derive(Debug)]
+pub enum Step {
+    /// Send this to Envoy.
+    Reply(ProcessingResponse),
+    /// Ask the core, then call [`Exchange::handle_picked`].
+    Select(SelectArgs),
+    /// Tell the core the first token is out, then send the reply.
+    PrefillDone(u64, ProcessingResponse),
+    /// Release the reservation, then send the reply.
+    Finish(u64, ProcessingResponse),
+}
+
+/// The state of one ext_proc stream.
+#[derive(Debug, Default)]
+pub struct Exchange {
+    route: Option<Route>,
+    headers: Vec<(String, String)>,
+    body: Vec<u8>,
+    /// The reservation to account, once picked.
+    request_id: Option<u64>,
+    prefill_reported: bool,
+    finished: bool,
+}
+
+impl Exchange {
+    /// The request's headers arrived.
+    pub fn handle_request_headers(&mut self, h: &HttpHeaders) -> Step {
+        self.headers = h
+            .headers
+            .iter()
+            .flat_map(|m| m.headers.iter())
+            .map(|v| (v.key.to_ascii_lowercase(), header_value(v)))
+            .collect();
+        let path = self
+            .headers
+            .iter()
+            .find(|(k, _)| k == ":path")
+            .map(|(_, v)| v.as_str())
+            .unwrap_or("");
+        self.route = Route::of(path);
+        if self.route.is_none() {
+            return Step::Reply(immediate(
+                404,
+                "not_found",
+                &format!(
+                    "`{path}` is not an OpenAI route the picker serves (/v1/completions, /v1/chat/completions)"
+                ),
+            ));
+        }
+        if h.end_of_stream {
+            return Step::Reply(immediate(400, "bad_request", "the request has no body"));
+        }
+        Step::Reply(ProcessingResponse {
+            response: Some(Response::RequestHeaders(HeadersResponse { response: None })),
+            ..Default::default()
+        })
+    }
+
+    /// A request body chunk arrived (the whole body, in `BUFFERED` mode).
+    pub fn handle_request_body(&mut self, b: &HttpBody, models: &Models, limits: &Limits) -> Step {
+        if self.body.len() + b.body.len() > limits.max_body_bytes {
+            return Step::Reply(immediate(
+                413,
+                "body_too_large",
+                &format!("the request body is over {} bytes", limits.max_body_bytes),
+            ));
+        }
+        self.body.extend_from_slice(&b.body);
+        if !b.end_of_stream {
+            return Step::Reply(ProcessingResponse {
+                response: Some(Response::RequestBody(BodyResponse { response: None })),
+                ..Default::default()
+            });
+        }
+        let route = self.route.unwrap_or(Route::Completions);
+        let parsed = match body::parse(route, &self.body) {
+            Ok(p) => p,
+            Err(e) => return Step::Reply(immediate(400, "bad_request", &e.to_string())),
+        };
+        let tokens = match models.tokens(&parsed.model, &parsed.prompt, limits.max_prompt_tokens) {
+            Ok(t) => t,
+            Err(e @ PromptError::UnknownModel(_)) => {
+                return Step::Reply(immediate(404, "model_not_found", &e.to_string()));
+            }
+            Err(e) => return Step::Reply(immediate(400, "bad_request", &e.to_string())),
+        };
+        let header = |name: &Option<String>| {
+            name.as_ref().and_then(|n| {
+                self.headers
+                    .iter()
+                    .find(|(k, _)| k == n)
+                    .map(|(_, v)| v.clone())
+            })
+        };
+        let (tokens, prompt_tokens) = match tokens {
+            Tokens::Ids(ids) => (ids, None),
+            Tokens::Unknown { text_bytes } => (
+                Vec::new(),
+                Some(u32::try_from(text_bytes / 4).unwrap_or(u32::MAX).max(1)),
+            ),
+        };
+        Step::Select(SelectArgs {
+            model: parsed.model,
+            tokens,
+            prompt_tokens,
+            tenant: header(&limits.tenant_header),
+            session: header(&limits.session_header),
+            headers: self
+                .headers
+                .iter()
+                .filter(|(k, _)| !k.starts_with(':'))
+                .cloned()
+                .collect(),
+        })
+    }
+
+    /// The core answered the select asked for by the body.
+    pub fn handle_picked(&mut self, picked: Picked) -> ProcessingResponse {
+        match picked {
+            Picked::Worker {
+                endpoint,
+                request_id,
+            } => {
+                let Some(addr) = host_port(&endpoint) else {
+                    // Not addressable by the gateway's original-destination
+                    // cluster: release it, and say why.
+                    self.request_id = Some(request_id);
+                    return immediate(
+                        503,
+                        "unroutable_endpoint",
+                        &format!("the chosen endpoint `{endpoint}` is not http://host:port"),
+                    );
+                };
+                self.request_id = Some(request_id);
+                pick_response(&addr)
+            }
+            Picked::Refused { status, message } => {
+                let code = match status {
+                    "too_many_requests" => 429,
+                    "no_worker" | "no_rule" | "rejected" => 503,
+                    "bad_request" => 400,
+                    _ => 500,
+                };
+                immediate(code, status, &message)
+            }
+        }
+    }
+
+    /// An immediate response about the pick was sent: its reservation (if
+    /// any, for an unroutable endpoint) is released now.
+    pub fn take_unused_reservation(&mut self) -> Option<u64> {
+        if self.finished {
+            return None;
+        }
+        self.finished = true;
+        self.request_id.take()
+    }
+
+    /// The response's headers arrived.
+    pub fn handle_response_headers(&mut self, h: &HttpHeaders) -> Step {
+        let reply = ProcessingResponse {
+            response: Some(Response::ResponseHeaders(HeadersResponse {
+                response: None,
+            })),
+            ..Default::default()
+        };
+        if h.end_of_stream {
+            return self.finish_with(reply);
+        }
+        Step::Reply(reply)
+    }
+
+    /// A response body chunk passed.
+    pub fn handle_response_body(&mut self, b: &HttpBody) -> Step {
+        let reply = ProcessingResponse {
+            response: Some(Response::ResponseBody(BodyResponse { response: None })),
+            ..Default::default()
+        };
+        if b.end_of_stream {
+            return self.finish_with(reply);
+        }
+        match self.request_id {
+            Some(id) if !self.prefill_reported && !b.body.is_empty() => {
+                self.prefill_reported = true;
+                Step::PrefillDone(id, reply)
+            }
+            _ => Step::Reply(reply),
+        }
+    }
+
+    fn finish_with(&mut self, reply: ProcessingResponse) -> Step {
+        match self.request_id.take() {
+            Some(id) if !self.finished => {
+                self.finished = true;
+                Step::Finish(id, reply)
+            }
+            _ => Step::Reply(reply),
+        }
+    }
+
+    /// The stream ended (Envoy closed it, the client reset, or an
+    /// error): the reservation still held, if any, to release.
+    pub fn handle_closed(&mut self) -> Option<u64> {
+        if self.finished {
+            return None;
+        }
+        self.finished = true;
+        self.request_id.take()
+    }
+}
+
+fn header_value(v: &HeaderValue) -> String {
+    if v.raw_value.is_empty() {
+        v.value.clone()
+    } else {
+        String::from_utf8_lossy(&v.raw_value).into_owned()
+    }
+}
+
+/// `host:port` of an `http://host:port[/...]` endpoint.
+pub fn host_port(endpoint: &str) -> Option<String> {
+    let rest = endpoint.strip_prefix("http://")?;
+    let authority = rest.split('/').next()?;
+    let (host, port) = authority.rsplit_once(':')?;
+    (!host.is_empty() && port.parse::<u16>().is_ok()).then(|| authority.to_owned())
+}
+
+/// The answer to the request body that routes to `addr`: the header, the
+/// `envoy.lb` metadata, and a cleared route cache.
+pub fn pick_response(addr: &str) -> ProcessingResponse {
+    let string = |s: &str| Value {
+        kind: Some(Kind::StringValue(s.to_owned())),
+    };
+    let lb = Struct {
+        fields: HashMap::from([(DESTINATION.to_owned(), string(addr))]),
+    };
+    ProcessingResponse {
+        response: Some(Response::RequestBody(BodyResponse {
+            response: Some(CommonResponse {
+                header_mutation: Some(HeaderMutation {
+                    set_headers: vec![HeaderValueOption {
+                        header: Some(HeaderValue {
+                            key: DESTINATION.to_owned(),
+                            raw_value: addr.as_bytes().to_vec(),
+                            ..Default::default()
+                        }),
+                        ..Default::default()
+                    }],
+                    remove_headers: vec![],
+                }),
+                clear_route_cache: true,
+                ..Default::default()
+            }),
+        })),
+        dynamic_metadata: Some(Struct {
+            fields: HashMap::from([(
+                LB_NAMESPACE.to_owned(),
+                Value {
+                    kind: Some(Kind::StructValue(lb)),
+                },
+            )]),
+        }),
+        ..Default::default()
+    }
+}
+
+/// A local reply with a JSON error body (OpenAI's error shape).
+pub fn immediate(code: i32, kind: &str, message: &str) -> ProcessingResponse {
+    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": code}});
+    ProcessingResponse {
+        response: Some(Response::ImmediateResponse(ImmediateResponse {
+            status: Some(HttpStatus { code }),
+            headers: Some(HeaderMutation {
+                set_headers: vec![HeaderValueOption {
+                    header: Some(HeaderValue {
+                        key: "content-type".to_owned(),
+                        raw_value: b"application/json".to_vec(),
+                        ..Default::default()
+                    }),
+                    ..Default::default()
+                }],
+                remove_headers: vec![],
+            }),
+            body: body.to_string().into_bytes(),
+            details: format!("kvedge_{kind}"),
+            ..Default::default()
+        })),
+        ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use envoy_types::pb::envoy::config::core::v3::HeaderMap;
+
+    use super::*;
+    use crate::tokenize::ModelSpec;
+
+    fn models() -> Models {
+        Models::load(&[ModelSpec {
+            name: "m".into(),
+            tokenizer: None,
+            chat_template: None,
+            bos_token: String::new(),
+            eos_token: String::new(),
+        }])
+        .unwrap()
+    }
+
+    fn limits() -> Limits {
+        Limits {
+            max_body_bytes: 1024,
+            max_prompt_tokens: 8,
+            tenant_header: Some("x-tenant".into()),
+            session_header: None,
+        }
+    }
+
+    fn headers(path: &str) -> HttpHeaders {
+        let h = |k: &str, v: &str| HeaderValue {
+            key: k.into(),
+            raw_value: v.as_bytes().to_vec(),
+            ..Default::default()
+        };
+        HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![h(":path", path), h("X-Tenant", "acme")],
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn body(b: &[u8], end: bool) -> HttpBody {
+        HttpBody {
+            body: b.to_vec(),
+            end_of_stream: end,
+            ..Default::default()
+        }
+    }
+
+    fn status(r: &ProcessingResponse) -> Option<i32> {
+        match &r.response {
+            Some(Response::ImmediateResponse(i)) => i.status.as_ref().map(|s| s.code),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn a_request_is_picked_then_accounted_over_its_response() {
+        let mut ex = Exchange::default();
+        assert!(matches!(
+            ex.handle_request_headers(&headers("/v1/completions")),
+            Step::Reply(ref r) if status(r).is_none()
+        ));
+        // The body in two chunks: the first is acknowledged, the last
+        // asks for a select with the tenant from its header.
+        assert!(matches!(
+            ex.handle_request_body(&body(br#"{"model":"m","#, false), &models(), &limits()),
+            Step::Reply(_)
+        ));
+        let Step::Select(args) =
+            ex.handle_request_body(&body(br#""prompt":[1,2,3]}"#, true), &models(), &limits())
+        else {
+            panic!("a select");
+        };
+        assert_eq!(args.tokens, [1, 2, 3]);
+        assert_eq!(args.tenant.as_deref(), Some("acme"));
+        let r = ex.handle_picked(Picked::Worker {
+            endpoint: "http://10.0.0.7:8000".into(),
+            request_id: 42,
+        });
+        let Some(Response::RequestBody(b)) = &r.response else {
+            panic!("a body response");
+        };
+        let common = b.response.as_ref().unwrap();
+        assert!(common.clear_route_cache);
+        let set = &common.header_mutation.as_ref().unwrap().set_headers[0];
+        let h = set.header.as_ref().unwrap();
+        assert_eq!(
+            (h.key.as_str(), h.raw_value.as_slice()),
+            (DESTINATION, &b"10.0.0.7:8000"[..])
+        );
+        let lb = &r.dynamic_metadata.as_ref().unwrap().fields[LB_NAMESPACE];
+        let Some(Kind::StructValue(lb)) = &lb.kind else {
+            panic!("envoy.lb is a struct");
+        };
+        assert_eq!(
+            lb.fields[DESTINATION].kind,
+            Some(Kind::StringValue("10.0.0.7:8000".into()))
+        );
+        // The response: prefill_done at the first chunk with bytes, finish
+        // at the end, nothing more when the stream closes.
+        assert!(matches!(
+            ex.handle_response_headers(&HttpHeaders::default()),
+            Step::Reply(_)
+        ));
+        assert!(matches!(
+            ex.handle_response_body(&body(b"", false)),
+            Step::Reply(_)
+        ));
+        assert!(matches!(
+            ex.handle_response_body(&body(b"data: a", false)),
+            Step::PrefillDone(42, _)
+        ));
+        assert!(matches!(
+            ex.handle_response_body(&body(b"data: b", false)),
+            Step::Reply(_)
+        ));
+        assert!(matches!(
+            ex.handle_response_body(&body(b"", true)),
+            Step::Finish(42, _)
+        ));
+        assert_eq!(ex.handle_closed(), None);
+    }
+
+    #[test]
+    fn a_stream_that_ends_early_releases_its_reservation() {
+        let mut ex = Exchange::default();
+        ex.handle_request_headers(&headers("/v1/completions"));
+        ex.handle_request_body(
+            &body(br#"{"model":"m","prompt":[1]}"#, true),
+            &models(),
+            &limits(),
+        );
+        ex.handle_picked(Picked::Worker {
+            endpoint: "http://10.0.0.7:8000".into(),
+            request_id: 7,
+        });
+        assert_eq!(ex.handle_closed(), Some(7));
+        assert_eq!(ex.handle_closed(), None, "once");
+    }
+
+    #[test]
+    fn refusals_become_local_replies_with_the_right_status() {
+        let refused = |status, code| {
+            let mut ex = Exchange::default();
+            let r = ex.handle_picked(Picked::Refused {
+                status,
+                message: "m".into(),
+            });
+            assert_eq!(super::tests::status(&r), Some(code), "{status}");
+        };
+        refused("no_worker", 503);
+        refused("too_many_requests", 429);
+        refused("bad_request", 400);
+        // A provider's URL cannot go to an original-destination cluster:
+        // 503, and its reservation is given back.
+        let mut ex = Exchange::default();
+        let r = ex.handle_picked(Picked::Worker {
+            endpoint: "https://api.example.com/v1".into(),
+            request_id: 9,
+        });
+        assert_eq!(status(&r), Some(503));
+        assert_eq!(ex.take_unused_reservation(), Some(9));
+        // Bad requests never reach the core.
+        let mut ex = Exchange::default();
+        ex.handle_request_headers(&headers("/v1/completions"));
+        let step = ex.handle_request_body(
+            &body(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#, true),
+            &models(),
+            &limits(),
+        );
+        assert!(matches!(step, Step::Reply(ref r) if status(r) == Some(400)));
+        let mut ex = Exchange::default();
+        ex.handle_request_headers(&headers("/v1/completions"));
+        let step = ex.handle_request_body(&body(&[b' '; 2048], true), &models(), &limits());
+        assert!(matches!(step, Step::Reply(ref r) if status(r) == Some(413)));
+    }
+
+    #[test]
+    fn endpoints_become_host_port() {
+        assert_eq!(
+            host_port("http://127.0.0.2:8000").as_deref(),
+            Some("127.0.0.2:8000")
+        );
+        assert_eq!(
+            host_port("http://[::1]:8000/v1").as_deref(),
+            Some("[::1]:8000")
+        );
+        assert_eq!(host_port("http://engine-1"), None);
+        assert_eq!(host_port("https://api.example.com:443"), None);
+    }
+}

@@ -1,0 +1,231 @@
+//! The gRPC side: Envoy's `envoy.service.ext_proc.v3.ExternalProcessor`
+//! and the standard health service, on tonic. Each stream is an
+//! [`Exchange`]; its selects, `prefill_done`s and `finish`es go to the
+//! routing core through a [`Backend`] in the binary query protocol, the
+//! same requests a Unix-socket client sends.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    ProcessingRequest, ProcessingResponse, processing_request::Request as Msg,
+};
+use kvedge_wire::{Ids, Pairs, Request, Role, Select, Status, binary};
+use tokio::sync::{mpsc, oneshot};
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::{Streaming, async_trait};
+
+use crate::picker::{Exchange, Limits, Picked, SelectArgs, Step};
+use crate::tokenize::Models;
+
+/// The gRPC service name of ext_proc (for health checks).
+pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
+
+/// The routing core, as the picker reaches it.
+pub trait Backend: Send + Sync + 'static {
+    /// Serves one binary-protocol request (a frame body: op, version,
+    /// payload) and calls `reply` with the reply frame (length, status,
+    /// version, payload). A `reply` never called means the core is gone.
+    fn call(&self, body: Vec<u8>, reply: Box<dyn FnOnce(Vec<u8>) + Send>);
+}
+
+/// The picker's shared state.
+pub struct Picker {
+    models: Models,
+    limits: Limits,
+    backend: Arc<dyn Backend>,
+}
+
+impl std::fmt::Debug for Picker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Picker")
+            .field("models", &self.models)
+            .field("limits", &self.limits)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Picker {
+    pub fn new(models: Models, limits: Limits, backend: Arc<dyn Backend>) -> Picker {
+        Picker {
+            models,
+            limits,
+            backend,
+        }
+    }
+
+    /// One request to the core; its reply's status and payload.
+    async fn call(&self, request: &Request<'_>) -> Result<(Status, Vec<u8>), String> {
+        let mut out = Vec::with_capacity(256);
+        binary::encode_request(&mut out, request).map_err(|e| e.to_string())?;
+        let (tx, rx) = oneshot::channel();
+        self.backend.call(
+            out.split_off(4),
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        let frame = rx
+            .await
+            .map_err(|_| "the routing core is gone".to_owned())?;
+        if frame.len() < 8 {
+            return Err("a short reply frame from the routing core".into());
+        }
+        let code = u16::from_le_bytes([frame[4], frame[5]]);
+        let status = Status::from_code(code).ok_or("an unknown status from the routing core")?;
+        Ok((status, frame[8..].to_vec()))
+    }
+
+    /// The core's pick for `args` (reserved).
+    pub async fn select(&self, args: &SelectArgs) -> Picked {
+        let headers: BTreeMap<String, String> = args.headers.iter().cloned().collect();
+        let mut s = Select::new(&args.model, Role::Aggregated, Ids::tokens(&args.tokens));
+        s.prompt_tokens = args.prompt_tokens;
+        s.tenant = args.tenant.as_deref();
+        s.session = args.session.as_deref();
+        s.headers = Pairs::map(&headers);
+        match self.call(&Request::Select(s)).await {
+            Ok((Status::Ok, payload)) => match binary::decode_select_reply(&payload) {
+                Ok(v) => Picked::Worker {
+                    endpoint: v.endpoint.to_owned(),
+                    request_id: v.request_id,
+                },
+                Err(e) => Picked::Refused {
+                    status: "internal",
+                    message: format!("an undecodable select reply: {e}"),
+                },
+            },
+            Ok((status, payload)) => Picked::Refused {
+                status: status.name(),
+                message: String::from_utf8_lossy(&payload).into_owned(),
+            },
+            Err(message) => Picked::Refused {
+                status: "internal",
+                message,
+            },
+        }
+    }
+
+    async fn release(&self, request: Request<'static>) {
+        match self.call(&request).await {
+            Ok((Status::Ok, _)) => {}
+            Ok((status, payload)) => tracing::debug!(
+                "{request:?} answered {status}: {}",
+                String::from_utf8_lossy(&payload)
+            ),
+            Err(e) => tracing::warn!("{request:?}: {e}"),
+        }
+    }
+
+    /// Runs one ext_proc stream to its end.
+    async fn run(
+        self: Arc<Self>,
+        mut inbound: Streaming<ProcessingRequest>,
+        out: mpsc::Sender<Result<ProcessingResponse, tonic::Status>>,
+    ) {
+        let mut ex = Exchange::default();
+        loop {
+            let msg = match inbound.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(e) => {
+                    tracing::debug!("ext_proc stream ended: {e}");
+                    break;
+                }
+            };
+            let step = match &msg.request {
+                Some(Msg::RequestHeaders(h)) => ex.handle_request_headers(h),
+                Some(Msg::RequestBody(b)) => ex.handle_request_body(b, &self.models, &self.limits),
+                Some(Msg::ResponseHeaders(h)) => ex.handle_response_headers(h),
+                Some(Msg::ResponseBody(b)) => ex.handle_response_body(b),
+                Some(Msg::RequestTrailers(_)) | Some(Msg::ResponseTrailers(_)) | None => {
+                    // Trailers are not asked for; a message without a
+                    // request (flow control) needs no answer.
+                    continue;
+                }
+            };
+            let reply = match step {
+                Step::Reply(r) => r,
+                Step::Select(args) => {
+                    let picked = self.select(&args).await;
+                    let r = ex.handle_picked(picked);
+                    if is_immediate(&r)
+                        && let Some(id) = ex.take_unused_reservation()
+                    {
+                        self.release(Request::Finish { request_id: id }).await;
+                    }
+                    r
+                }
+                Step::PrefillDone(id, r) => {
+                    self.release(Request::PrefillDone { request_id: id }).await;
+                    r
+                }
+                Step::Finish(id, r) => {
+                    self.release(Request::Finish { request_id: id }).await;
+                    r
+                }
+            };
+            let done = is_immediate(&reply);
+            if out.send(Ok(reply)).await.is_err() || done {
+                break;
+            }
+        }
+        if let Some(id) = ex.handle_closed() {
+            self.release(Request::Finish { request_id: id }).await;
+        }
+    }
+}
+
+fn is_immediate(r: &ProcessingResponse) -> bool {
+    matches!(
+        r.response,
+        Some(envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response::ImmediateResponse(_))
+    )
+}
+
+/// The ext_proc service over a [`Picker`].
+#[derive(Clone, Debug)]
+pub struct Service(pub Arc<Picker>);
+
+#[async_trait]
+impl ExternalProcessor for Service {
+    type ProcessStream = ReceiverStream<Result<ProcessingResponse, tonic::Status>>;
+
+    async fn process(
+        &self,
+        request: tonic::Request<Streaming<ProcessingRequest>>,
+    ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+        let (tx, rx) = mpsc::channel(4);
+        tokio::spawn(Arc::clone(&self.0).run(request.into_inner(), tx));
+        Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// Serves ext_proc and health on `listener` until `shutdown` resolves.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    picker: Arc<Picker>,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> Result<(), tonic::transport::Error> {
+    let (reporter, health) = tonic_health::server::health_reporter();
+    for name in ["", "liveness", "readiness", EXT_PROC_SERVICE] {
+        reporter
+            .set_service_status(name, tonic_health::ServingStatus::Serving)
+            .await;
+    }
+    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    tonic::transport::Server::builder()
+        .add_service(health)
+        .add_service(ExternalProcessorServer::new(Service(picker)))
+        .serve_with_incoming_shutdown(incoming, shutdown)
+        .await
+}
+
+/// The address a listener is bound to, for logs.
+pub fn describe(addr: SocketAddr) -> String {
+    format!("ext_proc on {addr} ({EXT_PROC_SERVICE}, grpc.health.v1)")
+}

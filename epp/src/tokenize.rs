@@ -1,0 +1,206 @@
+//! The models the picker serves, and how each turns a prompt into the
+//! token ids its engine will compute: the model's own `tokenizer.json`
+//! (read from a local path at start; nothing is downloaded) and its chat
+//! template (Jinja, rendered with `messages` and
+//! `add_generation_prompt: true`, as the engines' OpenAI servers do).
+//!
+//! A model without a tokenizer is still served: token-id prompts route by
+//! prefix as usual, and text or chat prompts route on load alone (no
+//! prefix is known). A chat request for a model with a tokenizer but no
+//! template is routed the same way.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+use serde_json::Value;
+
+use crate::body::Prompt;
+
+/// One model, as configured.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ModelSpec {
+    /// The name requests carry in `model`.
+    pub name: String,
+    /// A `tokenizer.json` (Hugging Face tokenizers format).
+    pub tokenizer: Option<PathBuf>,
+    /// A Jinja chat template file.
+    pub chat_template: Option<PathBuf>,
+    /// Rendered as `bos_token` / `eos_token` in the template.
+    pub bos_token: String,
+    pub eos_token: String,
+}
+
+struct Model {
+    tokenizer: Option<tokenizers::Tokenizer>,
+    template: Option<minijinja::Environment<'static>>,
+    bos_token: String,
+    eos_token: String,
+}
+
+/// The served models.
+pub struct Models {
+    by_name: HashMap<String, Model>,
+}
+
+impl std::fmt::Debug for Models {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Models")
+            .field("names", &self.by_name.keys().collect::<Vec<_>>())
+            .finish()
+    }
+}
+
+/// Why a request's prompt has no token ids.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum PromptError {
+    #[error("model `{0}` is not served here")]
+    UnknownModel(String),
+    #[error("the chat template failed: {0}")]
+    Template(String),
+    #[error("tokenization failed: {0}")]
+    Tokenize(String),
+    #[error("the prompt has {tokens} tokens, over the limit of {limit}")]
+    TooLong { tokens: usize, limit: usize },
+}
+
+/// A prompt as the router sees it.
+#[derive(Debug, PartialEq)]
+pub enum Tokens {
+    /// The token ids the engine will compute.
+    Ids(Vec<u32>),
+    /// No tokenizer for this prompt: the text's length in bytes, for a
+    /// load-only pick.
+    Unknown { text_bytes: usize },
+}
+
+impl Models {
+    /// Loads every model's tokenizer and template.
+    pub fn load(specs: &[ModelSpec]) -> Result<Models, String> {
+        let mut by_name = HashMap::new();
+        for s in specs {
+            let tokenizer = match &s.tokenizer {
+                Some(p) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| {
+                    format!(
+                        "model `{}`: tokenizer {} could not be loaded: {e}",
+                        s.name,
+                        p.display()
+                    )
+                })?),
+                None => None,
+            };
+            let template = match &s.chat_template {
+                Some(p) => {
+                    let source = std::fs::read_to_string(p).map_err(|e| {
+                        format!("model `{}`: chat template {}: {e}", s.name, p.display())
+                    })?;
+                    let mut env = minijinja::Environment::new();
+                    env.add_function(
+                        "raise_exception",
+                        |msg: String| -> Result<String, minijinja::Error> {
+                            Err(minijinja::Error::new(
+                                minijinja::ErrorKind::InvalidOperation,
+                                msg,
+                            ))
+                        },
+                    );
+                    env.add_template_owned("chat", source).map_err(|e| {
+                        format!("model `{}`: chat template {}: {e}", s.name, p.display())
+                    })?;
+                    Some(env)
+                }
+                None => None,
+            };
+            by_name.insert(
+                s.name.clone(),
+                Model {
+                    tokenizer,
+                    template,
+                    bos_token: s.bos_token.clone(),
+                    eos_token: s.eos_token.clone(),
+                },
+            );
+        }
+        Ok(Models { by_name })
+    }
+
+    /// Whether `model` is served.
+    pub fn serves(&self, model: &str) -> bool {
+        self.by_name.contains_key(model)
+    }
+
+    /// The token ids of `prompt` for `model`, at most `limit` of them.
+    pub fn tokens(
+        &self,
+        model: &str,
+        prompt: &Prompt,
+        limit: usize,
+    ) -> Result<Tokens, PromptError> {
+        let m = self
+            .by_name
+            .get(model)
+            .ok_or_else(|| PromptError::UnknownModel(model.to_owned()))?;
+        let tokens = match prompt {
+            Prompt::Tokens(ids) => Tokens::Ids(ids.clone()),
+            Prompt::Text(text) => match &m.tokenizer {
+                Some(t) => Tokens::Ids(encode(t, text, true)?),
+                None => Tokens::Unknown {
+                    text_bytes: text.len(),
+                },
+            },
+            Prompt::Messages(messages) => match (&m.tokenizer, &m.template) {
+                (Some(t), Some(env)) => {
+                    let text = render(env, messages, &m.bos_token, &m.eos_token)?;
+                    Tokens::Ids(encode(t, &text, false)?)
+                }
+                _ => Tokens::Unknown {
+                    text_bytes: messages.iter().map(content_bytes).sum(),
+                },
+            },
+        };
+        if let Tokens::Ids(ids) = &tokens
+            && ids.len() > limit
+        {
+            return Err(PromptError::TooLong {
+                tokens: ids.len(),
+                limit,
+            });
+        }
+        Ok(tokens)
+    }
+}
+
+fn encode(t: &tokenizers::Tokenizer, text: &str, special: bool) -> Result<Vec<u32>, PromptError> {
+    t.encode_fast(text, special)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| PromptError::Tokenize(e.to_string()))
+}
+
+fn render(
+    env: &minijinja::Environment<'static>,
+    messages: &[Value],
+    bos: &str,
+    eos: &str,
+) -> Result<String, PromptError> {
+    let t = env
+        .get_template("chat")
+        .map_err(|e| PromptError::Template(e.to_string()))?;
+    t.render(minijinja::context! {
+        messages => messages,
+        add_generation_prompt => true,
+        bos_token => bos,
+        eos_token => eos,
+    })
+    .map_err(|e| PromptError::Template(e.to_string()))
+}
+
+fn content_bytes(m: &Value) -> usize {
+    match m.get("content") {
+        Some(Value::String(s)) => s.len(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .map(str::len)
+            .sum(),
+        _ => 0,
+    }
+}
