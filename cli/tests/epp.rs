@@ -422,3 +422,115 @@ fn a_dead_picker_fails_closed_or_open_as_configured() {
     assert_eq!(status, 503, "fail open without a destination: no upstream");
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A BPE tokenizer trained on the repository's own docs, saved as the
+/// model's `tokenizer.json`.
+fn train_tokenizer(path: &std::path::Path) -> tokenizers::Tokenizer {
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainer};
+    use tokenizers::pre_tokenizers::whitespace::Whitespace;
+    let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs");
+    let files: Vec<String> = std::fs::read_dir(docs)
+        .unwrap()
+        .map(|e| e.unwrap().path().to_string_lossy().into_owned())
+        .filter(|p| p.ends_with(".md"))
+        .collect();
+    let mut trainer: TrainerWrapper = BpeTrainer::builder()
+        .vocab_size(4000)
+        .min_frequency(2)
+        .build()
+        .into();
+    let mut t = tokenizers::Tokenizer::new(BPE::default());
+    t.with_pre_tokenizer(Some(Whitespace {}));
+    t.train_from_files(&mut trainer, files).unwrap();
+    t.save(path, false).unwrap();
+    tokenizers::Tokenizer::from_file(path).unwrap()
+}
+
+#[test]
+fn text_and_chat_prompts_are_tokenized_as_the_engine_tokenizes_them() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let dir = common::temp_dir("epp-tokenize");
+    let tokenizer = train_tokenizer(&dir.join("tokenizer.json"));
+    std::fs::write(
+        dir.join("chat.jinja"),
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    )
+    .unwrap();
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start(
+        "epp-tokenize-d",
+        &format!(
+            "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  models:\n    - name: m\n      tokenizer: {}\n      chat_template: {}\n",
+            dir.join("tokenizer.json").display(),
+            dir.join("chat.jinja").display()
+        ),
+    );
+    let engines: Vec<HttpEngine> = (2..5)
+        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
+        .collect();
+    let mut publishers = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        publishers.push(register(&d, i as u64 + 1, &e.endpoint()));
+    }
+    // Engine 2 (index 1) holds the completion's text prefix, engine 3
+    // (index 2) the conversation's: the token ids this test computes with
+    // the same tokenizer and template.
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/daemon.md")).unwrap();
+    let text: String = text.chars().take(1500).collect();
+    let ids = |s: &str, special: bool| {
+        tokenizer
+            .encode_fast(s, special)
+            .unwrap()
+            .get_ids()
+            .to_vec()
+    };
+    let completion_ids = ids(&text, true);
+    assert!(
+        completion_ids.len() >= 64,
+        "{} tokens",
+        completion_ids.len()
+    );
+    let question = format!("Summarise this:\n{text}");
+    let rendered = format!("<|user|>{question}\n<|assistant|>");
+    let chat_ids = ids(&rendered, false);
+    let blocks = |ids: &[u32]| {
+        kvedge_shm::hash::sequence_hashes(&ids[..ids.len() / 16 * 16], 16, None, None)
+    };
+    publishers[1]
+        .publish_stored_hashes(Tier::Device, None, &blocks(&completion_ids))
+        .unwrap();
+    publishers[2]
+        .publish_stored_hashes(Tier::Device, None, &blocks(&chat_ids))
+        .unwrap();
+    let expected = (completion_ids.len() / 16 + chat_ids.len() / 16) as u64;
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == expected,
+        "the engines' blocks",
+    );
+    let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
+    for _ in 0..3 {
+        let before = engines[1].hits();
+        let body = json!({"model": "m", "prompt": text, "max_tokens": 4}).to_string();
+        let (status, reply) = envoy.post("/v1/completions", body.as_bytes(), &[]);
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(engines[1].hits(), before + 1, "the text prompt's holder");
+
+        let before = engines[2].hits();
+        let body = json!({"model": "m", "stream": true,
+            "messages": [{"role": "user", "content": question}]})
+        .to_string();
+        let (status, reply) = envoy.post("/v1/chat/completions", body.as_bytes(), &[]);
+        assert_eq!(status, 200, "{reply}");
+        assert!(reply.contains("[DONE]"), "{reply}");
+        assert_eq!(engines[2].hits(), before + 1, "the conversation's holder");
+    }
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
