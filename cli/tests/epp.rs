@@ -534,3 +534,45 @@ fn text_and_chat_prompts_are_tokenized_as_the_engine_tokenizes_them() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn the_kubernetes_sample_configuration_is_one_kvedge_accepts() {
+    // The ConfigMap's kvedge.yaml, with its model files made real.
+    let manifests = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/kubernetes/kvedge.yaml"
+    ))
+    .unwrap();
+    let config_map = manifests.split("\n---").next().unwrap();
+    let doc: serde_yaml::Value = serde_yaml::from_str(config_map).unwrap();
+    assert_eq!(doc["kind"].as_str(), Some("ConfigMap"));
+    let text = doc["data"]["kvedge.yaml"].as_str().unwrap().to_owned();
+    let dir = common::temp_dir("epp-k8s");
+    let tokenizer = dir.join("tokenizer.json");
+    train_tokenizer(&tokenizer);
+    let template = dir.join("chat_template.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content }}{% endfor %}",
+    )
+    .unwrap();
+    let text = text
+        .replace("/models/llama/tokenizer.json", tokenizer.to_str().unwrap())
+        .replace(
+            "/models/llama/chat_template.jinja",
+            template.to_str().unwrap(),
+        );
+    let path = dir.join("kvedge.yaml");
+    std::fs::write(&path, text).unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["check-config", path.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
