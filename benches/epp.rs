@@ -1,0 +1,250 @@
+//! The endpoint picker's decision as a gateway meets it: a 2,048-token chat
+//! request, rendered with its template and tokenized with its tokenizer,
+//! then picked by the routing core, over a real gRPC ext_proc stream (the
+//! request headers, the buffered body, the pick) against an in-process
+//! daemon with one engine holding the conversation's blocks. Beside it,
+//! the template and tokenizer alone.
+//!
+//! Not criterion: the figures wanted are p50 and p99 per decision, so each
+//! decision is timed on the monotonic clock and the samples sorted.
+//!
+//! `cargo bench --bench epp [-- --quick]`
+
+#![forbid(unsafe_code)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
+use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use kvedge_core::config::Config;
+use kvedge_daemon::server::{RuntimeDir, Server};
+use kvedge_epp::body::Prompt;
+use kvedge_epp::{ModelSpec, Models};
+use kvedge_policies::{SelectionOverrides, router_plugin_registry};
+use kvedge_shm::Publisher;
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Role, Tier};
+
+const TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
+
+fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
+    v.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    (us(v[v.len() / 2]), us(v[v.len() * 99 / 100]))
+}
+
+/// A BPE tokenizer trained on the repository's docs.
+fn train(path: &std::path::Path) {
+    use tokenizers::models::TrainerWrapper;
+    use tokenizers::models::bpe::{BPE, BpeTrainer};
+    use tokenizers::pre_tokenizers::whitespace::Whitespace;
+    let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs");
+    let files: Vec<String> = std::fs::read_dir(docs)
+        .unwrap()
+        .map(|e| e.unwrap().path().to_string_lossy().into_owned())
+        .filter(|p| p.ends_with(".md"))
+        .collect();
+    let mut trainer: TrainerWrapper = BpeTrainer::builder()
+        .vocab_size(8000)
+        .min_frequency(2)
+        .build()
+        .into();
+    let mut t = tokenizers::Tokenizer::new(BPE::default());
+    t.with_pre_tokenizer(Some(Whitespace {}));
+    t.train_from_files(&mut trainer, files).unwrap();
+    t.save(path, false).unwrap();
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    let n = if quick { 500 } else { 2_000 };
+    let dir = std::env::temp_dir().join(format!("kvedge-bench-epp-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+    let tokenizer_path = dir.join("tokenizer.json");
+    train(&tokenizer_path);
+    let template_path = dir.join("chat.jinja");
+    std::fs::write(&template_path, TEMPLATE).unwrap();
+    let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).unwrap();
+
+    // A conversation of about 2,048 tokens: the docs' text, cut to length.
+    let mut text = String::new();
+    for f in ["daemon.md", "policies.md", "rules.md", "operations.md"] {
+        text.push_str(
+            &std::fs::read_to_string(format!("{}/../docs/{f}", env!("CARGO_MANIFEST_DIR")))
+                .unwrap(),
+        );
+    }
+    let rendered_len = |t: &str| {
+        tokenizer
+            .encode_fast(format!("<|user|>{t}\n<|assistant|>"), false)
+            .unwrap()
+            .len()
+    };
+    let mut chars = text.len();
+    while rendered_len(&text[..text.floor_char_boundary(chars)]) > 2048 {
+        chars = chars * 9 / 10;
+    }
+    let content = text[..text.floor_char_boundary(chars)].to_owned();
+    let tokens = tokenizer
+        .encode_fast(format!("<|user|>{content}\n<|assistant|>"), false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    let body = serde_json::json!({"model": "m", "stream": true,
+        "messages": [{"role": "user", "content": content}]})
+    .to_string()
+    .into_bytes();
+
+    // The template and tokenizer alone.
+    let models = Models::load(&[ModelSpec {
+        name: "m".into(),
+        tokenizer: Some(tokenizer_path.clone()),
+        chat_template: Some(template_path.clone()),
+        bos_token: String::new(),
+        eos_token: String::new(),
+    }])
+    .unwrap();
+    let messages = Prompt::Messages(vec![
+        serde_json::json!({"role": "user", "content": content}),
+    ]);
+    let mut alone = Vec::with_capacity(n);
+    for _ in 0..n {
+        let t = Instant::now();
+        let ids = models.tokens("m", &messages, 1 << 20).unwrap();
+        alone.push(t.elapsed());
+        std::hint::black_box(ids);
+    }
+
+    // The daemon with its picker, and an engine holding the blocks.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{port}\n  models:\n    - name: m\n      tokenizer: {}\n      chat_template: {}\n",
+        tokenizer_path.display(),
+        template_path.display()
+    );
+    let config = Config::load(
+        "bench",
+        &yaml,
+        &router_plugin_registry(),
+        &SelectionOverrides::default(),
+    )
+    .unwrap();
+    let section = config.epp.clone().unwrap();
+    let rd = RuntimeDir {
+        dir: dir.join("run"),
+    };
+    let mut server = Server::bind(config, &rd).unwrap();
+    kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = Arc::clone(&stop);
+    let routing = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
+    let hello = Hello {
+        worker_id: 1,
+        dp_rank: 0,
+        model: "m".into(),
+        role: Role::Aggregated,
+        block_size: 16,
+        kv_blocks: [1 << 16, 0, 0],
+        labels: vec![],
+        taints: vec![],
+        endpoint: "http://127.0.0.2:8000".into(),
+        ring_capacity: 0,
+    };
+    let (session, ring) =
+        ProducerSession::connect(rd.dir.join("control.sock"), &hello, Duration::from_secs(5))
+            .unwrap();
+    let mut engine = Publisher::new(Some(session), ring);
+    let hashes =
+        kvedge_shm::hash::sequence_hashes(&tokens[..tokens.len() / 16 * 16], 16, None, None);
+    engine
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let through_grpc = rt.block_on(async {
+        let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .unwrap();
+        let headers = HttpHeaders {
+            headers: Some(HeaderMap {
+                headers: vec![HeaderValue {
+                    key: ":path".into(),
+                    raw_value: b"/v1/chat/completions".to_vec(),
+                    ..Default::default()
+                }],
+            }),
+            ..Default::default()
+        };
+        let mut samples = Vec::with_capacity(n);
+        for i in 0..n + 100 {
+            let t = Instant::now();
+            let (tx, rx) = tokio::sync::mpsc::channel(2);
+            tx.send(ProcessingRequest {
+                request: Some(Msg::RequestHeaders(headers.clone())),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            tx.send(ProcessingRequest {
+                request: Some(Msg::RequestBody(HttpBody {
+                    body: body.clone(),
+                    end_of_stream: true,
+                    ..Default::default()
+                })),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+            let mut stream = client
+                .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            let _headers = stream.message().await.unwrap().unwrap();
+            let pick = stream.message().await.unwrap().unwrap();
+            let elapsed = t.elapsed();
+            let Some(Response::RequestBody(b)) = pick.response else {
+                panic!("a pick: {pick:?}");
+            };
+            assert!(b.response.is_some_and(|c| c.clear_route_cache));
+            drop(tx);
+            // The first 100 warm the connection and caches.
+            if i >= 100 {
+                samples.push(elapsed);
+            }
+        }
+        samples
+    });
+    stop.store(true, Ordering::Relaxed);
+    drop(engine);
+    routing.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let (a50, a99) = percentiles(alone);
+    let (g50, g99) = percentiles(through_grpc);
+    println!(
+        "a chat request of {} tokens ({} bytes of body), {n} decisions each:",
+        tokens.len(),
+        body.len()
+    );
+    println!("| what | p50 | p99 |");
+    println!("|---|---|---|");
+    println!("| template and tokenizer alone | {a50:.1} µs | {a99:.1} µs |");
+    println!(
+        "| the picker's decision over ext_proc (headers, body, pick) | {g50:.1} µs | {g99:.1} µs |"
+    );
+}
