@@ -576,3 +576,162 @@ fn the_kubernetes_sample_configuration_is_one_kvedge_accepts() {
     );
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A gRPC client of the picker, without Envoy.
+mod grpc {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    };
+    use tokio::sync::mpsc;
+
+    pub type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+    pub fn headers(path: &str) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![HeaderValue {
+                        key: ":path".into(),
+                        raw_value: path.as_bytes().to_vec(),
+                        ..Default::default()
+                    }],
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    pub fn body(b: &[u8], end: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestBody(HttpBody {
+                body: b.to_vec(),
+                end_of_stream: end,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    /// Opens a stream; the sender feeds it, the stream answers.
+    pub async fn open(
+        client: &mut Client,
+    ) -> (
+        mpsc::Sender<ProcessingRequest>,
+        tonic::Streaming<ProcessingResponse>,
+    ) {
+        let (tx, rx) = mpsc::channel(8);
+        let stream = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        (tx, stream)
+    }
+
+    /// The local reply's status, or 0 for another kind of response.
+    pub fn status(r: &ProcessingResponse) -> i32 {
+        match &r.response {
+            Some(Response::ImmediateResponse(i)) => i.status.as_ref().map_or(0, |s| s.code),
+            _ => 0,
+        }
+    }
+
+    /// The picked destination of a body response, if any.
+    pub fn destination(r: &ProcessingResponse) -> Option<String> {
+        let Some(Response::RequestBody(b)) = &r.response else {
+            return None;
+        };
+        let h = b
+            .response
+            .as_ref()?
+            .header_mutation
+            .as_ref()?
+            .set_headers
+            .first()?;
+        Some(String::from_utf8_lossy(&h.header.as_ref()?.raw_value).into_owned())
+    }
+}
+
+#[test]
+fn hostile_grpc_input_gets_errors_and_leaves_other_streams_alone() {
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start("epp-hostile", &config(epp_port));
+    let mut engine = register(&d, 1, "http://127.0.0.2:8000");
+    let hashes = kvedge_shm::hash::sequence_hashes(&prefix(1), 16, None, None);
+    engine
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
+        "the engine's blocks",
+    );
+    // Garbage instead of HTTP/2: the connection is closed.
+    let mut raw = TcpStream::connect(("127.0.0.1", epp_port)).unwrap();
+    raw.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    raw.write_all(&[0xde, 0xad, 0xbe, 0xef].repeat(4096))
+        .unwrap();
+    let mut sink = Vec::new();
+    let closed = raw.read_to_end(&mut sink);
+    assert!(
+        closed.is_ok() || closed.is_err_and(|e| e.kind() == std::io::ErrorKind::ConnectionReset),
+        "the garbage connection is closed"
+    );
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = grpc::Client::connect(format!("http://127.0.0.1:{epp_port}"))
+            .await
+            .unwrap();
+        // A stream that sends its headers and never its body.
+        let (stuck_tx, mut stuck) = grpc::open(&mut client).await;
+        stuck_tx
+            .send(grpc::headers("/v1/completions"))
+            .await
+            .unwrap();
+        let continued = stuck.message().await.unwrap().unwrap();
+        assert_eq!(grpc::status(&continued), 0);
+        // A body over max_body_bytes: 413, in its own stream.
+        let (tx, mut s) = grpc::open(&mut client).await;
+        tx.send(grpc::headers("/v1/completions")).await.unwrap();
+        s.message().await.unwrap().unwrap();
+        tx.send(grpc::body(&vec![b' '; 70_000], true))
+            .await
+            .unwrap();
+        assert_eq!(grpc::status(&s.message().await.unwrap().unwrap()), 413);
+        // Meanwhile a well-formed request is picked as usual.
+        let (tx, mut s) = grpc::open(&mut client).await;
+        tx.send(grpc::headers("/v1/completions")).await.unwrap();
+        s.message().await.unwrap().unwrap();
+        tx.send(grpc::body(&completion(&prefix(1), false), true))
+            .await
+            .unwrap();
+        let picked = s.message().await.unwrap().unwrap();
+        assert_eq!(
+            grpc::destination(&picked).as_deref(),
+            Some("127.0.0.2:8000")
+        );
+        // Its stream goes away without a response: the reservation is
+        // released.
+        drop(tx);
+        drop(s);
+        drop(stuck_tx);
+        drop(client);
+        // The client's connection task runs only inside this runtime:
+        // let it send the streams' ends.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    });
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "the abandoned stream's reservation released",
+    );
+    // And the daemon serves everyone else.
+    assert_eq!(ask(&d.query(), json!({"op": "stats"}))["index_entries"], 4);
+}

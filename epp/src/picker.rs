@@ -91,6 +91,11 @@ pub struct Exchange {
 }
 
 impl Exchange {
+    /// Whether a worker was picked (the response phase has begun).
+    pub fn picked(&self) -> bool {
+        self.request_id.is_some() || self.finished
+    }
+
     /// The request's headers arrived.
     pub fn handle_request_headers(&mut self, h: &HttpHeaders) -> Step {
         self.headers = h

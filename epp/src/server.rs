@@ -25,6 +25,14 @@ use crate::tokenize::Models;
 /// The gRPC service name of ext_proc (for health checks).
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
+/// How long a stream may wait between messages before its pick: Envoy
+/// sends the buffered body right after the headers, so a stream silent
+/// this long is abandoned (it is closed with `DEADLINE_EXCEEDED`). After
+/// the pick, the response may take as long as generation does.
+pub const REQUEST_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+/// Streams at once per gRPC connection.
+pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
+
 /// The routing core, as the picker reaches it.
 pub trait Backend: Send + Sync + 'static {
     /// Serves one binary-protocol request (a frame body: op, version,
@@ -129,7 +137,22 @@ impl Picker {
     ) {
         let mut ex = Exchange::default();
         loop {
-            let msg = match inbound.message().await {
+            let next = if ex.picked() {
+                inbound.message().await
+            } else {
+                match tokio::time::timeout(REQUEST_PHASE_TIMEOUT, inbound.message()).await {
+                    Ok(next) => next,
+                    Err(_) => {
+                        let _ = out
+                            .send(Err(tonic::Status::deadline_exceeded(
+                                "no request body within 30 s of the headers",
+                            )))
+                            .await;
+                        break;
+                    }
+                }
+            };
+            let msg = match next {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
                 Err(e) => {
@@ -228,6 +251,7 @@ pub async fn serve(
         },
     );
     tonic::transport::Server::builder()
+        .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .add_service(health)
         .add_service(ExternalProcessorServer::new(Service(picker)))
         .serve_with_incoming_shutdown(incoming, shutdown)
