@@ -1,6 +1,6 @@
 //! `kvedge demo` and the mock engines as real processes: the demo smoke test
 //! (every request answered, dispatched and finished; nothing left behind)
-//! and seed 000's soft-pin walkthrough with two mock engines.
+//! and the soft-pin walkthrough (docs/policies.md) with two mock engines.
 
 mod common;
 

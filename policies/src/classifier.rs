@@ -54,8 +54,8 @@ pub trait RequestClassifier: Send {
     fn classify(&mut self, request: &ClassifyRequest<'_>) -> Classification;
 }
 
-/// Rejects prompts longer than a limit: the deployment-wide bound seed 000
-/// asks deployments to enforce before classification.
+/// Rejects prompts longer than a limit: the deployment-wide bound a
+/// deployment enforces before classification.
 #[derive(Clone, Copy, Debug)]
 pub struct PromptLimitClassifier {
     pub max_prompt_tokens: u32,

@@ -1,7 +1,7 @@
 //! kvedge's worker-selection pipeline, free of I/O: given a request context
 //! and a columnar table of candidate workers, choose one.
 //!
-//! A policy is filters, then scorers, then a picker (seed 000's plugin API,
+//! A policy is filters, then scorers, then a picker (the plugin API,
 //! reachable under the same paths as Dynamo's, [`plugins::worker_selection`]
 //! and [`plugins::request_classifier`], so a Dynamo policy ports by changing
 //! its imports). Policies are built once per routing partition from YAML
@@ -49,7 +49,7 @@ pub use registry::{
 pub use table::{CacheRow, CandidateRow, CandidateTable, LoadRow, OccupancyRow, WorkerWithDpRank};
 pub use yaml::WorkerSelectionConfig;
 
-/// The plugin API under the module paths of seed 000.
+/// The plugin API under Dynamo's module paths.
 pub mod plugins {
     pub use crate::error::WorkerSelectionPolicyRegistryError;
     pub use crate::registry::{RouterPluginRegistry, RouterPlugins, router_plugin_registry};

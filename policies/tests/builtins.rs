@@ -213,7 +213,7 @@ fn default_cost_softmax_at_a_tiny_temperature_still_finds_the_minimum() {
     }
 }
 
-// ---- least-busy (seed 000's walkthrough policy) ----
+// ---- least-busy (the smallest example policy) ----
 
 #[test]
 fn least_busy_filters_on_device_overlap_then_takes_fewest_requests() {

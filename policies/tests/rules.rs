@@ -1,4 +1,4 @@
-//! The rule language: every example of seed 001, each validation error with
+//! The rule language: worked examples of every construct, each validation error with
 //! its message, predicate forms and absence, FallThrough chains, tie breaks
 //! with a fixed seed, and zero allocations per decision.
 
@@ -46,7 +46,7 @@ fn chosen(d: kvedge_policies::rules::Decision) -> Option<usize> {
     }
 }
 
-// ---- seed 001 examples ----
+// ---- worked examples ----
 
 const MATCHES_EXAMPLE: &str = "
 policy:
@@ -514,7 +514,7 @@ classifiers:
         (vec!["code-unknown".into(), "pii-unknown".into()], Some(0))
     );
     assert_eq!(route(&mut e, None).1, Some(0));
-    // By default a skipped classifier emits nothing (seed 001).
+    // By default a skipped classifier emits nothing.
     let quiet =
         load("classifiers:\n  regex:\n    max_text_bytes: 4\n    patterns:\n      pii: 'x'\n")
             .unwrap();

@@ -1,4 +1,4 @@
-//! `dynamo-default-cost-fn`: the default cost policy of seed 000.
+//! `dynamo-default-cost-fn`: the default cost policy (Dynamo's, ported).
 //!
 //! For each candidate, with `B` the block size, `R` the request's blocks
 //! (prompt tokens / B, rounded up) and `P` its prompt tokens:

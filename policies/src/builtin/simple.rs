@@ -1,4 +1,4 @@
-//! The small built-ins: `least-busy` (seed 000's walkthrough policy),
+//! The small built-ins: `least-busy` (the smallest example policy),
 //! `round-robin`, `random`, `power-of-two`, `least-kv-usage`, the two-tier
 //! `cache-aware` policy and overload-aware `soft-pin`.
 

@@ -1,4 +1,4 @@
-//! The rule language of seed 001: ordered rules of `matches` / `route`
+//! The rule language: ordered rules of `matches` / `route`
 //! (`consider`, `exclude`, `select` tiers, `tieBreak`, `onEmpty`) that pick
 //! between local workers and off-cluster providers.
 //!
