@@ -735,3 +735,57 @@ fn hostile_grpc_input_gets_errors_and_leaves_other_streams_alone() {
     // And the daemon serves everyone else.
     assert_eq!(ask(&d.query(), json!({"op": "stats"}))["index_entries"], 4);
 }
+
+#[test]
+fn rules_see_the_gateway_requests_headers_and_tenant() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\n\
+         epp:\n  listen: 127.0.0.1:{epp_port}\n  tenant_header: x-tenant\n  models:\n    - name: m\n\
+         policy:\n  rules:\n\
+         \x20   - name: blocked-tenant\n      matches:\n        - {{ tenant: blocked }}\n      route:\n        exclude:\n          - drop: {{ type: Local }}\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n        onEmpty: Reject\n\
+         \x20   - name: agents-on-worker-2\n      matches:\n        - {{ header.x-agent: claude }}\n      route:\n        exclude:\n          - drop: {{ workerId: {{ notEqual: 2 }} }}\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n        onEmpty: Reject\n\
+         \x20   - name: everyone\n      route:\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n"
+    );
+    let d = start("epp-rules", &yaml);
+    let engines: Vec<HttpEngine> = (2..4)
+        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
+        .collect();
+    let mut publishers = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        publishers.push(register(&d, i as u64 + 1, &e.endpoint()));
+    }
+    // Worker 1 holds the prefix.
+    let hashes = kvedge_shm::hash::sequence_hashes(&prefix(1), 16, None, None);
+    publishers[0]
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
+        "the engine's blocks",
+    );
+    let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
+    let body = completion(&prefix(1), false);
+    // No header: the prefix's holder.
+    let (status, reply) = envoy.post("/v1/completions", &body, &[]);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!((engines[0].hits(), engines[1].hits()), (1, 0));
+    // An agent's request: worker 2, by the header rule.
+    let (status, reply) = envoy.post("/v1/completions", &body, &[("x-agent", "claude")]);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!((engines[0].hits(), engines[1].hits()), (1, 1));
+    // A blocked tenant, named by the configured header: refused by its rule.
+    let (status, reply) = envoy.post("/v1/completions", &body, &[("x-tenant", "blocked")]);
+    assert_eq!(status, 503, "{reply}");
+    assert!(
+        reply.contains("blocked-tenant") || reply.contains("rejected"),
+        "{reply}"
+    );
+    assert_eq!((engines[0].hits(), engines[1].hits()), (1, 1));
+    let (status, reply) = envoy.post("/v1/completions", &body, &[("x-tenant", "acme")]);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!((engines[0].hits(), engines[1].hits()), (2, 1));
+}
