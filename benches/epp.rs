@@ -39,28 +39,6 @@ fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
     (us(v[v.len() / 2]), us(v[v.len() * 99 / 100]))
 }
 
-/// A BPE tokenizer trained on the repository's docs.
-fn train(path: &std::path::Path) {
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainer};
-    use tokenizers::pre_tokenizers::whitespace::Whitespace;
-    let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs");
-    let files: Vec<String> = std::fs::read_dir(docs)
-        .unwrap()
-        .map(|e| e.unwrap().path().to_string_lossy().into_owned())
-        .filter(|p| p.ends_with(".md"))
-        .collect();
-    let mut trainer: TrainerWrapper = BpeTrainer::builder()
-        .vocab_size(8000)
-        .min_frequency(2)
-        .build()
-        .into();
-    let mut t = tokenizers::Tokenizer::new(BPE::default());
-    t.with_pre_tokenizer(Some(Whitespace {}));
-    t.train_from_files(&mut trainer, files).unwrap();
-    t.save(path, false).unwrap();
-}
-
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
     let n = if quick { 500 } else { 2_000 };
@@ -68,7 +46,8 @@ fn main() {
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("run")).unwrap();
     let tokenizer_path = dir.join("tokenizer.json");
-    train(&tokenizer_path);
+    let docs = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
+    kvedge_epp::testing::train_tokenizer(docs, 8000, &tokenizer_path);
     let template_path = dir.join("chat.jinja");
     std::fs::write(&template_path, TEMPLATE).unwrap();
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).unwrap();

@@ -426,25 +426,8 @@ fn a_dead_picker_fails_closed_or_open_as_configured() {
 /// A BPE tokenizer trained on the repository's own docs, saved as the
 /// model's `tokenizer.json`.
 fn train_tokenizer(path: &std::path::Path) -> tokenizers::Tokenizer {
-    use tokenizers::models::TrainerWrapper;
-    use tokenizers::models::bpe::{BPE, BpeTrainer};
-    use tokenizers::pre_tokenizers::whitespace::Whitespace;
-    let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs");
-    let files: Vec<String> = std::fs::read_dir(docs)
-        .unwrap()
-        .map(|e| e.unwrap().path().to_string_lossy().into_owned())
-        .filter(|p| p.ends_with(".md"))
-        .collect();
-    let mut trainer: TrainerWrapper = BpeTrainer::builder()
-        .vocab_size(4000)
-        .min_frequency(2)
-        .build()
-        .into();
-    let mut t = tokenizers::Tokenizer::new(BPE::default());
-    t.with_pre_tokenizer(Some(Whitespace {}));
-    t.train_from_files(&mut trainer, files).unwrap();
-    t.save(path, false).unwrap();
-    tokenizers::Tokenizer::from_file(path).unwrap()
+    let docs = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
+    kvedge_epp::testing::train_tokenizer(docs, 4000, path)
 }
 
 #[test]

@@ -10,12 +10,14 @@
 //! - [`picker`]: one stream's exchange with Envoy, without I/O.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
 //!   the routing core.
+//! - [`testing`]: a tokenizer trained locally, for tests and benches.
 
 #![forbid(unsafe_code)]
 
 pub mod body;
 pub mod picker;
 pub mod server;
+pub mod testing;
 pub mod tokenize;
 
 pub use picker::Limits;
