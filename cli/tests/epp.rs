@@ -91,7 +91,7 @@ impl Drop for HttpEngine {
     }
 }
 
-/// Reads one HTTP/1.1 request; its content-length body.
+/// Reads one HTTP/1.1 request; its body (content-length or chunked).
 fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
     let mut line = String::new();
     if r.read_line(&mut line).ok()? == 0 {
@@ -108,10 +108,29 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
         let (k, v) = h.split_once(':')?;
         headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
     }
-    let len: usize = headers
-        .iter()
-        .find(|(k, _)| k == "content-length")
-        .and_then(|(_, v)| v.parse().ok())
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        // What a gateway sends when the body was streamed through it.
+        let mut body = Vec::new();
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size).ok()?;
+            let size = usize::from_str_radix(size.trim(), 16).ok()?;
+            let mut chunk = vec![0; size + 2];
+            r.read_exact(&mut chunk).ok()?;
+            if size == 0 {
+                return Some(body);
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    }
+    let len: usize = header("content-length")
+        .and_then(|v| v.parse().ok())
         .unwrap_or(0);
     let mut body = vec![0; len];
     r.read_exact(&mut body).ok()?;
@@ -169,6 +188,18 @@ impl Envoy {
         epp_port: u16,
         failure_mode_allow: bool,
     ) -> Envoy {
+        Envoy::start_with(binary, dir, epp_port, failure_mode_allow, false)
+    }
+
+    /// With `duplex`, both bodies go to the picker `FULL_DUPLEX_STREAMED`
+    /// (as the Gateway API Inference Extension's gateways configure it).
+    fn start_with(
+        binary: &str,
+        dir: &std::path::Path,
+        epp_port: u16,
+        failure_mode_allow: bool,
+        duplex: bool,
+    ) -> Envoy {
         let port = free_port(Ipv4Addr::LOCALHOST);
         let config = std::fs::read_to_string(concat!(
             env!("CARGO_MANIFEST_DIR"),
@@ -181,6 +212,21 @@ impl Envoy {
             "failure_mode_allow: false",
             &format!("failure_mode_allow: {failure_mode_allow}"),
         );
+        let config = if duplex {
+            config
+                .replace(
+                    "request_body_mode: BUFFERED",
+                    "request_body_mode: FULL_DUPLEX_STREAMED",
+                )
+                .replace(
+                    "response_body_mode: STREAMED",
+                    "response_body_mode: FULL_DUPLEX_STREAMED",
+                )
+                .replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
+                .replace("response_trailer_mode: SKIP", "response_trailer_mode: SEND")
+        } else {
+            config
+        };
         let path = dir.join(format!("envoy-{port}.yaml"));
         std::fs::write(&path, config).unwrap();
         let log = std::fs::File::create(dir.join(format!("envoy-{port}.log"))).unwrap();
@@ -771,4 +817,55 @@ fn rules_see_the_gateway_requests_headers_and_tenant() {
     let (status, reply) = envoy.post("/v1/completions", &body, &[("x-tenant", "acme")]);
     assert_eq!(status, 200, "{reply}");
     assert_eq!((engines[0].hits(), engines[1].hits()), (2, 1));
+}
+
+#[test]
+fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start("epp-duplex", &config(epp_port));
+    let engines: Vec<HttpEngine> = (2..5)
+        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
+        .collect();
+    let mut publishers = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        let mut p = register(&d, i as u64 + 1, &e.endpoint());
+        let hashes = kvedge_shm::hash::sequence_hashes(&prefix(i as u32 + 1), 16, None, None);
+        p.publish_stored_hashes(Tier::Device, None, &hashes)
+            .unwrap();
+        publishers.push(p);
+    }
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 12,
+        "every engine's blocks",
+    );
+    let envoy = Envoy::start_with(&envoy_bin, &d.dir, epp_port, false, true);
+    for round in 0..2u32 {
+        for (i, e) in engines.iter().enumerate() {
+            let mut tokens = prefix(i as u32 + 1);
+            // A body of several KB, so it crosses Envoy in more than one
+            // chunk.
+            tokens.extend((0..2000).map(|t| 50_000 + t + round));
+            let stream = round == 1;
+            let before = e.hits();
+            let (status, reply) = envoy.post("/v1/completions", &completion(&tokens, stream), &[]);
+            assert_eq!(status, 200, "{reply}");
+            assert_eq!(e.hits(), before + 1, "engine {i} holds the prefix");
+            // The engine answered because it parsed the whole body; the
+            // client got the engine's whole answer back.
+            if stream {
+                assert!(reply.contains("[DONE]"), "{reply}");
+            } else {
+                assert!(reply.contains("\"ok\""), "{reply}");
+            }
+        }
+    }
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+    let (status, reply) = envoy.post("/v1/completions", b"{broken", &[]);
+    assert_eq!(status, 400, "{reply}");
 }

@@ -12,8 +12,9 @@ use std::collections::HashMap;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody, HttpHeaders,
-    ImmediateResponse, ProcessingResponse, processing_response::Response,
+    BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
+    HttpHeaders, ImmediateResponse, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
+    body_mutation::Mutation, processing_response::Response,
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
@@ -68,6 +69,9 @@ pub enum Picked {
 /// What to do after a message.
 #[derive(Debug)]
 pub enum Step {
+    /// Send nothing yet (a full-duplex stream's headers and body chunks
+    /// before the body's end).
+    Nothing,
     /// Send this to Envoy.
     Reply(ProcessingResponse),
     /// Ask the core, then call [`Exchange::handle_picked`].
@@ -81,6 +85,13 @@ pub enum Step {
 /// The state of one ext_proc stream.
 #[derive(Debug, Default)]
 pub struct Exchange {
+    /// The request body comes `FULL_DUPLEX_STREAMED`: the headers are
+    /// answered after the body's end, with the pick, and the body is sent
+    /// back as a streamed response.
+    duplex_request: bool,
+    /// The response body comes `FULL_DUPLEX_STREAMED`: each chunk is sent
+    /// back as it came.
+    duplex_response: bool,
     route: Option<Route>,
     headers: Vec<(String, String)>,
     body: Vec<u8>,
@@ -91,6 +102,17 @@ pub struct Exchange {
 }
 
 impl Exchange {
+    /// An exchange whose bodies come in the given modes (from the first
+    /// message's protocol configuration; `BUFFERED` and `STREAMED` when
+    /// Envoy does not say).
+    pub fn new(duplex_request: bool, duplex_response: bool) -> Exchange {
+        Exchange {
+            duplex_request,
+            duplex_response,
+            ..Default::default()
+        }
+    }
+
     /// Whether a worker was picked (the response phase has begun).
     pub fn picked(&self) -> bool {
         self.request_id.is_some() || self.finished
@@ -123,6 +145,10 @@ impl Exchange {
         if h.end_of_stream {
             return Step::Reply(immediate(400, "bad_request", "the request has no body"));
         }
+        if self.duplex_request {
+            // Answered with the pick, once the body is whole.
+            return Step::Nothing;
+        }
         Step::Reply(ProcessingResponse {
             response: Some(Response::RequestHeaders(HeadersResponse { response: None })),
             ..Default::default()
@@ -140,6 +166,9 @@ impl Exchange {
         }
         self.body.extend_from_slice(&b.body);
         if !b.end_of_stream {
+            if self.duplex_request {
+                return Step::Nothing;
+            }
             return Step::Reply(ProcessingResponse {
                 response: Some(Response::RequestBody(BodyResponse { response: None })),
                 ..Default::default()
@@ -187,25 +216,42 @@ impl Exchange {
         })
     }
 
-    /// The core answered the select asked for by the body.
-    pub fn handle_picked(&mut self, picked: Picked) -> ProcessingResponse {
+    /// The core answered the select asked for by the body: what to send
+    /// (the pick as the body's answer; in full-duplex mode the headers'
+    /// answer with the pick, then the body sent back).
+    pub fn handle_picked(&mut self, picked: Picked) -> Vec<ProcessingResponse> {
         match picked {
             Picked::Worker {
                 endpoint,
                 request_id,
             } => {
+                self.request_id = Some(request_id);
                 let Some(addr) = host_port(&endpoint) else {
                     // Not addressable by the gateway's original-destination
-                    // cluster: release it, and say why.
-                    self.request_id = Some(request_id);
-                    return immediate(
+                    // cluster: released by the caller, and said why.
+                    return vec![immediate(
                         503,
                         "unroutable_endpoint",
                         &format!("the chosen endpoint `{endpoint}` is not http://host:port"),
-                    );
+                    )];
                 };
-                self.request_id = Some(request_id);
-                pick_response(&addr)
+                if !self.duplex_request {
+                    return vec![pick_response(&addr)];
+                }
+                let mut headers = pick_response(&addr);
+                let Some(Response::RequestBody(BodyResponse { response })) =
+                    headers.response.take()
+                else {
+                    unreachable!("pick_response answers a body");
+                };
+                headers.response = Some(Response::RequestHeaders(HeadersResponse { response }));
+                let body = ProcessingResponse {
+                    response: Some(Response::RequestBody(BodyResponse {
+                        response: Some(streamed(std::mem::take(&mut self.body), true)),
+                    })),
+                    ..Default::default()
+                };
+                vec![headers, body]
             }
             Picked::Refused { status, message } => {
                 let code = match status {
@@ -214,7 +260,7 @@ impl Exchange {
                     "bad_request" => 400,
                     _ => 500,
                 };
-                immediate(code, status, &message)
+                vec![immediate(code, status, &message)]
             }
         }
     }
@@ -245,8 +291,11 @@ impl Exchange {
 
     /// A response body chunk passed.
     pub fn handle_response_body(&mut self, b: &HttpBody) -> Step {
+        let response = self
+            .duplex_response
+            .then(|| streamed(b.body.clone(), b.end_of_stream));
         let reply = ProcessingResponse {
-            response: Some(Response::ResponseBody(BodyResponse { response: None })),
+            response: Some(Response::ResponseBody(BodyResponse { response })),
             ..Default::default()
         };
         if b.end_of_stream {
@@ -259,6 +308,22 @@ impl Exchange {
             }
             _ => Step::Reply(reply),
         }
+    }
+
+    /// Request or response trailers arrived (asked for by some
+    /// full-duplex configurations): let them pass.
+    pub fn handle_trailers(&mut self, response: bool) -> Step {
+        let t = TrailersResponse {
+            header_mutation: None,
+        };
+        Step::Reply(ProcessingResponse {
+            response: Some(if response {
+                Response::ResponseTrailers(t)
+            } else {
+                Response::RequestTrailers(t)
+            }),
+            ..Default::default()
+        })
     }
 
     fn finish_with(&mut self, reply: ProcessingResponse) -> Step {
@@ -287,6 +352,20 @@ fn header_value(v: &HeaderValue) -> String {
         v.value.clone()
     } else {
         String::from_utf8_lossy(&v.raw_value).into_owned()
+    }
+}
+
+/// A body chunk sent back in full-duplex mode.
+fn streamed(body: Vec<u8>, end_of_stream: bool) -> CommonResponse {
+    CommonResponse {
+        body_mutation: Some(BodyMutation {
+            mutation: Some(Mutation::StreamedResponse(StreamedBodyResponse {
+                body,
+                end_of_stream,
+                ..Default::default()
+            })),
+        }),
+        ..Default::default()
     }
 }
 
@@ -438,10 +517,13 @@ mod tests {
         };
         assert_eq!(args.tokens, [1, 2, 3]);
         assert_eq!(args.tenant.as_deref(), Some("acme"));
-        let r = ex.handle_picked(Picked::Worker {
-            endpoint: "http://10.0.0.7:8000".into(),
-            request_id: 42,
-        });
+        let [r]: [ProcessingResponse; 1] = ex
+            .handle_picked(Picked::Worker {
+                endpoint: "http://10.0.0.7:8000".into(),
+                request_id: 42,
+            })
+            .try_into()
+            .unwrap();
         let Some(Response::RequestBody(b)) = &r.response else {
             panic!("a body response");
         };
@@ -511,7 +593,7 @@ mod tests {
                 status,
                 message: "m".into(),
             });
-            assert_eq!(super::tests::status(&r), Some(code), "{status}");
+            assert_eq!(super::tests::status(&r[0]), Some(code), "{status}");
         };
         refused("no_worker", 503);
         refused("too_many_requests", 429);
@@ -523,7 +605,7 @@ mod tests {
             endpoint: "https://api.example.com/v1".into(),
             request_id: 9,
         });
-        assert_eq!(status(&r), Some(503));
+        assert_eq!(status(&r[0]), Some(503));
         assert_eq!(ex.take_unused_reservation(), Some(9));
         // Bad requests never reach the core.
         let mut ex = Exchange::default();
@@ -538,6 +620,73 @@ mod tests {
         ex.handle_request_headers(&headers("/v1/completions"));
         let step = ex.handle_request_body(&body(&[b' '; 2048], true), &models(), &limits());
         assert!(matches!(step, Step::Reply(ref r) if status(r) == Some(413)));
+    }
+
+    #[test]
+    fn a_full_duplex_stream_is_answered_at_the_bodys_end_with_its_body_sent_back() {
+        let mut ex = Exchange::new(true, true);
+        assert!(matches!(
+            ex.handle_request_headers(&headers("/v1/completions")),
+            Step::Nothing
+        ));
+        assert!(matches!(
+            ex.handle_request_body(&body(br#"{"model":"m","#, false), &models(), &limits()),
+            Step::Nothing
+        ));
+        assert!(matches!(
+            ex.handle_request_body(&body(br#""prompt":[1,2]}"#, true), &models(), &limits()),
+            Step::Select(_)
+        ));
+        let r = ex.handle_picked(Picked::Worker {
+            endpoint: "http://10.0.0.7:8000".into(),
+            request_id: 3,
+        });
+        assert_eq!(r.len(), 2);
+        let Some(Response::RequestHeaders(h)) = &r[0].response else {
+            panic!("the headers' answer first");
+        };
+        let common = h.response.as_ref().unwrap();
+        assert!(common.clear_route_cache);
+        assert_eq!(
+            common.header_mutation.as_ref().unwrap().set_headers[0]
+                .header
+                .as_ref()
+                .unwrap()
+                .raw_value,
+            b"10.0.0.7:8000"
+        );
+        assert!(r[0].dynamic_metadata.is_some());
+        let Some(Response::RequestBody(b)) = &r[1].response else {
+            panic!("then the body");
+        };
+        let Some(Mutation::StreamedResponse(sent)) = b
+            .response
+            .as_ref()
+            .and_then(|c| c.body_mutation.as_ref())
+            .and_then(|m| m.mutation.clone())
+        else {
+            panic!("the body sent back");
+        };
+        assert_eq!(sent.body, br#"{"model":"m","prompt":[1,2]}"#);
+        assert!(sent.end_of_stream);
+        // Response chunks are sent back as they came.
+        let Step::PrefillDone(3, r) = ex.handle_response_body(&body(b"data: a", false)) else {
+            panic!("prefill_done");
+        };
+        let Some(Response::ResponseBody(b)) = r.response else {
+            panic!("a body answer");
+        };
+        let Some(Mutation::StreamedResponse(sent)) = b
+            .response
+            .and_then(|c| c.body_mutation)
+            .and_then(|m| m.mutation)
+        else {
+            panic!("the chunk sent back");
+        };
+        assert_eq!(
+            (sent.body.as_slice(), sent.end_of_stream),
+            (&b"data: a"[..], false)
+        );
     }
 
     #[test]

@@ -8,6 +8,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
+use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
@@ -135,9 +136,10 @@ impl Picker {
         mut inbound: Streaming<ProcessingRequest>,
         out: mpsc::Sender<Result<ProcessingResponse, tonic::Status>>,
     ) {
-        let mut ex = Exchange::default();
+        let mut ex: Option<Exchange> = None;
         loop {
-            let next = if ex.picked() {
+            let picked = ex.as_ref().is_some_and(Exchange::picked);
+            let next = if picked {
                 inbound.message().await
             } else {
                 match tokio::time::timeout(REQUEST_PHASE_TIMEOUT, inbound.message()).await {
@@ -160,23 +162,32 @@ impl Picker {
                     break;
                 }
             };
+            // The body modes are in the stream's first message.
+            let ex = ex.get_or_insert_with(|| {
+                let duplex = BodySendMode::FullDuplexStreamed as i32;
+                let c = msg.protocol_config.as_ref();
+                Exchange::new(
+                    c.is_some_and(|c| c.request_body_mode == duplex),
+                    c.is_some_and(|c| c.response_body_mode == duplex),
+                )
+            });
             let step = match &msg.request {
                 Some(Msg::RequestHeaders(h)) => ex.handle_request_headers(h),
                 Some(Msg::RequestBody(b)) => ex.handle_request_body(b, &self.models, &self.limits),
                 Some(Msg::ResponseHeaders(h)) => ex.handle_response_headers(h),
                 Some(Msg::ResponseBody(b)) => ex.handle_response_body(b),
-                Some(Msg::RequestTrailers(_)) | Some(Msg::ResponseTrailers(_)) | None => {
-                    // Trailers are not asked for; a message without a
-                    // request (flow control) needs no answer.
-                    continue;
-                }
+                Some(Msg::RequestTrailers(_)) => ex.handle_trailers(false),
+                Some(Msg::ResponseTrailers(_)) => ex.handle_trailers(true),
+                // A flow-control message needs no answer.
+                None => continue,
             };
-            let reply = match step {
-                Step::Reply(r) => r,
+            let replies = match step {
+                Step::Nothing => continue,
+                Step::Reply(r) => vec![r],
                 Step::Select(args) => {
                     let picked = self.select(&args).await;
                     let r = ex.handle_picked(picked);
-                    if is_immediate(&r)
+                    if r.first().is_some_and(is_immediate)
                         && let Some(id) = ex.take_unused_reservation()
                     {
                         self.release(Request::Finish { request_id: id }).await;
@@ -185,19 +196,23 @@ impl Picker {
                 }
                 Step::PrefillDone(id, r) => {
                     self.release(Request::PrefillDone { request_id: id }).await;
-                    r
+                    vec![r]
                 }
                 Step::Finish(id, r) => {
                     self.release(Request::Finish { request_id: id }).await;
-                    r
+                    vec![r]
                 }
             };
-            let done = is_immediate(&reply);
-            if out.send(Ok(reply)).await.is_err() || done {
+            let done = replies.iter().any(is_immediate);
+            let mut sent = true;
+            for r in replies {
+                sent &= out.send(Ok(r)).await.is_ok();
+            }
+            if !sent || done {
                 break;
             }
         }
-        if let Some(id) = ex.handle_closed() {
+        if let Some(id) = ex.as_mut().and_then(Exchange::handle_closed) {
             self.release(Request::Finish { request_id: id }).await;
         }
     }
