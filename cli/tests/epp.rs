@@ -662,6 +662,31 @@ mod grpc {
         (tx, stream)
     }
 
+    /// `m` carrying a gateway's subset hint (as Envoy forwards the
+    /// `envoy.lb.subset_hint` filter metadata).
+    pub fn with_subset(mut m: ProcessingRequest, endpoints: &[&str]) -> ProcessingRequest {
+        use envoy_types::pb::envoy::config::core::v3::Metadata;
+        use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
+        let list = Value {
+            kind: Some(Kind::ListValue(ListValue {
+                values: endpoints
+                    .iter()
+                    .map(|e| Value {
+                        kind: Some(Kind::StringValue((*e).to_owned())),
+                    })
+                    .collect(),
+            })),
+        };
+        let hint = Struct {
+            fields: [("x-gateway-destination-endpoint-subset".to_owned(), list)].into(),
+        };
+        m.metadata_context = Some(Metadata {
+            filter_metadata: [("envoy.lb.subset_hint".to_owned(), hint)].into(),
+            ..Default::default()
+        });
+        m
+    }
+
     /// The local reply's status, or 0 for another kind of response.
     pub fn status(r: &ProcessingResponse) -> i32 {
         match &r.response {
@@ -868,4 +893,67 @@ fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
     );
     let (status, reply) = envoy.post("/v1/completions", b"{broken", &[]);
     assert_eq!(status, 400, "{reply}");
+}
+
+#[test]
+fn a_gateways_subset_hint_restricts_the_pick() {
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start("epp-subset", &config(epp_port));
+    let mut holder = register(&d, 1, "http://127.0.0.2:8000");
+    let _other = register(&d, 2, "http://127.0.0.3:8000");
+    let hashes = kvedge_shm::hash::sequence_hashes(&prefix(1), 16, None, None);
+    holder
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
+        "the engine's blocks",
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = grpc::Client::connect(format!("http://127.0.0.1:{epp_port}"))
+            .await
+            .unwrap();
+        let body = completion(&prefix(1), false);
+        let mut pick = async |subset: Option<&[&str]>| {
+            let (tx, mut s) = grpc::open(&mut client).await;
+            let headers = grpc::headers("/v1/completions");
+            let headers = match subset {
+                Some(e) => grpc::with_subset(headers, e),
+                None => headers,
+            };
+            tx.send(headers).await.unwrap();
+            s.message().await.unwrap().unwrap();
+            tx.send(grpc::body(&body, true)).await.unwrap();
+            let r = s.message().await.unwrap().unwrap();
+            (grpc::destination(&r), grpc::status(&r))
+        };
+        // No hint: the prefix's holder.
+        assert_eq!(pick(None).await.0.as_deref(), Some("127.0.0.2:8000"));
+        // A hint naming the other: the other, against the prefix.
+        assert_eq!(
+            pick(Some(&["127.0.0.3:8000"])).await.0.as_deref(),
+            Some("127.0.0.3:8000")
+        );
+        // Both: the holder again.
+        assert_eq!(
+            pick(Some(&["127.0.0.3:8000", "127.0.0.2:8000"]))
+                .await
+                .0
+                .as_deref(),
+            Some("127.0.0.2:8000")
+        );
+        // Naming no registered worker, or nothing: 503.
+        assert_eq!(pick(Some(&["127.0.0.9:1"])).await, (None, 503));
+        assert_eq!(pick(Some(&[])).await, (None, 503));
+        drop(client);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    });
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
 }

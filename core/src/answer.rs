@@ -287,6 +287,7 @@ impl Core {
             pinned: None,
             now_ms: self.ms(now),
             dry_run: s.dry_run,
+            subset: s.subset,
         };
         self.router.set_explain_costs(s.explain);
         let result = self.router.select(&req);

@@ -81,6 +81,22 @@ pub struct SelectRequest<'a> {
     pub now_ms: u64,
     /// Answer without reserving or rebinding.
     pub dry_run: bool,
+    /// Only workers whose endpoint is one of these (a gateway's subset
+    /// hint: `host:port` or the whole URL); empty: every worker.
+    pub subset: kvedge_wire::Strs<'a>,
+}
+
+/// Whether `endpoint` (a worker's URL, `http://host:port`) is allowed by
+/// `subset` (empty: everything). Compares without allocating.
+pub fn in_subset(endpoint: &str, subset: &kvedge_wire::Strs<'_>) -> bool {
+    if subset.is_empty() {
+        return true;
+    }
+    let authority = endpoint
+        .strip_prefix("http://")
+        .or_else(|| endpoint.strip_prefix("https://"))
+        .map(|rest| rest.split('/').next().unwrap_or(rest));
+    subset.iter().any(|e| e == endpoint || Some(e) == authority)
 }
 
 /// The answer to a routing query.
@@ -535,6 +551,7 @@ impl Router {
                 && w.available
                 && w.role == req.role
                 && w.model == req.model
+                && in_subset(&w.endpoint, &req.subset)
             {
                 mask |= 1u64 << i;
                 block_size = w.block_size;
@@ -676,6 +693,7 @@ impl Router {
             if let Some(w) = w
                 && w.available
                 && w.role == req.role
+                && in_subset(&w.endpoint, &req.subset)
             {
                 mask |= 1u64 << i;
             }

@@ -63,6 +63,7 @@ fn req<'a>(hashes: &'a [u64], tokens: u32) -> SelectRequest<'a> {
         pinned: None,
         now_ms: 0,
         dry_run: false,
+        subset: kvedge_wire::Strs::EMPTY,
     }
 }
 
@@ -108,6 +109,39 @@ fn selection_follows_the_published_prefixes_and_finish_restores_the_report() {
         ..req(&hashes, tokens.len() as u32)
     };
     assert_eq!(router.select(&dry).unwrap().overlap_blocks, [0, 16, 0]);
+    // A subset hint keeps the pick inside it, whatever the prefix says;
+    // one naming every worker changes nothing; one naming no worker leaves
+    // nothing to pick.
+    let free = router
+        .select(&SelectRequest {
+            dry_run: true,
+            ..req(&hashes, tokens.len() as u32)
+        })
+        .unwrap()
+        .worker
+        .worker_id;
+    let other = 3 - free;
+    let named = |id: u64| if id == 1 { "engine-1" } else { "engine-2" };
+    let only_other = [named(other)];
+    let url = [format!("http://{}", named(other))];
+    let url = [url[0].as_str()];
+    for (subset, expected) in [
+        (&only_other[..], Some(other)),
+        (&url[..], Some(other)),
+        (&["engine-1", "engine-2"][..], Some(free)),
+        (&["engine-9"][..], None),
+    ] {
+        let hinted = SelectRequest {
+            dry_run: true,
+            subset: kvedge_wire::Strs::new(subset),
+            ..req(&hashes, tokens.len() as u32)
+        };
+        assert_eq!(
+            router.select(&hinted).ok().map(|r| r.worker.worker_id),
+            expected,
+            "{subset:?}"
+        );
+    }
 
     // The reservation shows in A's projected load until finish.
     let projected = router.load.projected(a.slot);

@@ -10,7 +10,7 @@
 
 use std::collections::HashMap;
 
-use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption};
+use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpBody,
     HttpHeaders, ImmediateResponse, ProcessingResponse, StreamedBodyResponse, TrailersResponse,
@@ -26,6 +26,10 @@ use crate::tokenize::{Models, PromptError, Tokens};
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// The dynamic-metadata namespace Envoy's load balancer reads.
 pub const LB_NAMESPACE: &str = "envoy.lb";
+/// The filter-metadata namespace of a gateway's subset hint.
+pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
+/// The subset hint's key: the endpoints (`ip:port`) the pick must come from.
+pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
 
 /// What the picker is configured with.
 #[derive(Clone, Debug)]
@@ -51,6 +55,9 @@ pub struct SelectArgs {
     pub tenant: Option<String>,
     pub session: Option<String>,
     pub headers: Vec<(String, String)>,
+    /// The gateway's subset hint: pick only among these endpoints (empty:
+    /// no hint).
+    pub subset: Vec<String>,
 }
 
 /// What the core answered a select.
@@ -94,6 +101,8 @@ pub struct Exchange {
     duplex_response: bool,
     route: Option<Route>,
     headers: Vec<(String, String)>,
+    /// The gateway's subset hint, once one was seen.
+    subset: Option<Vec<String>>,
     body: Vec<u8>,
     /// The reservation to account, once picked.
     request_id: Option<u64>,
@@ -111,6 +120,38 @@ impl Exchange {
             duplex_response,
             ..Default::default()
         }
+    }
+
+    /// The request's filter metadata arrived with a message: its subset
+    /// hint, if any, restricts the pick.
+    pub fn handle_metadata(&mut self, m: &Metadata) {
+        let Some(hint) = m.filter_metadata.get(SUBSET_NAMESPACE) else {
+            return;
+        };
+        let Some(value) = hint.fields.get(SUBSET_KEY) else {
+            return;
+        };
+        let mut subset = Vec::new();
+        let mut add = |s: &str| {
+            subset.extend(
+                s.split(',')
+                    .map(str::trim)
+                    .filter(|e| !e.is_empty())
+                    .map(str::to_owned),
+            )
+        };
+        match &value.kind {
+            Some(Kind::StringValue(s)) => add(s),
+            Some(Kind::ListValue(l)) => {
+                for v in &l.values {
+                    if let Some(Kind::StringValue(s)) = &v.kind {
+                        add(s);
+                    }
+                }
+            }
+            _ => {}
+        }
+        self.subset = Some(subset);
     }
 
     /// Whether a worker was picked (the response phase has begun).
@@ -194,6 +235,17 @@ impl Exchange {
                     .map(|(_, v)| v.clone())
             })
         };
+        let subset = match &self.subset {
+            Some(s) if s.is_empty() => {
+                return Step::Reply(immediate(
+                    503,
+                    "no_worker",
+                    "the gateway's subset hint names no endpoint",
+                ));
+            }
+            Some(s) => s.clone(),
+            None => Vec::new(),
+        };
         let (tokens, prompt_tokens) = match tokens {
             Tokens::Ids(ids) => (ids, None),
             Tokens::Unknown { text_bytes } => (
@@ -213,6 +265,7 @@ impl Exchange {
                 .filter(|(k, _)| !k.starts_with(':'))
                 .cloned()
                 .collect(),
+            subset,
         })
     }
 

@@ -15,7 +15,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse, processing_request::Request as Msg,
 };
-use kvedge_wire::{Ids, Pairs, Request, Role, Select, Status, binary};
+use kvedge_wire::{Ids, Pairs, Request, Role, Select, Status, Strs, binary};
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Streaming, async_trait};
@@ -97,6 +97,7 @@ impl Picker {
         s.tenant = args.tenant.as_deref();
         s.session = args.session.as_deref();
         s.headers = Pairs::map(&headers);
+        s.subset = Strs::strings(&args.subset);
         match self.call(&Request::Select(s)).await {
             Ok((Status::Ok, payload)) => match binary::decode_select_reply(&payload) {
                 Ok(v) => Picked::Worker {
@@ -171,6 +172,9 @@ impl Picker {
                     c.is_some_and(|c| c.response_body_mode == duplex),
                 )
             });
+            if let Some(m) = &msg.metadata_context {
+                ex.handle_metadata(m);
+            }
             let step = match &msg.request {
                 Some(Msg::RequestHeaders(h)) => ex.handle_request_headers(h),
                 Some(Msg::RequestBody(b)) => ex.handle_request_body(b, &self.models, &self.limits),

@@ -199,6 +199,7 @@ pub fn run(
                     pinned: None,
                     now_ms: now / 1000,
                     dry_run: false,
+                    subset: kvedge_wire::Strs::EMPTY,
                 };
                 router.load.expire(now / 1000);
                 let t = Instant::now();

@@ -5,7 +5,7 @@
 //! nothing; encoding appends to a caller's buffer.
 
 use crate::reply::{Reply, SelectView};
-use crate::request::{Ids, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
+use crate::request::{Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
 use crate::{ErrorReply, Status};
 
 /// First bytes of a binary connection.
@@ -26,6 +26,9 @@ mod flag {
     pub const DRY_RUN: u8 = 1;
     pub const TOKENS: u8 = 2;
     pub const CONTEXT: u8 = 4;
+    /// A subset section follows the context (or the ids): the endpoints
+    /// the pick must come from.
+    pub const SUBSET: u8 = 8;
 }
 
 /// A request a frame cannot carry, or a field too long for its length
@@ -164,6 +167,13 @@ fn decode_select<'a>(c: &mut Cursor<'a>) -> Result<Select<'a>, &'static str> {
         let header_count = c.u16()?;
         s.headers = Pairs::frame(header_count, c.strs(header_count, 2)?);
     }
+    if flags & flag::SUBSET != 0 {
+        let count = c.u16()?;
+        if usize::from(count) > MAX_SUBSET {
+            return Err("more than 1024 subset endpoints");
+        }
+        s.subset = Strs::frame(count, c.strs(count, 1)?);
+    }
     Ok(s)
 }
 
@@ -252,6 +262,12 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
             short(v, "a header value is too long")?;
         }
     }
+    if s.subset.len() > MAX_SUBSET {
+        return Err(EncodeError("at most 1024 subset endpoints"));
+    }
+    for e in s.subset.iter() {
+        short(e, "a subset endpoint is too long")?;
+    }
     let count = u32::try_from(s.ids.len()).map_err(|_| EncodeError("the prompt is too long"))?;
     let flags = if s.dry_run { flag::DRY_RUN } else { 0 }
         | if matches!(s.ids, Ids::Tokens(_)) {
@@ -259,7 +275,8 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
         } else {
             0
         }
-        | if context { flag::CONTEXT } else { 0 };
+        | if context { flag::CONTEXT } else { 0 }
+        | if s.subset.is_empty() { 0 } else { flag::SUBSET };
     write_frame(out, op::SELECT, |o| {
         o.push(flags);
         o.push(s.role as u8);
@@ -281,6 +298,10 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
                 put_short(o, n);
                 put_short(o, v);
             }
+        }
+        if !s.subset.is_empty() {
+            o.extend_from_slice(&(s.subset.len() as u16).to_le_bytes());
+            s.subset.iter().for_each(|e| put_short(o, e));
         }
     });
     Ok(())
@@ -391,6 +412,28 @@ mod tests {
         assert_eq!(h.iter().collect::<Vec<_>>(), hashes);
         assert_eq!(d.tags.iter().collect::<Vec<_>>(), tags);
         assert_eq!(d.headers.iter().collect::<Vec<_>>(), headers);
+        assert!(d.subset.is_empty());
+    }
+
+    #[test]
+    fn a_subset_round_trips_with_or_without_a_context() {
+        let hashes = [1u64];
+        let subset = ["10.0.0.1:8000", "10.0.0.2:8000"];
+        for tenant in [None, Some("acme")] {
+            let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
+            s.tenant = tenant;
+            s.subset = Strs::new(&subset);
+            let body = round_trip(&Request::Select(s));
+            let Request::Select(d) = decode_request(&body).unwrap() else {
+                panic!("not a select")
+            };
+            assert_eq!(d.tenant, tenant);
+            assert_eq!(d.subset.iter().collect::<Vec<_>>(), subset);
+        }
+        let many: Vec<String> = (0..=MAX_SUBSET).map(|i| format!("10.0.0.{i}:1")).collect();
+        let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
+        s.subset = Strs::strings(&many);
+        assert!(encode_request(&mut Vec::new(), &Request::Select(s)).is_err());
     }
 
     #[test]

@@ -40,6 +40,8 @@ pub struct JsonRequest {
     priority: i32,
     #[serde(default)]
     headers: BTreeMap<String, String>,
+    #[serde(default)]
+    subset: Vec<String>,
     request_id: Option<u64>,
 }
 
@@ -107,6 +109,14 @@ impl JsonRequest {
         s.tenant = self.tenant.as_deref();
         s.tags = Strs::strings(&self.tags);
         s.headers = Pairs::map(&self.headers);
+        if self.subset.len() > crate::request::MAX_SUBSET {
+            return Err(bad(format!(
+                "a subset of {} endpoints (at most {})",
+                self.subset.len(),
+                crate::request::MAX_SUBSET
+            )));
+        }
+        s.subset = Strs::strings(&self.subset);
         Ok(s)
     }
 }
@@ -177,6 +187,8 @@ struct RequestOut<'a> {
     priority: i32,
     #[serde(skip_serializing_if = "Pairs::is_empty")]
     headers: Pairs<'a>,
+    #[serde(skip_serializing_if = "Strs::is_empty")]
+    subset: Strs<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<u64>,
 }
@@ -200,6 +212,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
         explain: false,
         priority: 0,
         headers: Pairs::EMPTY,
+        subset: Strs::EMPTY,
         request_id: None,
     };
     match *request {
@@ -220,6 +233,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
             line.explain = s.explain;
             line.priority = s.priority;
             line.headers = s.headers;
+            line.subset = s.subset;
         }
         Request::PrefillDone { request_id } | Request::Finish { request_id } => {
             line.request_id = Some(request_id);

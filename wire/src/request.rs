@@ -72,10 +72,16 @@ pub struct Select<'a> {
     pub tags: Strs<'a>,
     /// Ingress headers, (name, value).
     pub headers: Pairs<'a>,
+    /// Pick only among workers whose endpoint is one of these (`host:port`
+    /// or the whole endpoint URL); empty: no restriction. A gateway's
+    /// subset hint.
+    pub subset: Strs<'a>,
 }
 
 /// Most tags a select may carry.
 pub const MAX_TAGS: usize = 32;
+/// Most endpoints a select's subset may name.
+pub const MAX_SUBSET: usize = 1024;
 
 impl<'a> Select<'a> {
     /// A select of `ids` for `model` in `role`, everything else unset.
@@ -94,6 +100,7 @@ impl<'a> Select<'a> {
             tenant: None,
             tags: Strs::EMPTY,
             headers: Pairs::EMPTY,
+            subset: Strs::EMPTY,
         }
     }
 
