@@ -1,6 +1,273 @@
-//! Helpers for tests and benchmarks: a real tokenizer without a download.
+//! Helpers for tests and benchmarks: a real tokenizer without a download,
+//! OpenAI-style HTTP engines, and a real Envoy (its binary named by the
+//! caller) in front of them. They panic on failure, as a test would.
 
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
 use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use serde_json::{Value, json};
+
+/// The shipped Envoy configuration for the picker.
+pub const SHIPPED_CONFIG: &str = include_str!("../../deploy/envoy/envoy.yaml");
+
+/// A port free on `ip` just now.
+pub fn free_port(ip: Ipv4Addr) -> u16 {
+    TcpListener::bind((ip, 0))
+        .expect("a free port")
+        .local_addr()
+        .expect("its address")
+        .port()
+}
+
+/// An OpenAI-compatible engine: answers `/v1/completions` and
+/// `/v1/chat/completions`, streamed (server-sent events, chunked) or not,
+/// and counts the requests it served.
+#[derive(Debug)]
+pub struct HttpEngine {
+    pub addr: SocketAddr,
+    hits: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+impl HttpEngine {
+    /// An engine on `ip` (a free port).
+    pub fn start(ip: Ipv4Addr) -> HttpEngine {
+        let listener = TcpListener::bind((ip, 0)).unwrap();
+        listener.set_nonblocking(true).unwrap();
+        let addr = listener.local_addr().unwrap();
+        let hits = Arc::new(AtomicUsize::new(0));
+        let stop = Arc::new(AtomicBool::new(false));
+        let (h, s) = (Arc::clone(&hits), Arc::clone(&stop));
+        std::thread::spawn(move || {
+            while !s.load(Ordering::Relaxed) {
+                match listener.accept() {
+                    Ok((conn, _)) => {
+                        let h = Arc::clone(&h);
+                        std::thread::spawn(move || serve_http(conn, &h));
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                }
+            }
+        });
+        HttpEngine { addr, hits, stop }
+    }
+
+    /// `http://ip:port`.
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// Requests served so far.
+    pub fn hits(&self) -> usize {
+        self.hits.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for HttpEngine {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// Reads one HTTP/1.1 request; its body (content-length or chunked).
+fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
+    let mut line = String::new();
+    if r.read_line(&mut line).ok()? == 0 {
+        return None;
+    }
+    let mut headers = Vec::new();
+    loop {
+        let mut h = String::new();
+        r.read_line(&mut h).ok()?;
+        let h = h.trim_end();
+        if h.is_empty() {
+            break;
+        }
+        let (k, v) = h.split_once(':')?;
+        headers.push((k.trim().to_ascii_lowercase(), v.trim().to_owned()));
+    }
+    let header = |name: &str| {
+        headers
+            .iter()
+            .find(|(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    };
+    if header("transfer-encoding").is_some_and(|v| v.eq_ignore_ascii_case("chunked")) {
+        // What a gateway sends when the body was streamed through it.
+        let mut body = Vec::new();
+        loop {
+            let mut size = String::new();
+            r.read_line(&mut size).ok()?;
+            let size = usize::from_str_radix(size.trim(), 16).ok()?;
+            let mut chunk = vec![0; size + 2];
+            r.read_exact(&mut chunk).ok()?;
+            if size == 0 {
+                return Some(body);
+            }
+            body.extend_from_slice(&chunk[..size]);
+        }
+    }
+    let len: usize = header("content-length")
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0);
+    let mut body = vec![0; len];
+    r.read_exact(&mut body).ok()?;
+    Some(body)
+}
+
+fn serve_http(conn: TcpStream, hits: &AtomicUsize) {
+    let mut r = BufReader::new(conn.try_clone().unwrap());
+    let mut w = conn;
+    while let Some(body) = read_request(&mut r) {
+        hits.fetch_add(1, Ordering::SeqCst);
+        let req: Value = serde_json::from_slice(&body).unwrap_or_default();
+        if req["stream"] == true {
+            let _ = w.write_all(
+                b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+            );
+            for piece in [
+                "data: {\"choices\":[{\"text\":\"a\"}]}\n\n",
+                "data: {\"choices\":[{\"text\":\"b\"}]}\n\n",
+                "data: [DONE]\n\n",
+            ] {
+                std::thread::sleep(Duration::from_millis(20));
+                let _ = write!(w, "{:x}\r\n{piece}\r\n", piece.len());
+            }
+            let _ = w.write_all(b"0\r\n\r\n");
+        } else {
+            let answer =
+                json!({"object": "text_completion", "choices": [{"text": "ok"}]}).to_string();
+            let _ = write!(
+                w,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    }
+}
+
+/// A real Envoy in front of the picker and the engines.
+#[derive(Debug)]
+pub struct Envoy {
+    child: Child,
+    /// Where it listens (127.0.0.1).
+    pub port: u16,
+}
+
+impl Drop for Envoy {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Envoy {
+    /// The shipped configuration (`deploy/envoy/envoy.yaml`) with the
+    /// picker on `epp_port`.
+    pub fn start(
+        binary: &str,
+        dir: &std::path::Path,
+        epp_port: u16,
+        failure_mode_allow: bool,
+    ) -> Envoy {
+        Envoy::start_with(binary, dir, epp_port, failure_mode_allow, false)
+    }
+
+    /// With `duplex`, both bodies go to the picker `FULL_DUPLEX_STREAMED`
+    /// (as the Gateway API Inference Extension's gateways configure it).
+    pub fn start_with(
+        binary: &str,
+        dir: &std::path::Path,
+        epp_port: u16,
+        failure_mode_allow: bool,
+        duplex: bool,
+    ) -> Envoy {
+        let config = SHIPPED_CONFIG
+            .replace("port_value: 9002", &format!("port_value: {epp_port}"))
+            .replace(
+                "failure_mode_allow: false",
+                &format!("failure_mode_allow: {failure_mode_allow}"),
+            );
+        let config = if duplex {
+            config
+                .replace(
+                    "request_body_mode: BUFFERED",
+                    "request_body_mode: FULL_DUPLEX_STREAMED",
+                )
+                .replace(
+                    "response_body_mode: STREAMED",
+                    "response_body_mode: FULL_DUPLEX_STREAMED",
+                )
+                .replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
+                .replace("response_trailer_mode: SKIP", "response_trailer_mode: SEND")
+        } else {
+            config
+        };
+        Envoy::start_config(binary, dir, &config)
+    }
+
+    /// Any configuration whose listener is on `port_value: 8081` (moved to
+    /// a free port).
+    pub fn start_config(binary: &str, dir: &std::path::Path, config: &str) -> Envoy {
+        let port = free_port(Ipv4Addr::LOCALHOST);
+        let config = config.replace("port_value: 8081", &format!("port_value: {port}"));
+        let path = dir.join(format!("envoy-{port}.yaml"));
+        std::fs::write(&path, config).unwrap();
+        let log = std::fs::File::create(dir.join(format!("envoy-{port}.log"))).unwrap();
+        let child = Command::new(binary)
+            .args(["-c", path.to_str().unwrap(), "--log-level", "warn"])
+            .args(["--base-id", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("envoy starts");
+        let envoy = Envoy { child, port };
+        let start = Instant::now();
+        while TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(
+                start.elapsed() < Duration::from_secs(20),
+                "envoy did not listen; its log: {}",
+                std::fs::read_to_string(dir.join(format!("envoy-{port}.log"))).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        envoy
+    }
+
+    /// POSTs `body` to `path`; the status and the whole response body.
+    pub fn post(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, String) {
+        let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+        let mut req = format!(
+            "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",
+            body.len()
+        );
+        for (k, v) in headers {
+            req.push_str(&format!("{k}: {v}\r\n"));
+        }
+        req.push_str("\r\n");
+        s.write_all(req.as_bytes()).unwrap();
+        s.write_all(body).unwrap();
+        let mut out = Vec::new();
+        let _ = s.read_to_end(&mut out);
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let status = text
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = text
+            .split_once("\r\n\r\n")
+            .map(|(_, b)| b.to_owned())
+            .unwrap_or_default();
+        (status, body)
+    }
+}
 
 /// Trains a BPE tokenizer (whitespace pre-tokenizer, `vocab_size`
 /// entries) on the Markdown files in `docs`, saves it as a
