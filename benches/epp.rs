@@ -12,8 +12,8 @@
 
 #![forbid(unsafe_code)]
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+mod support;
+
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
@@ -21,15 +21,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::Ex
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
-use kvedge_core::config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_epp::body::Prompt;
 use kvedge_epp::{ModelSpec, Models};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
-use kvedge_shm::Publisher;
-use kvedge_shm::control::ProducerSession;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
 
 const TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
 
@@ -112,43 +105,8 @@ fn main() {
         tokenizer_path.display(),
         template_path.display()
     );
-    let config = Config::load(
-        "bench",
-        &yaml,
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
-    let section = config.epp.clone().unwrap();
-    let rd = RuntimeDir {
-        dir: dir.join("run"),
-    };
-    let mut server = Server::bind(config, &rd).unwrap();
-    kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = Arc::clone(&stop);
-    let routing = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
-    let hello = Hello {
-        worker_id: 1,
-        dp_rank: 0,
-        model: "m".into(),
-        role: Role::Aggregated,
-        block_size: 16,
-        kv_blocks: [1 << 16, 0, 0],
-        labels: vec![],
-        taints: vec![],
-        endpoint: "http://127.0.0.2:8000".into(),
-        ring_capacity: 0,
-    };
-    let (session, ring) =
-        ProducerSession::connect(rd.dir.join("control.sock"), &hello, Duration::from_secs(5))
-            .unwrap();
-    let mut engine = Publisher::new(Some(session), ring);
-    let hashes =
-        kvedge_shm::hash::sequence_hashes(&tokens[..tokens.len() / 16 * 16], 16, None, None);
-    engine
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
+    let daemon = support::Running::start(&dir, &yaml);
+    let engine = daemon.engine(1, "http://127.0.0.2:8000", &tokens);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -208,9 +166,8 @@ fn main() {
         }
         samples
     });
-    stop.store(true, Ordering::Relaxed);
     drop(engine);
-    routing.join().unwrap();
+    daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
 
     let (a50, a99) = percentiles(alone);

@@ -15,19 +15,12 @@
 
 #![forbid(unsafe_code)]
 
+mod support;
+
 use std::net::Ipv4Addr;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvedge_core::config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
-use kvedge_shm::Publisher;
-use kvedge_shm::control::ProducerSession;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
 
 fn round_robin_config(engines: &[HttpEngine]) -> String {
     let endpoints: String = engines
@@ -99,50 +92,19 @@ fn main() {
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  models:\n    - name: m\n"
     );
-    let config = Config::load(
-        "bench",
-        &yaml,
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
-    let section = config.epp.clone().unwrap();
-    let rd = RuntimeDir {
-        dir: dir.join("run"),
-    };
-    let mut server = Server::bind(config, &rd).unwrap();
-    kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let s = Arc::clone(&stop);
-    let routing = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
+    let daemon = support::Running::start(&dir, &yaml);
 
     let engines: Vec<HttpEngine> = (2..6)
         .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
         .collect();
-    let mut publishers: Vec<Publisher> = Vec::new();
-    for (i, e) in engines.iter().enumerate() {
-        let hello = Hello {
-            worker_id: i as u64 + 1,
-            dp_rank: 0,
-            model: "m".into(),
-            role: Role::Aggregated,
-            block_size: 16,
-            kv_blocks: [1 << 16, 0, 0],
-            labels: vec![],
-            taints: vec![],
-            endpoint: e.endpoint(),
-            ring_capacity: 0,
-        };
-        let (session, ring) =
-            ProducerSession::connect(rd.dir.join("control.sock"), &hello, Duration::from_secs(5))
-                .unwrap();
-        let mut p = Publisher::new(Some(session), ring);
-        let prefix: Vec<u32> = (0..512).map(|t| (i as u32 + 1) * 100_000 + t).collect();
-        let hashes = kvedge_shm::hash::sequence_hashes(&prefix, 16, None, None);
-        p.publish_stored_hashes(Tier::Device, None, &hashes)
-            .unwrap();
-        publishers.push(p);
-    }
+    let publishers: Vec<_> = engines
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let prefix: Vec<u32> = (0..512).map(|t| (i as u32 + 1) * 100_000 + t).collect();
+            daemon.engine(i as u64 + 1, &e.endpoint(), &prefix)
+        })
+        .collect();
     let picker = Envoy::start(&envoy_bin, &dir, epp_port, false);
     let plain = Envoy::start_config(&envoy_bin, &dir, &round_robin_config(&engines));
     let body = |i: usize| {
@@ -191,9 +153,8 @@ fn main() {
     let rate_plain = rate(&plain);
     drop(picker);
     drop(plain);
-    stop.store(true, Ordering::Relaxed);
     drop(publishers);
-    routing.join().unwrap();
+    daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
 
     let (a50, a99) = percentiles(a);

@@ -53,6 +53,38 @@ fn register(d: &Daemon, worker: u64, endpoint: &str) -> Publisher {
     Publisher::new(Some(s), p)
 }
 
+/// Engine `p` holds the full blocks of `tokens` on its device.
+fn hold(p: &mut Publisher, tokens: &[u32]) {
+    let full = &tokens[..tokens.len() / 16 * 16];
+    let hashes = kvedge_shm::hash::sequence_hashes(full, 16, None, None);
+    p.publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+}
+
+/// `n` HTTP engines on 127.0.0.2, 127.0.0.3, ..., registered as workers
+/// 1..=n; with `prefixes`, worker `k` holds `prefix(k)`. Returns once the
+/// index holds what they published.
+fn nodes(d: &Daemon, n: u8, prefixes: bool) -> (Vec<HttpEngine>, Vec<Publisher>) {
+    let engines: Vec<HttpEngine> = (2..2 + n)
+        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
+        .collect();
+    let mut publishers = Vec::new();
+    for (i, e) in engines.iter().enumerate() {
+        let id = i as u32 + 1;
+        let mut p = register(d, u64::from(id), &e.endpoint());
+        if prefixes {
+            hold(&mut p, &prefix(id));
+        }
+        publishers.push(p);
+    }
+    let entries = if prefixes { 4 * u64::from(n) } else { 0 };
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == entries,
+        "every engine's blocks",
+    );
+    (engines, publishers)
+}
+
 /// 64 tokens (four blocks) of a prefix only `seed` uses.
 fn prefix(seed: u32) -> Vec<u32> {
     (0..64).map(|i| seed * 1000 + i).collect()
@@ -79,21 +111,8 @@ fn envoy_routes_each_request_to_the_engine_that_holds_its_prefix() {
     let d = start("epp-routes", &config(epp_port));
     // Four engines on four loopback addresses, each holding its own
     // prefix.
-    let engines: Vec<HttpEngine> = (2..6)
-        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
-        .collect();
-    let mut publishers: Vec<Option<Publisher>> = Vec::new();
-    for (i, e) in engines.iter().enumerate() {
-        let mut p = register(&d, i as u64 + 1, &e.endpoint());
-        let hashes = kvedge_shm::hash::sequence_hashes(&prefix(i as u32 + 1), 16, None, None);
-        p.publish_stored_hashes(Tier::Device, None, &hashes)
-            .unwrap();
-        publishers.push(Some(p));
-    }
-    wait_for(
-        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 16,
-        "every engine's blocks",
-    );
+    let (engines, publishers) = nodes(&d, 4, true);
+    let mut publishers: Vec<Option<Publisher>> = publishers.into_iter().map(Some).collect();
     let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
 
     // Each prefix, with a different tail, lands on its holder, streamed
@@ -253,13 +272,7 @@ fn text_and_chat_prompts_are_tokenized_as_the_engine_tokenizes_them() {
             dir.join("chat.jinja").display()
         ),
     );
-    let engines: Vec<HttpEngine> = (2..5)
-        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
-        .collect();
-    let mut publishers = Vec::new();
-    for (i, e) in engines.iter().enumerate() {
-        publishers.push(register(&d, i as u64 + 1, &e.endpoint()));
-    }
+    let (engines, mut publishers) = nodes(&d, 3, false);
     // Engine 2 (index 1) holds the completion's text prefix, engine 3
     // (index 2) the conversation's: the token ids this test computes with
     // the same tokenizer and template.
@@ -282,15 +295,8 @@ fn text_and_chat_prompts_are_tokenized_as_the_engine_tokenizes_them() {
     let question = format!("Summarise this:\n{text}");
     let rendered = format!("<|user|>{question}\n<|assistant|>");
     let chat_ids = ids(&rendered, false);
-    let blocks = |ids: &[u32]| {
-        kvedge_shm::hash::sequence_hashes(&ids[..ids.len() / 16 * 16], 16, None, None)
-    };
-    publishers[1]
-        .publish_stored_hashes(Tier::Device, None, &blocks(&completion_ids))
-        .unwrap();
-    publishers[2]
-        .publish_stored_hashes(Tier::Device, None, &blocks(&chat_ids))
-        .unwrap();
+    hold(&mut publishers[1], &completion_ids);
+    hold(&mut publishers[2], &chat_ids);
     let expected = (completion_ids.len() / 16 + chat_ids.len() / 16) as u64;
     wait_for(
         || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == expected,
@@ -472,10 +478,7 @@ fn hostile_grpc_input_gets_errors_and_leaves_other_streams_alone() {
     let epp_port = free_port(Ipv4Addr::LOCALHOST);
     let d = start("epp-hostile", &config(epp_port));
     let mut engine = register(&d, 1, "http://127.0.0.2:8000");
-    let hashes = kvedge_shm::hash::sequence_hashes(&prefix(1), 16, None, None);
-    engine
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
+    hold(&mut engine, &prefix(1));
     wait_for(
         || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
         "the engine's blocks",
@@ -561,18 +564,9 @@ fn rules_see_the_gateway_requests_headers_and_tenant() {
          \x20   - name: everyone\n      route:\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n"
     );
     let d = start("epp-rules", &yaml);
-    let engines: Vec<HttpEngine> = (2..4)
-        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
-        .collect();
-    let mut publishers = Vec::new();
-    for (i, e) in engines.iter().enumerate() {
-        publishers.push(register(&d, i as u64 + 1, &e.endpoint()));
-    }
+    let (engines, mut publishers) = nodes(&d, 2, false);
     // Worker 1 holds the prefix.
-    let hashes = kvedge_shm::hash::sequence_hashes(&prefix(1), 16, None, None);
-    publishers[0]
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
+    hold(&mut publishers[0], &prefix(1));
     wait_for(
         || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
         "the engine's blocks",
@@ -607,21 +601,7 @@ fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
     };
     let epp_port = free_port(Ipv4Addr::LOCALHOST);
     let d = start("epp-duplex", &config(epp_port));
-    let engines: Vec<HttpEngine> = (2..5)
-        .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
-        .collect();
-    let mut publishers = Vec::new();
-    for (i, e) in engines.iter().enumerate() {
-        let mut p = register(&d, i as u64 + 1, &e.endpoint());
-        let hashes = kvedge_shm::hash::sequence_hashes(&prefix(i as u32 + 1), 16, None, None);
-        p.publish_stored_hashes(Tier::Device, None, &hashes)
-            .unwrap();
-        publishers.push(p);
-    }
-    wait_for(
-        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 12,
-        "every engine's blocks",
-    );
+    let (engines, _publishers) = nodes(&d, 3, true);
     let envoy = Envoy::start_with(&envoy_bin, &d.dir, epp_port, false, true);
     for round in 0..2u32 {
         for (i, e) in engines.iter().enumerate() {
@@ -657,10 +637,7 @@ fn a_gateways_subset_hint_restricts_the_pick() {
     let d = start("epp-subset", &config(epp_port));
     let mut holder = register(&d, 1, "http://127.0.0.2:8000");
     let _other = register(&d, 2, "http://127.0.0.3:8000");
-    let hashes = kvedge_shm::hash::sequence_hashes(&prefix(1), 16, None, None);
-    holder
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
+    hold(&mut holder, &prefix(1));
     wait_for(
         || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
         "the engine's blocks",
