@@ -288,6 +288,7 @@ impl Core {
             now_ms: self.ms(now),
             dry_run: s.dry_run,
             subset: s.subset,
+            approximate: s.approximate,
         };
         self.router.set_explain_costs(s.explain);
         let result = self.router.select(&req);

@@ -98,6 +98,9 @@ pub struct KvIndex {
     /// The store-order queues are kept (the index is at least half full,
     /// and has not drained below a quarter since).
     ordered: bool,
+    /// Log when eviction starts (off for the approximate memory, where
+    /// evicting the oldest decisions is the normal course).
+    warn_when_full: bool,
 }
 
 impl KvIndex {
@@ -113,7 +116,14 @@ impl KvIndex {
             evicted: 0,
             evicting: false,
             ordered: false,
+            warn_when_full: true,
         }
+    }
+
+    /// The same index, silent when it starts evicting.
+    pub fn quiet(mut self) -> Self {
+        self.warn_when_full = false;
+        self
     }
 
     /// (block, worker, tier) entries indexed.
@@ -214,10 +224,12 @@ impl KvIndex {
         };
         if !self.evicting {
             self.evicting = true;
-            tracing::warn!(
-                capacity = self.capacity,
-                "the KV index is full (daemon.index_capacity): evicting the oldest entries of the worker holding the most"
-            );
+            if self.warn_when_full {
+                tracing::warn!(
+                    capacity = self.capacity,
+                    "the KV index is full (daemon.index_capacity): evicting the oldest entries of the worker holding the most"
+                );
+            }
         }
         if !self.ordered {
             self.start_ordering();

@@ -84,6 +84,11 @@ pub struct SelectRequest<'a> {
     /// Only workers whose endpoint is one of these (a gateway's subset
     /// hint: `host:port` or the whole URL); empty: every worker.
     pub subset: kvedge_wire::Strs<'a>,
+    /// `hashes` are approximate: chained hashes of the prompt's text
+    /// chunks, not of its KV blocks. They are matched against where
+    /// earlier approximate selects were sent ([`Router::approx`]), not
+    /// against the engines' events, and the pick is remembered there.
+    pub approximate: bool,
 }
 
 /// Whether `endpoint` (a worker's URL, `http://host:port`) is allowed by
@@ -131,11 +136,20 @@ pub struct Explain {
     pub fell_through: usize,
 }
 
+/// The approximate index holds `daemon.index_capacity` divided by this
+/// (at least 1,024 entries): it remembers recent routing decisions, not
+/// whole caches.
+pub const APPROX_CAPACITY_DIVISOR: usize = 16;
+
 /// All routing state.
 #[derive(Debug)]
 pub struct Router {
     workers: Vec<Option<WorkerInfo>>,
     pub index: KvIndex,
+    /// Where approximate selects were sent: each one's chunk hashes,
+    /// stored for the worker it went to (as if on its device tier), oldest
+    /// evicted first when full. Engines' events never touch it.
+    pub approx: KvIndex,
     pub load: LoadTable,
     plugins: RouterPlugins,
     policies: HashMap<String, [Option<WorkerSelectionPolicy>; 4]>,
@@ -183,6 +197,7 @@ impl Router {
         Router {
             workers: vec![None; MAX_WORKERS],
             index: KvIndex::new(index_capacity),
+            approx: KvIndex::new((index_capacity / APPROX_CAPACITY_DIVISOR).max(1024)).quiet(),
             load: LoadTable::new(reservation_ttl_ms),
             plugins,
             policies: HashMap::new(),
@@ -338,6 +353,7 @@ impl Router {
         let slot = Slot::new(free).expect("slot index below MAX_WORKERS");
         // A fresh slot starts clean (a previous occupant was unregistered).
         self.index.remove_worker(slot);
+        self.approx.remove_worker(slot);
         self.load.remove_worker(slot);
         self.speed[free] = PrefillSpeedLearner::default();
         self.update_peer_speed();
@@ -354,6 +370,7 @@ impl Router {
         self.update_peer_speed();
         self.syncing &= !(1u64 << slot.index());
         self.index.remove_worker(slot);
+        self.approx.remove_worker(slot);
         self.load.remove_worker(slot);
         self.affinity.forget_worker(info.worker.worker_id);
         Some(info)
@@ -445,6 +462,10 @@ impl Router {
     /// The worker in `slot` cleared `tier` (every tier with `None`).
     pub fn apply_cleared(&mut self, slot: Slot, tier: Option<Tier>) {
         self.index.clear(slot, tier);
+        // What was sent there is gone from its device cache too.
+        if matches!(tier, None | Some(Tier::Device)) {
+            self.approx.clear(slot, None);
+        }
     }
 
     /// The worker in `slot` reported its load.
@@ -578,8 +599,12 @@ impl Router {
         // Only the signal groups the policy declared.
         let predict_ttft = required.contains(WorkerInputs::TTFT);
         if predict_ttft || required.contains(WorkerInputs::CACHE) {
-            self.index
-                .overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
+            let index = if req.approximate {
+                &self.approx
+            } else {
+                &self.index
+            };
+            index.overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
         } else {
             self.overlap = Overlap::default();
         }
@@ -698,8 +723,12 @@ impl Router {
                 mask |= 1u64 << i;
             }
         }
-        self.index
-            .overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
+        let index = if req.approximate {
+            &self.approx
+        } else {
+            &self.index
+        };
+        index.overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
         // Reuse the retained allocation for this request's candidates.
         let mut candidates: Vec<RuleCandidate<'_>> = std::mem::take(&mut self.rule_buf);
         // What each candidate stands for: a worker slot or a provider index.
@@ -858,6 +887,9 @@ impl Router {
         let blocks = u64::from(req.prompt_tokens).div_ceil(block_size);
         self.load
             .reserve(request_id, slot, uncached, blocks, req.now_ms, work_tokens);
+        if req.approximate {
+            self.approx.store(slot, Tier::Device, req.hashes);
+        }
         if let Some(s) = req.session {
             if s.is_final() {
                 self.affinity.end(s.session_id())?;

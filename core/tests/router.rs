@@ -64,6 +64,7 @@ fn req<'a>(hashes: &'a [u64], tokens: u32) -> SelectRequest<'a> {
         now_ms: 0,
         dry_run: false,
         subset: kvedge_wire::Strs::EMPTY,
+        approximate: false,
     }
 }
 
@@ -508,4 +509,84 @@ fn an_unknown_worker_is_neutral_not_slow() {
         to_new += u32::from(r.worker.worker_id == 2);
     }
     assert!(to_new >= 8, "the new worker got {to_new} of 20");
+}
+
+#[test]
+fn approximate_selects_follow_where_earlier_ones_went_and_ignore_engine_events() {
+    let mut router = Router::with_defaults();
+    let mut a = engine(&mut router, 1);
+    let mut b = engine(&mut router, 2);
+    let load = Load {
+        kv_total_blocks: 1000,
+        ..Load::default()
+    };
+    a.publisher.publish_load(&load).unwrap();
+    b.publisher.publish_load(&load).unwrap();
+    ingest(&mut router, &mut a);
+    ingest(&mut router, &mut b);
+    fn approx(hashes: &[u64], dry_run: bool) -> SelectRequest<'_> {
+        SelectRequest {
+            approximate: true,
+            dry_run,
+            ..req(hashes, hashes.len() as u32 * 16)
+        }
+    }
+    // Text-chunk hashes: 40 chunks of a shared document, then a question.
+    let document: Vec<u64> = (1..=40).collect();
+    let first: Vec<u64> = document.iter().copied().chain([9001]).collect();
+    let first_pick = router.select(&approx(&first, false)).unwrap();
+    assert_eq!(
+        first_pick.overlap_blocks,
+        [0, 0, 0],
+        "nothing was sent anywhere before"
+    );
+    let went = first_pick.worker.worker_id;
+    router.finish(first_pick.request_id).unwrap();
+    // The same document with another question goes where the first went,
+    // whose 40 chunks are remembered there.
+    let second: Vec<u64> = document.iter().copied().chain([9002]).collect();
+    let r = router.select(&approx(&second, true)).unwrap();
+    assert_eq!((r.worker.worker_id, r.overlap_blocks), (went, [40, 0, 0]));
+
+    // Engine events do not feed the approximate memory, nor it the
+    // precise index: the other engine holding the same hashes as blocks
+    // changes nothing for approximate selects, and a precise select of the
+    // document's hashes sees only what the engines published.
+    let other = if went == 1 { &mut b } else { &mut a };
+    other
+        .publisher
+        .publish_stored_hashes(Tier::Device, None, &document)
+        .unwrap();
+    let other_id = 3 - went;
+    ingest(&mut router, if went == 1 { &mut b } else { &mut a });
+    let r = router.select(&approx(&second, true)).unwrap();
+    assert_eq!((r.worker.worker_id, r.overlap_blocks), (went, [40, 0, 0]));
+    let precise = router
+        .select(&SelectRequest {
+            dry_run: true,
+            ..req(&second, 41 * 16)
+        })
+        .unwrap();
+    assert_eq!(
+        (precise.worker.worker_id, precise.overlap_blocks),
+        (other_id, [40, 0, 0])
+    );
+
+    // A dry run remembers nothing.
+    let fresh: Vec<u64> = (500..520).collect();
+    router.select(&approx(&fresh, true)).unwrap();
+    let r = router.select(&approx(&fresh, true)).unwrap();
+    assert_eq!(r.overlap_blocks, [0, 0, 0]);
+
+    // The worker clearing its cache forgets what was sent there.
+    let slot = if went == 1 { a.slot } else { b.slot };
+    router.apply_cleared(slot, None);
+    let r = router.select(&approx(&second, true)).unwrap();
+    assert_eq!(r.overlap_blocks, [0, 0, 0]);
+    // And a worker that leaves takes its memory with it.
+    router.select(&approx(&first, false)).unwrap();
+    assert_eq!(router.approx.entries(), 41);
+    router.unregister(a.slot);
+    router.unregister(b.slot);
+    assert_eq!(router.approx.entries(), 0);
 }

@@ -200,6 +200,7 @@ pub fn run(
                     now_ms: now / 1000,
                     dry_run: false,
                     subset: kvedge_wire::Strs::EMPTY,
+                    approximate: false,
                 };
                 router.load.expire(now / 1000);
                 let t = Instant::now();

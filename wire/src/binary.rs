@@ -29,6 +29,9 @@ mod flag {
     /// A subset section follows the context (or the ids): the endpoints
     /// the pick must come from.
     pub const SUBSET: u8 = 8;
+    /// The hashes are of text chunks (an approximate select); never with
+    /// `TOKENS`.
+    pub const APPROXIMATE: u8 = 16;
 }
 
 /// A request a frame cannot carry, or a field too long for its length
@@ -155,6 +158,12 @@ fn decode_select<'a>(c: &mut Cursor<'a>) -> Result<Select<'a>, &'static str> {
     s.session = (!session.is_empty()).then_some(session);
     s.prompt_tokens = (prompt_tokens > 0).then_some(prompt_tokens);
     s.dry_run = flags & flag::DRY_RUN != 0;
+    if flags & flag::APPROXIMATE != 0 {
+        if tokens {
+            return Err("an approximate select carries hashes, not tokens");
+        }
+        s.approximate = true;
+    }
     if flags & flag::CONTEXT != 0 {
         s.priority = c.u32()? as i32;
         let tenant = c.short_str()?;
@@ -269,6 +278,11 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
         short(e, "a subset endpoint is too long")?;
     }
     let count = u32::try_from(s.ids.len()).map_err(|_| EncodeError("the prompt is too long"))?;
+    if s.approximate && matches!(s.ids, Ids::Tokens(_)) {
+        return Err(EncodeError(
+            "an approximate select carries hashes, not tokens",
+        ));
+    }
     let flags = if s.dry_run { flag::DRY_RUN } else { 0 }
         | if matches!(s.ids, Ids::Tokens(_)) {
             flag::TOKENS
@@ -276,7 +290,8 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
             0
         }
         | if context { flag::CONTEXT } else { 0 }
-        | if s.subset.is_empty() { 0 } else { flag::SUBSET };
+        | if s.subset.is_empty() { 0 } else { flag::SUBSET }
+        | if s.approximate { flag::APPROXIMATE } else { 0 };
     write_frame(out, op::SELECT, |o| {
         o.push(flags);
         o.push(s.role as u8);
@@ -434,6 +449,28 @@ mod tests {
         let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
         s.subset = Strs::strings(&many);
         assert!(encode_request(&mut Vec::new(), &Request::Select(s)).is_err());
+    }
+
+    #[test]
+    fn an_approximate_select_round_trips_and_never_carries_tokens() {
+        let hashes = [7u64, 8];
+        let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
+        s.approximate = true;
+        let body = round_trip(&Request::Select(s));
+        assert_ne!(body[4] & flag::APPROXIMATE, 0);
+        let Request::Select(d) = decode_request(&body).unwrap() else {
+            panic!("not a select")
+        };
+        assert!(d.approximate);
+        let tokens = [1u32];
+        let mut s = Select::new("llama", Role::Aggregated, Ids::tokens(&tokens));
+        s.approximate = true;
+        assert!(encode_request(&mut Vec::new(), &Request::Select(s)).is_err());
+        // A frame claiming both is refused.
+        let s = Select::new("llama", Role::Aggregated, Ids::tokens(&tokens));
+        let mut body = round_trip(&Request::Select(s));
+        body[4] |= flag::APPROXIMATE;
+        assert!(decode_request(&body).is_err());
     }
 
     #[test]

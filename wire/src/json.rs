@@ -42,6 +42,8 @@ pub struct JsonRequest {
     headers: BTreeMap<String, String>,
     #[serde(default)]
     subset: Vec<String>,
+    #[serde(default)]
+    approximate: bool,
     request_id: Option<u64>,
 }
 
@@ -117,6 +119,12 @@ impl JsonRequest {
             )));
         }
         s.subset = Strs::strings(&self.subset);
+        if self.approximate && self.hashes.is_none() {
+            return Err(bad(
+                "`approximate` needs `hashes` (of the prompt's text chunks)".into(),
+            ));
+        }
+        s.approximate = self.approximate;
         Ok(s)
     }
 }
@@ -189,6 +197,8 @@ struct RequestOut<'a> {
     headers: Pairs<'a>,
     #[serde(skip_serializing_if = "Strs::is_empty")]
     subset: Strs<'a>,
+    #[serde(skip_serializing_if = "is_false")]
+    approximate: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<u64>,
 }
@@ -213,6 +223,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
         priority: 0,
         headers: Pairs::EMPTY,
         subset: Strs::EMPTY,
+        approximate: false,
         request_id: None,
     };
     match *request {
@@ -234,6 +245,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
             line.priority = s.priority;
             line.headers = s.headers;
             line.subset = s.subset;
+            line.approximate = s.approximate;
         }
         Request::PrefillDone { request_id } | Request::Finish { request_id } => {
             line.request_id = Some(request_id);

@@ -76,6 +76,11 @@ pub struct Select<'a> {
     /// or the whole endpoint URL); empty: no restriction. A gateway's
     /// subset hint.
     pub subset: Strs<'a>,
+    /// The ids are hashes of the prompt's text chunks, not of its KV
+    /// blocks (a frontend without the model's tokenizer): the router
+    /// matches them against where earlier approximate selects went and
+    /// remembers this pick, instead of consulting the engines' events.
+    pub approximate: bool,
 }
 
 /// Most tags a select may carry.
@@ -101,6 +106,7 @@ impl<'a> Select<'a> {
             tags: Strs::EMPTY,
             headers: Pairs::EMPTY,
             subset: Strs::EMPTY,
+            approximate: false,
         }
     }
 
