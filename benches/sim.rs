@@ -22,6 +22,7 @@ fn main() {
         workers: 8,
         engine: EngineParams::default(),
         sample_us: 1_000_000,
+        approximate: false,
     };
     let registry = router_plugin_registry();
     let mut g = c.benchmark_group("sim");

@@ -228,3 +228,40 @@ fn a_sweep_prints_ttft_per_policy_per_load_and_refuses_bad_loads() {
         assert!(err.contains("sweep"), "{err}");
     }
 }
+
+#[test]
+fn approximate_routing_learns_from_its_own_picks_and_trails_the_precise_index() {
+    let (code, out, err) = sim(&[
+        "--requests",
+        "1500",
+        "--json",
+        "--approximate",
+        "--policy",
+        "cache-aware",
+        "--policy",
+        "round-robin",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    let rows = rows_without_timing(&out);
+    let names: Vec<&str> = rows.iter().map(|r| r["policy"].as_str().unwrap()).collect();
+    assert_eq!(
+        names,
+        [
+            "cache-aware",
+            "cache-aware (approximate)",
+            "round-robin",
+            "round-robin (approximate)"
+        ]
+    );
+    let hit = |i: usize| rows[i]["hit_rate"].as_f64().unwrap();
+    // Knowing only where it sent earlier prefixes, the router still finds
+    // the caches: far above round-robin, and near the precise index.
+    assert!(hit(1) > hit(2) + 0.05, "{out}");
+    assert!(hit(1) > hit(0) - 0.05, "{out}");
+    // Round-robin looks at no prefix: the mode changes nothing for it.
+    assert!((hit(2) - hit(3)).abs() < 1e-9, "{out}");
+    // --approximate compares at one load.
+    let (code, _, err) = sim(&["--approximate", "--sweep", "0.2"]);
+    assert_ne!(code, 0);
+    assert!(err.contains("--sweep"), "{err}");
+}

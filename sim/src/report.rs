@@ -170,9 +170,16 @@ pub fn summarise(
 pub fn table(rows: &[Summary], oracle_hit_rate: f64) -> String {
     use std::fmt::Write;
     let mut s = String::new();
+    // The policy column fits the longest name (at least 24).
+    let w = rows
+        .iter()
+        .map(|r| r.policy.chars().count())
+        .max()
+        .unwrap_or(0)
+        .max(24);
     let _ = writeln!(
         s,
-        "{:<24} {:>8} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
+        "{:<w$} {:>8} {:>7} {:>7} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>8} {:>9}",
         "policy",
         "requests",
         "hit %",
@@ -194,7 +201,7 @@ pub fn table(rows: &[Summary], oracle_hit_rate: f64) -> String {
         };
         let _ = writeln!(
             s,
-            "{:<24} {:>8} {:>7.1} {:>7.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.0} {:>8.2} {:>9}",
+            "{:<w$} {:>8} {:>7.1} {:>7.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.1} {:>9.0} {:>8.2} {:>9}",
             r.policy,
             r.requests,
             r.hit_rate * 100.0,

@@ -83,6 +83,11 @@ pub struct Setup {
     pub engine: EngineParams,
     /// Active requests per worker are sampled this often for the plots.
     pub sample_us: u64,
+    /// Route as a frontend without the model's tokenizer does: selects
+    /// are approximate, so the router matches them against its own earlier
+    /// picks and never against the engines' events (which still flow, as
+    /// they would, into the precise index nobody consults).
+    pub approximate: bool,
 }
 
 /// One policy's run.
@@ -200,7 +205,7 @@ pub fn run(
                     now_ms: now / 1000,
                     dry_run: false,
                     subset: kvedge_wire::Strs::EMPTY,
-                    approximate: false,
+                    approximate: setup.approximate,
                 };
                 router.load.expire(now / 1000);
                 let t = Instant::now();

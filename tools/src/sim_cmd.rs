@@ -165,6 +165,12 @@ pub struct SimArgs {
     /// tokens per second, as if nothing were cached.
     #[arg(long, value_delimiter = ',')]
     pub sweep: Vec<f64>,
+    /// Also replay each policy as a frontend without the model's tokenizer
+    /// routes (the gateway's approximate prefix mode): its selects carry
+    /// approximate hashes, so the router knows only where it sent earlier
+    /// prefixes, not what the engines hold. Rows `<policy> (approximate)`.
+    #[arg(long)]
+    pub approximate: bool,
 }
 
 /// The offered load of `requests` on `workers` engines of `engine`: prompt
@@ -405,15 +411,38 @@ pub fn execute(args: &SimArgs, registry: &RouterPluginRegistry) -> Result<String
         workers: args.workers,
         engine,
         sample_us: 1_000_000,
+        approximate: false,
     };
     if !args.sweep.is_empty() {
+        if args.approximate {
+            return Err(
+                "--approximate compares at one load; it does not combine with --sweep".into(),
+            );
+        }
         if args.plot.is_some() {
             return Err("--plot draws one replay; it does not combine with --sweep".into());
         }
         return sweep(args, &configs, &setup, name, &requests);
     }
     let oracle = oracle_hit_rate(&requests, setup.engine.block_size);
-    let runs = run_all(&configs, &setup, &requests, oracle);
+    let mut runs = run_all(&configs, &setup, &requests, oracle);
+    if args.approximate {
+        let approximate: Vec<(String, Config)> = configs
+            .iter()
+            .map(|(label, c)| (format!("{label} (approximate)"), c.clone()))
+            .collect();
+        let setup = Setup {
+            approximate: true,
+            ..setup.clone()
+        };
+        let approx = run_all(&approximate, &setup, &requests, oracle);
+        // Each policy's approximate row under its precise one.
+        runs = runs
+            .into_iter()
+            .zip(approx)
+            .flat_map(|(p, a)| [p, a])
+            .collect();
+    }
     let charts = match &args.plot {
         Some(dir) => crate::plot::write_charts(dir, &runs, oracle)
             .map_err(|e| format!("--plot {}: {e}", dir.display()))?,

@@ -367,7 +367,7 @@ struct Document {
 }
 
 /// A loaded, validated configuration.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Config {
     pub daemon: DaemonSection,
     pub log: LogSection,
