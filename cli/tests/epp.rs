@@ -690,3 +690,72 @@ fn a_gateways_subset_hint_restricts_the_pick() {
         "every reservation released",
     );
 }
+
+#[test]
+fn without_a_tokenizer_prompts_follow_their_text_prefix_approximately() {
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    // Model `m` has no tokenizer: text prompts are routed approximately.
+    let d = start("epp-approx", &config(epp_port));
+    let endpoints = ["127.0.0.2:8000", "127.0.0.3:8000", "127.0.0.4:8000"];
+    let _workers: Vec<Publisher> = endpoints
+        .iter()
+        .enumerate()
+        .map(|(i, e)| register(&d, i as u64 + 1, &format!("http://{e}")))
+        .collect();
+    let document = |n: usize| {
+        format!("Document {n}. ").repeat(8)
+            + &"A long shared context that every question about it repeats. ".repeat(20)
+    };
+    // Waits (yielding to the gRPC connection, which closes the streams)
+    // until every reservation is released, so load does not tip a pick.
+    let idle = async || {
+        for _ in 0..500 {
+            if ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("a reservation was not released");
+    };
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = grpc::Client::connect(format!("http://127.0.0.1:{epp_port}"))
+            .await
+            .unwrap();
+        let mut pick = async |prompt: String, subset: Option<&[&str]>| {
+            let body = json!({"model": "m", "prompt": prompt}).to_string();
+            let (tx, mut s) = grpc::open(&mut client).await;
+            let headers = grpc::headers("/v1/completions");
+            let headers = match subset {
+                Some(e) => grpc::with_subset(headers, e),
+                None => headers,
+            };
+            tx.send(headers).await.unwrap();
+            s.message().await.unwrap().unwrap();
+            tx.send(grpc::body(body.as_bytes(), true)).await.unwrap();
+            let r = s.message().await.unwrap().unwrap();
+            grpc::destination(&r)
+        };
+        // Each document's first question is sent to a chosen engine (a
+        // subset hint), and remembered there.
+        for (n, e) in endpoints.iter().enumerate() {
+            let first = pick(format!("{}Question 0?", document(n)), Some(&[*e])).await;
+            assert_eq!(first.as_deref(), Some(*e));
+            idle().await;
+        }
+        // Later questions about a document go where it went, though no
+        // engine published anything.
+        for round in 1..3 {
+            for (n, e) in endpoints.iter().enumerate().rev() {
+                let next = pick(format!("{}Question {round}?", document(n)), None).await;
+                assert_eq!(next.as_deref(), Some(*e), "document {n}, round {round}");
+                idle().await;
+            }
+        }
+        drop(client);
+    });
+    assert_eq!(ask(&d.query(), json!({"op": "stats"}))["index_entries"], 0);
+}

@@ -94,6 +94,7 @@ pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::Socket
             .session_header
             .as_ref()
             .map(|h| h.to_ascii_lowercase()),
+        approximate_chunk_bytes: section.approximate_chunk_bytes,
     };
     let listener = std::net::TcpListener::bind(&section.listen)?;
     listener.set_nonblocking(true)?;

@@ -6,6 +6,7 @@
 //! rules as every other kvedge client.
 //!
 //! - [`body`]: what the pick needs from an OpenAI-compatible body.
+//! - [`approx`]: text-chunk hashes for prompts without a tokenizer.
 //! - [`tokenize`]: the served models, their tokenizers and chat templates.
 //! - [`picker`]: one stream's exchange with Envoy, without I/O.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
@@ -14,6 +15,7 @@
 
 #![forbid(unsafe_code)]
 
+pub mod approx;
 pub mod body;
 pub mod picker;
 pub mod server;

@@ -42,6 +42,9 @@ pub struct Limits {
     pub tenant_header: Option<String>,
     /// The header naming a session for affinity (lower case).
     pub session_header: Option<String>,
+    /// Chunk size of the approximate prefix mode, in bytes (0: prompts
+    /// without a tokenizer route on load alone).
+    pub approximate_chunk_bytes: usize,
 }
 
 /// A select the core is asked for.
@@ -52,6 +55,9 @@ pub struct SelectArgs {
     /// The prompt length when `tokens` is empty because no tokenizer
     /// could count them (an estimate: bytes / 4).
     pub prompt_tokens: Option<u32>,
+    /// Without token ids: the text's chunk hashes, for an approximate
+    /// select ([`crate::approx`]); empty with token ids.
+    pub approximate: Vec<u64>,
     pub tenant: Option<String>,
     pub session: Option<String>,
     pub headers: Vec<(String, String)>,
@@ -246,17 +252,19 @@ impl Exchange {
             Some(s) => s.clone(),
             None => Vec::new(),
         };
-        let (tokens, prompt_tokens) = match tokens {
-            Tokens::Ids(ids) => (ids, None),
-            Tokens::Unknown { text_bytes } => (
+        let (tokens, prompt_tokens, approximate) = match tokens {
+            Tokens::Ids(ids) => (ids, None, Vec::new()),
+            Tokens::Text(text) => (
                 Vec::new(),
-                Some(u32::try_from(text_bytes / 4).unwrap_or(u32::MAX).max(1)),
+                Some(u32::try_from(text.len() / 4).unwrap_or(u32::MAX).max(1)),
+                crate::approx::chunk_hashes(text.as_bytes(), limits.approximate_chunk_bytes),
             ),
         };
         Step::Select(SelectArgs {
             model: parsed.model,
             tokens,
             prompt_tokens,
+            approximate,
             tenant: header(&limits.tenant_header),
             session: header(&limits.session_header),
             headers: self
@@ -512,12 +520,40 @@ mod tests {
         .unwrap()
     }
 
+    #[test]
+    fn text_without_a_tokenizer_is_selected_approximately() {
+        let select = |prompt: &str, chunk: usize| {
+            let mut ex = Exchange::new(false, false);
+            ex.handle_request_headers(&headers("/v1/completions"));
+            let body_json = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
+            let limits = Limits {
+                approximate_chunk_bytes: chunk,
+                ..limits()
+            };
+            match ex.handle_request_body(&body(body_json.as_bytes(), true), &models(), &limits) {
+                Step::Select(args) => args,
+                _ => panic!("a select"),
+            }
+        };
+        let doc = "0123456789abcdef".repeat(2);
+        let a = select(&format!("{doc}first question"), 16);
+        let b = select(&format!("{doc}second one here!"), 16);
+        assert!(a.tokens.is_empty());
+        assert_eq!(a.prompt_tokens, Some(46 / 4));
+        assert_eq!(a.approximate.len(), 2);
+        assert_eq!(b.approximate.len(), 3);
+        assert_eq!(a.approximate, b.approximate[..2]);
+        // The mode off: a load-only select.
+        assert!(select(&doc, 0).approximate.is_empty());
+    }
+
     fn limits() -> Limits {
         Limits {
             max_body_bytes: 1024,
             max_prompt_tokens: 8,
             tenant_header: Some("x-tenant".into()),
             session_header: None,
+            approximate_chunk_bytes: 16,
         }
     }
 
@@ -569,6 +605,7 @@ mod tests {
             panic!("a select");
         };
         assert_eq!(args.tokens, [1, 2, 3]);
+        assert!(args.approximate.is_empty(), "token ids are exact");
         assert_eq!(args.tenant.as_deref(), Some("acme"));
         let [r]: [ProcessingResponse; 1] = ex
             .handle_picked(Picked::Worker {

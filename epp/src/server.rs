@@ -92,7 +92,17 @@ impl Picker {
     /// The core's pick for `args` (reserved).
     pub async fn select(&self, args: &SelectArgs) -> Picked {
         let headers: BTreeMap<String, String> = args.headers.iter().cloned().collect();
-        let mut s = Select::new(&args.model, Role::Aggregated, Ids::tokens(&args.tokens));
+        let mut s = if args.approximate.is_empty() {
+            Select::new(&args.model, Role::Aggregated, Ids::tokens(&args.tokens))
+        } else {
+            let mut s = Select::new(
+                &args.model,
+                Role::Aggregated,
+                Ids::hashes(&args.approximate),
+            );
+            s.approximate = true;
+            s
+        };
         s.prompt_tokens = args.prompt_tokens;
         s.tenant = args.tenant.as_deref();
         s.session = args.session.as_deref();

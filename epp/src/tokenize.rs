@@ -68,9 +68,10 @@ pub enum PromptError {
 pub enum Tokens {
     /// The token ids the engine will compute.
     Ids(Vec<u32>),
-    /// No tokenizer for this prompt: the text's length in bytes, for a
-    /// load-only pick.
-    Unknown { text_bytes: usize },
+    /// No tokenizer for this prompt: its text (a chat's messages as
+    /// `role\ncontent\n` each), for the approximate prefix mode and a
+    /// length estimate.
+    Text(String),
 }
 
 impl Models {
@@ -143,18 +144,14 @@ impl Models {
             Prompt::Tokens(ids) => Tokens::Ids(ids.clone()),
             Prompt::Text(text) => match &m.tokenizer {
                 Some(t) => Tokens::Ids(encode(t, text, true)?),
-                None => Tokens::Unknown {
-                    text_bytes: text.len(),
-                },
+                None => Tokens::Text(text.clone()),
             },
             Prompt::Messages(messages) => match (&m.tokenizer, &m.template) {
                 (Some(t), Some(env)) => {
                     let text = render(env, messages, &m.bos_token, &m.eos_token)?;
                     Tokens::Ids(encode(t, &text, false)?)
                 }
-                _ => Tokens::Unknown {
-                    text_bytes: messages.iter().map(content_bytes).sum(),
-                },
+                _ => Tokens::Text(plain_text(messages)),
             },
         };
         if let Tokens::Ids(ids) = &tokens
@@ -193,14 +190,26 @@ fn render(
     .map_err(|e| PromptError::Template(e.to_string()))
 }
 
-fn content_bytes(m: &Value) -> usize {
-    match m.get("content") {
-        Some(Value::String(s)) => s.len(),
-        Some(Value::Array(parts)) => parts
-            .iter()
-            .filter_map(|p| p.get("text").and_then(Value::as_str))
-            .map(str::len)
-            .sum(),
-        _ => 0,
+/// The messages as plain text, `role\ncontent\n` each (a content list's
+/// text parts joined), in order: the same conversation gives the same
+/// text, and a longer one extends it.
+fn plain_text(messages: &[Value]) -> String {
+    let mut out = String::new();
+    for m in messages {
+        out.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));
+        out.push('\n');
+        match m.get("content") {
+            Some(Value::String(s)) => out.push_str(s),
+            Some(Value::Array(parts)) => {
+                for p in parts {
+                    if let Some(t) = p.get("text").and_then(Value::as_str) {
+                        out.push_str(t);
+                    }
+                }
+            }
+            _ => {}
+        }
+        out.push('\n');
     }
+    out
 }

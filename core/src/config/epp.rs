@@ -23,6 +23,12 @@ pub struct EppSection {
     /// The request header naming a session (session affinity).
     #[serde(default)]
     pub session_header: Option<String>,
+    /// Chunk size of the approximate prefix mode, in bytes: prompts the
+    /// picker cannot tokenize are hashed in chunks of this size and routed
+    /// to where their prefix was sent before. 0 turns the mode off (such
+    /// prompts route on load alone).
+    #[serde(default = "approximate_chunk_bytes")]
+    pub approximate_chunk_bytes: usize,
     /// The models served, each with its tokenizer and chat template.
     pub models: Vec<EppModel>,
 }
@@ -52,6 +58,11 @@ fn max_body_bytes() -> usize {
 }
 fn max_prompt_tokens() -> usize {
     131_072
+}
+/// About one 16-token KV block of English text (four bytes a token), so
+/// an approximate overlap counts in blocks the cost model understands.
+fn approximate_chunk_bytes() -> usize {
+    64
 }
 
 /// The first unusable value: (key, message).
@@ -96,6 +107,15 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
                 format!("epp header name `{h}` is not a header name"),
             ));
         }
+    }
+    if e.approximate_chunk_bytes != 0 && !(16..=65_536).contains(&e.approximate_chunk_bytes) {
+        return Some((
+            "approximate_chunk_bytes",
+            format!(
+                "epp.approximate_chunk_bytes must be 0 (off) or between 16 and 65536, got {}",
+                e.approximate_chunk_bytes
+            ),
+        ));
     }
     if e.models.is_empty() {
         return Some(("models", "epp.models names no model".into()));
