@@ -759,3 +759,221 @@ fn without_a_tokenizer_prompts_follow_their_text_prefix_approximately() {
     });
     assert_eq!(ask(&d.query(), json!({"op": "stats"}))["index_entries"], 0);
 }
+
+/// A `kvedge mock-engine` process on its own loopback address: vLLM's
+/// ZeroMQ events, replay socket and metrics, and the OpenAI endpoints over
+/// HTTP with the test tokenizer. Killed on drop.
+struct Node {
+    child: std::process::Child,
+    http: std::net::SocketAddr,
+    worker: u64,
+}
+
+impl Drop for Node {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+impl Node {
+    /// The node's `engines:` entry for kvedge.
+    fn start(dir: &std::path::Path, worker: u64, tokenizer: &std::path::Path) -> (Node, String) {
+        let ip = Ipv4Addr::new(127, 0, 0, 1 + worker as u8);
+        let [events, replay, metrics, http] = [0; 4].map(|_| free_port(ip));
+        let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+            .arg("mock-engine")
+            .args(["--worker-id", &worker.to_string(), "--model", "m"])
+            .arg("--listen")
+            .arg(dir.join(format!("node-{worker}.sock")))
+            .arg("--runtime-dir")
+            .arg(dir)
+            .args(["--vllm-events", &format!("tcp://{ip}:{events}")])
+            .args(["--vllm-replay", &format!("tcp://{ip}:{replay}")])
+            .args(["--vllm-metrics", &format!("{ip}:{metrics}")])
+            .args(["--http", &format!("{ip}:{http}")])
+            .arg("--tokenizer")
+            .arg(tokenizer)
+            .args(["--speed", "20", "--block-size", "16"])
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        let http = std::net::SocketAddr::from((ip, http));
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while TcpStream::connect(http).is_err() {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "node {worker} did not listen"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let entry = format!(
+            "  - kind: vllm\n    model: m\n    worker_id: {worker}\n    block_size: 16\n    endpoint: http://{http}\n    events: tcp://{ip}:{events}\n    replay: tcp://{ip}:{replay}\n    topic: kv-events\n    metrics: http://{ip}:{metrics}/metrics\n    scrape_interval_ms: 50\n"
+        );
+        (
+            Node {
+                child,
+                http,
+                worker,
+            },
+            entry,
+        )
+    }
+
+    /// POSTs straight to the node (no gateway): status and body.
+    fn post(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
+        let mut s = TcpStream::connect(self.http).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nhost: node\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let status = out
+            .split_whitespace()
+            .nth(1)
+            .and_then(|c| c.parse().ok())
+            .unwrap_or(0);
+        let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b);
+        (status, serde_json::from_str(body).unwrap_or_default())
+    }
+}
+
+/// The mock engine that answered (`system_fingerprint`), and the prompt
+/// tokens it found cached.
+fn served_by(reply: &str) -> (u64, u64) {
+    // Envoy forwards the streamed-through body chunked: the JSON is
+    // between the chunk sizes.
+    let json = match (reply.find('{'), reply.rfind('}')) {
+        (Some(a), Some(b)) => &reply[a..=b],
+        _ => reply,
+    };
+    let v: serde_json::Value = serde_json::from_str(json).unwrap_or_default();
+    let worker = v["system_fingerprint"]
+        .as_str()
+        .and_then(|f| f.strip_prefix("kvedge-mock-"))
+        .and_then(|w| w.parse().ok())
+        .unwrap_or_else(|| panic!("not a mock engine's answer: {reply}"));
+    let cached = v["usage"]["prompt_tokens_details"]["cached_tokens"]
+        .as_u64()
+        .unwrap_or(0);
+    (worker, cached)
+}
+
+#[test]
+fn a_pool_of_engines_on_four_nodes_publishing_over_tcp_is_routed_through_envoy() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let dir = common::temp_dir("epp-nodes");
+    let tokenizer = dir.join("tokenizer.json");
+    train_tokenizer(&tokenizer);
+    // Four engine processes on 127.0.0.2-5, each publishing its KV events
+    // over tcp:// and serving HTTP; kvedge reads them as vLLM engines.
+    let mut nodes: Vec<Option<Node>> = Vec::new();
+    let mut entries = String::new();
+    for worker in 1..=4 {
+        let (node, entry) = Node::start(&dir, worker, &tokenizer);
+        nodes.push(Some(node));
+        entries.push_str(&entry);
+    }
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start(
+        "epp-nodes-d",
+        &format!(
+            "daemon:\n  heartbeat_timeout_ms: 1500\nepp:\n  listen: 127.0.0.1:{epp_port}\n  models:\n    - name: m\n      tokenizer: {}\nengines:\n{entries}",
+            tokenizer.display()
+        ),
+    );
+    let available = || {
+        ask(&d.query(), json!({"op": "workers"}))["workers"]
+            .as_array()
+            .map_or(0, |w| w.iter().filter(|w| w["available"] == true).count())
+    };
+    wait_for(|| available() == 4, "the four nodes' workers");
+    let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
+
+    // Four documents; node k computes document k first (a request sent to
+    // it directly), and its Stored events reach kvedge over TCP.
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/engines.md"))
+        .unwrap();
+    let document = |k: usize| -> String { docs.chars().skip(k * 1200).take(1200).collect() };
+    for (k, node) in nodes.iter().flatten().enumerate() {
+        let before = ask(&d.query(), json!({"op": "stats"}))["index_entries"]
+            .as_u64()
+            .unwrap();
+        let body = json!({"model": "m", "prompt": format!("{}\nQuestion 0", document(k)), "max_tokens": 2});
+        let (status, reply) = node.post("/v1/completions", &body.to_string());
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(
+            reply["system_fingerprint"],
+            format!("kvedge-mock-{}", node.worker)
+        );
+        wait_for(
+            || {
+                ask(&d.query(), json!({"op": "stats"}))["index_entries"]
+                    .as_u64()
+                    .unwrap()
+                    >= before + 16
+            },
+            "the node's blocks, over ZeroMQ",
+        );
+    }
+    // Through Envoy, each document's later questions (completions and
+    // streamed chats alike) go to the node that holds it, and that node
+    // finds the document cached: the picker's token ids, the engine's and
+    // kvedge's hashes of the published tokens all agree.
+    for round in 1..3 {
+        for k in (0..4).rev() {
+            let body = json!({"model": "m", "prompt": format!("{}\nQuestion {round}", document(k)), "max_tokens": 2});
+            let (status, reply) = envoy.post("/v1/completions", body.to_string().as_bytes(), &[]);
+            assert_eq!(status, 200, "{reply}");
+            let (worker, cached) = served_by(&reply);
+            assert_eq!(worker, k as u64 + 1, "document {k}, round {round}: {reply}");
+            assert!(
+                cached >= 200,
+                "document {k} was cached on its node: {reply}"
+            );
+        }
+    }
+    let body = json!({"model": "m", "stream": true, "max_tokens": 3,
+        "prompt": format!("{}\nA streamed question", document(2))});
+    let (status, reply) = envoy.post("/v1/completions", body.to_string().as_bytes(), &[]);
+    assert_eq!(status, 200, "{reply}");
+    assert!(
+        reply.contains("kvedge-mock-3") && reply.contains("[DONE]"),
+        "{reply}"
+    );
+    // Streamed and plain responses released their reservations.
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+
+    // A killed node goes silent and leaves routing: its document goes
+    // elsewhere, and is served.
+    nodes[2] = None;
+    wait_for(|| available() == 3, "the killed node to leave routing");
+    for n in 0..3 {
+        let body =
+            json!({"model": "m", "prompt": format!("{}\nAfter {n}", document(2)), "max_tokens": 2});
+        let (status, reply) = envoy.post("/v1/completions", body.to_string().as_bytes(), &[]);
+        assert_eq!(status, 200, "{reply}");
+        assert_ne!(served_by(&reply).0, 3, "a dead node was picked");
+    }
+    // Every node gone: a 503 from Envoy, with the picker's reason.
+    for n in &mut nodes {
+        *n = None;
+    }
+    wait_for(|| available() == 0, "every node to leave routing");
+    let body = json!({"model": "m", "prompt": document(0)});
+    let (status, reply) = envoy.post("/v1/completions", body.to_string().as_bytes(), &[]);
+    assert_eq!(status, 503, "{reply}");
+    assert!(reply.contains("no_worker"), "{reply}");
+    drop(envoy);
+    drop(d);
+    let _ = std::fs::remove_dir_all(&dir);
+}

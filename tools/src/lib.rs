@@ -9,6 +9,7 @@
 
 pub mod demo;
 pub mod mock_engine;
+pub mod openai;
 pub mod plot;
 pub mod publish;
 pub mod sim;

@@ -15,6 +15,9 @@
 //!
 //! Times are the engine's, in simulated milliseconds; `--speed` runs the
 //! simulated clock that many times faster than the wall clock.
+//!
+//! With `--http` it also serves the OpenAI endpoints ([`crate::openai`]),
+//! each HTTP request becoming one request line on that socket.
 
 use std::collections::HashMap;
 use std::io::{self, Read, Write};
@@ -66,6 +69,23 @@ pub struct MockEngineArgs {
     /// host:port (`/metrics`).
     #[arg(long, requires = "vllm_events")]
     pub vllm_metrics: Option<String>,
+    /// Also serve the OpenAI endpoints (`/v1/completions`,
+    /// `/v1/chat/completions`, streamed or not) over HTTP at host:port,
+    /// so a gateway can route real requests here.
+    #[arg(long)]
+    pub http: Option<String>,
+    /// With `--http`: the model's `tokenizer.json`, for text and chat
+    /// prompts (without it only token-id prompts are served).
+    #[arg(long, requires = "http")]
+    pub tokenizer: Option<PathBuf>,
+    /// With `--http`: the model's Jinja chat template.
+    #[arg(long, requires = "http")]
+    pub chat_template: Option<PathBuf>,
+    /// `bos_token` and `eos_token` for the chat template.
+    #[arg(long, default_value = "", requires = "http")]
+    pub bos_token: String,
+    #[arg(long, default_value = "", requires = "http")]
+    pub eos_token: String,
     #[command(flatten)]
     pub engine: EngineArgs,
 }
@@ -124,6 +144,31 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         endpoint: format!("unix:{}", args.listen.display()),
         ring_capacity: 0,
     };
+    // The token ids of blocks HTTP requests brought, for vLLM-format
+    // events (several pools' worth: see `BlockTokens`).
+    let blocks = Arc::new(std::sync::Mutex::new(crate::openai::BlockTokens::new(
+        4 * (params.device_blocks as usize + params.host_blocks as usize),
+    )));
+    if let Some(addr) = &args.http {
+        let models = crate::openai::load_models(
+            &args.model,
+            args.tokenizer.as_deref(),
+            args.chat_template.as_deref(),
+            &args.bos_token,
+            &args.eos_token,
+        )?;
+        crate::openai::serve(
+            addr,
+            crate::openai::Front {
+                worker_id: args.worker_id,
+                model: args.model.clone(),
+                block_size: params.block_size,
+                engine: args.listen.clone(),
+                blocks: Arc::clone(&blocks),
+            },
+            models,
+        )?;
+    }
     let mut feed = match &args.vllm_events {
         Some(events) => Feed::Vllm(crate::vllm_feed::VllmFeed::bind(
             events,
@@ -132,6 +177,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
             params.block_size,
             u64::from(params.device_blocks),
             args.worker_id,
+            Arc::clone(&blocks),
         )?),
         None => Feed::Ring(crate::publish::connect(
             &args.runtime_dir,

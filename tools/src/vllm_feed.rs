@@ -6,9 +6,11 @@
 //! ROUTER socket replays recent batches, and the load is served under
 //! vLLM's metric names over HTTP.
 //!
-//! The simulated engine works on block hashes, not tokens; each block's
-//! token ids are made from its hash by [`block_tokens`], which the demo's
-//! frontend uses too, so kvedge's hashes of those tokens line up.
+//! The simulated engine works on block hashes, not tokens. A block that an
+//! HTTP request brought ([`crate::openai`]) is published with its real
+//! token ids; any other block's token ids are made from its hash by
+//! [`block_tokens`], which the demo's frontend uses too, so kvedge's hashes
+//! of those tokens line up.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -44,6 +46,7 @@ pub struct VllmFeed {
     total_blocks: u64,
     metrics: Arc<Mutex<String>>,
     worker_id: u64,
+    blocks: Arc<Mutex<crate::openai::BlockTokens>>,
 }
 
 impl std::fmt::Debug for VllmFeed {
@@ -64,6 +67,7 @@ impl VllmFeed {
         block_size: u32,
         total_blocks: u64,
         worker_id: u64,
+        blocks: Arc<Mutex<crate::openai::BlockTokens>>,
     ) -> Result<Self, String> {
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
@@ -136,6 +140,7 @@ impl VllmFeed {
             total_blocks,
             metrics: page,
             worker_id,
+            blocks,
         };
         feed.set_load(&Load::default());
         Ok(feed)
@@ -168,16 +173,24 @@ impl VllmFeed {
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let medium = |tier: &Tier| if *tier == Tier::Device { "GPU" } else { "CPU" };
+        let known = self.blocks.lock().ok();
         let tokens: Vec<Vec<u32>> = events
             .iter()
             .map(|e| match e {
-                KvEvent::Stored { hashes, .. } => hashes
-                    .iter()
-                    .flat_map(|&h| block_tokens(h, self.block_size))
-                    .collect(),
+                KvEvent::Stored { hashes, .. } => {
+                    let mut t = Vec::with_capacity(hashes.len() * self.block_size as usize);
+                    for &h in hashes {
+                        match known.as_ref().and_then(|k| k.get(h)) {
+                            Some(real) => t.extend_from_slice(real),
+                            None => t.extend(block_tokens(h, self.block_size)),
+                        }
+                    }
+                    t
+                }
                 KvEvent::Removed { .. } => Vec::new(),
             })
             .collect();
+        drop(known);
         let out: Vec<EventOut<'_>> = events
             .iter()
             .zip(&tokens)
