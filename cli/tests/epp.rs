@@ -977,3 +977,80 @@ fn a_pool_of_engines_on_four_nodes_publishing_over_tcp_is_routed_through_envoy()
     drop(d);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn a_rules_provider_pick_is_routed_by_envoy_to_that_providers_cluster() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    // The "provider": an OpenAI-style server on its own address, reached
+    // through a cluster of its own, as a real provider would be.
+    let provider = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 9));
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\n\
+         epp:\n  listen: 127.0.0.1:{epp_port}\n  models:\n    - name: m\n\
+         policy:\n  rules:\n\
+         \x20   - name: premium-to-cloud\n      matches:\n        - {{ header.x-tier: premium }}\n      route:\n        consider:\n          - providers: {{}}\n        select:\n          - {{ type: Provider, order: [cloud] }}\n        onEmpty: Reject\n\
+         \x20   - name: everyone\n      route:\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n\
+         providers:\n  - {{ name: cloud, models: [m], endpoint: \"{}\" }}\n",
+        provider.endpoint()
+    );
+    let d = start("epp-provider", &yaml);
+    let (engines, _publishers) = nodes(&d, 2, false);
+    let config = kvedge_epp::testing::SHIPPED_CONFIG
+        .replace(
+            "                      routes:\n",
+            "                      routes:\n\
+             \x20                       - match:\n\
+             \x20                           prefix: \"/\"\n\
+             \x20                           headers:\n\
+             \x20                             - name: x-kvedge-provider\n\
+             \x20                               string_match: { exact: cloud }\n\
+             \x20                         route: { cluster: provider-cloud, timeout: 300s }\n",
+        )
+        .replace(
+            "  clusters:\n",
+            &format!(
+                "  clusters:\n\
+                 \x20   - name: provider-cloud\n\
+                 \x20     type: STATIC\n\
+                 \x20     connect_timeout: 1s\n\
+                 \x20     load_assignment:\n\
+                 \x20       cluster_name: provider-cloud\n\
+                 \x20       endpoints:\n\
+                 \x20         - lb_endpoints:\n\
+                 \x20             - endpoint:\n\
+                 \x20                 address:\n\
+                 \x20                   socket_address: {{ address: 127.0.0.9, port_value: {} }}\n",
+                provider.addr.port()
+            ),
+        )
+        .replace("port_value: 9002", &format!("port_value: {epp_port}"));
+    let envoy = Envoy::start_config(&envoy_bin, &d.dir, &config);
+    let body = completion(&prefix(1), false);
+    let local = || engines.iter().map(HttpEngine::hits).sum::<usize>();
+    // Premium requests go to the provider, through its route; a client's
+    // own provider header does not send anyone else there.
+    for stream in [false, true] {
+        let (status, reply) = envoy.post(
+            "/v1/completions",
+            &completion(&prefix(1), stream),
+            &[("x-tier", "premium")],
+        );
+        assert_eq!(status, 200, "{reply}");
+    }
+    assert_eq!((provider.hits(), local()), (2, 0));
+    let (status, reply) = envoy.post("/v1/completions", &body, &[("x-kvedge-provider", "cloud")]);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(
+        (provider.hits(), local()),
+        (2, 1),
+        "the picker removed the forged header"
+    );
+    // Provider picks reserve nothing; the local one was released.
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+}

@@ -24,6 +24,9 @@ use crate::tokenize::{Models, PromptError, Tokens};
 
 /// The header (and `envoy.lb` metadata key) that carries the pick.
 pub const DESTINATION: &str = "x-gateway-destination-endpoint";
+/// The header (and `envoy.lb` metadata key) that names a provider the
+/// rules chose; the gateway routes it to that provider's cluster.
+pub const PROVIDER: &str = "x-kvedge-provider";
 /// The dynamic-metadata namespace Envoy's load balancer reads.
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// The filter-metadata namespace of a gateway's subset hint.
@@ -72,6 +75,9 @@ pub enum Picked {
     /// A worker at `endpoint` (its URL, `http://host:port`), reserved
     /// under `request_id`.
     Worker { endpoint: String, request_id: u64 },
+    /// An off-cluster provider (the rule language chose it): the gateway
+    /// routes on its name ([`PROVIDER`]). Nothing is reserved.
+    Provider { name: String, endpoint: String },
     /// The core's refusal: its status name and message.
     Refused {
         status: &'static str,
@@ -296,24 +302,14 @@ impl Exchange {
                         &format!("the chosen endpoint `{endpoint}` is not http://host:port"),
                     )];
                 };
-                if !self.duplex_request {
-                    return vec![pick_response(&addr)];
-                }
-                let mut headers = pick_response(&addr);
-                let Some(Response::RequestBody(BodyResponse { response })) =
-                    headers.response.take()
-                else {
-                    unreachable!("pick_response answers a body");
-                };
-                headers.response = Some(Response::RequestHeaders(HeadersResponse { response }));
-                let body = ProcessingResponse {
-                    response: Some(Response::RequestBody(BodyResponse {
-                        response: Some(streamed(std::mem::take(&mut self.body), true)),
-                    })),
-                    ..Default::default()
-                };
-                vec![headers, body]
+                self.answer(pick_response(&addr))
             }
+            Picked::Provider { name, endpoint } if name.is_empty() => vec![immediate(
+                503,
+                "unroutable_endpoint",
+                &format!("a provider at `{endpoint}` was chosen but not named"),
+            )],
+            Picked::Provider { name, .. } => self.answer(provider_response(&name)),
             Picked::Refused { status, message } => {
                 let code = match status {
                     "too_many_requests" => 429,
@@ -324,6 +320,27 @@ impl Exchange {
                 vec![immediate(code, status, &message)]
             }
         }
+    }
+
+    /// The pick's answer as this exchange's mode sends it: the body's
+    /// answer, or in full-duplex mode the headers' answer and then the body
+    /// sent back whole.
+    fn answer(&mut self, pick: ProcessingResponse) -> Vec<ProcessingResponse> {
+        if !self.duplex_request {
+            return vec![pick];
+        }
+        let mut headers = pick;
+        let Some(Response::RequestBody(BodyResponse { response })) = headers.response.take() else {
+            unreachable!("pick_response answers a body");
+        };
+        headers.response = Some(Response::RequestHeaders(HeadersResponse { response }));
+        let body = ProcessingResponse {
+            response: Some(Response::RequestBody(BodyResponse {
+                response: Some(streamed(std::mem::take(&mut self.body), true)),
+            })),
+            ..Default::default()
+        };
+        vec![headers, body]
     }
 
     /// An immediate response about the pick was sent: its reservation (if
@@ -441,11 +458,24 @@ pub fn host_port(endpoint: &str) -> Option<String> {
 /// The answer to the request body that routes to `addr`: the header, the
 /// `envoy.lb` metadata, and a cleared route cache.
 pub fn pick_response(addr: &str) -> ProcessingResponse {
+    routing_response(DESTINATION, addr, PROVIDER)
+}
+
+/// The answer for a provider: the header [`PROVIDER`] with its name (the
+/// gateway's route for that provider matches it), the destination header
+/// removed (a client's own included), and the route cache cleared.
+pub fn provider_response(name: &str) -> ProcessingResponse {
+    routing_response(PROVIDER, name, DESTINATION)
+}
+
+/// Sets header `key` to `value` (and the same under `envoy.lb`), removes
+/// header `other`, and has the gateway choose its route again.
+fn routing_response(key: &str, value: &str, other: &str) -> ProcessingResponse {
     let string = |s: &str| Value {
         kind: Some(Kind::StringValue(s.to_owned())),
     };
     let lb = Struct {
-        fields: HashMap::from([(DESTINATION.to_owned(), string(addr))]),
+        fields: HashMap::from([(key.to_owned(), string(value))]),
     };
     ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
@@ -453,13 +483,13 @@ pub fn pick_response(addr: &str) -> ProcessingResponse {
                 header_mutation: Some(HeaderMutation {
                     set_headers: vec![HeaderValueOption {
                         header: Some(HeaderValue {
-                            key: DESTINATION.to_owned(),
-                            raw_value: addr.as_bytes().to_vec(),
+                            key: key.to_owned(),
+                            raw_value: value.as_bytes().to_vec(),
                             ..Default::default()
                         }),
                         ..Default::default()
                     }],
-                    remove_headers: vec![],
+                    remove_headers: vec![other.to_owned()],
                 }),
                 clear_route_cache: true,
                 ..Default::default()
@@ -518,6 +548,53 @@ mod tests {
             eos_token: String::new(),
         }])
         .unwrap()
+    }
+
+    #[test]
+    fn a_provider_pick_names_the_provider_and_drops_any_destination() {
+        let mut ex = Exchange::new(false, false);
+        ex.handle_request_headers(&headers("/v1/completions"));
+        let Step::Select(_) = ex.handle_request_body(
+            &body(br#"{"model":"m","prompt":[1]}"#, true),
+            &models(),
+            &limits(),
+        ) else {
+            panic!("a select");
+        };
+        let [r]: [ProcessingResponse; 1] = ex
+            .handle_picked(Picked::Provider {
+                name: "cloud".into(),
+                endpoint: "https://api.example.com".into(),
+            })
+            .try_into()
+            .unwrap();
+        let Some(Response::RequestBody(b)) = &r.response else {
+            panic!("a body response");
+        };
+        let common = b.response.as_ref().unwrap();
+        assert!(common.clear_route_cache);
+        let m = common.header_mutation.as_ref().unwrap();
+        let h = m.set_headers[0].header.as_ref().unwrap();
+        assert_eq!(
+            (h.key.as_str(), h.raw_value.as_slice()),
+            (PROVIDER, &b"cloud"[..])
+        );
+        assert_eq!(m.remove_headers, [DESTINATION]);
+        // Nothing reserved, so nothing to report.
+        assert_eq!(ex.take_unused_reservation(), None);
+        // A worker pick removes a forged provider header likewise.
+        let w = pick_response("10.0.0.1:80");
+        let Some(Response::RequestBody(b)) = &w.response else {
+            panic!("a body response");
+        };
+        let m = b
+            .response
+            .as_ref()
+            .unwrap()
+            .header_mutation
+            .as_ref()
+            .unwrap();
+        assert_eq!(m.remove_headers, [PROVIDER]);
     }
 
     #[test]

@@ -110,6 +110,10 @@ impl Picker {
         s.subset = Strs::strings(&args.subset);
         match self.call(&Request::Select(s)).await {
             Ok((Status::Ok, payload)) => match binary::decode_select_reply(&payload) {
+                Ok(v) if v.provider => Picked::Provider {
+                    name: v.provider_name.to_owned(),
+                    endpoint: v.endpoint.to_owned(),
+                },
                 Ok(v) => Picked::Worker {
                     endpoint: v.endpoint.to_owned(),
                     request_id: v.request_id,

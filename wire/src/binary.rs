@@ -349,14 +349,22 @@ pub fn write_select_reply(out: &mut Vec<u8>, r: &SelectView<'_>) {
         for b in r.overlap_blocks {
             o.extend_from_slice(&b.to_le_bytes());
         }
-        o.push(u8::from(r.provider));
-        // Cut to what the length field can say, on a character boundary.
-        let mut n = r.endpoint.len().min(usize::from(u16::MAX));
-        while !r.endpoint.is_char_boundary(n) {
-            n -= 1;
+        let named = r.provider && !r.provider_name.is_empty();
+        o.push(u8::from(r.provider) | if named { 2 } else { 0 });
+        put_short(o, cut(r.endpoint));
+        if named {
+            put_short(o, cut(r.provider_name));
         }
-        put_short(o, &r.endpoint[..n]);
     });
+}
+
+/// `s` cut to what a `u16` length can say, on a character boundary.
+fn cut(s: &str) -> &str {
+    let mut n = s.len().min(usize::from(u16::MAX));
+    while !s.is_char_boundary(n) {
+        n -= 1;
+    }
+    &s[..n]
 }
 
 /// Decodes the payload of a select answer.
@@ -367,8 +375,12 @@ pub fn decode_select_reply(p: &[u8]) -> Result<SelectView<'_>, &'static str> {
     let request_id = c.u64()?;
     let cost = f64::from_bits(c.u64()?);
     let overlap_blocks = [c.u32()?, c.u32()?, c.u32()?];
-    let provider = c.u8()? & 1 != 0;
+    let flags = c.u8()?;
+    let provider = flags & 1 != 0;
     let endpoint = c.short_str()?;
+    // Bit 1: the provider's name follows (decoders that predate it stop
+    // at the endpoint).
+    let provider_name = if flags & 2 != 0 { c.short_str()? } else { "" };
     Ok(SelectView {
         worker_id,
         dp_rank,
@@ -377,6 +389,7 @@ pub fn decode_select_reply(p: &[u8]) -> Result<SelectView<'_>, &'static str> {
         overlap_blocks,
         provider,
         endpoint,
+        provider_name,
     })
 }
 
@@ -449,6 +462,38 @@ mod tests {
         let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
         s.subset = Strs::strings(&many);
         assert!(encode_request(&mut Vec::new(), &Request::Select(s)).is_err());
+    }
+
+    #[test]
+    fn a_select_reply_names_its_provider_and_older_decoders_stop_before_it() {
+        let mut view = SelectView {
+            worker_id: 0,
+            dp_rank: 0,
+            request_id: 9,
+            cost: f64::NAN,
+            overlap_blocks: [0; 3],
+            provider: true,
+            endpoint: "https://api.example.com",
+            provider_name: "example",
+        };
+        for named in [true, false] {
+            if !named {
+                view.provider = false;
+                view.provider_name = "";
+                view.endpoint = "http://10.0.0.1:8000";
+            }
+            let mut out = Vec::new();
+            write_select_reply(&mut out, &view);
+            let d = decode_select_reply(&out[8..]).unwrap();
+            assert_eq!(
+                (d.provider, d.endpoint, d.provider_name),
+                (view.provider, view.endpoint, view.provider_name)
+            );
+            // What a decoder without the name reads: the endpoint, then
+            // either the end or the name it skips.
+            let end = 8 + 8 + 4 + 8 + 8 + 12 + 1 + 2 + view.endpoint.len();
+            assert_eq!(out.len() > end, named);
+        }
     }
 
     #[test]

@@ -95,6 +95,7 @@ impl Selected<'_> {
             overlap_blocks: self.overlap_blocks,
             provider: self.provider.is_some(),
             endpoint: self.endpoint,
+            provider_name: self.provider.unwrap_or(""),
         }
     }
 }
@@ -112,6 +113,8 @@ pub struct SelectView<'a> {
     /// A provider, not a worker, was chosen.
     pub provider: bool,
     pub endpoint: &'a str,
+    /// The chosen provider's name (empty for a worker).
+    pub provider_name: &'a str,
 }
 
 impl SelectView<'_> {
@@ -124,6 +127,7 @@ impl SelectView<'_> {
             overlap_blocks: self.overlap_blocks,
             provider: self.provider,
             endpoint: self.endpoint.to_owned(),
+            provider_name: self.provider_name.to_owned(),
         }
     }
 }
@@ -138,6 +142,8 @@ pub struct SelectReply {
     pub overlap_blocks: [u32; 3],
     pub provider: bool,
     pub endpoint: String,
+    /// The chosen provider's name (empty for a worker).
+    pub provider_name: String,
 }
 
 /// How a select was decided (`explain`).
