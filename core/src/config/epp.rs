@@ -96,16 +96,17 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
             ),
         ));
     }
-    for h in [&e.tenant_header, &e.session_header].into_iter().flatten() {
+    for (key, h) in [
+        ("tenant_header", &e.tenant_header),
+        ("session_header", &e.session_header),
+    ] {
+        let Some(h) = h else { continue };
         if h.is_empty()
             || !h
                 .bytes()
                 .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
         {
-            return Some((
-                "tenant_header",
-                format!("epp header name `{h}` is not a header name"),
-            ));
+            return Some((key, format!("epp.{key} `{h}` is not a header name")));
         }
     }
     if e.approximate_chunk_bytes != 0 && !(16..=65_536).contains(&e.approximate_chunk_bytes) {
@@ -135,4 +136,45 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
         }
     }
     None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn section(extra: &str) -> EppSection {
+        parse(&format!("{extra}models:\n  - name: m\n"))
+    }
+
+    /// The section as the loader reads it.
+    fn parse(yaml: &str) -> EppSection {
+        serde_yaml::from_str(yaml).unwrap()
+    }
+
+    #[test]
+    fn defaults_are_valid_and_each_bad_value_is_named() {
+        let ok = section("");
+        assert_eq!(ok.approximate_chunk_bytes, 64);
+        assert_eq!(validate(&ok), None);
+        assert_eq!(validate(&section("approximate_chunk_bytes: 0\n")), None);
+        for (yaml, key) in [
+            ("approximate_chunk_bytes: 8\n", "approximate_chunk_bytes"),
+            (
+                "approximate_chunk_bytes: 100000\n",
+                "approximate_chunk_bytes",
+            ),
+            ("listen: nowhere\n", "listen"),
+            ("max_body_bytes: 10\n", "max_body_bytes"),
+            ("max_prompt_tokens: 0\n", "max_prompt_tokens"),
+            ("tenant_header: \"a b\"\n", "tenant_header"),
+            ("session_header: \"\"\n", "session_header"),
+        ] {
+            let (k, message) = validate(&section(yaml)).expect(yaml);
+            assert_eq!(k, key, "{yaml}: {message}");
+            assert!(message.contains(key), "{message}");
+        }
+        let mut twice = section("");
+        twice.models.push(twice.models[0].clone());
+        assert_eq!(validate(&twice).unwrap().0, "models");
+    }
 }
