@@ -112,59 +112,18 @@ fn main() {
         .enable_all()
         .build()
         .unwrap();
-    let through_grpc = rt.block_on(async {
+    // The same prompt as token ids on /v1/completions: everything but
+    // the template and the tokenizer.
+    let ids_body = serde_json::json!({"model": "m", "stream": true, "prompt": tokens})
+        .to_string()
+        .into_bytes();
+    let (through_grpc, with_ids) = rt.block_on(async {
         let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
             .await
             .unwrap();
-        let headers = HttpHeaders {
-            headers: Some(HeaderMap {
-                headers: vec![HeaderValue {
-                    key: ":path".into(),
-                    raw_value: b"/v1/chat/completions".to_vec(),
-                    ..Default::default()
-                }],
-            }),
-            ..Default::default()
-        };
-        let mut samples = Vec::with_capacity(n);
-        for i in 0..n + 100 {
-            let t = Instant::now();
-            let (tx, rx) = tokio::sync::mpsc::channel(2);
-            tx.send(ProcessingRequest {
-                request: Some(Msg::RequestHeaders(headers.clone())),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-            tx.send(ProcessingRequest {
-                request: Some(Msg::RequestBody(HttpBody {
-                    body: body.clone(),
-                    end_of_stream: true,
-                    ..Default::default()
-                })),
-                ..Default::default()
-            })
-            .await
-            .unwrap();
-            let mut stream = client
-                .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-                .await
-                .unwrap()
-                .into_inner();
-            let _headers = stream.message().await.unwrap().unwrap();
-            let pick = stream.message().await.unwrap().unwrap();
-            let elapsed = t.elapsed();
-            let Some(Response::RequestBody(b)) = pick.response else {
-                panic!("a pick: {pick:?}");
-            };
-            assert!(b.response.is_some_and(|c| c.clear_route_cache));
-            drop(tx);
-            // The first 100 warm the connection and caches.
-            if i >= 100 {
-                samples.push(elapsed);
-            }
-        }
-        samples
+        let chat = decisions(&mut client, "/v1/chat/completions", &body, n).await;
+        let ids = decisions(&mut client, "/v1/completions", &ids_body, n).await;
+        (chat, ids)
     });
     drop(engine);
     daemon.stop();
@@ -172,6 +131,7 @@ fn main() {
 
     let (a50, a99) = percentiles(alone);
     let (g50, g99) = percentiles(through_grpc);
+    let (i50, i99) = percentiles(with_ids);
     println!(
         "a chat request of {} tokens ({} bytes of body), {n} decisions each:",
         tokens.len(),
@@ -183,4 +143,67 @@ fn main() {
     println!(
         "| the picker's decision over ext_proc (headers, body, pick) | {g50:.1} µs | {g99:.1} µs |"
     );
+    println!(
+        "| the same decision, the prompt sent as token ids (no template or tokenizer; {} bytes of body) | {i50:.1} µs | {i99:.1} µs |",
+        ids_body.len()
+    );
+}
+
+/// `n` decisions (after 100 to warm the connection and caches), each a
+/// gRPC stream of the request headers for `path` and the buffered `body`,
+/// timed until the pick arrives.
+async fn decisions(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    path: &str,
+    body: &[u8],
+    n: usize,
+) -> Vec<Duration> {
+    let headers = HttpHeaders {
+        headers: Some(HeaderMap {
+            headers: vec![HeaderValue {
+                key: ":path".into(),
+                raw_value: path.as_bytes().to_vec(),
+                ..Default::default()
+            }],
+        }),
+        ..Default::default()
+    };
+    let mut samples = Vec::with_capacity(n);
+    for i in 0..n + 100 {
+        let t = Instant::now();
+        let (tx, rx) = tokio::sync::mpsc::channel(2);
+        tx.send(ProcessingRequest {
+            request: Some(Msg::RequestHeaders(headers.clone())),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        tx.send(ProcessingRequest {
+            request: Some(Msg::RequestBody(HttpBody {
+                body: body.to_vec(),
+                end_of_stream: true,
+                ..Default::default()
+            })),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+        let mut stream = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+            .unwrap()
+            .into_inner();
+        let _headers = stream.message().await.unwrap().unwrap();
+        let pick = stream.message().await.unwrap().unwrap();
+        let elapsed = t.elapsed();
+        let Some(Response::RequestBody(b)) = pick.response else {
+            panic!("a pick: {pick:?}");
+        };
+        assert!(b.response.is_some_and(|c| c.clear_route_cache));
+        drop(tx);
+        if i >= 100 {
+            samples.push(elapsed);
+        }
+    }
+    samples
 }
