@@ -144,7 +144,7 @@ pub struct Selection {
     dp_rank: Option<u32>,
     /// Where to send the request.
     endpoint: String,
-    /// The provider a rule chose, if it chose one (its name when known).
+    /// The name of the provider a rule chose, if it chose one.
     provider: Option<String>,
     /// Prefix overlap in blocks, per tier.
     device_blocks: u32,
@@ -326,7 +326,8 @@ impl NativeClient {
                     worker_id: (!v.provider).then_some(v.worker_id),
                     dp_rank: (!v.provider).then_some(v.dp_rank),
                     endpoint: v.endpoint.to_owned(),
-                    provider: None,
+                    provider: (v.provider && !v.provider_name.is_empty())
+                        .then(|| v.provider_name.to_owned()),
                     device_blocks: v.overlap_blocks[0],
                     host_blocks: v.overlap_blocks[1],
                     disk_blocks: v.overlap_blocks[2],
