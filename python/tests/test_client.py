@@ -213,3 +213,26 @@ def test_block_hashes_are_read_natively_and_behave_as_a_sequence(daemon: Daemon)
         assert c.select("m", hashes=bh, dry_run=True, explain=True).device_blocks == 16
         with pytest.raises(TypeError):
             c.select("m", hashes=bh, explain=True, colour="blue")
+
+
+def test_a_rules_provider_pick_names_the_provider(tmp_path: pathlib.Path) -> None:
+    d = start_daemon(
+        tmp_path / "rt",
+        "daemon:\n  heartbeat_timeout_ms: 600000\n"
+        "policy:\n  rules:\n"
+        "    - name: premium\n      matches:\n        - { header.x-tier: premium }\n"
+        "      route:\n        consider:\n          - providers: {}\n"
+        "        select:\n          - { type: Provider, order: [cloud] }\n"
+        "    - name: everyone\n      route:\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n"
+        "providers:\n  - { name: cloud, models: [m], endpoint: \"https://cloud.example\" }\n",
+    )
+    try:
+        local = engine(d, 1)
+        with kvedge.Client(d.dir) as c:
+            wait_for(lambda: c.select("m", tokens=TOKENS, dry_run=True).worker_id == 1, "the engine")
+            s = c.select("m", tokens=TOKENS, headers={"x-tier": "premium"}, dry_run=True)
+            assert (s.provider, s.endpoint, s.worker_id) == ("cloud", "https://cloud.example", None)
+            assert c.select("m", tokens=TOKENS, dry_run=True).provider is None
+        del local
+    finally:
+        d.stop()
