@@ -54,6 +54,19 @@ fn main() {
         info.bytes_max as f64 / (1 << 20) as f64
     );
 
+    // A worker's death in that index: one of 64 workers, 156,250 blocks.
+    // Timed once (it takes the index apart), not by criterion.
+    let mut ix = filled(10_000_000);
+    let t = std::time::Instant::now();
+    let dropped = ix.remove_worker(Slot::new(5).unwrap());
+    let took = t.elapsed();
+    assert_eq!(dropped, 10_000_000 / MAX_WORKERS);
+    println!(
+        "index/remove_worker_156k_of_10m_entries: {:.1} ms",
+        took.as_secs_f64() * 1e3
+    );
+    drop(ix);
+
     let mut g = c.benchmark_group("index");
     g.warm_up_time(Duration::from_secs(1));
     g.measurement_time(Duration::from_secs(3));

@@ -2,15 +2,25 @@
 //! tier, and the prefix-overlap query the router runs for every request.
 //!
 //! Layout, chosen for memory and for the overlap walk:
-//! - one map per tier from sequence hash to a 64-bit mask of worker slots
-//!   (a node routes to at most [`MAX_WORKERS`] workers). A block held by
-//!   several workers costs one entry. The maps hash their keys with a fast
-//!   seeded hash (foldhash), not by identity: keys come from engines, and
-//!   sequential or crafted ones would otherwise fill one long probe run that
-//!   every lookup landing in it walks (500,000 sequential hashes made an
-//!   unrelated lookup cost 5 µs);
-//! - per worker and tier, the set of hashes it holds, so that `Cleared` and a
-//!   worker's death cost O(that worker's blocks), not a scan of the index.
+//! - per tier, a map from sequence hash to a 64-bit mask of worker slots
+//!   (a node routes to at most [`MAX_WORKERS`] workers), so a block held
+//!   by several workers costs one entry. The map is split into
+//!   [`SHARDS`] hash tables by bits of the key's hash, so a table that
+//!   grows doubles only its own eighth: one table of 10 million entries
+//!   briefly held its old and new arrays at once, 1.5 times its size. (More
+//!   shards saved little more memory and made the overlap walk slower.)
+//!   Keys are hashed with a fast seeded hash (foldhash), not by identity:
+//!   keys come from engines, and sequential or crafted ones would otherwise
+//!   fill one long probe run that every lookup landing in it walks
+//!   (500,000 sequential hashes made an unrelated lookup cost 5 µs);
+//! - nothing per entry besides: per worker and tier a count, and which
+//!   shards it stored into since it was last cleared, so `Cleared` and a
+//!   worker's death clear its bit in those shards only. A worker holding
+//!   few blocks also keeps their list (up to [`LISTED`] per tier), and its
+//!   `Cleared` costs O(its blocks); a larger one's sweeps its shards, which
+//!   is O(the tier): 25 ms for one of 64 workers in a 10-million-entry
+//!   index, where per-worker hash sets took 15 ms but cost 25 bytes an
+//!   entry.
 //!
 //! Capacity is counted in (block, worker, tier) entries. When a store would
 //! exceed it, room is made by evicting entries of the worker that holds the
@@ -19,13 +29,12 @@
 //! when it is reused, so the block resident longest is the best guess at
 //! the least recently used. [`KvIndex::evicted`] counts them, and a log
 //! line says when eviction starts. A worker's store order is kept in a
-//! queue beside its set (removed hashes leave it lazily, and it is
-//! compacted when mostly stale), but only while the index is at least half
-//! full: far from capacity, where most nodes live, a store costs no more
-//! than its set and map inserts and no memory goes to the queues. When the
-//! index first reaches half, the queues start from the sets as they are
-//! (the blocks already held count as equally old); below a quarter they
-//! are dropped again.
+//! queue (removed hashes leave it lazily, and it is compacted when mostly
+//! stale), but only while the index is at least half full: far from
+//! capacity, where most nodes live, a store costs no more than its table
+//! insert and no memory goes to the queues. When the index first reaches
+//! half, the queues start from the tables as they are (the blocks already
+//! held count as equally old); below a quarter they are dropped again.
 //!
 //! The overlap query walks the request's hashes in order, keeping for each
 //! tier the mask of workers whose prefix is still unbroken, and stops as soon
@@ -33,15 +42,24 @@
 //! 32, 64 hashes) so the cache misses of a large index overlap instead of
 //! queuing, while a short prefix still stops after a few.
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashSet, VecDeque};
+use std::hash::BuildHasher;
+
+use hashbrown::HashTable;
+use hashbrown::hash_table::Entry;
 
 use kvedge_shm::messages::Tier;
 
 /// Most worker slots one index tracks.
 pub const MAX_WORKERS: usize = 64;
 
-type IdMap<V> = HashMap<u64, V, foldhash::fast::RandomState>;
-type IdSet = HashSet<u64, foldhash::fast::RandomState>;
+/// Hash tables per tier (a power of two, at most 64: a worker's shards
+/// are one mask).
+pub const SHARDS: usize = 8;
+
+/// Blocks per worker and tier whose hashes are also listed, so that
+/// clearing a small worker does not sweep its shards.
+pub const LISTED: usize = 4096;
 
 /// A worker's position in the index (0..64), assigned at registration.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -80,13 +98,153 @@ impl Overlap {
     }
 }
 
+/// One tier: hash -> worker mask, in shards. A key is hashed once (a
+/// seeded foldhash); bits 40-44 of that hash choose the shard, which
+/// neither the table's bucket index (the low bits) nor its control tags
+/// (the top seven) use.
+#[derive(Debug)]
+struct TierMap {
+    hasher: foldhash::fast::RandomState,
+    shards: Box<[HashTable<(u64, u64)>; SHARDS]>,
+    /// Distinct blocks.
+    len: usize,
+}
+
+impl Default for TierMap {
+    fn default() -> Self {
+        TierMap {
+            hasher: foldhash::fast::RandomState::default(),
+            shards: Box::new(std::array::from_fn(|_| HashTable::new())),
+            len: 0,
+        }
+    }
+}
+
+/// The shard of a key whose hash is `hash`.
+#[inline(always)]
+fn shard_of(hash: u64) -> usize {
+    ((hash >> 40) as usize) & (SHARDS - 1)
+}
+
+impl TierMap {
+    #[inline(always)]
+    fn hash(&self, h: u64) -> u64 {
+        self.hasher.hash_one(h)
+    }
+
+    #[inline(always)]
+    fn get(&self, h: u64) -> u64 {
+        self.get_hashed(self.hash(h), h)
+    }
+
+    #[inline(always)]
+    fn get_hashed(&self, hash: u64, h: u64) -> u64 {
+        self.shards[shard_of(hash)]
+            .find(hash, |e| e.0 == h)
+            .map_or(0, |e| e.1)
+    }
+
+    /// Sets `bit` on `h` (whose hash is `hash`); false if it was set.
+    fn set_hashed(&mut self, hash: u64, h: u64, bit: u64) -> bool {
+        let TierMap {
+            hasher,
+            shards,
+            len,
+        } = self;
+        let entry = shards[shard_of(hash)].entry(hash, |e| e.0 == h, |e| hasher.hash_one(e.0));
+        match entry {
+            Entry::Occupied(mut o) => {
+                let new = o.get().1 & bit == 0;
+                o.get_mut().1 |= bit;
+                new
+            }
+            Entry::Vacant(v) => {
+                v.insert((h, bit));
+                *len += 1;
+                true
+            }
+        }
+    }
+
+    /// Clears `bit` on `h`; false if it was not set.
+    fn unset(&mut self, h: u64, bit: u64) -> bool {
+        let hash = self.hash(h);
+        let Ok(mut o) = self.shards[shard_of(hash)].find_entry(hash, |e| e.0 == h) else {
+            return false;
+        };
+        if o.get().1 & bit == 0 {
+            return false;
+        }
+        o.get_mut().1 &= !bit;
+        if o.get().1 == 0 {
+            o.remove();
+            self.len -= 1;
+        }
+        true
+    }
+
+    /// Clears `bit` everywhere in shard `s`; how many were set.
+    fn sweep(&mut self, s: usize, bit: u64) -> usize {
+        let mut cleared = 0;
+        let before = self.shards[s].len();
+        self.shards[s].retain(|e| {
+            if e.1 & bit != 0 {
+                e.1 &= !bit;
+                cleared += 1;
+            }
+            e.1 != 0
+        });
+        self.len -= before - self.shards[s].len();
+        cleared
+    }
+
+    /// Every (hash, mask).
+    fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+        self.shards.iter().flat_map(|s| s.iter().copied())
+    }
+}
+
+/// What the index keeps about one worker in one tier.
+#[derive(Debug, Default)]
+struct Held {
+    /// Entries it holds.
+    count: usize,
+    /// The shards it stored into since it was last cleared (a shard may no
+    /// longer hold any of its entries).
+    shards: u64,
+    /// While it is short, every hash it stored since it was last cleared
+    /// (some since removed, some twice); `None` once it grew past
+    /// [`LISTED`], when clearing sweeps `shards` instead.
+    listed: Option<Vec<u64>>,
+}
+
+impl Held {
+    fn fresh() -> Self {
+        Held {
+            listed: Some(Vec::new()),
+            ..Held::default()
+        }
+    }
+
+    fn note(&mut self, h: u64, shard: usize) {
+        self.shards |= 1 << shard;
+        if let Some(list) = &mut self.listed {
+            if list.len() < LISTED {
+                list.push(h);
+            } else {
+                self.listed = None;
+            }
+        }
+    }
+}
+
 /// The index.
 #[derive(Debug)]
 pub struct KvIndex {
-    tiers: [IdMap<u64>; 3],
-    held: Vec<[IdSet; 3]>,
+    tiers: [TierMap; 3],
+    held: Vec<[Held; 3]>,
     /// Per worker and tier, hashes in the order they were stored (some
-    /// already removed: checked against `held` when evicting).
+    /// already removed: checked against the tier map when evicting).
     order: Vec<[VecDeque<u64>; 3]>,
     entries: usize,
     capacity: usize,
@@ -108,7 +266,9 @@ impl KvIndex {
     pub fn new(capacity: usize) -> Self {
         KvIndex {
             tiers: Default::default(),
-            held: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
+            held: (0..MAX_WORKERS)
+                .map(|_| [Held::fresh(), Held::fresh(), Held::fresh()])
+                .collect(),
             order: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
             entries: 0,
             capacity,
@@ -133,7 +293,7 @@ impl KvIndex {
 
     /// Distinct blocks indexed in `tier`.
     pub fn blocks(&self, tier: Tier) -> usize {
-        self.tiers[tier as usize].len()
+        self.tiers[tier as usize].len
     }
 
     /// Entries not indexed because the index was full and nothing could
@@ -149,34 +309,36 @@ impl KvIndex {
 
     /// Blocks `slot` holds in `tier`.
     pub fn worker_blocks(&self, slot: Slot, tier: Tier) -> usize {
-        self.held[slot.index()][tier as usize].len()
+        self.held[slot.index()][tier as usize].count
     }
 
     /// Whether `slot` holds `hash` in `tier`.
     pub fn holds(&self, slot: Slot, tier: Tier, hash: u64) -> bool {
-        self.tiers[tier as usize]
-            .get(&hash)
-            .is_some_and(|m| m & slot.bit() != 0)
+        self.tiers[tier as usize].get(hash) & slot.bit() != 0
     }
 
     /// Records that `slot` stored `hashes` in `tier`. Returns how many were
     /// new; when the index is full, older entries are evicted for them.
     pub fn store(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) -> usize {
         let t = tier as usize;
+        let (w, bit) = (slot.index(), slot.bit());
         let mut added = 0;
         for &h in hashes {
-            if self.held[slot.index()][t].contains(&h) {
+            let hash = self.tiers[t].hash(h);
+            if self.tiers[t].get_hashed(hash, h) & bit != 0 {
                 continue;
             }
             if self.entries >= self.capacity && !self.evict_one() {
                 self.refused_full += 1;
                 continue;
             }
-            self.held[slot.index()][t].insert(h);
+            self.tiers[t].set_hashed(hash, h, bit);
+            let held = &mut self.held[w][t];
+            held.count += 1;
+            held.note(h, shard_of(hash));
             if self.ordered {
-                self.order[slot.index()][t].push_back(h);
+                self.order[w][t].push_back(h);
             }
-            *self.tiers[t].entry(h).or_insert(0) |= slot.bit();
             self.entries += 1;
             added += 1;
             if !self.ordered && self.entries >= self.capacity / 2 {
@@ -186,12 +348,21 @@ impl KvIndex {
         added
     }
 
-    /// Starts keeping store order: each queue from its set as it is.
+    /// Starts keeping store order: each queue from the tables as they are.
     fn start_ordering(&mut self) {
-        for (held, order) in self.held.iter().zip(self.order.iter_mut()) {
-            for (set, queue) in held.iter().zip(order.iter_mut()) {
+        for order in &mut self.order {
+            for queue in order.iter_mut() {
                 queue.clear();
-                queue.extend(set.iter().copied());
+            }
+        }
+        for (t, tier) in self.tiers.iter().enumerate() {
+            for (h, mask) in tier.iter() {
+                let mut m = mask;
+                while m != 0 {
+                    let w = m.trailing_zeros() as usize;
+                    self.order[w][t].push_back(h);
+                    m &= m - 1;
+                }
             }
         }
         self.ordered = true;
@@ -214,10 +385,10 @@ impl KvIndex {
     /// (from its largest tier); false if the index is empty.
     fn evict_one(&mut self) -> bool {
         let Some((w, t)) = (0..MAX_WORKERS)
-            .max_by_key(|&w| self.held[w].iter().map(IdSet::len).sum::<usize>())
+            .max_by_key(|&w| self.held[w].iter().map(|h| h.count).sum::<usize>())
             .and_then(|w| {
-                let t = (0..3).max_by_key(|&t| self.held[w][t].len())?;
-                (!self.held[w][t].is_empty()).then_some((w, t))
+                let t = (0..3).max_by_key(|&t| self.held[w][t].count)?;
+                (self.held[w][t].count > 0).then_some((w, t))
             })
         else {
             return false;
@@ -234,21 +405,26 @@ impl KvIndex {
         if !self.ordered {
             self.start_ordering();
         }
-        let slot = Slot(w as u8);
+        let bit = 1u64 << w;
         while let Some(h) = self.order[w][t].pop_front() {
-            if self.held[w][t].remove(&h) {
-                Self::unset(&mut self.tiers[t], h, slot);
+            if self.tiers[t].unset(h, bit) {
+                self.held[w][t].count -= 1;
                 self.entries -= 1;
                 self.evicted += 1;
                 return true;
             }
         }
-        // The queue lost track (it cannot, but stay correct): any entry.
-        let Some(&h) = self.held[w][t].iter().next() else {
+        // The queue lost track (it cannot, but stay correct): any entry of
+        // the worker, from the shards it stored into.
+        let found = self.tiers[t]
+            .iter()
+            .find(|(_, m)| m & bit != 0)
+            .map(|(h, _)| h);
+        let Some(h) = found else {
             return false;
         };
-        self.held[w][t].remove(&h);
-        Self::unset(&mut self.tiers[t], h, slot);
+        self.tiers[t].unset(h, bit);
+        self.held[w][t].count -= 1;
         self.entries -= 1;
         self.evicted += 1;
         true
@@ -259,8 +435,8 @@ impl KvIndex {
         let t = tier as usize;
         let mut removed = 0;
         for &h in hashes {
-            if self.held[slot.index()][t].remove(&h) {
-                Self::unset(&mut self.tiers[t], h, slot);
+            if self.tiers[t].unset(h, slot.bit()) {
+                self.held[slot.index()][t].count -= 1;
                 self.entries -= 1;
                 removed += 1;
             }
@@ -269,15 +445,17 @@ impl KvIndex {
         removed
     }
 
-    /// Drops the removed hashes from a store-order queue once they are
-    /// most of it.
+    /// Drops the removed hashes (and repeats) from a store-order queue
+    /// once they are most of it.
     fn compact(&mut self, w: usize, t: usize) {
         if self.ordered {
-            let live = self.held[w][t].len();
+            let live = self.held[w][t].count;
             let queue = &mut self.order[w][t];
             if queue.len() > 2 * live + 1024 {
-                let held = &self.held[w][t];
-                queue.retain(|h| held.contains(h));
+                let map = &self.tiers[t];
+                let bit = 1u64 << w;
+                let mut seen = HashSet::with_capacity(live);
+                queue.retain(|&h| map.get(h) & bit != 0 && seen.insert(h));
             }
         }
         self.maybe_stop_ordering();
@@ -289,16 +467,30 @@ impl KvIndex {
             Some(t) => std::slice::from_ref(t),
             None => &Tier::ALL,
         };
+        let (w, bit) = (slot.index(), slot.bit());
         let mut removed = 0;
         for &tier in tiers {
             let t = tier as usize;
-            let held = std::mem::take(&mut self.held[slot.index()][t]);
-            self.order[slot.index()][t].clear();
-            for h in &held {
-                Self::unset(&mut self.tiers[t], *h, slot);
+            let held = std::mem::replace(&mut self.held[w][t], Held::fresh());
+            self.order[w][t].clear();
+            if held.count > 0 {
+                match &held.listed {
+                    Some(list) => {
+                        for &h in list {
+                            self.tiers[t].unset(h, bit);
+                        }
+                    }
+                    None => {
+                        let mut b = held.shards;
+                        while b != 0 {
+                            self.tiers[t].sweep(b.trailing_zeros() as usize, bit);
+                            b &= b - 1;
+                        }
+                    }
+                }
             }
-            removed += held.len();
-            self.entries -= held.len();
+            removed += held.count;
+            self.entries -= held.count;
         }
         self.maybe_stop_ordering();
         removed
@@ -309,15 +501,6 @@ impl KvIndex {
         self.clear(slot, None)
     }
 
-    fn unset(map: &mut IdMap<u64>, h: u64, slot: Slot) {
-        if let Some(mask) = map.get_mut(&h) {
-            *mask &= !slot.bit();
-            if *mask == 0 {
-                map.remove(&h);
-            }
-        }
-    }
-
     /// Prefix overlap of `hashes` (a request's sequence hashes, in order) for
     /// every slot in `candidates` (a mask), per tier, into `out`. Allocates
     /// nothing.
@@ -325,7 +508,7 @@ impl KvIndex {
         for t in 0..3 {
             out.blocks[t] = [0; MAX_WORKERS];
             let map = &self.tiers[t];
-            if map.is_empty() || candidates == 0 {
+            if map.len == 0 || candidates == 0 {
                 continue;
             }
             let mut alive = candidates;
@@ -340,7 +523,7 @@ impl KvIndex {
             while start < hashes.len() && alive != 0 {
                 let chunk = &hashes[start..(start + batch).min(hashes.len())];
                 for (m, h) in masks.iter_mut().zip(chunk) {
-                    *m = map.get(h).copied().unwrap_or(0);
+                    *m = map.get(*h);
                 }
                 for (k, &m) in masks[..chunk.len()].iter().enumerate() {
                     let next = alive & m;
@@ -485,6 +668,74 @@ mod tests {
             self.overlap(hashes, slot.bit(), &mut o);
             o.get(slot, Tier::Device)
         }
+    }
+
+    /// Random stores, removals and clears against a plain set of (hash,
+    /// worker, tier) entries, with workers small enough to keep their list
+    /// and large enough to be swept, and hashes removed and stored again.
+    #[test]
+    fn random_operations_agree_with_a_plain_model() {
+        let mut state = 0x5eed_u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let mut ix = KvIndex::new(usize::MAX);
+        let mut model: HashSet<(u64, usize, usize)> = HashSet::new();
+        let tiers = [Tier::Device, Tier::Host, Tier::Disk];
+        // Clears that swept shards rather than walking a list.
+        let mut swept = 0;
+        for step in 0..3000 {
+            let w = (next() % 4) as usize;
+            let t = (next() % 2) as usize;
+            // Worker 3 stores far more than LISTED; the others stay small.
+            let space = if w == 3 { 40_000 } else { 3_000 };
+            let n = if w == 3 { 400 } else { 20 };
+            let hashes: Vec<u64> = (0..n).map(|_| next() % space).collect();
+            match next() % 10 {
+                0..=5 => {
+                    let new = hashes.iter().filter(|&&h| model.insert((h, w, t))).count();
+                    assert_eq!(ix.store(s(w), tiers[t], &hashes), new, "step {step}");
+                }
+                6..=8 => {
+                    let gone = hashes.iter().filter(|&&h| model.remove(&(h, w, t))).count();
+                    assert_eq!(ix.remove(s(w), tiers[t], &hashes), gone, "step {step}");
+                }
+                _ => {
+                    if ix.held[w][t].listed.is_none() {
+                        swept += 1;
+                    }
+                    let gone = model.iter().filter(|e| e.1 == w && e.2 == t).count();
+                    model.retain(|e| !(e.1 == w && e.2 == t));
+                    assert_eq!(ix.clear(s(w), Some(tiers[t])), gone, "step {step}");
+                }
+            }
+            assert_eq!(ix.entries(), model.len(), "step {step}");
+            for &h in hashes.iter().take(8) {
+                for w in 0..4 {
+                    assert_eq!(ix.holds(s(w), tiers[t], h), model.contains(&(h, w, t)));
+                }
+            }
+        }
+        for w in 0..4 {
+            for (t, &tier) in tiers.iter().enumerate().take(2) {
+                let n = model.iter().filter(|e| e.1 == w && e.2 == t).count();
+                assert_eq!(ix.worker_blocks(s(w), tier), n);
+            }
+        }
+        let distinct: HashSet<u64> = model.iter().filter(|e| e.2 == 0).map(|e| e.0).collect();
+        assert_eq!(ix.blocks(Tier::Device), distinct.len());
+        assert!(swept >= 5, "the large worker was swept {swept} times");
+        for w in 0..4 {
+            ix.remove_worker(s(w));
+        }
+        assert_eq!(
+            (ix.entries(), ix.blocks(Tier::Device), ix.blocks(Tier::Host)),
+            (0, 0, 0)
+        );
     }
 
     #[test]
