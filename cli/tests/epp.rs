@@ -424,6 +424,27 @@ mod grpc {
         (tx, stream)
     }
 
+    /// One buffered completion's exchange on a new stream (its headers
+    /// carrying `subset` as a gateway's hint when given): the answer to
+    /// its body. The stream closes when this returns, which releases any
+    /// reservation.
+    pub async fn pick(
+        client: &mut Client,
+        body: &[u8],
+        subset: Option<&[&str]>,
+    ) -> ProcessingResponse {
+        let (tx, mut s) = open(client).await;
+        let h = headers("/v1/completions");
+        let h = match subset {
+            Some(e) => with_subset(h, e),
+            None => h,
+        };
+        tx.send(h).await.unwrap();
+        s.message().await.unwrap().unwrap();
+        tx.send(self::body(body, true)).await.unwrap();
+        s.message().await.unwrap().unwrap()
+    }
+
     /// `m` carrying a gateway's subset hint (as Envoy forwards the
     /// `envoy.lb.subset_hint` filter metadata).
     pub fn with_subset(mut m: ProcessingRequest, endpoints: &[&str]) -> ProcessingRequest {
@@ -652,16 +673,7 @@ fn a_gateways_subset_hint_restricts_the_pick() {
             .unwrap();
         let body = completion(&prefix(1), false);
         let mut pick = async |subset: Option<&[&str]>| {
-            let (tx, mut s) = grpc::open(&mut client).await;
-            let headers = grpc::headers("/v1/completions");
-            let headers = match subset {
-                Some(e) => grpc::with_subset(headers, e),
-                None => headers,
-            };
-            tx.send(headers).await.unwrap();
-            s.message().await.unwrap().unwrap();
-            tx.send(grpc::body(&body, true)).await.unwrap();
-            let r = s.message().await.unwrap().unwrap();
+            let r = grpc::pick(&mut client, &body, subset).await;
             (grpc::destination(&r), grpc::status(&r))
         };
         // No hint: the prefix's holder.
@@ -727,17 +739,7 @@ fn without_a_tokenizer_prompts_follow_their_text_prefix_approximately() {
             .unwrap();
         let mut pick = async |prompt: String, subset: Option<&[&str]>| {
             let body = json!({"model": "m", "prompt": prompt}).to_string();
-            let (tx, mut s) = grpc::open(&mut client).await;
-            let headers = grpc::headers("/v1/completions");
-            let headers = match subset {
-                Some(e) => grpc::with_subset(headers, e),
-                None => headers,
-            };
-            tx.send(headers).await.unwrap();
-            s.message().await.unwrap().unwrap();
-            tx.send(grpc::body(body.as_bytes(), true)).await.unwrap();
-            let r = s.message().await.unwrap().unwrap();
-            grpc::destination(&r)
+            grpc::destination(&grpc::pick(&mut client, body.as_bytes(), subset).await)
         };
         // Each document's first question is sent to a chosen engine (a
         // subset hint), and remembered there.

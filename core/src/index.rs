@@ -144,8 +144,8 @@ impl TierMap {
             .map_or(0, |e| e.1)
     }
 
-    /// Sets `bit` on `h` (whose hash is `hash`); false if it was set.
-    fn set_hashed(&mut self, hash: u64, h: u64, bit: u64) -> bool {
+    /// Sets `bit` on `h` (whose hash is `hash`).
+    fn set_hashed(&mut self, hash: u64, h: u64, bit: u64) {
         let TierMap {
             hasher,
             shards,
@@ -153,15 +153,10 @@ impl TierMap {
         } = self;
         let entry = shards[shard_of(hash)].entry(hash, |e| e.0 == h, |e| hasher.hash_one(e.0));
         match entry {
-            Entry::Occupied(mut o) => {
-                let new = o.get().1 & bit == 0;
-                o.get_mut().1 |= bit;
-                new
-            }
+            Entry::Occupied(mut o) => o.get_mut().1 |= bit,
             Entry::Vacant(v) => {
                 v.insert((h, bit));
                 *len += 1;
-                true
             }
         }
     }
@@ -183,19 +178,14 @@ impl TierMap {
         true
     }
 
-    /// Clears `bit` everywhere in shard `s`; how many were set.
-    fn sweep(&mut self, s: usize, bit: u64) -> usize {
-        let mut cleared = 0;
+    /// Clears `bit` everywhere in shard `s`.
+    fn sweep(&mut self, s: usize, bit: u64) {
         let before = self.shards[s].len();
         self.shards[s].retain(|e| {
-            if e.1 & bit != 0 {
-                e.1 &= !bit;
-                cleared += 1;
-            }
+            e.1 &= !bit;
             e.1 != 0
         });
         self.len -= before - self.shards[s].len();
-        cleared
     }
 
     /// Every (hash, mask).

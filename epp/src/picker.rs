@@ -568,10 +568,7 @@ mod tests {
             })
             .try_into()
             .unwrap();
-        let Some(Response::RequestBody(b)) = &r.response else {
-            panic!("a body response");
-        };
-        let common = b.response.as_ref().unwrap();
+        let common = body_answer(&r);
         assert!(common.clear_route_cache);
         let m = common.header_mutation.as_ref().unwrap();
         let h = m.set_headers[0].header.as_ref().unwrap();
@@ -584,16 +581,7 @@ mod tests {
         assert_eq!(ex.take_unused_reservation(), None);
         // A worker pick removes a forged provider header likewise.
         let w = pick_response("10.0.0.1:80");
-        let Some(Response::RequestBody(b)) = &w.response else {
-            panic!("a body response");
-        };
-        let m = b
-            .response
-            .as_ref()
-            .unwrap()
-            .header_mutation
-            .as_ref()
-            .unwrap();
+        let m = body_answer(&w).header_mutation.as_ref().unwrap();
         assert_eq!(m.remove_headers, [PROVIDER]);
     }
 
@@ -622,6 +610,14 @@ mod tests {
         assert_eq!(a.approximate, b.approximate[..2]);
         // The mode off: a load-only select.
         assert!(select(&doc, 0).approximate.is_empty());
+    }
+
+    /// The common part of a body response (panics for another kind).
+    fn body_answer(r: &ProcessingResponse) -> &CommonResponse {
+        let Some(Response::RequestBody(b)) = &r.response else {
+            panic!("a body response: {r:?}");
+        };
+        b.response.as_ref().unwrap()
     }
 
     fn limits() -> Limits {
@@ -691,10 +687,7 @@ mod tests {
             })
             .try_into()
             .unwrap();
-        let Some(Response::RequestBody(b)) = &r.response else {
-            panic!("a body response");
-        };
-        let common = b.response.as_ref().unwrap();
+        let common = body_answer(&r);
         assert!(common.clear_route_cache);
         let set = &common.header_mutation.as_ref().unwrap().set_headers[0];
         let h = set.header.as_ref().unwrap();
