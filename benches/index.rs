@@ -1,7 +1,8 @@
 //! KV index benchmarks (their targets are in BENCHMARKS.md): applying block events, the
 //! prefix-overlap query of a 2,048-token request (128 blocks of 16) against
 //! 64 workers and a 1-million-block index (warm: the same request again;
-//! cold: 4,096 requests in turn, 1.5 million entries in all), and the memory
+//! cold: 4,096 requests in turn, 1.5 million entries in all, beside the
+//! machine's floor for 128 independent cache misses), and the memory
 //! per entry at 10 million entries (printed; counted by allocation-counter).
 //!
 //! `cargo bench --bench index`
@@ -134,6 +135,29 @@ fn main() {
             black_box(out.blocks[0][0])
         })
     });
+    // The floor of that cold walk on this machine: 128 loads of random
+    // cache lines from an array as large as the cold index's tables (32
+    // MiB), independent of each other and with nothing else in the loop,
+    // 4,096 different sets in turn. The VM's memory latency moves from day
+    // to day (the cold walk measured 2.3 and 6 µs on two days with the same
+    // code), so the walk is compared with this floor, measured beside it.
+    let lines: Vec<[u64; 8]> = vec![[1; 8]; (32 << 20) / 64];
+    let sets: Vec<[u32; 128]> = (0..4096u64)
+        .map(|r| std::array::from_fn(|i| (mix(r << 8 | i as u64) % lines.len() as u64) as u32))
+        .collect();
+    let mut k = 0usize;
+    g.bench_function("cold_floor_128_random_lines_32mib", |b| {
+        b.iter(|| {
+            let set = &sets[k % sets.len()];
+            k += 1;
+            let mut acc = 0u64;
+            for &i in set {
+                acc = acc.wrapping_add(lines[i as usize][0]);
+            }
+            black_box(acc)
+        })
+    });
+    drop((lines, sets));
     // Keys are untrusted: an engine publishing 500,000 sequential hashes
     // must not slow lookups that land near them (with identity hashing they
     // filled one probe run, and a lookup of an absent hash walked it).
