@@ -703,6 +703,75 @@ fn a_gateways_subset_hint_restricts_the_pick() {
     );
 }
 
+/// A gateway's subset hint set by an Envoy filter ahead of the picker:
+/// here `header_to_metadata` copies a request header into the
+/// `envoy.lb.subset_hint` metadata, which the shipped configuration
+/// forwards to the picker. The pick stays inside the subset, and inside it
+/// still follows the prefix.
+#[test]
+fn a_subset_hint_set_by_an_envoy_filter_restricts_the_pick() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let epp_port = free_port(Ipv4Addr::LOCALHOST);
+    let d = start("epp-envoy-subset", &config(epp_port));
+    let (engines, _publishers) = nodes(&d, 4, true);
+    let filter = "                http_filters:\n";
+    assert!(kvedge_epp::testing::SHIPPED_CONFIG.contains(filter));
+    let config = kvedge_epp::testing::SHIPPED_CONFIG
+        .replace(
+            filter,
+            &format!(
+                "{filter}\
+                 \x20                 - name: envoy.filters.http.header_to_metadata\n\
+                 \x20                   typed_config:\n\
+                 \x20                     \"@type\": type.googleapis.com/envoy.extensions.filters.http.header_to_metadata.v3.Config\n\
+                 \x20                     request_rules:\n\
+                 \x20                       - header: x-test-subset\n\
+                 \x20                         on_header_present:\n\
+                 \x20                           metadata_namespace: envoy.lb.subset_hint\n\
+                 \x20                           key: x-gateway-destination-endpoint-subset\n\
+                 \x20                           type: STRING\n\
+                 \x20                         remove: true\n"
+            ),
+        )
+        .replace("port_value: 9002", &format!("port_value: {epp_port}"));
+    let envoy = Envoy::start_config(&envoy_bin, &d.dir, &config);
+    let subset = format!("{},{}", engines[2].addr, engines[3].addr);
+    let hits = || engines.iter().map(HttpEngine::hits).collect::<Vec<_>>();
+    let ask_with = |holder: u32, tail: u32, hint: Option<&str>| {
+        let mut tokens = prefix(holder);
+        tokens.extend([80_000 + tail, 3]);
+        let before = hits();
+        let headers: Vec<(&str, &str)> = hint.map(|h| ("x-test-subset", h)).into_iter().collect();
+        let (status, body) = envoy.post("/v1/completions", &completion(&tokens, false), &headers);
+        let after = hits();
+        let served: Vec<usize> = (0..engines.len())
+            .filter(|&i| after[i] > before[i])
+            .collect();
+        (status, body, served)
+    };
+    for round in 0..3 {
+        // No hint: the prefix's holder (engine 0 holds prefix 1).
+        let (status, body, served) = ask_with(1, round, None);
+        assert_eq!((status, served), (200, vec![0]), "{body}");
+        // A hint without the holder: one of the hinted engines.
+        let (status, body, served) = ask_with(1, round, Some(&subset));
+        assert_eq!(status, 200, "{body}");
+        assert!(served == [2] || served == [3], "served by {served:?}");
+        // A hint with the holder (engine 3 holds prefix 4): the holder.
+        let (status, body, served) = ask_with(4, round, Some(&subset));
+        assert_eq!((status, served), (200, vec![3]), "{body}");
+    }
+    // A hint naming no engine: 503 from the picker, no engine reached.
+    let (status, body, served) = ask_with(1, 9, Some("127.0.0.9:1"));
+    assert_eq!((status, served), (503, vec![]), "{body}");
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+}
+
 #[test]
 fn without_a_tokenizer_prompts_follow_their_text_prefix_approximately() {
     let epp_port = free_port(Ipv4Addr::LOCALHOST);
