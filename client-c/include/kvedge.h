@@ -158,7 +158,8 @@ typedef struct kvedge_select_result {
   uint32_t overlap_device;
   uint32_t overlap_host;
   uint32_t overlap_disk;
-  // Non-zero: the rules chose an off-cluster provider, not a worker.
+  // Non-zero: the rules chose an off-cluster provider, not a worker
+  // (`kvedge_selected_provider` names it).
   uint32_t is_provider;
   // Length of the endpoint; if it is `KVEDGE_ENDPOINT_MAX` or more, the
   // copy below is truncated.
@@ -386,6 +387,19 @@ kvedge_status kvedge_client_attach_rings(struct kvedge_client *client);
 kvedge_status kvedge_select(struct kvedge_client *client,
                             const struct kvedge_select_request *request,
                             struct kvedge_select_result *result);
+
+// The name of the off-cluster provider the last successful
+// `kvedge_select` on `client` chose (when its `is_provider` was non-zero),
+// as the rules' `providers:` section names it. Copies it NUL-terminated
+// into `buf`, truncated to `len - 1` bytes, and returns its full length.
+// The name is empty (0, and `buf` an empty string) when that select chose
+// a worker, when none succeeded yet, or when `client` is NULL. A failed
+// select leaves the name as it was.
+//
+// # Safety
+// `client` is NULL or a live handle used by this thread only; `buf` is
+// NULL or points to `len` writable bytes.
+size_t kvedge_selected_provider(const struct kvedge_client *client, char *buf, size_t len);
 
 // The request's prefill finished (its prompt tokens leave the worker's
 // projected load).

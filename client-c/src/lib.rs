@@ -806,6 +806,9 @@ pub unsafe extern "C" fn kvedge_publisher_close(publisher: *mut kvedge_publisher
 #[derive(Debug)]
 pub struct kvedge_client {
     inner: Client,
+    /// The provider the last successful select chose (empty: a worker).
+    /// Its capacity is kept, so selects allocate nothing after warm-up.
+    provider: String,
 }
 
 /// A select. Give the prompt as sequence hashes or as token ids (exactly
@@ -859,7 +862,8 @@ pub struct kvedge_select_result {
     pub overlap_device: u32,
     pub overlap_host: u32,
     pub overlap_disk: u32,
-    /// Non-zero: the rules chose an off-cluster provider, not a worker.
+    /// Non-zero: the rules chose an off-cluster provider, not a worker
+    /// (`kvedge_selected_provider` names it).
     pub is_provider: u32,
     /// Length of the endpoint; if it is `KVEDGE_ENDPOINT_MAX` or more, the
     /// copy below is truncated.
@@ -928,7 +932,12 @@ pub unsafe extern "C" fn kvedge_client_connect(
         let socket = unsafe { path(query_socket_path, "query_socket_path")? };
         let inner = Client::connect(socket).map_err(|e| io_error(e).at(socket))?;
         // SAFETY: `out` is writable (checked above).
-        unsafe { *out = Box::into_raw(Box::new(kvedge_client { inner })) };
+        unsafe {
+            *out = Box::into_raw(Box::new(kvedge_client {
+                inner,
+                provider: String::new(),
+            }))
+        };
         Ok(())
     })
 }
@@ -1064,6 +1073,10 @@ pub unsafe extern "C" fn kvedge_select(
         out.overlap_host = v.overlap_blocks[1];
         out.overlap_disk = v.overlap_blocks[2];
         out.is_provider = u32::from(v.provider);
+        c.provider.clear();
+        if v.provider {
+            c.provider.push_str(v.provider_name);
+        }
         out.endpoint_len = u32::try_from(v.endpoint.len()).unwrap_or(u32::MAX);
         let n = v.endpoint.len().min(KVEDGE_ENDPOINT_MAX - 1);
         for (dst, &src) in out.endpoint.iter_mut().zip(&v.endpoint.as_bytes()[..n]) {
@@ -1071,6 +1084,43 @@ pub unsafe extern "C" fn kvedge_select(
         }
         out.endpoint[n] = 0;
         Ok(())
+    })
+}
+
+/// The name of the off-cluster provider the last successful
+/// `kvedge_select` on `client` chose (when its `is_provider` was non-zero),
+/// as the rules' `providers:` section names it. Copies it NUL-terminated
+/// into `buf`, truncated to `len - 1` bytes, and returns its full length.
+/// The name is empty (0, and `buf` an empty string) when that select chose
+/// a worker, when none succeeded yet, or when `client` is NULL. A failed
+/// select leaves the name as it was.
+///
+/// # Safety
+/// `client` is NULL or a live handle used by this thread only; `buf` is
+/// NULL or points to `len` writable bytes.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvedge_selected_provider(
+    client: *const kvedge_client,
+    buf: *mut c_char,
+    len: usize,
+) -> usize {
+    guard_value(0, || {
+        let name = if client.is_null() {
+            ""
+        } else {
+            // SAFETY: non-null, and a live handle (caller).
+            unsafe { (*client).provider.as_str() }
+        };
+        if !buf.is_null() && len > 0 {
+            let n = name.len().min(len - 1);
+            // SAFETY: `buf` has `len` writable bytes (caller), `n < len`,
+            // and the source is a distinct Rust allocation.
+            unsafe {
+                std::ptr::copy_nonoverlapping(name.as_ptr(), buf.cast::<u8>(), n);
+                *buf.add(n) = 0;
+            }
+        }
+        name.len()
     })
 }
 

@@ -125,6 +125,9 @@ int main(int argc, char **argv) {
     EXPECT(kvedge_prefill_done(NULL, 1), KVEDGE_ERR_NULL_ARGUMENT);
     EXPECT(kvedge_finish(NULL, 1), KVEDGE_ERR_NULL_ARGUMENT);
     EXPECT(kvedge_client_attach_rings(NULL), KVEDGE_ERR_NULL_ARGUMENT);
+    char name[8] = "garbage";
+    CHECK(kvedge_selected_provider(NULL, name, sizeof name) == 0 && name[0] == 0);
+    CHECK(kvedge_selected_provider(NULL, NULL, 0) == 0);
     kvedge_client_close(NULL);
     printf("ok\n");
     return 0;
