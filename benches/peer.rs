@@ -1,9 +1,14 @@
 //! The peer: NVIDIA Dynamo 1.6.1's own worker selection on the same fixture,
 //! benchmarked in the same run (`--features dynamo-peer`), so the ratio is
-//! measured rather than taken from a figure recorded elsewhere.
+//! measured rather than taken from a figure recorded elsewhere. Besides
+//! criterion's rows, which run minutes apart on a VM whose speed drifts, the
+//! default selection's ratio at 32 workers is also measured interleaved:
+//! batches of ours and of Dynamo's in alternation, a ratio per pair, and
+//! their spread (`ratio_interleaved/...`, printed).
 
 use std::collections::{HashMap, HashSet};
 use std::hint::black_box;
+use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion, Throughput};
 use dynamo_kv_router::protocols::{
@@ -18,7 +23,7 @@ use dynamo_kv_router::{
 };
 use rustc_hash::FxHashMap;
 
-use super::{PROMPT_TOKENS, SIZES, group};
+use super::{PROMPT_TOKENS, SIZES, context, default_policy, fill, group, rows};
 
 #[derive(Default)]
 struct Config {
@@ -156,6 +161,92 @@ impl WorkerPicker for Lowest {
             .min_by(|(_, a), (_, b)| a.cost().total_cmp(&b.cost()))
             .map(|(row, _)| row)
             .ok_or_else(|| WorkerSelectionPolicyError::failed("no eligible worker"))
+    }
+}
+
+/// Seconds per call of `f`, over a batch of `iters` calls after one
+/// untimed call (the other side's batch has just had the caches).
+fn per_call(f: &mut dyn FnMut(), iters: u32) -> f64 {
+    f();
+    let t = Instant::now();
+    for _ in 0..iters {
+        f();
+    }
+    t.elapsed().as_secs_f64() / f64::from(iters)
+}
+
+/// Times `ours` and `theirs` in alternating batches of about 2 ms (and at
+/// least 4 calls) each, 201 pairs, and prints the median of the per-pair ratios (theirs / ours)
+/// with its 10th and 90th percentiles and the median times. A drift in the
+/// machine's speed moves both sides of a pair alike.
+fn interleaved(label: &str, ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) {
+    let size = |f: &mut dyn FnMut()| {
+        let mut iters = 4u32;
+        while per_call(f, iters) * f64::from(iters) < Duration::from_millis(2).as_secs_f64() {
+            iters = iters.saturating_mul(2);
+        }
+        iters
+    };
+    let (n_ours, n_theirs) = (size(ours), size(theirs));
+    let mut pairs: Vec<(f64, f64)> = (0..201)
+        .map(|_| (per_call(ours, n_ours), per_call(theirs, n_theirs)))
+        .collect();
+    let median = |v: &mut Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let mut ratios: Vec<f64> = pairs.iter().map(|(o, t)| t / o).collect();
+    ratios.sort_by(f64::total_cmp);
+    let pick = |q: f64| ratios[((ratios.len() - 1) as f64 * q) as usize];
+    let mut o: Vec<f64> = pairs.iter().map(|p| p.0).collect();
+    let mut t: Vec<f64> = pairs.drain(..).map(|p| p.1).collect();
+    println!(
+        "ratio_interleaved/{label}: Dynamo / kvedge {:.1}x (p10 {:.1}x, p90 {:.1}x); kvedge {:.1} ns, Dynamo {:.1} ns (medians)",
+        pick(0.5),
+        pick(0.1),
+        pick(0.9),
+        median(&mut o) * 1e9,
+        median(&mut t) * 1e9,
+    );
+}
+
+/// The default selection at 32 workers, ours and Dynamo's, interleaved.
+pub fn interleaved_ratios() {
+    for (label, temperature) in [("0", 0.0), ("0.7", 0.7)] {
+        // Only where both working sets are a few cache lines: at 1,024
+        // and 10,000 workers each side's batch evicts the other's data,
+        // so alternating would measure cold caches, not selection.
+        let n = 32;
+        let mut table = kvedge_policies::CandidateTable::new();
+        fill(&mut table, &rows(n));
+        let mut policy = default_policy(temperature);
+        let ctx = context();
+        let (workers, request) = fixture(n);
+        let selector = DefaultWorkerSelector::new(
+            Some(KvRouterConfig {
+                router_temperature: temperature,
+                ..Default::default()
+            }),
+            "prefill",
+        );
+        interleaved(
+            &format!("default_worker_selection/temperature_{label}/{n}"),
+            &mut || {
+                black_box(policy.select(black_box(&ctx), black_box(&table)).unwrap());
+            },
+            &mut || {
+                black_box(
+                    selector
+                        .select_worker(WorkerSelectionInput::configured(
+                            black_box(&workers),
+                            black_box(&request),
+                            request.eligibility(),
+                            black_box(16),
+                        ))
+                        .unwrap(),
+                );
+            },
+        );
     }
 }
 

@@ -296,4 +296,6 @@ fn main() {
     #[cfg(feature = "dynamo-peer")]
     peer::benches(&mut c);
     c.final_summary();
+    #[cfg(feature = "dynamo-peer")]
+    peer::interleaved_ratios();
 }
