@@ -164,6 +164,35 @@ impl WorkerPicker for Lowest {
     }
 }
 
+/// Dynamo's default selector at `temperature`, as its bench builds it.
+fn default_selector(temperature: f64) -> DefaultWorkerSelector {
+    DefaultWorkerSelector::new(
+        Some(KvRouterConfig {
+            router_temperature: temperature,
+            ..Default::default()
+        }),
+        "prefill",
+    )
+}
+
+/// One selection by Dynamo's `selector` over the fixture.
+fn select(
+    selector: &impl WorkerSelector<Config>,
+    workers: &HashMap<WorkerId, Config>,
+    request: &SchedulingRequest,
+) {
+    black_box(
+        selector
+            .select_worker(WorkerSelectionInput::configured(
+                black_box(workers),
+                black_box(request),
+                request.eligibility(),
+                black_box(16),
+            ))
+            .unwrap(),
+    );
+}
+
 /// Seconds per call of `f`, over a batch of `iters` calls after one
 /// untimed call (the other side's batch has just had the caches).
 fn per_call(f: &mut dyn FnMut(), iters: u32) -> f64 {
@@ -176,9 +205,10 @@ fn per_call(f: &mut dyn FnMut(), iters: u32) -> f64 {
 }
 
 /// Times `ours` and `theirs` in alternating batches of about 2 ms (and at
-/// least 4 calls) each, 201 pairs, and prints the median of the per-pair ratios (theirs / ours)
-/// with its 10th and 90th percentiles and the median times. A drift in the
-/// machine's speed moves both sides of a pair alike.
+/// least 4 calls) each, 201 pairs, and prints the median of the per-pair
+/// ratios (theirs / ours) with its 10th and 90th percentiles, and the
+/// median times. A drift in the machine's speed moves both sides of a pair
+/// alike.
 fn interleaved(label: &str, ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) {
     let size = |f: &mut dyn FnMut()| {
         let mut iters = 4u32;
@@ -188,7 +218,7 @@ fn interleaved(label: &str, ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) {
         iters
     };
     let (n_ours, n_theirs) = (size(ours), size(theirs));
-    let mut pairs: Vec<(f64, f64)> = (0..201)
+    let pairs: Vec<(f64, f64)> = (0..201)
         .map(|_| (per_call(ours, n_ours), per_call(theirs, n_theirs)))
         .collect();
     let median = |v: &mut Vec<f64>| {
@@ -199,7 +229,7 @@ fn interleaved(label: &str, ours: &mut dyn FnMut(), theirs: &mut dyn FnMut()) {
     ratios.sort_by(f64::total_cmp);
     let pick = |q: f64| ratios[((ratios.len() - 1) as f64 * q) as usize];
     let mut o: Vec<f64> = pairs.iter().map(|p| p.0).collect();
-    let mut t: Vec<f64> = pairs.drain(..).map(|p| p.1).collect();
+    let mut t: Vec<f64> = pairs.iter().map(|p| p.1).collect();
     println!(
         "ratio_interleaved/{label}: Dynamo / kvedge {:.1}x (p10 {:.1}x, p90 {:.1}x); kvedge {:.1} ns, Dynamo {:.1} ns (medians)",
         pick(0.5),
@@ -222,30 +252,13 @@ pub fn interleaved_ratios() {
         let mut policy = default_policy(temperature);
         let ctx = context();
         let (workers, request) = fixture(n);
-        let selector = DefaultWorkerSelector::new(
-            Some(KvRouterConfig {
-                router_temperature: temperature,
-                ..Default::default()
-            }),
-            "prefill",
-        );
+        let selector = default_selector(temperature);
         interleaved(
             &format!("default_worker_selection/temperature_{label}/{n}"),
             &mut || {
                 black_box(policy.select(black_box(&ctx), black_box(&table)).unwrap());
             },
-            &mut || {
-                black_box(
-                    selector
-                        .select_worker(WorkerSelectionInput::configured(
-                            black_box(&workers),
-                            black_box(&request),
-                            request.eligibility(),
-                            black_box(16),
-                        ))
-                        .unwrap(),
-                );
-            },
+            &mut || select(&selector, &workers, &request),
         );
     }
 }
@@ -258,27 +271,10 @@ pub fn benches(c: &mut Criterion) {
         );
         for n in SIZES {
             let (workers, request) = fixture(n);
-            let selector = DefaultWorkerSelector::new(
-                Some(KvRouterConfig {
-                    router_temperature: temperature,
-                    ..Default::default()
-                }),
-                "prefill",
-            );
+            let selector = default_selector(temperature);
             g.throughput(Throughput::Elements(n as u64));
             g.bench_with_input(BenchmarkId::from_parameter(n), &n, |b, _| {
-                b.iter(|| {
-                    black_box(
-                        selector
-                            .select_worker(WorkerSelectionInput::configured(
-                                black_box(&workers),
-                                black_box(&request),
-                                request.eligibility(),
-                                black_box(16),
-                            ))
-                            .unwrap(),
-                    )
-                })
+                b.iter(|| select(&selector, &workers, &request))
             });
         }
         g.finish();
@@ -302,20 +298,7 @@ pub fn benches(c: &mut Criterion) {
     let mut g = group(c, "dynamo_1.6.1/custom_worker_selection/10000");
     g.throughput(Throughput::Elements(N as u64));
     for (name, policy) in [("no_filter", &no_filter), ("keep_all_filter", &keep_all)] {
-        g.bench_function(name, |b| {
-            b.iter(|| {
-                black_box(
-                    policy
-                        .select_worker(WorkerSelectionInput::configured(
-                            black_box(&workers),
-                            black_box(&request),
-                            request.eligibility(),
-                            black_box(16),
-                        ))
-                        .unwrap(),
-                )
-            })
-        });
+        g.bench_function(name, |b| b.iter(|| select(policy, &workers, &request)));
     }
     g.finish();
 }
