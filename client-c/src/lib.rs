@@ -268,20 +268,28 @@ pub extern "C" fn kvedge_version() -> u32 {
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvedge_last_error_message(buf: *mut c_char, len: usize) -> usize {
     guard_value(0, || {
-        LAST_ERROR.with(|e| {
-            let e = e.borrow();
-            if !buf.is_null() && len > 0 {
-                let n = e.len().min(len - 1);
-                // SAFETY: `buf` has `len` writable bytes (caller), `n < len`,
-                // and the source is a distinct Rust allocation.
-                unsafe {
-                    std::ptr::copy_nonoverlapping(e.as_ptr(), buf.cast::<u8>(), n);
-                    *buf.add(n) = 0;
-                }
-            }
-            e.len()
-        })
+        // SAFETY: `buf` is NULL or has `len` writable bytes (caller).
+        LAST_ERROR.with(|e| unsafe { copy_out(e.borrow().as_bytes(), buf, len) })
     })
+}
+
+/// Copies `text` into `buf` NUL-terminated, truncated to `len - 1` bytes
+/// (nothing when `buf` is NULL or `len` is 0); returns `text`'s full
+/// length.
+///
+/// # Safety
+/// `buf` is NULL or points to `len` writable bytes, none of them `text`'s.
+unsafe fn copy_out(text: &[u8], buf: *mut c_char, len: usize) -> usize {
+    if !buf.is_null() && len > 0 {
+        let n = text.len().min(len - 1);
+        // SAFETY: `buf` has `len` writable bytes (caller), `n < len`, and
+        // they do not overlap `text` (caller).
+        unsafe {
+            std::ptr::copy_nonoverlapping(text.as_ptr(), buf.cast::<u8>(), n);
+            *buf.add(n) = 0;
+        }
+    }
+    text.len()
 }
 
 /// A static description of a status code (never NULL).
@@ -1111,16 +1119,8 @@ pub unsafe extern "C" fn kvedge_selected_provider(
             // SAFETY: non-null, and a live handle (caller).
             unsafe { (*client).provider.as_str() }
         };
-        if !buf.is_null() && len > 0 {
-            let n = name.len().min(len - 1);
-            // SAFETY: `buf` has `len` writable bytes (caller), `n < len`,
-            // and the source is a distinct Rust allocation.
-            unsafe {
-                std::ptr::copy_nonoverlapping(name.as_ptr(), buf.cast::<u8>(), n);
-                *buf.add(n) = 0;
-            }
-        }
-        name.len()
+        // SAFETY: `buf` is NULL or has `len` writable bytes (caller).
+        unsafe { copy_out(name.as_bytes(), buf, len) }
     })
 }
 
