@@ -111,6 +111,9 @@ fn main() {
             black_box(out.blocks[0][0])
         })
     });
+    // Checked on a query of its own, so a filter that skips the bench above
+    // does not leave `out` empty.
+    ix.overlap(&request, u64::MAX, &mut out);
     assert_eq!(out.get(Slot::new(0).unwrap(), Tier::Device), 128);
     assert_eq!(out.get(Slot::new(5).unwrap(), Tier::Device), 10);
 
