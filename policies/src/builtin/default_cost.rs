@@ -136,6 +136,8 @@ pub struct DefaultCostScorer {
     w: DefaultCostWeights,
     decode_path: bool,
     uses_cache: bool,
+    /// The weights are the shipped ones' identities (see [`fill`]).
+    unit_weights: bool,
 }
 
 impl DefaultCostScorer {
@@ -152,10 +154,15 @@ impl DefaultCostScorer {
         // overlap, so the cache lookup would be wasted (plain disaggregated
         // decode); likewise when every credit is zero.
         let uses_cache = any_credit && (w.track_prefill_tokens || decode_path);
+        let unit_weights = w.track_prefill_tokens
+            && w.prefill_load_scale == 1.0
+            && w.overlap_score_credit == 1.0
+            && w.decode_active_request_weight == 0.0;
         DefaultCostScorer {
             w,
             decode_path,
             uses_cache,
+            unit_weights,
         }
     }
 }
@@ -231,15 +238,32 @@ impl WorkerScorer for DefaultCostScorer {
         // One branch-free loop per shape, chosen once per call.
         let lower = candidates.has_lower_tier_overlap();
         match (self.uses_cache, lower, decay_on, self.decode_path) {
-            (false, ..) => fill::<false, false, false, false>(&terms, &cols, costs),
-            (true, false, false, false) => fill::<true, false, false, false>(&terms, &cols, costs),
-            (true, false, false, true) => fill::<true, false, false, true>(&terms, &cols, costs),
-            (true, false, true, false) => fill::<true, false, true, false>(&terms, &cols, costs),
-            (true, false, true, true) => fill::<true, false, true, true>(&terms, &cols, costs),
-            (true, true, false, false) => fill::<true, true, false, false>(&terms, &cols, costs),
-            (true, true, false, true) => fill::<true, true, false, true>(&terms, &cols, costs),
-            (true, true, true, false) => fill::<true, true, true, false>(&terms, &cols, costs),
-            (true, true, true, true) => fill::<true, true, true, true>(&terms, &cols, costs),
+            (false, ..) => fill::<false, false, false, false, false>(&terms, &cols, costs),
+            (true, false, false, false) if self.unit_weights => {
+                fill::<true, false, false, false, true>(&terms, &cols, costs)
+            }
+            (true, false, false, false) => {
+                fill::<true, false, false, false, false>(&terms, &cols, costs)
+            }
+            (true, false, false, true) => {
+                fill::<true, false, false, true, false>(&terms, &cols, costs)
+            }
+            (true, false, true, false) => {
+                fill::<true, false, true, false, false>(&terms, &cols, costs)
+            }
+            (true, false, true, true) => {
+                fill::<true, false, true, true, false>(&terms, &cols, costs)
+            }
+            (true, true, false, false) => {
+                fill::<true, true, false, false, false>(&terms, &cols, costs)
+            }
+            (true, true, false, true) => {
+                fill::<true, true, false, true, false>(&terms, &cols, costs)
+            }
+            (true, true, true, false) => {
+                fill::<true, true, true, false, false>(&terms, &cols, costs)
+            }
+            (true, true, true, true) => fill::<true, true, true, true, false>(&terms, &cols, costs),
         }
         if let Some(taint) = taint
             && candidates.has_taint_multipliers()
@@ -275,13 +299,33 @@ struct Columns<'a> {
     shared: &'a [u32],
 }
 
+/// The cost formula over columns, one loop per shape. `UNIT` is the shape
+/// of the shipped weights (prefill tracked, `prefill_load_scale` and
+/// `overlap_score_credit` 1, `decode_active_request_weight` 0): it leaves
+/// out the multiplications by one and the request term, which are exact
+/// (`x * 1.0 == x`; the term is `+0.0` on a non-negative sum), so both
+/// loops give the same bits.
 #[inline(always)]
-fn fill<const CACHE: bool, const LOWER: bool, const DECAY: bool, const DECODE: bool>(
+fn fill<
+    const CACHE: bool,
+    const LOWER: bool,
+    const DECAY: bool,
+    const DECODE: bool,
+    const UNIT: bool,
+>(
     t: &Terms,
     c: &Columns<'_>,
     costs: &mut [f64],
 ) {
     let w = &t.w;
+    if UNIT {
+        for (i, cost) in costs.iter_mut().enumerate() {
+            let raw_prefill_blocks = (count(c.prefill[i]) + t.prompt_tokens) * t.inv_block;
+            let decode_blocks = count(c.decode[i]) + t.request_blocks;
+            *cost = (raw_prefill_blocks - count(c.device[i])).max(0.0) + decode_blocks;
+        }
+        return;
+    }
     for (i, cost) in costs.iter_mut().enumerate() {
         let prefill = count(c.prefill[i]);
         let raw_prefill_blocks = t.track * (prefill + t.prompt_tokens) * t.inv_block;
@@ -612,6 +656,80 @@ impl WorkerPicker for ToolResultCacheLocalPicker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_unit_weight_loop_gives_the_general_loops_bits() {
+        let w = DefaultCostParameters::default().resolve(&RouterConfig::default());
+        let scorer = DefaultCostScorer::new(w, WorkerType::Prefill);
+        assert!(
+            scorer.unit_weights,
+            "the shipped weights take the unit loop"
+        );
+        let mut rng = PolicyRng::seed_from_u64(3);
+        // Counts from 0 to the table's 2^31 - 1 ceiling, small ones often
+        // (where the max(.., 0) clamp and ties happen).
+        let draw = |rng: &mut PolicyRng| {
+            let v = rng.next_u64();
+            (if v & 1 == 0 {
+                v >> 60
+            } else {
+                (v >> 33) & 0x7fff_ffff
+            }) as u32
+        };
+        for round in 0..200 {
+            let n = 1 + round % 37;
+            let col = |rng: &mut PolicyRng| (0..n).map(|_| draw(rng)).collect::<Vec<u32>>();
+            let (prefill, decode, active, device) =
+                (col(&mut rng), col(&mut rng), col(&mut rng), col(&mut rng));
+            let prompt_tokens = f64::from(draw(&mut rng) % 100_000);
+            let block_size = f64::from(1 + draw(&mut rng) % 64);
+            let terms = Terms {
+                w,
+                track: 1.0,
+                inv_block: 1.0 / block_size,
+                prompt_tokens,
+                request_blocks: (prompt_tokens / block_size).ceil(),
+                decay_scale: 0.0,
+                min_prefill: 0.0,
+            };
+            let cols = Columns {
+                prefill: &prefill,
+                decode: &decode,
+                active: &active,
+                device: &device,
+                host: &[],
+                disk: &[],
+                shared: &[],
+            };
+            let (mut general, mut unit) = (vec![f64::NAN; n], vec![f64::NAN; n]);
+            fill::<true, false, false, false, false>(&terms, &cols, &mut general);
+            fill::<true, false, false, false, true>(&terms, &cols, &mut unit);
+            let bits = |v: &[f64]| v.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(&general), bits(&unit), "round {round}");
+        }
+        // Any other weight keeps the general loop.
+        for config in [
+            RouterConfig {
+                prefill_load_scale: 2.0,
+                ..RouterConfig::default()
+            },
+            RouterConfig {
+                overlap_score_credit: 0.5,
+                ..RouterConfig::default()
+            },
+            RouterConfig {
+                decode_active_request_weight: 1.0,
+                ..RouterConfig::default()
+            },
+            RouterConfig {
+                track_prefill_tokens: false,
+                ..RouterConfig::default()
+            },
+        ] {
+            let w = DefaultCostParameters::default().resolve(&config);
+            assert!(!DefaultCostScorer::new(w, WorkerType::Prefill).unit_weights);
+        }
+    }
 
     #[test]
     fn fast_exp_matches_libm() {
