@@ -406,13 +406,15 @@ impl WorkerSelectionPolicy {
     }
 }
 
-/// `Some((min, max))` when no entry is NaN or infinite. One pass in eight
+/// `Some((min, max))` when no entry is NaN or infinite. One pass in
 /// independent lanes of pure float work, so it vectorises even on baseline
 /// x86-64 (which has no packed 64-bit integer compare) and no lane waits on
 /// another: `v * 0.0` is 0 for a finite `v` and NaN otherwise, and NaN
 /// survives `max`-free propagation through `+`; the range is
-/// compare-and-select. The failing row is located only on failure. An empty
-/// slice gives (0, 0).
+/// compare-and-select. The rows after the last whole chunk are folded in
+/// with the lanes, not into one of them, so every lane does the same work
+/// and the loop vectorises as a whole. The failing row is located only on
+/// failure. An empty slice gives (0, 0).
 #[inline]
 pub(crate) fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
     const LANES: usize = 8;
@@ -428,12 +430,9 @@ pub(crate) fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
             hi[k] = if v > hi[k] { v } else { hi[k] };
         }
     }
-    for &v in chunks.remainder() {
-        poison[0] += v * 0.0;
-        lo[0] = if v < lo[0] { v } else { lo[0] };
-        hi[0] = if v > hi[0] { v } else { hi[0] };
-    }
-    if poison.iter().any(|p| *p != 0.0) {
+    let rest = chunks.remainder();
+    let bad = |p: f64| p != 0.0;
+    if poison.into_iter().any(bad) || rest.iter().map(|v| v * 0.0).any(bad) {
         return None;
     }
     if values.is_empty() {
@@ -441,9 +440,39 @@ pub(crate) fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
     }
     let min = lo
         .iter()
+        .chain(rest)
         .fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
     let max = hi
         .iter()
+        .chain(rest)
         .fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
     Some((min, max))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::finite_range;
+
+    #[test]
+    fn finite_range_finds_the_range_and_every_bad_row_at_every_length() {
+        for n in 0..40usize {
+            let values: Vec<f64> = (0..n).map(|i| ((i * 37) % 23) as f64 - 7.5).collect();
+            let expected = if n == 0 {
+                (0.0, 0.0)
+            } else {
+                let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+                let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+                (min, max)
+            };
+            assert_eq!(finite_range(&values), Some(expected), "n={n}");
+            // A bad value in any row, in the lanes or after them, is seen.
+            for row in 0..n {
+                for bad in [f64::NAN, f64::INFINITY, f64::NEG_INFINITY] {
+                    let mut v = values.clone();
+                    v[row] = bad;
+                    assert_eq!(finite_range(&v), None, "n={n} row={row} value={bad}");
+                }
+            }
+        }
+    }
 }
