@@ -423,34 +423,31 @@ fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
             .nth(nth)
             .map_or(0, |(row, _)| row);
     }
-    // Short: one pass finds the first row at the minimum, stopping early
-    // only if a second one shows up.
-    let mut first = usize::MAX;
-    let mut tied = false;
-    for (row, &c) in costs.iter().enumerate() {
-        if c == min {
-            if first != usize::MAX {
-                tied = true;
-                break;
-            }
-            first = row;
+    // Short: the rows at the minimum as a bit mask, built without a branch
+    // in chunks of eight; the first set bit, or the nth on a tie.
+    let mut mask = 0u64;
+    let mut chunks = costs.chunks_exact(8);
+    for (k, q) in (&mut chunks).enumerate() {
+        let mut byte = 0u64;
+        for (j, &c) in q.iter().enumerate() {
+            byte |= u64::from(c == min) << j;
         }
+        mask |= byte << (8 * k);
     }
-    if first == usize::MAX {
+    let base = costs.len() - chunks.remainder().len();
+    for (j, &c) in chunks.remainder().iter().enumerate() {
+        mask |= u64::from(c == min) << (base + j);
+    }
+    if mask == 0 {
         return 0;
     }
-    if !tied {
-        return first;
+    let ties = mask.count_ones() as usize;
+    if ties > 1 {
+        for _ in 0..rng.below(ties) {
+            mask &= mask - 1;
+        }
     }
-    let rest = &costs[first + 1..];
-    let ties = 1 + rest.iter().filter(|&&c| c == min).count();
-    let nth = rng.below(ties);
-    costs
-        .iter()
-        .enumerate()
-        .filter(|(_, c)| **c == min)
-        .nth(nth)
-        .map_or(first, |(row, _)| row)
+    mask.trailing_zeros() as usize
 }
 
 /// Uniform draws tried before falling back to a full pass over the weights.
@@ -656,6 +653,38 @@ impl WorkerPicker for ToolResultCacheLocalPicker {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn nth_minimum_picks_as_the_plain_definition_does_with_the_same_draws() {
+        // The definition: the rows at the minimum in order, the only one
+        // without a draw, else the one a single `below(ties)` names.
+        fn plain(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
+            let rows: Vec<usize> = (0..costs.len()).filter(|&i| costs[i] == min).collect();
+            match rows.len() {
+                0 => 0,
+                1 => rows[0],
+                n => rows[rng.below(n)],
+            }
+        }
+        let mut values = PolicyRng::seed_from_u64(11);
+        for round in 0..2000 {
+            // Lengths around the chunk and the short/long boundary, few
+            // distinct values so that ties are common.
+            let n = 1 + round % 70;
+            let costs: Vec<f64> = (0..n).map(|_| (values.below(4) as f64) * 0.5).collect();
+            let min = costs.iter().copied().fold(f64::INFINITY, f64::min);
+            let (mut a, mut b) = (
+                PolicyRng::seed_from_u64(round as u64),
+                PolicyRng::seed_from_u64(round as u64),
+            );
+            assert_eq!(
+                nth_minimum(&costs, min, &mut a),
+                plain(&costs, min, &mut b),
+                "round {round}: {costs:?}"
+            );
+            assert_eq!(a.next_u64(), b.next_u64(), "round {round}: draws differ");
+        }
+    }
 
     #[test]
     fn the_unit_weight_loop_gives_the_general_loops_bits() {
