@@ -136,7 +136,7 @@ pub struct DefaultCostScorer {
     w: DefaultCostWeights,
     decode_path: bool,
     uses_cache: bool,
-    /// The weights are the shipped ones' identities (see [`fill`]).
+    /// The weights are the shipped ones' identities (see [`fill_unit`]).
     unit_weights: bool,
 }
 
@@ -238,32 +238,16 @@ impl WorkerScorer for DefaultCostScorer {
         // One branch-free loop per shape, chosen once per call.
         let lower = candidates.has_lower_tier_overlap();
         match (self.uses_cache, lower, decay_on, self.decode_path) {
-            (false, ..) => fill::<false, false, false, false, false>(&terms, &cols, costs),
-            (true, false, false, false) if self.unit_weights => {
-                fill::<true, false, false, false, true>(&terms, &cols, costs)
-            }
-            (true, false, false, false) => {
-                fill::<true, false, false, false, false>(&terms, &cols, costs)
-            }
-            (true, false, false, true) => {
-                fill::<true, false, false, true, false>(&terms, &cols, costs)
-            }
-            (true, false, true, false) => {
-                fill::<true, false, true, false, false>(&terms, &cols, costs)
-            }
-            (true, false, true, true) => {
-                fill::<true, false, true, true, false>(&terms, &cols, costs)
-            }
-            (true, true, false, false) => {
-                fill::<true, true, false, false, false>(&terms, &cols, costs)
-            }
-            (true, true, false, true) => {
-                fill::<true, true, false, true, false>(&terms, &cols, costs)
-            }
-            (true, true, true, false) => {
-                fill::<true, true, true, false, false>(&terms, &cols, costs)
-            }
-            (true, true, true, true) => fill::<true, true, true, true, false>(&terms, &cols, costs),
+            (false, ..) => fill::<false, false, false, false>(&terms, &cols, costs),
+            (true, false, false, false) if self.unit_weights => fill_unit(&terms, &cols, costs),
+            (true, false, false, false) => fill::<true, false, false, false>(&terms, &cols, costs),
+            (true, false, false, true) => fill::<true, false, false, true>(&terms, &cols, costs),
+            (true, false, true, false) => fill::<true, false, true, false>(&terms, &cols, costs),
+            (true, false, true, true) => fill::<true, false, true, true>(&terms, &cols, costs),
+            (true, true, false, false) => fill::<true, true, false, false>(&terms, &cols, costs),
+            (true, true, false, true) => fill::<true, true, false, true>(&terms, &cols, costs),
+            (true, true, true, false) => fill::<true, true, true, false>(&terms, &cols, costs),
+            (true, true, true, true) => fill::<true, true, true, true>(&terms, &cols, costs),
         }
         if let Some(taint) = taint
             && candidates.has_taint_multipliers()
@@ -299,33 +283,29 @@ struct Columns<'a> {
     shared: &'a [u32],
 }
 
-/// The cost formula over columns, one loop per shape. `UNIT` is the shape
-/// of the shipped weights (prefill tracked, `prefill_load_scale` and
-/// `overlap_score_credit` 1, `decode_active_request_weight` 0): it leaves
-/// out the multiplications by one and the request term, which are exact
-/// (`x * 1.0 == x`; the term is `+0.0` on a non-negative sum), so both
-/// loops give the same bits.
+/// [`fill`] with the shipped weights (prefill tracked, `prefill_load_scale`
+/// and `overlap_score_credit` 1, `decode_active_request_weight` 0), device
+/// overlap only, no decay, the prefill path: it leaves out the
+/// multiplications by one and the request term, which are exact
+/// (`x * 1.0 == x`; the term is `+0.0` on a non-negative sum), so it gives
+/// `fill::<true, false, false, false>`'s bits.
 #[inline(always)]
-fn fill<
-    const CACHE: bool,
-    const LOWER: bool,
-    const DECAY: bool,
-    const DECODE: bool,
-    const UNIT: bool,
->(
+fn fill_unit(t: &Terms, c: &Columns<'_>, costs: &mut [f64]) {
+    for (i, cost) in costs.iter_mut().enumerate() {
+        let raw_prefill_blocks = (count(c.prefill[i]) + t.prompt_tokens) * t.inv_block;
+        let decode_blocks = count(c.decode[i]) + t.request_blocks;
+        *cost = (raw_prefill_blocks - count(c.device[i])).max(0.0) + decode_blocks;
+    }
+}
+
+/// The cost formula over columns, one loop per shape.
+#[inline(always)]
+fn fill<const CACHE: bool, const LOWER: bool, const DECAY: bool, const DECODE: bool>(
     t: &Terms,
     c: &Columns<'_>,
     costs: &mut [f64],
 ) {
     let w = &t.w;
-    if UNIT {
-        for (i, cost) in costs.iter_mut().enumerate() {
-            let raw_prefill_blocks = (count(c.prefill[i]) + t.prompt_tokens) * t.inv_block;
-            let decode_blocks = count(c.decode[i]) + t.request_blocks;
-            *cost = (raw_prefill_blocks - count(c.device[i])).max(0.0) + decode_blocks;
-        }
-        return;
-    }
     for (i, cost) in costs.iter_mut().enumerate() {
         let prefill = count(c.prefill[i]);
         let raw_prefill_blocks = t.track * (prefill + t.prompt_tokens) * t.inv_block;
@@ -731,8 +711,8 @@ mod tests {
                 shared: &[],
             };
             let (mut general, mut unit) = (vec![f64::NAN; n], vec![f64::NAN; n]);
-            fill::<true, false, false, false, false>(&terms, &cols, &mut general);
-            fill::<true, false, false, false, true>(&terms, &cols, &mut unit);
+            fill::<true, false, false, false>(&terms, &cols, &mut general);
+            fill_unit(&terms, &cols, &mut unit);
             let bits = |v: &[f64]| v.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&general), bits(&unit), "round {round}");
         }
