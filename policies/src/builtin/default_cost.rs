@@ -138,6 +138,10 @@ pub struct DefaultCostScorer {
     uses_cache: bool,
     /// The weights are the shipped ones' identities (see [`fill_unit`]).
     unit_weights: bool,
+    /// A block size and its reciprocal: the block size rarely changes
+    /// between requests, and a division costs more than the rest of a
+    /// small table's scoring.
+    inv_block: (u32, f64),
 }
 
 impl DefaultCostScorer {
@@ -163,6 +167,7 @@ impl DefaultCostScorer {
             decode_path,
             uses_cache,
             unit_weights,
+            inv_block: (1, 1.0),
         }
     }
 }
@@ -188,8 +193,13 @@ impl WorkerScorer for DefaultCostScorer {
             .load_columns()
             .ok_or_else(|| WorkerSelectionPolicyError::failed("load input unavailable"))?;
         let n = costs.len();
-        let block_size = f64::from(context.block_size());
-        let request_blocks = context.request_blocks() as f64;
+        if self.inv_block.0 != context.block_size() {
+            self.inv_block = (context.block_size(), 1.0 / f64::from(context.block_size()));
+        }
+        let inv_block = self.inv_block.1;
+        // At most the prompt's tokens, so within `i64` (and its conversion
+        // is one instruction; `u64`'s is a sequence).
+        let request_blocks = context.request_blocks() as i64 as f64;
         let prompt_tokens = f64::from(context.prompt_tokens());
         let track = if w.track_prefill_tokens { 1.0 } else { 0.0 };
         let prefill = &load.active_prefill_tokens[..n];
@@ -220,10 +230,16 @@ impl WorkerScorer for DefaultCostScorer {
         let terms = Terms {
             w: *w,
             track,
-            inv_block: 1.0 / block_size,
+            inv_block,
             prompt_tokens,
             request_blocks,
-            decay_scale: w.overlap_score_credit_decay / block_size / request_blocks.max(1.0),
+            decay_scale: if decay_on {
+                w.overlap_score_credit_decay
+                    / f64::from(context.block_size())
+                    / request_blocks.max(1.0)
+            } else {
+                0.0
+            },
             min_prefill,
         };
         let cols = Columns {
@@ -291,10 +307,19 @@ struct Columns<'a> {
 /// `fill::<true, false, false, false>`'s bits.
 #[inline(always)]
 fn fill_unit(t: &Terms, c: &Columns<'_>, costs: &mut [f64]) {
-    for (i, cost) in costs.iter_mut().enumerate() {
-        let raw_prefill_blocks = (count(c.prefill[i]) + t.prompt_tokens) * t.inv_block;
-        let decode_blocks = count(c.decode[i]) + t.request_blocks;
-        *cost = (raw_prefill_blocks - count(c.device[i])).max(0.0) + decode_blocks;
+    unit_loop(t, c.prefill, c.decode, c.device, costs);
+}
+
+/// [`fill_unit`]'s loop. The columns are separate arguments, as in
+/// [`fill_loop`].
+#[inline(always)]
+fn unit_loop(t: &Terms, prefill: &[u32], decode: &[u32], device: &[u32], costs: &mut [f64]) {
+    let n = costs.len();
+    let (prefill, decode, device) = (&prefill[..n], &decode[..n], &device[..n]);
+    for i in 0..n {
+        let raw_prefill_blocks = (count(prefill[i]) + t.prompt_tokens) * t.inv_block;
+        let decode_blocks = count(decode[i]) + t.request_blocks;
+        costs[i] = (raw_prefill_blocks - count(device[i])).max(0.0) + decode_blocks;
     }
 }
 
@@ -305,38 +330,68 @@ fn fill<const CACHE: bool, const LOWER: bool, const DECAY: bool, const DECODE: b
     c: &Columns<'_>,
     costs: &mut [f64],
 ) {
+    fill_loop::<CACHE, LOWER, DECAY, DECODE>(
+        t, c.prefill, c.decode, c.active, c.device, c.host, c.disk, c.shared, costs,
+    );
+}
+
+/// [`fill`]'s loop. The columns are separate arguments so the compiler
+/// knows the cost slice overlaps none of them (slices read out of a struct
+/// do not tell it) and vectorises without a run-time overlap check; each is
+/// cut to the cost slice's length once, so no row is bounds-checked.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+fn fill_loop<const CACHE: bool, const LOWER: bool, const DECAY: bool, const DECODE: bool>(
+    t: &Terms,
+    prefill: &[u32],
+    decode: &[u32],
+    active: &[u32],
+    device: &[u32],
+    host: &[u32],
+    disk: &[u32],
+    shared: &[u32],
+    costs: &mut [f64],
+) {
     let w = &t.w;
-    for (i, cost) in costs.iter_mut().enumerate() {
-        let prefill = count(c.prefill[i]);
+    let n = costs.len();
+    let (prefill, decode, active) = (&prefill[..n], &decode[..n], &active[..n]);
+    // The cache columns are empty when unused.
+    let device = if CACHE { &device[..n] } else { device };
+    let (host, disk, shared) = if LOWER {
+        (&host[..n], &disk[..n], &shared[..n])
+    } else {
+        (host, disk, shared)
+    };
+    for i in 0..n {
+        let prefill = count(prefill[i]);
         let raw_prefill_blocks = t.track * (prefill + t.prompt_tokens) * t.inv_block;
-        let decode_blocks = count(c.decode[i]) + t.request_blocks;
-        let request_cost = w.decode_active_request_weight * count(c.active[i]);
+        let decode_blocks = count(decode[i]) + t.request_blocks;
+        let request_cost = w.decode_active_request_weight * count(active[i]);
         let credit = if CACHE {
             let decay = if DECAY {
                 1.0 / (1.0 + t.decay_scale * (prefill - t.min_prefill))
             } else {
                 1.0
             };
-            let device = w.overlap_score_credit * decay * count(c.device[i]);
+            let device = w.overlap_score_credit * decay * count(device[i]);
             if LOWER {
                 device
-                    + w.host_cache_hit_weight * count(c.host[i])
-                    + w.disk_cache_hit_weight * count(c.disk[i])
-                    + w.shared_cache_multiplier * count(c.shared[i])
+                    + w.host_cache_hit_weight * count(host[i])
+                    + w.disk_cache_hit_weight * count(disk[i])
+                    + w.shared_cache_multiplier * count(shared[i])
             } else {
                 device
             }
         } else {
             0.0
         };
-        let value = if DECODE {
+        costs[i] = if DECODE {
             (decode_blocks - credit).max(0.0) + request_cost
         } else {
             w.prefill_load_scale * (raw_prefill_blocks - credit).max(0.0)
                 + decode_blocks
                 + request_cost
         };
-        *cost = value;
     }
 }
 
@@ -737,6 +792,74 @@ mod tests {
         ] {
             let w = DefaultCostParameters::default().resolve(&config);
             assert!(!DefaultCostScorer::new(w, WorkerType::Prefill).unit_weights);
+        }
+    }
+
+    #[test]
+    fn a_scorer_kept_across_block_sizes_scores_as_a_fresh_one() {
+        use crate::table::{CacheRow, CandidateRow, CandidateTable, LoadRow, WorkerWithDpRank};
+        let mut table = CandidateTable::new();
+        table.reset(WorkerInputs::ALL);
+        for i in 0..11u64 {
+            table.push(CandidateRow {
+                worker: WorkerWithDpRank::new(i, 0),
+                cache: CacheRow {
+                    device_blocks: (i * 5 % 13) as u32,
+                    ..CacheRow::default()
+                },
+                load: LoadRow {
+                    active_requests: (i % 3) as u32,
+                    waiting_requests: 0,
+                    active_prefill_tokens: i * 37,
+                    active_decode_blocks: i * 11 % 7,
+                },
+                ..CandidateRow::default()
+            });
+        }
+        // The shipped weights, and the general loop with decay on.
+        for config in [
+            RouterConfig::default(),
+            RouterConfig {
+                overlap_score_credit_decay: 0.5,
+                prefill_load_scale: 1.5,
+                ..RouterConfig::default()
+            },
+        ] {
+            let w = DefaultCostParameters::default().resolve(&config);
+            let mut kept = DefaultCostScorer::new(w, WorkerType::Prefill);
+            let grant = kept.required_worker_inputs();
+            for block_size in [16, 7, 16, 1, 64, 64, 7, 3] {
+                let ctx = WorkerSelectionContext::new("r", 1000, block_size);
+                let score = |scorer: &mut DefaultCostScorer| {
+                    let mut costs = vec![f64::NAN; table.len()];
+                    scorer
+                        .score(&ctx, WorkerCandidates::new(&table, grant), &mut costs)
+                        .unwrap();
+                    costs.iter().map(|c| c.to_bits()).collect::<Vec<_>>()
+                };
+                let fresh = score(&mut DefaultCostScorer::new(w, WorkerType::Prefill));
+                assert_eq!(score(&mut kept), fresh, "block size {block_size}");
+                // Against the formula with the division written out.
+                let b = f64::from(block_size);
+                let expected = (0..table.len())
+                    .map(|i| {
+                        let prefill = (i as f64 * 37.0 + 1000.0) / b;
+                        let device = ((i * 5) % 13) as f64;
+                        let decode = ((i * 11) % 7) as f64 + (1000.0 / b).ceil();
+                        let excess = (i as f64 * 37.0) / b / (1000.0 / b).ceil();
+                        let decay = 1.0 / (1.0 + w.overlap_score_credit_decay * excess);
+                        w.prefill_load_scale * (prefill - decay * device).max(0.0) + decode
+                    })
+                    .collect::<Vec<_>>();
+                let got = score(&mut kept);
+                for (row, (&g, e)) in got.iter().zip(&expected).enumerate() {
+                    let g = f64::from_bits(g);
+                    assert!(
+                        (g - e).abs() <= 1e-9 * e.abs().max(1.0),
+                        "block size {block_size}, row {row}: {g} against {e}"
+                    );
+                }
+            }
         }
     }
 
