@@ -7,6 +7,12 @@
 //! value; totals must stay finite; the picker's row is range-checked. A
 //! component sees only the signal groups it declared. After warm-up (the
 //! largest table seen so far) a selection allocates nothing.
+//!
+//! One exception to "rather than trusted", which only this crate can make:
+//! a shipped scorer that writes every entry whenever it succeeds (tested
+//! for each of its loops) may be marked so when its policy is built, and
+//! then, as the first scorer, gets its slice without the NaN pre-fill. Its
+//! costs are still checked for finiteness.
 
 use std::fmt;
 
@@ -103,6 +109,9 @@ pub struct WorkerSelectionPolicy {
     scorers: Vec<(Box<dyn WorkerScorer>, WorkerInputs)>,
     picker: (Box<dyn WorkerPicker>, WorkerInputs),
     required: WorkerInputs,
+    /// The first scorer is a shipped one that writes every entry when it
+    /// succeeds, so its slice is not pre-filled (see the module docs).
+    first_scorer_writes_all: bool,
     rows: Vec<u32>,
     compacted: CandidateTable,
     /// Second buffer for compacting an already compacted table.
@@ -172,6 +181,7 @@ impl WorkerSelectionPolicy {
             scorers,
             picker: (picker, picker_inputs),
             required,
+            first_scorer_writes_all: false,
             rows: Vec::new(),
             compacted: CandidateTable::new(),
             spare: CandidateTable::new(),
@@ -180,6 +190,14 @@ impl WorkerSelectionPolicy {
             totals: Vec::new(),
             contribution: Vec::new(),
         }
+    }
+
+    /// Marks the first scorer as one of this crate's that writes every
+    /// entry of its slice whenever it returns `Ok` (a test for each of its
+    /// loops shows it does), so the executor skips the NaN pre-fill.
+    pub(crate) fn first_scorer_writes_all(mut self) -> Self {
+        self.first_scorer_writes_all = true;
+        self
     }
 
     /// The union of every component's declaration: the groups the host must
@@ -256,60 +274,50 @@ impl WorkerSelectionPolicy {
             return Err(SelectionErrorKind::MissingInputs { missing }.into());
         }
 
-        let filtered = self.run_filters(context, table)?;
+        // Most policies have no filter: no call for them.
+        let filtered = !self.filters.is_empty() && self.run_filters(context, table)?;
         let view: &CandidateTable = if filtered { &self.compacted } else { table };
         let n = view.len();
 
         let totals = &mut self.totals;
-        totals.clear();
+        // Grows or shrinks; what is left from the last selection is
+        // overwritten below (NaN for a scorer not known to write every row).
         totals.resize(n, f64::NAN);
         // The totals' range, found by the same pass that checks them and
         // handed to the picker (most pickers need the minimum anyway).
-        let mut range = (0.0, 0.0);
-        if self.scorers.is_empty() {
+        let Some(((first, grant), rest)) = self.scorers.split_first_mut() else {
             totals.fill(0.0);
+            return Ok((filtered, (0.0, 0.0)));
+        };
+        if !self.first_scorer_writes_all {
+            totals.fill(f64::NAN);
         }
-        let last = self.scorers.len().saturating_sub(1);
-        for (index, (scorer, grant)) in self.scorers.iter_mut().enumerate() {
-            let out: &mut [f64] = if index == 0 {
-                totals
-            } else {
-                self.contribution.clear();
-                self.contribution.resize(n, f64::NAN);
-                &mut self.contribution
-            };
-            scorer.score(context, WorkerCandidates::new(view, *grant), out)?;
-            let checked = finite_range(out);
-            let Some(r) = checked else {
-                let row = out.iter().position(|c| !c.is_finite()).unwrap_or(0);
-                return Err(SelectionErrorKind::InvalidCost {
-                    scorer_index: index,
-                    row,
-                    value: out[row],
-                }
-                .into());
-            };
-            range = r;
-            if index > 0 {
-                for (t, c) in totals.iter_mut().zip(&self.contribution) {
-                    *t += *c;
-                }
-                match finite_range(totals) {
-                    Some(r) => range = r,
-                    None => {
-                        let row = totals.iter().position(|t| !t.is_finite()).unwrap_or(0);
-                        return Err(SelectionErrorKind::NonFiniteTotal {
-                            scorer_index: index,
-                            row,
-                            value: totals[row],
-                        }
-                        .into());
-                    }
-                }
+        first.score(context, WorkerCandidates::new(view, *grant), totals)?;
+        let mut range = checked_range(totals, |row, value| SelectionErrorKind::InvalidCost {
+            scorer_index: 0,
+            row,
+            value,
+        })?;
+        for (i, (scorer, grant)) in rest.iter_mut().enumerate() {
+            let scorer_index = i + 1;
+            let contribution = &mut self.contribution;
+            contribution.clear();
+            contribution.resize(n, f64::NAN);
+            scorer.score(context, WorkerCandidates::new(view, *grant), contribution)?;
+            checked_range(contribution, |row, value| SelectionErrorKind::InvalidCost {
+                scorer_index,
+                row,
+                value,
+            })?;
+            for (t, c) in totals.iter_mut().zip(contribution.iter()) {
+                *t += *c;
             }
-            debug_assert!(index <= last);
+            range = checked_range(totals, |row, value| SelectionErrorKind::NonFiniteTotal {
+                scorer_index,
+                row,
+                value,
+            })?;
         }
-
         Ok((filtered, range))
     }
 
@@ -406,47 +414,79 @@ impl WorkerSelectionPolicy {
     }
 }
 
+/// The range of `values`, or the error `bad` makes of the first row that
+/// is NaN or infinite.
+#[inline(always)]
+fn checked_range(
+    values: &[f64],
+    bad: impl FnOnce(usize, f64) -> SelectionErrorKind,
+) -> Result<(f64, f64), WorkerSelectionPolicyError> {
+    match finite_range(values) {
+        Some(range) => Ok(range),
+        None => Err(first_bad(values, bad)),
+    }
+}
+
+#[cold]
+#[inline(never)]
+fn first_bad(
+    values: &[f64],
+    bad: impl FnOnce(usize, f64) -> SelectionErrorKind,
+) -> WorkerSelectionPolicyError {
+    let row = values.iter().position(|v| !v.is_finite()).unwrap_or(0);
+    bad(row, values[row]).into()
+}
+
 /// `Some((min, max))` when no entry is NaN or infinite. One pass in
 /// independent lanes of pure float work, so it vectorises even on baseline
 /// x86-64 (which has no packed 64-bit integer compare) and no lane waits on
-/// another: `v * 0.0` is 0 for a finite `v` and NaN otherwise, and NaN
-/// survives `max`-free propagation through `+`; the range is
-/// compare-and-select. The rows after the last whole chunk are folded in
-/// with the lanes, not into one of them, so every lane does the same work
-/// and the loop vectorises as a whole. The failing row is located only on
-/// failure. An empty slice gives (0, 0).
+/// another. The range is compare-and-select; the check is a sum, which is
+/// finite when every entry is (NaN and the infinities carry through `+`).
+/// Only a sum that overflowed, or a bad entry, takes a second, exact look.
+/// The rows after the last whole chunk need no loop of their own: the last
+/// `LANES` rows are one more chunk, overlapping rows already seen (a row
+/// seen twice changes neither the range nor the verdict). An empty slice
+/// gives (0, 0).
 #[inline]
 pub(crate) fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
-    const LANES: usize = 8;
-    let mut poison = [0.0f64; LANES];
-    let mut lo = [f64::INFINITY; LANES];
-    let mut hi = [f64::NEG_INFINITY; LANES];
-    let mut chunks = values.chunks_exact(LANES);
-    for q in &mut chunks {
+    const LANES: usize = 4;
+    let n = values.len();
+    let Some(&first) = values.first() else {
+        return Some((0.0, 0.0));
+    };
+    let (mut sum, mut lo, mut hi) = ([0.0f64; LANES], [first; LANES], [first; LANES]);
+    let mut step = |q: &[f64; LANES]| {
         for k in 0..LANES {
             let v = q[k];
-            poison[k] += v * 0.0;
+            sum[k] += v;
             lo[k] = if v < lo[k] { v } else { lo[k] };
             hi[k] = if v > hi[k] { v } else { hi[k] };
         }
+    };
+    match values.last_chunk::<LANES>() {
+        Some(last) => {
+            for q in values[..n - 1].as_chunks::<LANES>().0 {
+                step(q);
+            }
+            step(last);
+        }
+        // Fewer rows than lanes: the first row fills the lanes it lacks.
+        None => {
+            let mut q = [first; LANES];
+            q[..n].copy_from_slice(values);
+            step(&q);
+        }
     }
-    let rest = chunks.remainder();
-    let bad = |p: f64| p != 0.0;
-    if poison.into_iter().any(bad) || rest.iter().map(|v| v * 0.0).any(bad) {
+    let total = (sum[0] + sum[1]) + (sum[2] + sum[3]);
+    if !total.is_finite() && !values.iter().all(|v| v.is_finite()) {
         return None;
     }
-    if values.is_empty() {
-        return Some((0.0, 0.0));
-    }
-    let min = lo
-        .iter()
-        .chain(rest)
-        .fold(f64::INFINITY, |m, &v| if v < m { v } else { m });
-    let max = hi
-        .iter()
-        .chain(rest)
-        .fold(f64::NEG_INFINITY, |m, &v| if v > m { v } else { m });
-    Some((min, max))
+    let min = |a: f64, b: f64| if b < a { b } else { a };
+    let max = |a: f64, b: f64| if b > a { b } else { a };
+    Some((
+        min(min(lo[0], lo[2]), min(lo[1], lo[3])),
+        max(max(hi[0], hi[2]), max(hi[1], hi[3])),
+    ))
 }
 
 #[cfg(test)]
@@ -472,6 +512,26 @@ mod tests {
                     v[row] = bad;
                     assert_eq!(finite_range(&v), None, "n={n} row={row} value={bad}");
                 }
+            }
+            // Finite entries whose sum overflows (to an infinity, or to NaN
+            // once both signs overflow) are still finite entries.
+            let huge: Vec<f64> = (0..n)
+                .map(|i| match i % 3 {
+                    0 => f64::MAX,
+                    1 => -f64::MAX,
+                    _ => f64::MAX / 2.0,
+                })
+                .collect();
+            let expected = match n {
+                0 => (0.0, 0.0),
+                1 => (f64::MAX, f64::MAX),
+                _ => (-f64::MAX, f64::MAX),
+            };
+            assert_eq!(finite_range(&huge), Some(expected), "n={n} huge");
+            for row in 0..n {
+                let mut v = huge.clone();
+                v[row] = f64::NAN;
+                assert_eq!(finite_range(&v), None, "n={n} huge, NaN in row {row}");
             }
         }
     }

@@ -174,6 +174,51 @@ fn unwritten_cost_is_refused_before_picking() {
     }
 }
 
+/// Writes every row on its first call, and every row but the last after.
+struct LeavesLastUnwrittenLater {
+    calls: usize,
+}
+impl WorkerScorer for LeavesLastUnwrittenLater {
+    fn score(
+        &mut self,
+        _c: &WorkerSelectionContext<'_>,
+        _cands: WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        assert!(
+            costs.iter().all(|c| c.is_nan()),
+            "slice arrives pre-filled with NaN on call {}",
+            self.calls
+        );
+        self.calls += 1;
+        let n = costs.len();
+        let written = if self.calls == 1 { n } else { n - 1 };
+        costs[..written].fill(1.0);
+        Ok(())
+    }
+}
+
+#[test]
+fn the_first_scorer_never_sees_the_last_selections_costs() {
+    // The totals' buffer is kept between selections; a plugin as the first
+    // scorer still gets NaN, so a row it skips is refused, not stale.
+    let mut p = WorkerSelectionPolicy::new(
+        RouterConfig::default(),
+        "aggregated",
+        vec![Box::new(LeavesLastUnwrittenLater { calls: 0 })],
+        Box::new(FixedRow(0)),
+    );
+    assert!(p.select(&ctx(), &three()).is_ok());
+    match p.select(&ctx(), &three()).map_err(|e| e.into_kind()) {
+        Err(SelectionErrorKind::InvalidCost {
+            scorer_index: 0,
+            row: 2,
+            value,
+        }) => assert!(value.is_nan()),
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn non_finite_contribution_and_total_are_refused() {
     for bad in [f64::INFINITY, f64::NEG_INFINITY, f64::NAN] {

@@ -636,6 +636,7 @@ pub fn default_cost_policy(
         vec![Box::new(DefaultCostScorer::new(w, partition.worker_type))],
         Box::new(DefaultPicker::new(w.router_temperature, rng)),
     )
+    .first_scorer_writes_all()
 }
 
 /// Sends tool-result turns to the candidate with the most device overlap
@@ -858,6 +859,80 @@ mod tests {
                         (g - e).abs() <= 1e-9 * e.abs().max(1.0),
                         "block size {block_size}, row {row}: {g} against {e}"
                     );
+                }
+            }
+        }
+    }
+
+    /// The executor skips the NaN pre-fill for this scorer (it is marked
+    /// `first_scorer_writes_all`), so every loop must write every row.
+    #[test]
+    fn every_cost_loop_writes_every_row() {
+        use crate::table::{CacheRow, CandidateRow, CandidateTable, LoadRow, WorkerWithDpRank};
+        let configs = [
+            // The unit loop.
+            RouterConfig::default(),
+            // No credit at all: no cache columns.
+            RouterConfig {
+                overlap_score_credit: 0.0,
+                host_cache_hit_weight: 0.0,
+                disk_cache_hit_weight: 0.0,
+                shared_cache_multiplier: Some(0.0),
+                ..RouterConfig::default()
+            },
+            // The general prefill loop, with and without decay.
+            RouterConfig {
+                prefill_load_scale: 2.0,
+                ..RouterConfig::default()
+            },
+            RouterConfig {
+                overlap_score_credit_decay: 1.0,
+                ..RouterConfig::default()
+            },
+            // Untracked prefill: the decode path for decode workers.
+            RouterConfig {
+                track_prefill_tokens: false,
+                ..RouterConfig::default()
+            },
+        ];
+        for config in configs {
+            let w = DefaultCostParameters::default().resolve(&config);
+            for worker_type in [WorkerType::Prefill, WorkerType::Decode] {
+                // Without and with lower tiers, without and with taints.
+                for (lower, taint) in [(false, false), (true, false), (false, true), (true, true)] {
+                    for n in 1..=19u64 {
+                        let mut table = CandidateTable::new();
+                        table.reset(WorkerInputs::ALL);
+                        for i in 0..n {
+                            table.push(CandidateRow {
+                                worker: WorkerWithDpRank::new(i, 0),
+                                cache: CacheRow {
+                                    device_blocks: (i % 5) as u32,
+                                    host_blocks: u32::from(lower) * (i % 3) as u32,
+                                    ..CacheRow::default()
+                                },
+                                load: LoadRow {
+                                    active_requests: (i % 4) as u32,
+                                    waiting_requests: 0,
+                                    active_prefill_tokens: i * 100,
+                                    active_decode_blocks: i % 9,
+                                },
+                                preferred_taint_multiplier: taint.then_some(0.5),
+                                ..CandidateRow::default()
+                            });
+                        }
+                        let mut scorer = DefaultCostScorer::new(w, worker_type);
+                        let grant = scorer.required_worker_inputs();
+                        let ctx = WorkerSelectionContext::new("r", 300, 16);
+                        let mut costs = vec![f64::NAN; n as usize];
+                        scorer
+                            .score(&ctx, WorkerCandidates::new(&table, grant), &mut costs)
+                            .unwrap();
+                        assert!(
+                            costs.iter().all(|c| c.is_finite()),
+                            "{config:?} {worker_type:?} lower={lower} taint={taint} n={n}: {costs:?}"
+                        );
+                    }
                 }
             }
         }

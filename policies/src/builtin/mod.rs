@@ -86,6 +86,7 @@ fn tool_result_provider(parameters: &WorkerSelectionPolicyParameters) -> Provide
                 rng,
             ))),
         )
+        .first_scorer_writes_all()
     }))
 }
 
