@@ -459,8 +459,10 @@ pub(crate) fn finite_range(values: &[f64]) -> Option<(f64, f64)> {
         for k in 0..LANES {
             let v = q[k];
             sum[k] += v;
-            lo[k] = if v < lo[k] { v } else { lo[k] };
-            hi[k] = if v > hi[k] { v } else { hi[k] };
+            // Written so that the lane is the instruction's destination
+            // (`minpd`/`maxpd` overwrite their first operand): no copies.
+            lo[k] = if lo[k] < v { lo[k] } else { v };
+            hi[k] = if hi[k] > v { hi[k] } else { v };
         }
     };
     match values.last_chunk::<LANES>() {

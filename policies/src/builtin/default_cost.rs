@@ -41,7 +41,7 @@ use crate::inputs::WorkerInputs;
 use crate::policy::{WorkerPicker, WorkerScorer, WorkerSelectionPolicy};
 use crate::rng::PolicyRng;
 use crate::table::count;
-use crate::view::{WorkerCandidates, WorkerInputView};
+use crate::view::{LoadColumns, WorkerCandidates, WorkerInputView};
 
 /// Parameters as written in YAML; omitted ones inherit [`RouterConfig`].
 #[derive(Clone, Debug, Default, Deserialize)]
@@ -136,8 +136,9 @@ pub struct DefaultCostScorer {
     w: DefaultCostWeights,
     decode_path: bool,
     uses_cache: bool,
-    /// The weights are the shipped ones' identities (see [`fill_unit`]).
-    unit_weights: bool,
+    /// The weights are the shipped ones' identities and decay is off, so
+    /// device overlap alone takes [`fill_unit`].
+    unit_path: bool,
     /// A block size and its reciprocal: the block size rarely changes
     /// between requests, and a division costs more than the rest of a
     /// small table's scoring.
@@ -158,15 +159,18 @@ impl DefaultCostScorer {
         // overlap, so the cache lookup would be wasted (plain disaggregated
         // decode); likewise when every credit is zero.
         let uses_cache = any_credit && (w.track_prefill_tokens || decode_path);
-        let unit_weights = w.track_prefill_tokens
+        // Prefill tracked and a credit of one also mean the cache is used
+        // and this is not the decode path.
+        let unit_path = w.track_prefill_tokens
             && w.prefill_load_scale == 1.0
             && w.overlap_score_credit == 1.0
-            && w.decode_active_request_weight == 0.0;
+            && w.decode_active_request_weight == 0.0
+            && w.overlap_score_credit_decay == 0.0;
         DefaultCostScorer {
             w,
             decode_path,
             uses_cache,
-            unit_weights,
+            unit_path,
             inv_block: (1, 1.0),
         }
     }
@@ -188,7 +192,6 @@ impl WorkerScorer for DefaultCostScorer {
         candidates: WorkerCandidates<'_>,
         costs: &mut [f64],
     ) -> Result<(), WorkerSelectionPolicyError> {
-        let w = &self.w;
         let load = candidates
             .load_columns()
             .ok_or_else(|| WorkerSelectionPolicyError::failed("load input unavailable"))?;
@@ -196,16 +199,55 @@ impl WorkerScorer for DefaultCostScorer {
         if self.inv_block.0 != context.block_size() {
             self.inv_block = (context.block_size(), 1.0 / f64::from(context.block_size()));
         }
-        let inv_block = self.inv_block.1;
-        // At most the prompt's tokens, so within `i64` (and its conversion
-        // is one instruction; `u64`'s is a sequence).
-        let request_blocks = context.request_blocks() as i64 as f64;
-        let prompt_tokens = f64::from(context.prompt_tokens());
-        let track = if w.track_prefill_tokens { 1.0 } else { 0.0 };
-        let prefill = &load.active_prefill_tokens[..n];
-        let decode = &load.active_decode_blocks[..n];
-        let active = &load.active_requests[..n];
+        let unit = Unit {
+            inv_block: self.inv_block.1,
+            prompt_tokens: f64::from(context.prompt_tokens()),
+            // At most the prompt's tokens, so within `i64` (and its
+            // conversion is one instruction; `u64`'s is a sequence).
+            request_blocks: context.request_blocks() as i64 as f64,
+        };
         let taint = candidates.preferred_taint_column().map(|t| &t[..n]);
+        if self.unit_path && !candidates.has_lower_tier_overlap() {
+            // The shipped weights over device overlap alone, the common
+            // case, without the general set-up.
+            let c = candidates
+                .cache_columns()
+                .ok_or_else(|| WorkerSelectionPolicyError::failed("cache input unavailable"))?;
+            fill_unit(
+                &unit,
+                load.active_prefill_tokens,
+                load.active_decode_blocks,
+                c.device_blocks,
+                costs,
+            );
+        } else {
+            self.fill_general(context, candidates, &unit, &load, costs)?;
+        }
+        if let Some(taint) = taint
+            && candidates.has_taint_multipliers()
+        {
+            for (cost, &m) in costs.iter_mut().zip(taint) {
+                *cost = if m.is_nan() { *cost } else { *cost * m };
+            }
+        }
+        Ok(())
+    }
+}
+
+impl DefaultCostScorer {
+    /// Every shape but [`fill_unit`]'s: one branch-free loop per shape,
+    /// chosen once per call.
+    fn fill_general(
+        &self,
+        context: &WorkerSelectionContext<'_>,
+        candidates: WorkerCandidates<'_>,
+        unit: &Unit,
+        load: &LoadColumns<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        let w = &self.w;
+        let n = costs.len();
+        let prefill = &load.active_prefill_tokens[..n];
         // Without cache input (all credits zero, or plain disaggregated
         // decode) the credit columns read as zeros.
         let (device, host, disk, shared) = if self.uses_cache {
@@ -213,10 +255,10 @@ impl WorkerScorer for DefaultCostScorer {
                 .cache_columns()
                 .ok_or_else(|| WorkerSelectionPolicyError::failed("cache input unavailable"))?;
             (
-                &c.device_blocks[..n],
-                &c.host_blocks[..n],
-                &c.disk_blocks[..n],
-                &c.shared_beyond_blocks[..n],
+                c.device_blocks,
+                c.host_blocks,
+                c.disk_blocks,
+                c.shared_beyond_blocks,
             )
         } else {
             (&[][..], &[][..], &[][..], &[][..])
@@ -229,14 +271,14 @@ impl WorkerScorer for DefaultCostScorer {
         };
         let terms = Terms {
             w: *w,
-            track,
-            inv_block,
-            prompt_tokens,
-            request_blocks,
+            track: if w.track_prefill_tokens { 1.0 } else { 0.0 },
+            inv_block: unit.inv_block,
+            prompt_tokens: unit.prompt_tokens,
+            request_blocks: unit.request_blocks,
             decay_scale: if decay_on {
                 w.overlap_score_credit_decay
                     / f64::from(context.block_size())
-                    / request_blocks.max(1.0)
+                    / unit.request_blocks.max(1.0)
             } else {
                 0.0
             },
@@ -244,18 +286,16 @@ impl WorkerScorer for DefaultCostScorer {
         };
         let cols = Columns {
             prefill,
-            decode,
-            active,
+            decode: load.active_decode_blocks,
+            active: load.active_requests,
             device,
             host,
             disk,
             shared,
         };
-        // One branch-free loop per shape, chosen once per call.
         let lower = candidates.has_lower_tier_overlap();
         match (self.uses_cache, lower, decay_on, self.decode_path) {
             (false, ..) => fill::<false, false, false, false>(&terms, &cols, costs),
-            (true, false, false, false) if self.unit_weights => fill_unit(&terms, &cols, costs),
             (true, false, false, false) => fill::<true, false, false, false>(&terms, &cols, costs),
             (true, false, false, true) => fill::<true, false, false, true>(&terms, &cols, costs),
             (true, false, true, false) => fill::<true, false, true, false>(&terms, &cols, costs),
@@ -265,15 +305,15 @@ impl WorkerScorer for DefaultCostScorer {
             (true, true, true, false) => fill::<true, true, true, false>(&terms, &cols, costs),
             (true, true, true, true) => fill::<true, true, true, true>(&terms, &cols, costs),
         }
-        if let Some(taint) = taint
-            && candidates.has_taint_multipliers()
-        {
-            for (cost, &m) in costs.iter_mut().zip(taint) {
-                *cost = if m.is_nan() { *cost } else { *cost * m };
-            }
-        }
         Ok(())
     }
+}
+
+/// The request's constants every loop uses.
+struct Unit {
+    inv_block: f64,
+    prompt_tokens: f64,
+    request_blocks: f64,
 }
 
 /// Per-call constants of the cost formula.
@@ -304,21 +344,15 @@ struct Columns<'a> {
 /// overlap only, no decay, the prefill path: it leaves out the
 /// multiplications by one and the request term, which are exact
 /// (`x * 1.0 == x`; the term is `+0.0` on a non-negative sum), so it gives
-/// `fill::<true, false, false, false>`'s bits.
+/// `fill::<true, false, false, false>`'s bits. The columns are separate
+/// arguments, as in [`fill_loop`].
 #[inline(always)]
-fn fill_unit(t: &Terms, c: &Columns<'_>, costs: &mut [f64]) {
-    unit_loop(t, c.prefill, c.decode, c.device, costs);
-}
-
-/// [`fill_unit`]'s loop. The columns are separate arguments, as in
-/// [`fill_loop`].
-#[inline(always)]
-fn unit_loop(t: &Terms, prefill: &[u32], decode: &[u32], device: &[u32], costs: &mut [f64]) {
+fn fill_unit(u: &Unit, prefill: &[u32], decode: &[u32], device: &[u32], costs: &mut [f64]) {
     let n = costs.len();
     let (prefill, decode, device) = (&prefill[..n], &decode[..n], &device[..n]);
     for i in 0..n {
-        let raw_prefill_blocks = (count(prefill[i]) + t.prompt_tokens) * t.inv_block;
-        let decode_blocks = count(decode[i]) + t.request_blocks;
+        let raw_prefill_blocks = (count(prefill[i]) + u.prompt_tokens) * u.inv_block;
+        let decode_blocks = count(decode[i]) + u.request_blocks;
         costs[i] = (raw_prefill_blocks - count(device[i])).max(0.0) + decode_blocks;
     }
 }
@@ -445,6 +479,17 @@ pub(crate) fn argmin_random_ties(costs: &[f64], rng: &mut PolicyRng) -> usize {
     nth_minimum(costs, min, rng)
 }
 
+/// `1 << row` for each row a bit mask can hold.
+const ROW_BITS: [u64; 64] = {
+    let mut bits = [0u64; 64];
+    let mut row = 0;
+    while row < 64 {
+        bits[row] = 1 << row;
+        row += 1;
+    }
+    bits
+};
+
 /// The row of cost `min` (which must occur), ties broken by one draw.
 fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
     if costs.len() > 64 {
@@ -458,20 +503,14 @@ fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
             .nth(nth)
             .map_or(0, |(row, _)| row);
     }
-    // Short: the rows at the minimum as a bit mask, built without a branch
-    // in chunks of eight; the first set bit, or the nth on a tie.
+    // Short: the rows at the minimum as a bit mask, built without a branch:
+    // each row's bit, kept where the row is at the minimum (a compare's
+    // all-ones or zero), ORed together; this vectorises on baseline x86-64.
+    // Then the first set bit, or the nth on a tie.
+    let bits = &ROW_BITS[..costs.len()];
     let mut mask = 0u64;
-    let mut chunks = costs.chunks_exact(8);
-    for (k, q) in (&mut chunks).enumerate() {
-        let mut byte = 0u64;
-        for (j, &c) in q.iter().enumerate() {
-            byte |= u64::from(c == min) << j;
-        }
-        mask |= byte << (8 * k);
-    }
-    let base = costs.len() - chunks.remainder().len();
-    for (j, &c) in chunks.remainder().iter().enumerate() {
-        mask |= u64::from(c == min) << (base + j);
+    for (&c, &bit) in costs.iter().zip(bits) {
+        mask |= bit & 0u64.wrapping_sub(u64::from(c == min));
     }
     if mask == 0 {
         return 0;
@@ -726,10 +765,7 @@ mod tests {
     fn the_unit_weight_loop_gives_the_general_loops_bits() {
         let w = DefaultCostParameters::default().resolve(&RouterConfig::default());
         let scorer = DefaultCostScorer::new(w, WorkerType::Prefill);
-        assert!(
-            scorer.unit_weights,
-            "the shipped weights take the unit loop"
-        );
+        assert!(scorer.unit_path, "the shipped weights take the unit loop");
         let mut rng = PolicyRng::seed_from_u64(3);
         // Counts from 0 to the table's 2^31 - 1 ceiling, small ones often
         // (where the max(.., 0) clamp and ties happen).
@@ -768,7 +804,12 @@ mod tests {
             };
             let (mut general, mut unit) = (vec![f64::NAN; n], vec![f64::NAN; n]);
             fill::<true, false, false, false>(&terms, &cols, &mut general);
-            fill_unit(&terms, &cols, &mut unit);
+            let u = Unit {
+                inv_block: terms.inv_block,
+                prompt_tokens: terms.prompt_tokens,
+                request_blocks: terms.request_blocks,
+            };
+            fill_unit(&u, &prefill, &decode, &device, &mut unit);
             let bits = |v: &[f64]| v.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&general), bits(&unit), "round {round}");
         }
@@ -790,9 +831,13 @@ mod tests {
                 track_prefill_tokens: false,
                 ..RouterConfig::default()
             },
+            RouterConfig {
+                overlap_score_credit_decay: 0.5,
+                ..RouterConfig::default()
+            },
         ] {
             let w = DefaultCostParameters::default().resolve(&config);
-            assert!(!DefaultCostScorer::new(w, WorkerType::Prefill).unit_weights);
+            assert!(!DefaultCostScorer::new(w, WorkerType::Prefill).unit_path);
         }
     }
 
