@@ -236,7 +236,9 @@ impl WorkerScorer for DefaultCostScorer {
 
 impl DefaultCostScorer {
     /// Every shape but [`fill_unit`]'s: one branch-free loop per shape,
-    /// chosen once per call.
+    /// chosen once per call. Not inlined, so that the unit path's caller
+    /// keeps a small frame.
+    #[inline(never)]
     fn fill_general(
         &self,
         context: &WorkerSelectionContext<'_>,
@@ -491,6 +493,7 @@ const ROW_BITS: [u64; 64] = {
 };
 
 /// The row of cost `min` (which must occur), ties broken by one draw.
+#[inline(always)]
 fn nth_minimum(costs: &[f64], min: f64, rng: &mut PolicyRng) -> usize {
     if costs.len() > 64 {
         // Long: a vectorised count of ties, then one early-exit search.
