@@ -23,6 +23,11 @@
 //!   and custom policy on the same fixture, in the same run.
 //!
 //! `cargo bench --bench worker_selection [--features dynamo-peer]`
+//!
+//! `... -- --select-loop N TEMPERATURE ITERATIONS` skips criterion and runs
+//! that many default selections over the N-worker fixture, for counting
+//! instructions under `valgrind --tool=callgrind` (a count does not drift
+//! with the machine's speed as a time does).
 
 #![forbid(unsafe_code)]
 
@@ -287,7 +292,35 @@ fn predicted_ttft_selection(c: &mut Criterion) {
 #[cfg(feature = "dynamo-peer")]
 mod peer;
 
+/// `--select-loop N TEMPERATURE ITERATIONS`, if given: runs the selections
+/// and returns true.
+fn select_loop() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(at) = args.iter().position(|a| a == "--select-loop") else {
+        return false;
+    };
+    let arg = |k: usize| -> &str {
+        args.get(at + k)
+            .map(String::as_str)
+            .expect("--select-loop N TEMPERATURE ITERATIONS")
+    };
+    let n: usize = arg(1).parse().expect("N: a number of workers");
+    let temperature: f64 = arg(2).parse().expect("TEMPERATURE: a number");
+    let iterations: u64 = arg(3).parse().expect("ITERATIONS: a count");
+    let mut table = CandidateTable::new();
+    fill(&mut table, &rows(n));
+    let mut policy = default_policy(temperature);
+    let ctx = context();
+    for _ in 0..iterations {
+        black_box(policy.select(black_box(&ctx), black_box(&table)).unwrap());
+    }
+    true
+}
+
 fn main() {
+    if select_loop() {
+        return;
+    }
     let mut c = Criterion::default().configure_from_args();
     default_selection(&mut c);
     custom_selection(&mut c);
