@@ -41,8 +41,19 @@ impl WorkerScorer for Constant {
     }
 }
 
-/// Writes every row but the last (which stays NaN).
-struct LeavesLastUnwritten;
+/// Writes every row but the last (which stays NaN), from its `from`th
+/// call on (counting from 1); every row before that.
+struct LeavesLastUnwritten {
+    from: usize,
+    calls: usize,
+}
+
+impl LeavesLastUnwritten {
+    fn from_call(from: usize) -> Self {
+        LeavesLastUnwritten { from, calls: 0 }
+    }
+}
+
 impl WorkerScorer for LeavesLastUnwritten {
     fn score(
         &mut self,
@@ -50,12 +61,15 @@ impl WorkerScorer for LeavesLastUnwritten {
         _cands: WorkerCandidates<'_>,
         costs: &mut [f64],
     ) -> Result<(), WorkerSelectionPolicyError> {
+        self.calls += 1;
         assert!(
             costs.iter().all(|c| c.is_nan()),
-            "slice arrives pre-filled with NaN"
+            "slice arrives pre-filled with NaN on call {}",
+            self.calls
         );
         let n = costs.len();
-        costs[..n - 1].fill(1.0);
+        let written = if self.calls < self.from { n } else { n - 1 };
+        costs[..written].fill(1.0);
         Ok(())
     }
 }
@@ -161,7 +175,10 @@ fn unwritten_cost_is_refused_before_picking() {
     let mut p = WorkerSelectionPolicy::new(
         RouterConfig::default(),
         "aggregated",
-        vec![Box::new(Constant(0.0)), Box::new(LeavesLastUnwritten)],
+        vec![
+            Box::new(Constant(0.0)),
+            Box::new(LeavesLastUnwritten::from_call(1)),
+        ],
         Box::new(FixedRow(0)),
     );
     match p.select(&ctx(), &three()).map_err(|e| e.into_kind()) {
@@ -174,30 +191,6 @@ fn unwritten_cost_is_refused_before_picking() {
     }
 }
 
-/// Writes every row on its first call, and every row but the last after.
-struct LeavesLastUnwrittenLater {
-    calls: usize,
-}
-impl WorkerScorer for LeavesLastUnwrittenLater {
-    fn score(
-        &mut self,
-        _c: &WorkerSelectionContext<'_>,
-        _cands: WorkerCandidates<'_>,
-        costs: &mut [f64],
-    ) -> Result<(), WorkerSelectionPolicyError> {
-        assert!(
-            costs.iter().all(|c| c.is_nan()),
-            "slice arrives pre-filled with NaN on call {}",
-            self.calls
-        );
-        self.calls += 1;
-        let n = costs.len();
-        let written = if self.calls == 1 { n } else { n - 1 };
-        costs[..written].fill(1.0);
-        Ok(())
-    }
-}
-
 #[test]
 fn the_first_scorer_never_sees_the_last_selections_costs() {
     // The totals' buffer is kept between selections; a plugin as the first
@@ -205,7 +198,7 @@ fn the_first_scorer_never_sees_the_last_selections_costs() {
     let mut p = WorkerSelectionPolicy::new(
         RouterConfig::default(),
         "aggregated",
-        vec![Box::new(LeavesLastUnwrittenLater { calls: 0 })],
+        vec![Box::new(LeavesLastUnwritten::from_call(2))],
         Box::new(FixedRow(0)),
     );
     assert!(p.select(&ctx(), &three()).is_ok());

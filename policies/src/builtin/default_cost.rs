@@ -731,6 +731,25 @@ impl WorkerPicker for ToolResultCacheLocalPicker {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::table::{CacheRow, CandidateRow, CandidateTable, LoadRow, WorkerWithDpRank};
+
+    /// A table of `n` workers with every signal group; worker `i` has the
+    /// cache row, load row and taint multiplier `row(i)` gives.
+    fn table_of(n: u64, row: impl Fn(u64) -> (CacheRow, LoadRow, Option<f64>)) -> CandidateTable {
+        let mut table = CandidateTable::new();
+        table.reset(WorkerInputs::ALL);
+        for i in 0..n {
+            let (cache, load, taint) = row(i);
+            table.push(CandidateRow {
+                worker: WorkerWithDpRank::new(i, 0),
+                cache,
+                load,
+                preferred_taint_multiplier: taint,
+                ..CandidateRow::default()
+            });
+        }
+        table
+    }
 
     #[test]
     fn nth_minimum_picks_as_the_plain_definition_does_with_the_same_draws() {
@@ -846,25 +865,19 @@ mod tests {
 
     #[test]
     fn a_scorer_kept_across_block_sizes_scores_as_a_fresh_one() {
-        use crate::table::{CacheRow, CandidateRow, CandidateTable, LoadRow, WorkerWithDpRank};
-        let mut table = CandidateTable::new();
-        table.reset(WorkerInputs::ALL);
-        for i in 0..11u64 {
-            table.push(CandidateRow {
-                worker: WorkerWithDpRank::new(i, 0),
-                cache: CacheRow {
-                    device_blocks: (i * 5 % 13) as u32,
-                    ..CacheRow::default()
-                },
-                load: LoadRow {
-                    active_requests: (i % 3) as u32,
-                    waiting_requests: 0,
-                    active_prefill_tokens: i * 37,
-                    active_decode_blocks: i * 11 % 7,
-                },
-                ..CandidateRow::default()
-            });
-        }
+        let table = table_of(11, |i| {
+            let cache = CacheRow {
+                device_blocks: (i * 5 % 13) as u32,
+                ..CacheRow::default()
+            };
+            let load = LoadRow {
+                active_requests: (i % 3) as u32,
+                waiting_requests: 0,
+                active_prefill_tokens: i * 37,
+                active_decode_blocks: i * 11 % 7,
+            };
+            (cache, load, None)
+        });
         // The shipped weights, and the general loop with decay on.
         for config in [
             RouterConfig::default(),
@@ -916,7 +929,6 @@ mod tests {
     /// `first_scorer_writes_all`), so every loop must write every row.
     #[test]
     fn every_cost_loop_writes_every_row() {
-        use crate::table::{CacheRow, CandidateRow, CandidateTable, LoadRow, WorkerWithDpRank};
         let configs = [
             // The unit loop.
             RouterConfig::default(),
@@ -949,26 +961,20 @@ mod tests {
                 // Without and with lower tiers, without and with taints.
                 for (lower, taint) in [(false, false), (true, false), (false, true), (true, true)] {
                     for n in 1..=19u64 {
-                        let mut table = CandidateTable::new();
-                        table.reset(WorkerInputs::ALL);
-                        for i in 0..n {
-                            table.push(CandidateRow {
-                                worker: WorkerWithDpRank::new(i, 0),
-                                cache: CacheRow {
-                                    device_blocks: (i % 5) as u32,
-                                    host_blocks: u32::from(lower) * (i % 3) as u32,
-                                    ..CacheRow::default()
-                                },
-                                load: LoadRow {
-                                    active_requests: (i % 4) as u32,
-                                    waiting_requests: 0,
-                                    active_prefill_tokens: i * 100,
-                                    active_decode_blocks: i % 9,
-                                },
-                                preferred_taint_multiplier: taint.then_some(0.5),
-                                ..CandidateRow::default()
-                            });
-                        }
+                        let table = table_of(n, |i| {
+                            let cache = CacheRow {
+                                device_blocks: (i % 5) as u32,
+                                host_blocks: u32::from(lower) * (i % 3) as u32,
+                                ..CacheRow::default()
+                            };
+                            let load = LoadRow {
+                                active_requests: (i % 4) as u32,
+                                waiting_requests: 0,
+                                active_prefill_tokens: i * 100,
+                                active_decode_blocks: i % 9,
+                            };
+                            (cache, load, taint.then_some(0.5))
+                        });
                         let mut scorer = DefaultCostScorer::new(w, worker_type);
                         let grant = scorer.required_worker_inputs();
                         let ctx = WorkerSelectionContext::new("r", 300, 16);
