@@ -199,7 +199,7 @@ impl WorkerScorer for DefaultCostScorer {
         if self.inv_block.0 != context.block_size() {
             self.inv_block = (context.block_size(), 1.0 / f64::from(context.block_size()));
         }
-        let unit = Unit {
+        let req = PerRequest {
             inv_block: self.inv_block.1,
             prompt_tokens: f64::from(context.prompt_tokens()),
             // At most the prompt's tokens, so within `i64` (and its
@@ -214,14 +214,14 @@ impl WorkerScorer for DefaultCostScorer {
                 .cache_columns()
                 .ok_or_else(|| WorkerSelectionPolicyError::failed("cache input unavailable"))?;
             fill_unit(
-                &unit,
+                &req,
                 load.active_prefill_tokens,
                 load.active_decode_blocks,
                 c.device_blocks,
                 costs,
             );
         } else {
-            self.fill_general(context, candidates, &unit, &load, costs)?;
+            self.fill_general(context, candidates, &req, &load, costs)?;
         }
         if let Some(taint) = taint
             && candidates.has_taint_multipliers()
@@ -243,7 +243,7 @@ impl DefaultCostScorer {
         &self,
         context: &WorkerSelectionContext<'_>,
         candidates: WorkerCandidates<'_>,
-        unit: &Unit,
+        req: &PerRequest,
         load: &LoadColumns<'_>,
         costs: &mut [f64],
     ) -> Result<(), WorkerSelectionPolicyError> {
@@ -274,13 +274,13 @@ impl DefaultCostScorer {
         let terms = Terms {
             w: *w,
             track: if w.track_prefill_tokens { 1.0 } else { 0.0 },
-            inv_block: unit.inv_block,
-            prompt_tokens: unit.prompt_tokens,
-            request_blocks: unit.request_blocks,
+            inv_block: req.inv_block,
+            prompt_tokens: req.prompt_tokens,
+            request_blocks: req.request_blocks,
             decay_scale: if decay_on {
                 w.overlap_score_credit_decay
                     / f64::from(context.block_size())
-                    / unit.request_blocks.max(1.0)
+                    / req.request_blocks.max(1.0)
             } else {
                 0.0
             },
@@ -312,7 +312,7 @@ impl DefaultCostScorer {
 }
 
 /// The request's constants every loop uses.
-struct Unit {
+struct PerRequest {
     inv_block: f64,
     prompt_tokens: f64,
     request_blocks: f64,
@@ -349,7 +349,7 @@ struct Columns<'a> {
 /// `fill::<true, false, false, false>`'s bits. The columns are separate
 /// arguments, as in [`fill_loop`].
 #[inline(always)]
-fn fill_unit(u: &Unit, prefill: &[u32], decode: &[u32], device: &[u32], costs: &mut [f64]) {
+fn fill_unit(u: &PerRequest, prefill: &[u32], decode: &[u32], device: &[u32], costs: &mut [f64]) {
     let n = costs.len();
     let (prefill, decode, device) = (&prefill[..n], &decode[..n], &device[..n]);
     for i in 0..n {
@@ -826,7 +826,7 @@ mod tests {
             };
             let (mut general, mut unit) = (vec![f64::NAN; n], vec![f64::NAN; n]);
             fill::<true, false, false, false>(&terms, &cols, &mut general);
-            let u = Unit {
+            let u = PerRequest {
                 inv_block: terms.inv_block,
                 prompt_tokens: terms.prompt_tokens,
                 request_blocks: terms.request_blocks,
