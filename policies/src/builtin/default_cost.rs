@@ -274,9 +274,7 @@ impl DefaultCostScorer {
         let terms = Terms {
             w: *w,
             track: if w.track_prefill_tokens { 1.0 } else { 0.0 },
-            inv_block: req.inv_block,
-            prompt_tokens: req.prompt_tokens,
-            request_blocks: req.request_blocks,
+            req: *req,
             decay_scale: if decay_on {
                 w.overlap_score_credit_decay
                     / f64::from(context.block_size())
@@ -312,6 +310,7 @@ impl DefaultCostScorer {
 }
 
 /// The request's constants every loop uses.
+#[derive(Clone, Copy)]
 struct PerRequest {
     inv_block: f64,
     prompt_tokens: f64,
@@ -322,9 +321,7 @@ struct PerRequest {
 struct Terms {
     w: DefaultCostWeights,
     track: f64,
-    inv_block: f64,
-    prompt_tokens: f64,
-    request_blocks: f64,
+    req: PerRequest,
     decay_scale: f64,
     min_prefill: f64,
 }
@@ -400,8 +397,8 @@ fn fill_loop<const CACHE: bool, const LOWER: bool, const DECAY: bool, const DECO
     };
     for i in 0..n {
         let prefill = count(prefill[i]);
-        let raw_prefill_blocks = t.track * (prefill + t.prompt_tokens) * t.inv_block;
-        let decode_blocks = count(decode[i]) + t.request_blocks;
+        let raw_prefill_blocks = t.track * (prefill + t.req.prompt_tokens) * t.req.inv_block;
+        let decode_blocks = count(decode[i]) + t.req.request_blocks;
         let request_cost = w.decode_active_request_weight * count(active[i]);
         let credit = if CACHE {
             let decay = if DECAY {
@@ -809,9 +806,11 @@ mod tests {
             let terms = Terms {
                 w,
                 track: 1.0,
-                inv_block: 1.0 / block_size,
-                prompt_tokens,
-                request_blocks: (prompt_tokens / block_size).ceil(),
+                req: PerRequest {
+                    inv_block: 1.0 / block_size,
+                    prompt_tokens,
+                    request_blocks: (prompt_tokens / block_size).ceil(),
+                },
                 decay_scale: 0.0,
                 min_prefill: 0.0,
             };
@@ -826,12 +825,7 @@ mod tests {
             };
             let (mut general, mut unit) = (vec![f64::NAN; n], vec![f64::NAN; n]);
             fill::<true, false, false, false>(&terms, &cols, &mut general);
-            let u = PerRequest {
-                inv_block: terms.inv_block,
-                prompt_tokens: terms.prompt_tokens,
-                request_blocks: terms.request_blocks,
-            };
-            fill_unit(&u, &prefill, &decode, &device, &mut unit);
+            fill_unit(&terms.req, &prefill, &decode, &device, &mut unit);
             let bits = |v: &[f64]| v.iter().map(|c| c.to_bits()).collect::<Vec<_>>();
             assert_eq!(bits(&general), bits(&unit), "round {round}");
         }
