@@ -2,7 +2,8 @@
 //! prefix-overlap query of a 2,048-token request (128 blocks of 16) against
 //! 64 workers and a 1-million-block index (warm: the same request again;
 //! cold: 4,096 requests in turn, 1.5 million entries in all, beside the
-//! machine's floor for 128 independent cache misses), and the memory
+//! machine's floor for 128 independent cache misses; swept: the same after
+//! 64 MiB were written, beside the floor after the same), and the memory
 //! per entry at 10 million entries (printed; counted by allocation-counter).
 //!
 //! `cargo bench --bench index`
@@ -160,6 +161,54 @@ fn main() {
             black_box(acc)
         })
     });
+    // Colder still: before each walk, 64 MiB are written (twice the last
+    // level cache), so the walk also finds the page tables and the tables'
+    // headers out of the caches, as after a sleep among busy neighbours.
+    // Only the walk is timed. Beside it, the floor in the same state: 128
+    // loads of random lines from the 32 MiB array.
+    let mut sweep = vec![0u64; (64 << 20) / 8];
+    let mut swept = move |round: u64| {
+        for x in sweep.iter_mut().step_by(8) {
+            *x = x.wrapping_add(round);
+        }
+        black_box(sweep[round as usize % sweep.len()]);
+    };
+    let mut k = 0usize;
+    g.sample_size(30);
+    g.bench_function("overlap_128_blocks_64_workers_1m_index_swept", |b| {
+        b.iter_custom(|iters| {
+            let mut took = Duration::ZERO;
+            for _ in 0..iters {
+                swept(k as u64);
+                let req = &requests[k % requests.len()];
+                k += 1;
+                let t = std::time::Instant::now();
+                ix.overlap(black_box(req), u64::MAX, &mut out);
+                took += t.elapsed();
+                black_box(out.blocks[0][0]);
+            }
+            took
+        })
+    });
+    g.bench_function("swept_floor_128_random_lines_32mib", |b| {
+        b.iter_custom(|iters| {
+            let mut took = Duration::ZERO;
+            for _ in 0..iters {
+                swept(k as u64);
+                let set = &sets[k % sets.len()];
+                k += 1;
+                let t = std::time::Instant::now();
+                let mut acc = 0u64;
+                for &i in set {
+                    acc = acc.wrapping_add(lines[i as usize][0]);
+                }
+                took += t.elapsed();
+                black_box(acc);
+            }
+            took
+        })
+    });
+    g.sample_size(100);
     drop((lines, sets));
     // Keys are untrusted: an engine publishing 500,000 sequential hashes
     // must not slow lookups that land near them (with identity hashing they

@@ -5,14 +5,16 @@
 //! - per tier, a map from sequence hash to a 64-bit mask of worker slots
 //!   (a node routes to at most [`MAX_WORKERS`] workers), so a block held
 //!   by several workers costs one entry. The map is split into
-//!   [`SHARDS`] hash tables by bits of the key's hash, so a table that
-//!   grows doubles only its own eighth: one table of 10 million entries
-//!   briefly held its old and new arrays at once, 1.5 times its size. (More
-//!   shards saved little more memory and made the overlap walk slower.)
+//!   [`SHARDS`] tables by bits of the key's hash, so a table that grows
+//!   doubles only its own eighth: one table of 10 million entries briefly
+//!   held its old and new arrays at once, 1.5 times its size. (More shards
+//!   saved little more memory and made the overlap walk slower.) Each
+//!   table keeps a key in one of two 64-byte buckets that its hash fixes
+//!   (see `mask_table`), so a lookup reads at most two known cache lines.
 //!   Keys are hashed with a fast seeded hash (foldhash), not by identity:
 //!   keys come from engines, and sequential or crafted ones would otherwise
-//!   fill one long probe run that every lookup landing in it walks
-//!   (500,000 sequential hashes made an unrelated lookup cost 5 µs);
+//!   crowd a few buckets (with an open-addressing table, 500,000
+//!   sequential hashes once made an unrelated lookup cost 5 µs);
 //! - nothing per entry besides: per worker and tier a count, and which
 //!   shards it stored into since it was last cleared, so `Cleared` and a
 //!   worker's death clear its bit in those shards only. A worker holding
@@ -38,17 +40,18 @@
 //!
 //! The overlap query walks the request's hashes in order, keeping for each
 //! tier the mask of workers whose prefix is still unbroken, and stops as soon
-//! as every mask is empty. Lookups are issued in doubling batches (8, 16,
-//! 32, 64 hashes) so the cache misses of a large index overlap instead of
-//! queuing, while a short prefix still stops after a few.
+//! as every mask is empty. It looks hashes up in doubling batches (8, 16,
+//! 32, 64), and first asks the CPU for both buckets of every hash in the
+//! batch (a prefetch, which does not wait), then reads them. So the cache
+//! misses of a large or cold index overlap instead of queuing, while a
+//! short prefix still stops after a few.
 
 use std::collections::{HashSet, VecDeque};
 use std::hash::BuildHasher;
 
-use hashbrown::HashTable;
-use hashbrown::hash_table::Entry;
-
 use kvedge_shm::messages::Tier;
+
+use crate::mask_table::{Bucket, MaskTable, Set};
 
 /// Most worker slots one index tracks.
 pub const MAX_WORKERS: usize = 64;
@@ -99,25 +102,16 @@ impl Overlap {
 }
 
 /// One tier: hash -> worker mask, in shards. A key is hashed once (a
-/// seeded foldhash); bits 40-44 of that hash choose the shard, which
-/// neither the table's bucket index (the low bits) nor its control tags
-/// (the top seven) use.
-#[derive(Debug)]
+/// seeded foldhash); bits 40-42 of that hash choose the shard. The
+/// shard's table takes a key's first bucket from the low bits and its
+/// second from the high bits of a product, so neither is fixed by the
+/// shard.
+#[derive(Debug, Default)]
 struct TierMap {
     hasher: foldhash::fast::RandomState,
-    shards: Box<[HashTable<(u64, u64)>; SHARDS]>,
+    shards: Box<[MaskTable; SHARDS]>,
     /// Distinct blocks.
     len: usize,
-}
-
-impl Default for TierMap {
-    fn default() -> Self {
-        TierMap {
-            hasher: foldhash::fast::RandomState::default(),
-            shards: Box::new(std::array::from_fn(|_| HashTable::new())),
-            len: 0,
-        }
-    }
 }
 
 /// The shard of a key whose hash is `hash`.
@@ -139,24 +133,24 @@ impl TierMap {
 
     #[inline(always)]
     fn get_hashed(&self, hash: u64, h: u64) -> u64 {
-        self.shards[shard_of(hash)]
-            .find(hash, |e| e.0 == h)
-            .map_or(0, |e| e.1)
+        self.shards[shard_of(hash)].get(hash, h)
     }
 
-    /// Sets `bit` on `h` (whose hash is `hash`).
-    fn set_hashed(&mut self, hash: u64, h: u64, bit: u64) {
-        let TierMap {
-            hasher,
-            shards,
-            len,
-        } = self;
-        let entry = shards[shard_of(hash)].entry(hash, |e| e.0 == h, |e| hasher.hash_one(e.0));
-        match entry {
-            Entry::Occupied(mut o) => o.get_mut().1 |= bit,
-            Entry::Vacant(v) => {
-                v.insert((h, bit));
-                *len += 1;
+    /// The buckets a lookup of `hash` may read.
+    #[inline(always)]
+    fn buckets_of(&self, hash: u64) -> (&Bucket, &Bucket) {
+        self.shards[shard_of(hash)].buckets_of(hash)
+    }
+
+    /// Sets `bit` on `h` (whose hash is `hash`); false if it was set.
+    fn set_hashed(&mut self, hash: u64, h: u64, bit: u64) -> bool {
+        let hasher = &self.hasher;
+        match self.shards[shard_of(hash)].set(hash, h, bit, &|k| hasher.hash_one(k)) {
+            Set::Had => false,
+            Set::Added => true,
+            Set::NewKey => {
+                self.len += 1;
+                true
             }
         }
     }
@@ -164,33 +158,23 @@ impl TierMap {
     /// Clears `bit` on `h`; false if it was not set.
     fn unset(&mut self, h: u64, bit: u64) -> bool {
         let hash = self.hash(h);
-        let Ok(mut o) = self.shards[shard_of(hash)].find_entry(hash, |e| e.0 == h) else {
-            return false;
-        };
-        if o.get().1 & bit == 0 {
-            return false;
+        match self.shards[shard_of(hash)].unset(hash, h, bit) {
+            None => false,
+            Some(left) => {
+                self.len -= usize::from(left);
+                true
+            }
         }
-        o.get_mut().1 &= !bit;
-        if o.get().1 == 0 {
-            o.remove();
-            self.len -= 1;
-        }
-        true
     }
 
     /// Clears `bit` everywhere in shard `s`.
     fn sweep(&mut self, s: usize, bit: u64) {
-        let before = self.shards[s].len();
-        self.shards[s].retain(|e| {
-            e.1 &= !bit;
-            e.1 != 0
-        });
-        self.len -= before - self.shards[s].len();
+        self.len -= self.shards[s].unset_everywhere(bit);
     }
 
     /// Every (hash, mask).
     fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.shards.iter().flat_map(|s| s.iter().copied())
+        self.shards.iter().flat_map(|s| s.iter())
     }
 }
 
@@ -315,14 +299,18 @@ impl KvIndex {
         let mut added = 0;
         for &h in hashes {
             let hash = self.tiers[t].hash(h);
-            if self.tiers[t].get_hashed(hash, h) & bit != 0 {
+            if self.entries >= self.capacity {
+                if self.tiers[t].get_hashed(hash, h) & bit != 0 {
+                    continue;
+                }
+                if !self.evict_one() {
+                    self.refused_full += 1;
+                    continue;
+                }
+            }
+            if !self.tiers[t].set_hashed(hash, h, bit) {
                 continue;
             }
-            if self.entries >= self.capacity && !self.evict_one() {
-                self.refused_full += 1;
-                continue;
-            }
-            self.tiers[t].set_hashed(hash, h, bit);
             let held = &mut self.held[w][t];
             held.count += 1;
             held.note(h, shard_of(hash));
@@ -502,18 +490,25 @@ impl KvIndex {
                 continue;
             }
             let mut alive = candidates;
-            // Look up several hashes before using the results, so their
-            // cache misses are in flight together. Batches double (8, 16, 32,
-            // 64): a short or absent prefix stops after a few lookups, a long
-            // one gets the parallelism.
+            // Ask for the lines of several lookups before reading any, so
+            // their cache misses are in flight together. Batches double (8,
+            // 16, 32, 64): a short or absent prefix stops after a few
+            // lookups, a long one gets the parallelism.
             const MAX_BATCH: usize = 64;
             let mut masks = [0u64; MAX_BATCH];
+            let mut homes = [map.buckets_of(0); MAX_BATCH];
             let mut batch = 8;
             let mut start = 0;
             while start < hashes.len() && alive != 0 {
                 let chunk = &hashes[start..(start + batch).min(hashes.len())];
-                for (m, h) in masks.iter_mut().zip(chunk) {
-                    *m = map.get(*h);
+                for (home, &h) in homes.iter_mut().zip(chunk) {
+                    *home = map.buckets_of(map.hash(h));
+                    home.0.prefetch();
+                    home.1.prefetch();
+                }
+                for ((m, &(first, second)), &h) in masks.iter_mut().zip(&homes).zip(chunk) {
+                    let found = first.mask_of(h);
+                    *m = if found != 0 { found } else { second.mask_of(h) };
                 }
                 for (k, &m) in masks[..chunk.len()].iter().enumerate() {
                     let next = alive & m;

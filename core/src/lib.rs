@@ -24,6 +24,7 @@ pub mod fuzzing;
 pub mod index;
 pub mod latency;
 pub mod load;
+mod mask_table;
 pub mod metrics;
 pub mod router;
 mod routing;

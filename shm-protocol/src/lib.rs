@@ -11,6 +11,9 @@
 //! that want select round trips without the kernel in the path attach a
 //! query [`channel`]: the same rings, one each way.
 //!
+//! It also holds the project's one [`prefetch`] hint (Rust has no safe
+//! one), which the KV index's walk uses.
+//!
 //! This crate has no async runtime: the daemon drives the consumer from its
 //! own loop, engines call the publisher from theirs.
 
@@ -23,6 +26,7 @@ pub mod fuzzing;
 pub mod hash;
 pub mod layout;
 pub mod messages;
+pub mod prefetch;
 pub mod publisher;
 pub mod ring;
 pub mod segment;
