@@ -41,6 +41,15 @@ fn filled(blocks: u64) -> KvIndex {
     ix
 }
 
+/// The floor's work: one load from each of 128 lines, independent.
+fn load_lines(lines: &[[u64; 8]], set: &[u32; 128]) -> u64 {
+    let mut acc = 0u64;
+    for &i in set {
+        acc = acc.wrapping_add(lines[i as usize][0]);
+    }
+    acc
+}
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
 
@@ -154,11 +163,7 @@ fn main() {
         b.iter(|| {
             let set = &sets[k % sets.len()];
             k += 1;
-            let mut acc = 0u64;
-            for &i in set {
-                acc = acc.wrapping_add(lines[i as usize][0]);
-            }
-            black_box(acc)
+            black_box(load_lines(&lines, set))
         })
     });
     // Colder still: before each walk, 64 MiB are written (twice the last
@@ -167,45 +172,36 @@ fn main() {
     // Only the walk is timed. Beside it, the floor in the same state: 128
     // loads of random lines from the 32 MiB array.
     let mut sweep = vec![0u64; (64 << 20) / 8];
-    let mut swept = move |round: u64| {
-        for x in sweep.iter_mut().step_by(8) {
-            *x = x.wrapping_add(round);
+    let mut after_sweeps = |iters: u64, f: &mut dyn FnMut()| {
+        let mut took = Duration::ZERO;
+        for round in 0..iters {
+            for x in sweep.iter_mut().step_by(8) {
+                *x = x.wrapping_add(round);
+            }
+            black_box(&sweep);
+            let t = std::time::Instant::now();
+            f();
+            took += t.elapsed();
         }
-        black_box(sweep[round as usize % sweep.len()]);
+        took
     };
     let mut k = 0usize;
     g.sample_size(30);
     g.bench_function("overlap_128_blocks_64_workers_1m_index_swept", |b| {
         b.iter_custom(|iters| {
-            let mut took = Duration::ZERO;
-            for _ in 0..iters {
-                swept(k as u64);
-                let req = &requests[k % requests.len()];
+            after_sweeps(iters, &mut || {
+                ix.overlap(black_box(&requests[k % requests.len()]), u64::MAX, &mut out);
                 k += 1;
-                let t = std::time::Instant::now();
-                ix.overlap(black_box(req), u64::MAX, &mut out);
-                took += t.elapsed();
                 black_box(out.blocks[0][0]);
-            }
-            took
+            })
         })
     });
     g.bench_function("swept_floor_128_random_lines_32mib", |b| {
         b.iter_custom(|iters| {
-            let mut took = Duration::ZERO;
-            for _ in 0..iters {
-                swept(k as u64);
-                let set = &sets[k % sets.len()];
+            after_sweeps(iters, &mut || {
+                black_box(load_lines(&lines, &sets[k % sets.len()]));
                 k += 1;
-                let t = std::time::Instant::now();
-                let mut acc = 0u64;
-                for &i in set {
-                    acc = acc.wrapping_add(lines[i as usize][0]);
-                }
-                took += t.elapsed();
-                black_box(acc);
-            }
-            took
+            })
         })
     });
     g.sample_size(100);

@@ -28,7 +28,7 @@ const MAX_KICKS: usize = 256;
 /// Buckets in a table's first allocation (as a power of two).
 const MIN_BITS: u32 = 2;
 
-/// Odd multiplier whose product's high bits give a key's second bucket.
+/// Odd multiplier whose product's upper half gives a key's second bucket.
 const SECOND: u64 = 0x9E37_79B9_7F4A_7C15;
 
 /// Four slots, one cache line.
@@ -107,9 +107,8 @@ struct Entry {
 /// bucket.
 #[derive(Default)]
 pub(crate) struct MaskTable {
-    /// `1 << bits` buckets, or none before the first insertion.
+    /// A power of two of buckets, or none before the first insertion.
     buckets: Vec<Bucket>,
-    bits: u32,
     len: usize,
     /// State of the choice of which resident moves (xorshift).
     kick: u64,
@@ -124,14 +123,17 @@ impl std::fmt::Debug for MaskTable {
     }
 }
 
-/// The two buckets of a key whose hash is `hash`, in a table of
-/// `1 << bits` buckets (`bits >= 1`): its low bits, and the high bits of
+/// The two buckets of a key whose hash is `hash`, in a table of `n`
+/// buckets (a power of two, at least 2): the hash's low bits, and bits of
 /// its product with an odd constant (moved off the first if they agree).
+/// Both are masked by `n - 1`, which also spares the reads their bounds
+/// checks.
 #[inline(always)]
-fn homes(hash: u64, bits: u32) -> (usize, usize) {
-    let first = hash as usize & ((1 << bits) - 1);
-    let second = (hash.wrapping_mul(SECOND) >> (64 - bits)) as usize;
-    (first, if second == first { first ^ 1 } else { second })
+fn homes(hash: u64, n: usize) -> (usize, usize) {
+    let last = n - 1;
+    let first = hash as usize & last;
+    let second = (hash.wrapping_mul(SECOND) >> 32) as usize & last;
+    (first, (second ^ usize::from(second == first)) & last)
 }
 
 impl MaskTable {
@@ -159,7 +161,7 @@ impl MaskTable {
         if self.buckets.is_empty() {
             return (&NO_BUCKET, &NO_BUCKET);
         }
-        let (a, b) = homes(hash, self.bits);
+        let (a, b) = homes(hash, self.buckets.len());
         (&self.buckets[a], &self.buckets[b])
     }
 
@@ -167,7 +169,7 @@ impl MaskTable {
         if self.buckets.is_empty() {
             return None;
         }
-        let (a, b) = homes(hash, self.bits);
+        let (a, b) = homes(hash, self.buckets.len());
         match self.buckets[a].slot_of(key) {
             Some(j) => Some((a, j)),
             None => self.buckets[b].slot_of(key).map(|j| (b, j)),
@@ -258,7 +260,7 @@ impl MaskTable {
             return Err(e);
         }
         for _ in 0..MAX_KICKS {
-            let (a, b) = homes(e.hash, self.bits);
+            let (a, b) = homes(e.hash, self.buckets.len());
             for i in [a, b] {
                 if let Some(j) = self.buckets[i].free_slot() {
                     let bucket = &mut self.buckets[i];
@@ -297,12 +299,11 @@ impl MaskTable {
         let mut bits = if self.buckets.is_empty() {
             MIN_BITS
         } else {
-            self.bits + 1
+            self.buckets.len().trailing_zeros() + 1
         };
         let old = std::mem::take(&mut self.buckets);
         'size: loop {
             self.buckets = vec![Bucket::default(); 1 << bits];
-            self.bits = bits;
             for b in &old {
                 for j in 0..SLOTS {
                     if b.masks[j] != 0 {
@@ -360,7 +361,7 @@ mod tests {
         for (i, b) in t.buckets.iter().enumerate() {
             for j in 0..SLOTS {
                 if b.masks[j] != 0 {
-                    let (x, y) = homes(h(b.keys[j]), t.bits);
+                    let (x, y) = homes(h(b.keys[j]), t.buckets.len());
                     assert!(i == x || i == y);
                 }
             }
