@@ -5,10 +5,11 @@
 //! is one 64-byte cache line of four (key, mask) slots (two-choice
 //! bucketed cuckoo hashing). So a lookup reads at most two known lines and
 //! never probes further. That lets the walk ask for the lines of a whole
-//! batch of lookups before reading any ([`MaskTable::prefetch`]), so that
+//! batch of lookups before reading any ([`MaskTable::buckets_of`],
+//! [`Bucket::prefetch`]), so that
 //! their cache misses overlap; with an open-addressing table, the line a
-//! lookup reads last depends on what it read first. A lookup tries its
-//! first bucket before its second, and a key goes to its first bucket
+//! lookup reads last depends on what it read first. The walk tries a
+//! key's first bucket before its second, and a key goes to its first bucket
 //! whenever that has room, so most lookups read one line.
 //!
 //! A key that finds both its buckets full takes the place of a resident of
@@ -146,9 +147,6 @@ impl MaskTable {
     /// The mask of `key` (whose hash is `hash`), 0 when absent.
     #[inline(always)]
     pub(crate) fn get(&self, hash: u64, key: u64) -> u64 {
-        if self.buckets.is_empty() {
-            return 0;
-        }
         let (a, b) = self.buckets_of(hash);
         a.mask_of(key) | b.mask_of(key)
     }
@@ -276,16 +274,13 @@ impl MaskTable {
             let i = if self.kick & 1 == 0 { a } else { b };
             let j = (self.kick >> 1) as usize % SLOTS;
             let bucket = &mut self.buckets[i];
-            let resident = Entry {
-                hash: 0,
-                key: bucket.keys[j],
-                mask: bucket.masks[j],
-            };
+            let (key, mask) = (bucket.keys[j], bucket.masks[j]);
             bucket.keys[j] = e.key;
             bucket.masks[j] = e.mask;
             e = Entry {
-                hash: hasher(resident.key),
-                ..resident
+                hash: hasher(key),
+                key,
+                mask,
             };
         }
         Err(e)
@@ -313,8 +308,8 @@ impl MaskTable {
                             mask: b.masks[j],
                         };
                         if self.place(e, hasher).is_err() {
-                            // At most half full, this does not happen with
-                            // a good hash; a larger table is still correct.
+                            // Under half full, this does not happen with a
+                            // good hash; a larger table is still correct.
                             bits += 1;
                             continue 'size;
                         }
