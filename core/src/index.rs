@@ -51,7 +51,7 @@ use std::hash::BuildHasher;
 
 use kvedge_shm::messages::Tier;
 
-use crate::mask_table::{Bucket, MaskTable, Set};
+use crate::mask_table::{Bucket, MaskTable, Set, mask_in};
 
 /// Most worker slots one index tracks.
 pub const MAX_WORKERS: usize = 64;
@@ -104,7 +104,7 @@ impl Overlap {
 /// One tier: hash -> worker mask, in shards. A key is hashed once (a
 /// seeded foldhash); bits 40-42 of that hash choose the shard. The
 /// shard's table takes a key's first bucket from the low bits and its
-/// second from the high bits of a product, so neither is fixed by the
+/// second from the upper half of a product, so neither is fixed by the
 /// shard.
 #[derive(Debug, Default)]
 struct TierMap {
@@ -507,8 +507,7 @@ impl KvIndex {
                     home.1.prefetch();
                 }
                 for ((m, &(first, second)), &h) in masks.iter_mut().zip(&homes).zip(chunk) {
-                    let found = first.mask_of(h);
-                    *m = if found != 0 { found } else { second.mask_of(h) };
+                    *m = mask_in(first, second, h);
                 }
                 for (k, &m) in masks[..chunk.len()].iter().enumerate() {
                     let next = alive & m;

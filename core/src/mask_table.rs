@@ -41,6 +41,19 @@ pub(crate) struct Bucket {
     masks: [u64; SLOTS],
 }
 
+/// The mask of `key` in its two buckets: the first, else the second (a
+/// key is in at most one of them). For a caller holding the buckets of
+/// [`MaskTable::buckets_of`].
+#[inline(always)]
+pub(crate) fn mask_in(first: &Bucket, second: &Bucket, key: u64) -> u64 {
+    let found = first.mask_of(key);
+    if found != 0 {
+        found
+    } else {
+        second.mask_of(key)
+    }
+}
+
 /// What an empty table's lookups read.
 static NO_BUCKET: Bucket = Bucket {
     keys: [0; SLOTS],
@@ -147,8 +160,8 @@ impl MaskTable {
     /// The mask of `key` (whose hash is `hash`), 0 when absent.
     #[inline(always)]
     pub(crate) fn get(&self, hash: u64, key: u64) -> u64 {
-        let (a, b) = self.buckets_of(hash);
-        a.mask_of(key) | b.mask_of(key)
+        let (first, second) = self.buckets_of(hash);
+        mask_in(first, second, key)
     }
 
     /// The two buckets a lookup of `hash` may read (an empty table's
