@@ -293,6 +293,13 @@ impl Core {
         self.router.set_explain_costs(s.explain);
         let result = self.router.select(&req);
         self.router.set_explain_costs(false);
+        if result.is_ok() {
+            self.warmth
+                .selected(now, s.model, role, prompt_tokens, &hashes);
+            if let Some(at) = self.warm_next() {
+                self.due(at);
+            }
+        }
         self.scratch.hashes = hashes;
         let policy = self.router.policy_name(role).0;
         let r = match result {
@@ -483,6 +490,7 @@ impl Core {
             ring_gaps: c.ring_gaps,
             ring_drops: c.departed_drops + self.live_drops(),
             resyncs: c.resyncs,
+            warmups: self.warmth.runs,
             index_entries: self.router.index.entries() as u64,
             index_refused_full: self.router.index.refused_full(),
             index_evicted: self.router.index.evicted(),

@@ -29,6 +29,7 @@ pub mod metrics;
 pub mod router;
 mod routing;
 mod table;
+mod warm;
 mod warn;
 
 pub use answer::{ReloadError, RingsGrant};

@@ -33,6 +33,8 @@ pub struct Snapshot {
     pub ring_gaps: u64,
     pub ring_drops: u64,
     pub resyncs: u64,
+    /// Warm-ups of the select path between paced selects.
+    pub warmups: u64,
     pub index_entries: u64,
     pub index_refused_full: u64,
     pub index_evicted: u64,
@@ -174,6 +176,11 @@ pub fn render(s: &Snapshot) -> String {
         "resyncs",
         "Resync requests sent to engines",
         counter(s.resyncs),
+    );
+    r.register(
+        "warmups",
+        "Runs of the select path's undecided part between paced selects, to keep it in the CPU's caches (daemon.warm_us)",
+        counter(s.warmups),
     );
     r.register(
         "index_entries",

@@ -91,6 +91,13 @@ pub struct SelectRequest<'a> {
     pub approximate: bool,
 }
 
+/// Why [`Router::route`] runs.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Purpose {
+    Select,
+    Warm,
+}
+
 /// Whether `endpoint` (a worker's URL, `http://host:port`) is allowed by
 /// `subset` (empty: everything). Compares without allocating.
 pub fn in_subset(endpoint: &str, subset: &kvedge_wire::Strs<'_>) -> bool {
@@ -217,7 +224,7 @@ impl Router {
             rule_buf: Vec::new(),
             rule_targets: Vec::new(),
             explain_costs: false,
-            cost_buf: Vec::new(),
+            cost_buf: Vec::with_capacity(MAX_WORKERS),
             last_costs: [f64::NAN; MAX_WORKERS],
             last_ttft: [TtftTerms::default(); MAX_WORKERS],
         }
@@ -548,7 +555,30 @@ impl Router {
     /// Chooses a worker for `req`, reserves it (unless a dry run) and
     /// rebinds the session after success.
     pub fn select(&mut self, req: &SelectRequest<'_>) -> Result<SelectResult, RouterError> {
-        if self.explain_costs {
+        let chosen = self.route(req, Purpose::Select)?;
+        Ok(chosen.expect("a select that does not fail chooses"))
+    }
+
+    /// Runs the part of a select that decides nothing, so that its code
+    /// and data are in the CPU's caches when the next request comes: the
+    /// candidates of `req`'s model and role, their overlap with `req`'s
+    /// hashes, and the policy's filters and scorers over them (as for an
+    /// explanation's costs). The picker, the rule language and everything
+    /// a select changes are left alone: no reservation, no session, no
+    /// random draw, no request id, no explanation. Allocates nothing once
+    /// the partition's policy is built.
+    pub fn warm(&mut self, req: &SelectRequest<'_>) {
+        let _ = self.route(req, Purpose::Warm);
+    }
+
+    /// A select, or only the warming part of it (`Ok(None)`).
+    fn route(
+        &mut self,
+        req: &SelectRequest<'_>,
+        purpose: Purpose,
+    ) -> Result<Option<SelectResult>, RouterError> {
+        let warm = purpose == Purpose::Warm;
+        if self.explain_costs && !warm {
             self.last_costs = [f64::NAN; MAX_WORKERS];
         }
         // The partition's policy, built on first use.
@@ -581,6 +611,9 @@ impl Router {
             }
         }
         if self.rows.is_empty() {
+            if warm {
+                return Ok(None);
+            }
             if self.rules.is_some() {
                 // Rules may consider other models or providers.
                 let block_size = self
@@ -589,7 +622,9 @@ impl Router {
                     .flatten()
                     .find(|w| w.role == req.role)
                     .map_or(16, |w| w.block_size);
-                return self.select_by_rules(req, self.next_request_id, block_size);
+                return self
+                    .select_by_rules(req, self.next_request_id, block_size)
+                    .map(Some);
             }
             return Err(RouterError::NoWorkers {
                 model: req.model.to_owned(),
@@ -670,8 +705,12 @@ impl Router {
             ctx = ctx.with_pinned_worker(p);
         }
         let ctx = self.affinity.apply(ctx)?;
+        if warm {
+            let _ = policy.costs_into(&ctx, &self.table, &mut self.cost_buf);
+            return Ok(None);
+        }
         if ctx.pinned_worker().is_none() && self.rules.is_some() {
-            return self.select_by_rules(req, request_id, block_size);
+            return self.select_by_rules(req, request_id, block_size).map(Some);
         }
         self.last = Explain {
             candidates: self.rows.len(),
@@ -691,7 +730,7 @@ impl Router {
         let slot = self.rows[selection.row];
         self.explain_ttft(req.prompt_tokens);
         let overlap_blocks = self.commit(req, request_id, slot)?;
-        Ok(SelectResult {
+        Ok(Some(SelectResult {
             request_id,
             slot: Some(slot),
             worker: selection.worker,
@@ -699,7 +738,7 @@ impl Router {
             rule: None,
             overlap_blocks,
             cost: selection.cost,
-        })
+        }))
     }
 
     /// The rule language decides: local workers of the request's role (any

@@ -23,8 +23,9 @@ use crate::client::{Client, ClientId};
 use crate::config::Config;
 use crate::counters::{Counters, event_kind};
 use crate::engine::{Engine, EngineId, EngineState};
-use crate::router::{RegisterError, Router, WorkerInfo};
+use crate::router::{RegisterError, Router, SelectRequest, WorkerInfo};
 use crate::table::Table;
+use crate::warm::Warmth;
 use crate::warn::{Warn, Warnings};
 
 /// Engine connections waiting for their Hello at once, at most; the
@@ -128,6 +129,8 @@ pub struct Core {
     pub(crate) scratch: Scratch,
     /// Rate limits of the warnings a peer can provoke.
     pub(crate) warnings: Warnings,
+    /// What the idle loop warms the select path with.
+    pub(crate) warmth: Warmth,
 }
 
 impl Core {
@@ -150,6 +153,7 @@ impl Core {
                 resync: Vec::new(),
             },
             warnings: Warnings::default(),
+            warmth: Warmth::new(now),
         }
     }
 
@@ -660,6 +664,45 @@ impl Core {
             soonest(c.last_active + idle);
             true
         });
+        if self.warm_next().is_some_and(|at| at <= now) {
+            self.warm(now);
+        }
+        if let Some(at) = self.warm_next() {
+            soonest(at);
+        }
         self.next_timeout = next;
+    }
+
+    /// When the select path is next due to be warmed, if at all.
+    pub(crate) fn warm_next(&self) -> Option<Instant> {
+        let d = &self.config.daemon;
+        self.warmth.next(
+            Duration::from_micros(d.warm_us),
+            Duration::from_millis(d.warm_for_ms),
+        )
+    }
+
+    /// Runs the undecided part of a select with what the last one asked
+    /// (see [`crate::warm`]).
+    fn warm(&mut self, now: Instant) {
+        let w = &self.warmth;
+        let req = SelectRequest {
+            model: &w.model,
+            tenant: None,
+            tags: &[],
+            headers: None,
+            priority: 0,
+            role: w.role,
+            hashes: &w.hashes,
+            prompt_tokens: w.prompt_tokens,
+            session: None,
+            pinned: None,
+            now_ms: now.saturating_duration_since(self.start).as_millis() as u64,
+            dry_run: true,
+            subset: kvedge_wire::Strs::EMPTY,
+            approximate: false,
+        };
+        self.router.warm(&req);
+        self.warmth.ran(now);
     }
 }

@@ -718,3 +718,99 @@ fn a_hung_engine_is_replaced_by_a_new_one_of_the_same_worker() {
     h.drained(new, 0);
     assert_eq!(h.select(c, &[4], true).map(|r| r.0), Ok(7));
 }
+
+#[test]
+fn paced_selects_keep_the_select_path_warm_and_back_to_back_ones_do_not() {
+    let mut h = Harness::new(
+        "daemon:\n  heartbeat_timeout_ms: 600000\n  warm_us: 1000\n  warm_for_ms: 50\n",
+    );
+    let e = h.engine(1);
+    h.record(e, 0, stored(&[1, 2, 3]));
+    let c = h.client();
+    h.advance(Duration::from_millis(100));
+    assert_eq!(
+        h.core.metrics().warmups,
+        0,
+        "no select yet: nothing to warm"
+    );
+
+    // Back to back (every 0.5 ms): never idle for a millisecond.
+    for _ in 0..20 {
+        h.select(c, &[1, 2, 3], true).unwrap();
+        h.advance(Duration::from_micros(500));
+    }
+    assert_eq!(h.core.metrics().warmups, 0);
+
+    // Idle after the last select: a warm-up each millisecond until 50 ms
+    // after it, then the core sleeps again.
+    h.select(c, &[1, 2, 3], true).unwrap();
+    let last = h.now;
+    assert!(h.core.poll_timeout() <= Some(last + Duration::from_millis(1)));
+    h.advance(Duration::from_millis(200));
+    assert_eq!(h.core.metrics().warmups, 49);
+    assert!(asleep(&h), "{:?}", h.core.poll_timeout().map(|t| t - h.now));
+
+    // Warm-ups count as nothing a client sees.
+    let m = h.core.metrics();
+    assert_eq!(m.reservations, 0);
+    assert_eq!(
+        m.selections.iter().map(|s| s.3).sum::<u64>(),
+        21,
+        "only the clients' selects are counted"
+    );
+}
+
+/// Nothing is due within the next 10 ms (warm-ups would be due within
+/// one).
+fn asleep(h: &Harness) -> bool {
+    h.core
+        .poll_timeout()
+        .is_none_or(|t| t >= h.now + Duration::from_millis(10))
+}
+
+#[test]
+fn warming_is_off_at_zero() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 600000\n  warm_us: 0\n");
+    let e = h.engine(1);
+    h.record(e, 0, stored(&[1, 2, 3]));
+    let c = h.client();
+    h.select(c, &[1, 2, 3], true).unwrap();
+    h.advance(Duration::from_millis(100));
+    assert!(asleep(&h), "{:?}", h.core.poll_timeout().map(|t| t - h.now));
+    assert_eq!(h.core.metrics().warmups, 0);
+}
+
+/// Warm-ups run the filters and scorers, never the picker: a seeded random
+/// pick makes the same choices and request ids with and without them.
+#[test]
+fn warm_ups_change_no_decision() {
+    let run = |warm_us: u64| {
+        let mut h = Harness::new(&format!(
+            "daemon:\n  heartbeat_timeout_ms: 600000\n  warm_us: {warm_us}\n\
+             router:\n  router_temperature: 1.0\n  seed: 7\n"
+        ));
+        for w in 1..=3 {
+            let e = h.engine(w);
+            h.record(e, 0, stored(&[1, 2, 3]));
+        }
+        let c = h.client();
+        let picks: Vec<(u64, u64)> = (0..40)
+            .map(|_| {
+                let (worker, _, id) = h.select(c, &[1, 2, 3, 4], false).unwrap();
+                h.advance(Duration::from_millis(5));
+                (worker, id)
+            })
+            .collect();
+        (picks, h.core.metrics().warmups)
+    };
+    let (cold, none) = run(0);
+    let (warm, warmups) = run(1000);
+    assert_eq!(none, 0);
+    assert!(
+        warmups >= 40 * 4,
+        "about four warm-ups between selects: {warmups}"
+    );
+    assert_eq!(warm, cold);
+    let workers: std::collections::HashSet<u64> = cold.iter().map(|p| p.0).collect();
+    assert!(workers.len() > 1, "the picks were random: {workers:?}");
+}

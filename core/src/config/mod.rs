@@ -90,6 +90,13 @@ pub struct DaemonSection {
     /// spares the next request the wake-up from sleep, at the price of a
     /// core busy for that long after each burst.
     pub spin_us: u64,
+    /// While selects keep coming, how often the idle routing loop warms
+    /// the select path (its code and data back in the CPU's caches), in
+    /// microseconds: when this long passed without a select (0: never).
+    pub warm_us: u64,
+    /// How long after the last select the loop keeps warming, in
+    /// milliseconds.
+    pub warm_for_ms: u64,
 }
 
 /// `daemon.query_io`.
@@ -136,6 +143,13 @@ pub const MAX_DURATION_MS: u64 = 365 * 24 * 3600 * 1000;
 pub const DEFAULT_SPIN_US: u64 = 200;
 /// The longest `daemon.spin_us` (10 ms): longer spins are a busy core.
 pub const MAX_SPIN_US: u64 = 10_000;
+/// `daemon.warm_us` by default.
+pub const DEFAULT_WARM_US: u64 = 1_000;
+/// The longest `daemon.warm_us` (a second): warming less often than that
+/// keeps nothing warm.
+pub const MAX_WARM_US: u64 = 1_000_000;
+/// `daemon.warm_for_ms` by default.
+pub const DEFAULT_WARM_FOR_MS: u64 = 10_000;
 /// The largest request frame or line a client may send.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
@@ -213,6 +227,8 @@ fn check_daemon(d: &DaemonSection) -> Option<(&'static str, String)> {
         .or_else(|| range("max_reservations", n(d.max_reservations), 1, 1 << 32, ""))
         .or_else(|| range("max_query_rings", n(d.max_query_rings), 0, 1 << 16, ""))
         .or_else(|| range("spin_us", d.spin_us, 0, MAX_SPIN_US, " µs"))
+        .or_else(|| range("warm_us", d.warm_us, 0, MAX_WARM_US, " µs"))
+        .or_else(|| ms("warm_for_ms", d.warm_for_ms))
         .or_else(|| ms("heartbeat_timeout_ms", d.heartbeat_timeout_ms))
         .or_else(|| ms("idle_timeout_ms", d.idle_timeout_ms))
         .or_else(|| ms("reservation_ttl_ms", d.reservation_ttl_ms))
@@ -271,6 +287,8 @@ impl Default for DaemonSection {
             query_ring_capacity: 64 * 1024,
             runtime_dir_mode: "0750".into(),
             spin_us: DEFAULT_SPIN_US,
+            warm_us: DEFAULT_WARM_US,
+            warm_for_ms: DEFAULT_WARM_FOR_MS,
         }
     }
 }
