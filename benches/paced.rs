@@ -12,7 +12,7 @@
 //! figures are percentiles. Each row times every call on the monotonic
 //! clock and sorts the samples.
 //!
-//! `cargo bench --bench paced [-- --quick] [--only <pace label prefix>]`
+//! `cargo bench --bench paced [-- --quick] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -84,12 +84,14 @@ struct Daemon {
 impl Daemon {
     /// A daemon in a thread, and an engine that holds a 2,048-token prompt
     /// and publishes a 16-block Stored and a Load every millisecond.
-    fn start(name: &str, spin_us: u64) -> (Daemon, Vec<u64>) {
+    fn start(name: &str, spin_us: u64, warm_us: u64) -> (Daemon, Vec<u64>) {
         let dir = std::env::temp_dir().join(format!("kvedge-paced-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let config = Config::load(
             "bench",
-            &format!("daemon:\n  heartbeat_timeout_ms: 600000\n  spin_us: {spin_us}\n"),
+            &format!(
+                "daemon:\n  heartbeat_timeout_ms: 600000\n  spin_us: {spin_us}\n  warm_us: {warm_us}\n"
+            ),
             &router_plugin_registry(),
             &SelectionOverrides::default(),
         )
@@ -172,8 +174,14 @@ impl Drop for Daemon {
 }
 
 /// One row: `n` paced dry-run selects over the socket or a query channel.
-fn selects(pace: Pace, rings: bool, n: u32, spin_us: u64) -> (Duration, Duration, f64, f64) {
-    let (d, hashes) = Daemon::start(if rings { "rings" } else { "socket" }, spin_us);
+fn selects(
+    pace: Pace,
+    rings: bool,
+    n: u32,
+    spin_us: u64,
+    warm_us: u64,
+) -> (Duration, Duration, f64, f64) {
+    let (d, hashes) = Daemon::start(if rings { "rings" } else { "socket" }, spin_us, warm_us);
     let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
     if rings {
         c.attach_rings().unwrap().unwrap();
@@ -241,18 +249,21 @@ fn main() {
         .iter()
         .position(|a| a == "--only")
         .and_then(|i| args.get(i + 1).cloned());
-    // `--spin 0,200,1000` compares daemon.spin_us settings (default: the
-    // shipped one).
-    let spins: Vec<u64> = args
-        .iter()
-        .position(|a| a == "--spin")
-        .and_then(|i| args.get(i + 1))
-        .map(|v| {
-            v.split(',')
-                .map(|x| x.parse().expect("--spin takes µs"))
-                .collect()
-        })
-        .unwrap_or(vec![kvedge_core::config::DEFAULT_SPIN_US]);
+    // `--spin 0,200,1000` and `--warm 0,1000` compare daemon.spin_us and
+    // daemon.warm_us settings (default: the shipped ones).
+    let list = |flag: &str, default: u64| -> Vec<u64> {
+        args.iter()
+            .position(|a| a == flag)
+            .and_then(|i| args.get(i + 1))
+            .map(|v| {
+                v.split(',')
+                    .map(|x| x.parse().expect("a list of µs"))
+                    .collect()
+            })
+            .unwrap_or(vec![default])
+    };
+    let spins = list("--spin", kvedge_core::config::DEFAULT_SPIN_US);
+    let warms = list("--warm", kvedge_core::config::DEFAULT_WARM_US);
     // About 2 s per row (1 s with --quick), at least 1,000 samples.
     let paces = [
         (Pace::Hot, 20_000),
@@ -268,9 +279,9 @@ fn main() {
         ),
     ];
     println!(
-        "| pace | path | spin | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
+        "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
     for (pace, n) in paces {
         if only
             .as_ref()
@@ -281,10 +292,10 @@ fn main() {
         let n = if quick { (n / 2).max(200) } else { n };
         let (e50, e99) = echo(pace, n);
         for rings in [false, true] {
-            for &spin in &spins {
-                let (p50, p99, c50, c99) = selects(pace, rings, n, spin);
+            for (&spin, &warm) in spins.iter().flat_map(|s| warms.iter().map(move |w| (s, w))) {
+                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm);
                 println!(
-                    "| {} | {} | {spin} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
+                    "| {} | {} | {spin} µs | {warm} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
                     pace.label(),
                     if rings { "query channel" } else { "socket" },
                     p50.as_secs_f64() * 1e6,
