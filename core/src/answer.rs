@@ -295,7 +295,7 @@ impl Core {
         self.router.set_explain_costs(false);
         if result.is_ok() {
             self.warmth
-                .selected(now, s.model, role, prompt_tokens, &hashes);
+                .selected(now, s.model, role, prompt_tokens, &hashes, s.approximate);
             if let Some(at) = self.warm_next() {
                 self.due(at);
             }

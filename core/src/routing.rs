@@ -700,7 +700,7 @@ impl Core {
             now_ms: now.saturating_duration_since(self.start).as_millis() as u64,
             dry_run: true,
             subset: kvedge_wire::Strs::EMPTY,
-            approximate: false,
+            approximate: w.approximate,
         };
         self.router.warm(&req);
         self.warmth.ran(now);

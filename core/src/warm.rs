@@ -26,6 +26,9 @@ pub(crate) struct Warmth {
     pub prompt_tokens: u32,
     /// At most [`WARM_BLOCKS`].
     pub hashes: Vec<u64>,
+    /// The hashes are a prompt's text chunks (matched in the approximate
+    /// index), not its KV blocks.
+    pub approximate: bool,
     /// When the last select was answered; none yet: nothing to warm.
     last_select: Option<Instant>,
     /// When the last select or warm-up ran.
@@ -40,6 +43,7 @@ impl Warmth {
             role: WorkerType::Aggregated,
             prompt_tokens: 0,
             hashes: Vec::with_capacity(WARM_BLOCKS),
+            approximate: false,
             last_select: None,
             last_run: now,
             runs: 0,
@@ -55,6 +59,7 @@ impl Warmth {
         role: WorkerType,
         prompt_tokens: u32,
         hashes: &[u64],
+        approximate: bool,
     ) {
         if self.model != model {
             self.model.clear();
@@ -65,6 +70,7 @@ impl Warmth {
         self.hashes.clear();
         self.hashes
             .extend_from_slice(&hashes[..hashes.len().min(WARM_BLOCKS)]);
+        self.approximate = approximate;
         self.last_select = Some(now);
         self.last_run = now;
     }
