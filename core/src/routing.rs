@@ -697,7 +697,7 @@ impl Core {
             prompt_tokens: w.prompt_tokens,
             session: None,
             pinned: None,
-            now_ms: now.saturating_duration_since(self.start).as_millis() as u64,
+            now_ms: self.ms(now),
             dry_run: true,
             subset: kvedge_wire::Strs::EMPTY,
             approximate: w.approximate,
