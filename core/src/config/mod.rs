@@ -601,6 +601,14 @@ mod tests {
                 "k.yaml: line 2: daemon.spin_us must be between 0 and 10000 µs, got 20000",
             ),
             (
+                "daemon:\n  warm_us: 2000000\n",
+                "k.yaml: line 2: daemon.warm_us must be between 0 and 1000000 µs, got 2000000",
+            ),
+            (
+                "daemon:\n  warm_for_ms: 0\n",
+                "k.yaml: line 2: daemon.warm_for_ms must be between 1",
+            ),
+            (
                 "daemon:\n  max_reservations: 0\n",
                 "k.yaml: line 2: daemon.max_reservations must be between 1",
             ),
