@@ -562,11 +562,12 @@ impl Router {
     /// Runs the part of a select that decides nothing, so that its code
     /// and data are in the CPU's caches when the next request comes: the
     /// candidates of `req`'s model and role, their overlap with `req`'s
-    /// hashes, and the policy's filters and scorers over them (as for an
-    /// explanation's costs). The picker, the rule language and everything
-    /// a select changes are left alone: no reservation, no session, no
-    /// random draw, no request id, no explanation. Allocates nothing once
-    /// the partition's policy is built.
+    /// hashes, and the policy's filters, scorers and picker over them
+    /// ([`WorkerSelectionPolicy::warm`], which puts back whatever the
+    /// picker's pick changed). The rule language and everything a select
+    /// changes are left alone: no reservation, no session, no random draw
+    /// kept, no request id, no explanation. Allocates nothing once the
+    /// partition's policy is built.
     pub fn warm(&mut self, req: &SelectRequest<'_>) {
         let _ = self.route(req, Purpose::Warm);
     }
@@ -706,7 +707,7 @@ impl Router {
         }
         let ctx = self.affinity.apply(ctx)?;
         if warm {
-            let _ = policy.costs_into(&ctx, &self.table, &mut self.cost_buf);
+            policy.warm(&ctx, &self.table);
             return Ok(None);
         }
         if ctx.pinned_worker().is_none() && self.rules.is_some() {

@@ -458,3 +458,52 @@ fn tool_result_turns_go_to_the_most_device_overlap() {
     assert_eq!(pick(&mut p, &ctx(160).with_session(tool), &rows), 1);
     assert_eq!(pick(&mut p, &ctx(160), &rows), 2, "no session: default");
 }
+
+// ---- warm-ups ----
+
+#[test]
+fn a_warm_up_between_selects_changes_no_pick_of_any_shipped_policy() {
+    // Four equal workers: every decision is a tie, so each seeded picker
+    // draws from its generator and round-robin moves on at every select.
+    let rows: Vec<W> = (1..=4)
+        .map(|i| w(i).device(2).decode(5).active(1).kv(10, 100).ttft(0.5))
+        .collect();
+    let t = table(&rows);
+    let types = [
+        ("dynamo-default-cost-fn", "{seed: 3}"),
+        (
+            "dynamo-default-cost-fn",
+            "{router_temperature: 1.0, seed: 3}",
+        ),
+        ("least-busy", "{min_device_overlap_blocks: 0}"),
+        ("round-robin", "{}"),
+        ("random", "{seed: 3}"),
+        ("power-of-two", "{seed: 3}"),
+        ("least-kv-usage", "{seed: 3}"),
+        ("cache-aware", "{}"),
+        ("soft-pin", "{max_active_requests: 0, seed: 3}"),
+        ("tool-result-cache-local", "{seed: 3}"),
+        ("predicted-ttft", "{seed: 3}"),
+    ];
+    for (type_name, params) in types {
+        let mut plain = policy(type_name, params);
+        let mut warmed = policy(type_name, params);
+        let mut a = Vec::new();
+        let mut b = Vec::new();
+        for i in 0..40 {
+            a.push(plain.select(&ctx(160), &t).unwrap().worker.worker_id);
+            for _ in 0..i % 3 {
+                warmed.warm(&ctx(160), &t);
+            }
+            b.push(warmed.select(&ctx(160), &t).unwrap().worker.worker_id);
+        }
+        assert_eq!(a, b, "{type_name} {params}");
+        // The seeded and cycling pickers did move: the comparison can fail.
+        let moving = !matches!(type_name, "least-busy" | "cache-aware");
+        assert_eq!(
+            a.iter().any(|&x| x != a[0]),
+            moving,
+            "{type_name} {params}: {a:?}"
+        );
+    }
+}

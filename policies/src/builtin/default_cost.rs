@@ -447,6 +447,7 @@ impl DefaultPicker {
 }
 
 impl WorkerPicker for DefaultPicker {
+    #[inline(never)]
     fn pick(
         &mut self,
         _context: &WorkerSelectionContext<'_>,
@@ -468,6 +469,10 @@ impl WorkerPicker for DefaultPicker {
                 &mut self.scratch,
             ))
         }
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.rng, context, input);
     }
 }
 
@@ -697,6 +702,7 @@ impl WorkerPicker for ToolResultCacheLocalPicker {
         WorkerInputs::CACHE
     }
 
+    #[inline(never)]
     fn pick(
         &mut self,
         context: &WorkerSelectionContext<'_>,
@@ -722,6 +728,10 @@ impl WorkerPicker for ToolResultCacheLocalPicker {
             }
         }
         Ok(best)
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.inner.rng, context, input);
     }
 }
 

@@ -36,6 +36,20 @@ use default_cost::{
 };
 use simple::*;
 
+/// A shipped picker's [`WorkerPicker::warm`]: `pick`, then the state it
+/// may change (reached by `state`) put back as it was. The shipped pickers'
+/// `pick` is not inlined, so this runs the machine code a select runs.
+fn pick_and_restore<P: WorkerPicker, S: Clone>(
+    picker: &mut P,
+    state: impl Fn(&mut P) -> &mut S,
+    context: &crate::context::WorkerSelectionContext<'_>,
+    input: crate::view::WorkerInputView<'_>,
+) {
+    let saved = state(picker).clone();
+    let _ = picker.pick(context, input);
+    *state(picker) = saved;
+}
+
 /// Type name of the default cost policy.
 pub const DEFAULT_COST_FN: &str = "dynamo-default-cost-fn";
 

@@ -78,6 +78,7 @@ impl WorkerScorer for ActiveRequestsScorer {
 pub struct LowestCostPicker;
 
 impl WorkerPicker for LowestCostPicker {
+    #[inline(never)]
     fn pick(
         &mut self,
         _context: &WorkerSelectionContext<'_>,
@@ -90,6 +91,11 @@ impl WorkerPicker for LowestCostPicker {
             .min_by(|(_, a), (_, b)| a.cost().total_cmp(&b.cost()))
             .map(|(row, _)| row)
             .ok_or_else(|| SelectionErrorKind::NoCandidates.into())
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        // Stateless: a pick changes nothing.
+        let _ = self.pick(context, input);
     }
 }
 
@@ -106,6 +112,7 @@ impl LowestCostRandomTiesPicker {
 }
 
 impl WorkerPicker for LowestCostRandomTiesPicker {
+    #[inline(never)]
     fn pick(
         &mut self,
         _context: &WorkerSelectionContext<'_>,
@@ -115,6 +122,10 @@ impl WorkerPicker for LowestCostRandomTiesPicker {
             return Err(SelectionErrorKind::NoCandidates.into());
         }
         Ok(argmin_random_ties(input.costs(), &mut self.rng))
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.rng, context, input);
     }
 }
 
@@ -126,6 +137,7 @@ pub struct RoundRobinPicker {
 }
 
 impl WorkerPicker for RoundRobinPicker {
+    #[inline(never)]
     fn pick(
         &mut self,
         _context: &WorkerSelectionContext<'_>,
@@ -148,6 +160,10 @@ impl WorkerPicker for RoundRobinPicker {
         self.last = Some(workers[row]);
         Ok(row)
     }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.last, context, input);
+    }
 }
 
 /// A uniformly random candidate.
@@ -163,6 +179,7 @@ impl RandomPicker {
 }
 
 impl WorkerPicker for RandomPicker {
+    #[inline(never)]
     fn pick(
         &mut self,
         _context: &WorkerSelectionContext<'_>,
@@ -172,6 +189,10 @@ impl WorkerPicker for RandomPicker {
             return Err(SelectionErrorKind::NoCandidates.into());
         }
         Ok(self.rng.below(input.len()))
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.rng, context, input);
     }
 }
 
@@ -193,6 +214,7 @@ impl WorkerPicker for PowerOfTwoPicker {
         WorkerInputs::LOAD
     }
 
+    #[inline(never)]
     fn pick(
         &mut self,
         _context: &WorkerSelectionContext<'_>,
@@ -214,6 +236,10 @@ impl WorkerPicker for PowerOfTwoPicker {
         let busy =
             |r: usize| f64::from(load.active_requests[r]) + f64::from(load.waiting_requests[r]);
         Ok(if busy(b) < busy(a) { b } else { a })
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.rng, context, input);
     }
 }
 
@@ -296,6 +322,7 @@ impl WorkerPicker for CacheAwarePicker {
         WorkerInputs::CACHE | WorkerInputs::LOAD
     }
 
+    #[inline(never)]
     fn pick(
         &mut self,
         context: &WorkerSelectionContext<'_>,
@@ -342,6 +369,11 @@ impl WorkerPicker for CacheAwarePicker {
             least
         })
     }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        // Stateless: a pick changes nothing.
+        let _ = self.pick(context, input);
+    }
 }
 
 /// Overload-aware soft affinity: keeps the session's affinity target while
@@ -372,6 +404,7 @@ impl WorkerPicker for SoftPinPicker {
         WorkerInputs::LOAD
     }
 
+    #[inline(never)]
     fn pick(
         &mut self,
         context: &WorkerSelectionContext<'_>,
@@ -400,5 +433,9 @@ impl WorkerPicker for SoftPinPicker {
         self.scratch
             .extend((0..input.len()).map(|r| f64::from(busy(r))));
         Ok(argmin_random_ties(&self.scratch, &mut self.rng))
+    }
+
+    fn warm(&mut self, context: &WorkerSelectionContext<'_>, input: WorkerInputView<'_>) {
+        super::pick_and_restore(self, |p| &mut p.rng, context, input);
     }
 }
