@@ -293,9 +293,9 @@ impl WorkerSelectionPolicy {
     /// Runs the filters and scorers (not the picker). Returns whether rows
     /// were filtered out (survivors in `self.compacted`, their table rows in
     /// `self.rows`) and the totals' range; the totals are in `self.totals`.
-    /// Inlined into each caller: called once, `select` at 32 workers was
-    /// 3-5 % slower (a warm-up then runs its own copy of this code, over
-    /// the same data).
+    /// Inlined into each caller: as one shared function it made `select`
+    /// at 32 workers 3-5 % slower. A warm-up therefore runs its own copy
+    /// of this code, over the same data.
     #[inline(always)]
     fn score_all(
         &mut self,
