@@ -4,6 +4,13 @@
 
 use kvedge_core::index::Slot;
 use kvedge_core::router::{RegisterError, Router, RouterError, SelectRequest, WorkerInfo};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use kvedge_policies::plugins::worker_selection::{
+    RouterConfig, RoutingPartition, WorkerInputView, WorkerPicker, WorkerSelectionContext,
+    WorkerSelectionPolicy, WorkerSelectionPolicyError, WorkerSelectionPolicyFactory,
+};
 use kvedge_policies::{InputTrigger, SessionContext, WorkerType, WorkerWithDpRank};
 use kvedge_shm::hash::sequence_hashes;
 use kvedge_shm::messages::{Load, Tier};
@@ -295,6 +302,82 @@ fn a_warm_select_allocates_nothing() {
         }
     });
     assert_eq!(info.count_total, 0, "{info:?}");
+}
+
+/// A picker that takes the first row and counts its picks and warm-ups.
+struct Counting {
+    picks: Arc<AtomicUsize>,
+    warms: Arc<AtomicUsize>,
+}
+
+impl WorkerPicker for Counting {
+    fn pick(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        _input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        self.picks.fetch_add(1, Ordering::Relaxed);
+        Ok(0)
+    }
+
+    fn warm(&mut self, _context: &WorkerSelectionContext<'_>, _input: WorkerInputView<'_>) {
+        self.warms.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+#[test]
+fn a_warm_up_runs_the_pickers_warm_and_never_its_pick() {
+    let picks = Arc::new(AtomicUsize::new(0));
+    let warms = Arc::new(AtomicUsize::new(0));
+    let mut registry = kvedge_policies::router_plugin_registry();
+    let (p, w) = (Arc::clone(&picks), Arc::clone(&warms));
+    registry
+        .register_worker_selection(
+            "counting",
+            Arc::new(move |_parameters| {
+                let (p, w) = (Arc::clone(&p), Arc::clone(&w));
+                let factory: WorkerSelectionPolicyFactory = Arc::new(
+                    move |config: &RouterConfig, role: WorkerType, _: &RoutingPartition| {
+                        let picker = Counting {
+                            picks: Arc::clone(&p),
+                            warms: Arc::clone(&w),
+                        };
+                        WorkerSelectionPolicy::new(
+                            config.clone(),
+                            role.as_str(),
+                            Vec::new(),
+                            Box::new(picker),
+                        )
+                    },
+                );
+                Ok(factory)
+            }),
+        )
+        .unwrap();
+    let config = kvedge_core::config::Config::load(
+        "test",
+        "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: counting\n",
+        &registry,
+        &Default::default(),
+    )
+    .unwrap();
+    let mut router = Router::from_config(&config);
+    let _e = engine(&mut router, 1);
+    let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
+    let r = req(&hashes, 256);
+    router.select(&r).unwrap();
+    for _ in 0..3 {
+        router.warm(&r);
+    }
+    assert_eq!(
+        (picks.load(Ordering::Relaxed), warms.load(Ordering::Relaxed)),
+        (1, 3)
+    );
+    router.select(&r).unwrap();
+    assert_eq!(
+        (picks.load(Ordering::Relaxed), warms.load(Ordering::Relaxed)),
+        (2, 3)
+    );
 }
 
 const RULES: &str = "
