@@ -354,14 +354,7 @@ fn a_warm_up_runs_the_pickers_warm_and_never_its_pick() {
             }),
         )
         .unwrap();
-    let config = kvedge_core::config::Config::load(
-        "test",
-        "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: counting\n",
-        &registry,
-        &Default::default(),
-    )
-    .unwrap();
-    let mut router = Router::from_config(&config);
+    let mut router = router_of(&registry, "counting");
     let _e = engine(&mut router, 1);
     let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
     let r = req(&hashes, 256);
@@ -457,17 +450,24 @@ fn rules_choose_between_local_workers_and_providers() {
     );
 }
 
-/// A router with the `predicted-ttft` policy everywhere.
-fn predicted_ttft_router() -> Router {
-    let registry = kvedge_policies::router_plugin_registry();
+/// A router whose aggregated workers are selected by one instance of
+/// `type_name` from `registry`.
+fn router_of(registry: &kvedge_policies::RouterPluginRegistry, type_name: &str) -> Router {
     let config = kvedge_core::config::Config::load(
         "test",
-        "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n",
-        &registry,
+        &format!(
+            "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: {type_name}\n"
+        ),
+        registry,
         &Default::default(),
     )
     .unwrap();
     Router::from_config(&config)
+}
+
+/// A router with the `predicted-ttft` policy everywhere.
+fn predicted_ttft_router() -> Router {
+    router_of(&kvedge_policies::router_plugin_registry(), "predicted-ttft")
 }
 
 /// Teaches the router that worker `slot` does a 4,096-token prefill in
