@@ -5,14 +5,17 @@
 //! and p99, and the router core's own time per select (the daemon's
 //! latency histogram, a fresh daemon per row). Beside them, with the same
 //! pacing, a kernel socket echo (a thread that reads a frame and writes it
-//! back): the floor of a socket round trip with a sleeping peer.
+//! back): the floor of a socket round trip with a sleeping peer. The
+//! selects are dry runs without a session; with `--reserve` they are real
+//! (load reserved, a session bound) and each is finished after it, the part
+//! of a select that changes state.
 //!
 //! Not criterion: criterion sizes its samples by the measured time, which a
 //! paced loop (mostly waiting) defeats, and reports a mean where these
 //! figures are percentiles. Each row times every call on the monotonic
 //! clock and sorts the samples.
 //!
-//! `cargo bench --bench paced [-- --quick] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
+//! `cargo bench --bench paced [-- --quick] [--reserve] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -173,36 +176,55 @@ impl Drop for Daemon {
     }
 }
 
-/// One row: `n` paced dry-run selects over the socket or a query channel.
+/// Sessions the selects of `--reserve` take turns with.
+const SESSIONS: usize = 64;
+
+/// One row: `n` paced selects over the socket or a query channel. Dry runs
+/// without a session, or with `reserve` real selects, each in one of
+/// [`SESSIONS`] sessions and finished (untimed) right after it.
 fn selects(
     pace: Pace,
     rings: bool,
     n: u32,
     spin_us: u64,
     warm_us: u64,
+    reserve: bool,
 ) -> (Duration, Duration, f64, f64) {
     let (d, hashes) = Daemon::start(if rings { "rings" } else { "socket" }, spin_us, warm_us);
     let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
     if rings {
         c.attach_rings().unwrap().unwrap();
     }
+    let sessions: Vec<String> = (0..SESSIONS).map(|i| format!("session-{i}")).collect();
     let mut q = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
     q.dry_run = true;
     // The engine's blocks are in before the clock starts.
     while c.select(&q).unwrap().unwrap().overlap_blocks[0] != 128 {
         std::thread::sleep(Duration::from_millis(1));
     }
-    for _ in 0..200 {
-        c.select(&q).unwrap().unwrap();
+    q.dry_run = !reserve;
+    let mut select = |c: &mut Client, i: usize| {
+        if reserve {
+            q.session = Some(&sessions[i % SESSIONS]);
+        }
+        let t = Instant::now();
+        let r = c.select(&q).unwrap().unwrap();
+        let took = t.elapsed();
+        assert_eq!(r.worker_id, 1);
+        let id = r.request_id;
+        if reserve {
+            c.finish(id).unwrap().unwrap();
+        }
+        took
+    };
+    for i in 0..200 {
+        select(&mut c, i);
     }
     let mut samples = Vec::with_capacity(n as usize);
     let start = Instant::now();
     for i in 0..n {
         wait_until(pace.due(start, i));
-        let t = Instant::now();
-        let r = c.select(&q).unwrap().unwrap();
-        samples.push(t.elapsed());
-        assert_eq!(r.worker_id, 1);
+        samples.push(select(&mut c, i as usize));
     }
     let (p50, p99) = percentiles(samples);
     let (core50, core99) = d.core_latency();
@@ -244,6 +266,9 @@ fn echo(pace: Pace, n: u32) -> (Duration, Duration) {
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let quick = args.iter().any(|a| a == "--quick");
+    // `--reserve`: real selects (load reserved, a session bound), each
+    // finished after it, instead of dry runs.
+    let reserve = args.iter().any(|a| a == "--reserve");
     // `--only <label prefix>` runs the matching rows (for profiling one).
     let only = args
         .iter()
@@ -279,6 +304,14 @@ fn main() {
         ),
     ];
     println!(
+        "Selects: {}.\n",
+        if reserve {
+            "real (load reserved, one of 64 sessions bound), each finished after it"
+        } else {
+            "dry runs without a session"
+        }
+    );
+    println!(
         "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
@@ -293,7 +326,7 @@ fn main() {
         let (e50, e99) = echo(pace, n);
         for rings in [false, true] {
             for (&spin, &warm) in spins.iter().flat_map(|s| warms.iter().map(move |w| (s, w))) {
-                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm);
+                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, reserve);
                 println!(
                     "| {} | {} | {spin} µs | {warm} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
                     pace.label(),
