@@ -303,14 +303,13 @@ fn main() {
             1_600,
         ),
     ];
-    println!(
-        "Selects: {}.\n",
-        if reserve {
-            "real (load reserved, one of 64 sessions bound), each finished after it"
-        } else {
-            "dry runs without a session"
-        }
-    );
+    if reserve {
+        println!(
+            "Selects: real (load reserved, one of {SESSIONS} sessions bound), each finished after it.\n"
+        );
+    } else {
+        println!("Selects: dry runs without a session.\n");
+    }
     println!(
         "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
     );
