@@ -267,7 +267,9 @@ pub struct Stats {
     pub refused_connections: u64,
 }
 
-/// A latency distribution, in microseconds.
+/// A latency distribution, in microseconds. The quantiles are the upper
+/// edges of the daemon's histogram buckets (at most the maximum): at most
+/// 6.25% above the true quantile.
 #[cfg_attr(feature = "json", derive(serde::Serialize))]
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct LatencySummary {
