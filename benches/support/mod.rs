@@ -1,5 +1,6 @@
-//! What the endpoint-picker benches share: an in-process daemon with its
-//! picker, and engines registered over its control socket holding a prompt.
+//! What the benches that run a daemon share: an in-process daemon (with its
+//! endpoint picker when configured), and engines registered over its
+//! control socket holding a prompt.
 
 use std::path::Path;
 use std::sync::Arc;
@@ -15,8 +16,9 @@ use kvedge_shm::control::ProducerSession;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Role, Tier};
 
-/// A daemon running `yaml` (with an `epp:` section) on a thread of this
-/// process, its runtime directory under `dir`; stopped by [`Running::stop`].
+/// A daemon running `yaml` on a thread of this process (and its endpoint
+/// picker, with an `epp:` section), its runtime directory under `dir`;
+/// stopped by [`Running::stop`].
 pub struct Running {
     pub runtime: RuntimeDir,
     stop: Arc<AtomicBool>,
@@ -32,12 +34,14 @@ impl Running {
             &SelectionOverrides::default(),
         )
         .unwrap();
-        let section = config.epp.clone().expect("an epp: section");
+        let section = config.epp.clone();
         let runtime = RuntimeDir {
             dir: dir.join("run"),
         };
         let mut server = Server::bind(config, &runtime).unwrap();
-        kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
+        if let Some(section) = section {
+            kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
+        }
         let stop = Arc::new(AtomicBool::new(false));
         let s = Arc::clone(&stop);
         let thread = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
@@ -71,9 +75,11 @@ impl Running {
         .unwrap();
         let mut p = Publisher::new(Some(session), ring);
         let full = &tokens[..tokens.len() / 16 * 16];
-        let hashes = kvedge_shm::hash::sequence_hashes(full, 16, None, None);
-        p.publish_stored_hashes(Tier::Device, None, &hashes)
-            .unwrap();
+        if !full.is_empty() {
+            let hashes = kvedge_shm::hash::sequence_hashes(full, 16, None, None);
+            p.publish_stored_hashes(Tier::Device, None, &hashes)
+                .unwrap();
+        }
         p
     }
 

@@ -189,3 +189,194 @@ fn classifiers_see_the_borrowed_hash_snapshot() {
         Classification::Reject { .. }
     ));
 }
+
+/// What a session table should hold, kept the slow, obvious way: every
+/// binding with its expiry. Dropped only when a lookup finds it expired, a
+/// final turn ends it or its worker leaves.
+#[derive(Default)]
+struct Model {
+    bindings: Vec<(String, WorkerWithDpRank, u64)>,
+}
+
+impl Model {
+    fn find(&self, id: &str) -> Option<usize> {
+        self.bindings.iter().position(|b| b.0 == id)
+    }
+
+    fn lookup(&mut self, id: &str, now: u64) -> Option<WorkerWithDpRank> {
+        let i = self.find(id)?;
+        if self.bindings[i].2 > now {
+            return Some(self.bindings[i].1);
+        }
+        self.bindings.remove(i);
+        None
+    }
+
+    fn bind(&mut self, id: &str, w: WorkerWithDpRank, expires: u64) {
+        match self.find(id) {
+            Some(i) => self.bindings[i] = (id.to_owned(), w, expires),
+            None => self.bindings.push((id.to_owned(), w, expires)),
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+enum Op {
+    Bind(u8, u8),
+    Lookup(u8),
+    End(u8),
+    ForgetWorker(u8),
+    Wait(u8),
+}
+
+/// Operations over 24 session ids and 3 workers.
+const IDS: u8 = 24;
+
+fn any_op() -> impl proptest::strategy::Strategy<Value = Op> {
+    use proptest::prelude::*;
+    prop_oneof![
+        8 => (0..IDS, 0u8..3).prop_map(|(s, w)| Op::Bind(s, w)),
+        3 => (0..IDS).prop_map(Op::Lookup),
+        1 => (0..IDS).prop_map(Op::End),
+        1 => (0u8..3).prop_map(Op::ForgetWorker),
+        2 => (0u8..40).prop_map(Op::Wait),
+    ]
+}
+
+fn worker(w: u8) -> WorkerWithDpRank {
+    WorkerWithDpRank::new(u64::from(w) + 1, 0)
+}
+
+proptest::proptest! {
+    /// With room for every session, whatever the binds, lookups, final
+    /// turns, departed workers and time do (and however the table moves
+    /// its bind order), the table answers as the model does. It may drop
+    /// an expired binding before a lookup finds it, never a live one.
+    #[test]
+    fn with_room_for_all_the_table_agrees_with_a_model(
+        capacity in usize::from(IDS)..40,
+        ttl in 1u64..200,
+        ops in proptest::collection::vec(any_op(), 1..600),
+    ) {
+        let mut t = SessionAffinityTable::new(AffinityMode::Hard, ttl, capacity);
+        let mut m = Model::default();
+        let mut now = 0;
+        for op in ops {
+            match op {
+                Op::Bind(s, w) => {
+                    let id = format!("s{s}");
+                    t.bind(&id, worker(w), now).unwrap();
+                    m.bind(&id, worker(w), now + ttl);
+                }
+                Op::Lookup(s) => {
+                    let id = format!("s{s}");
+                    proptest::prop_assert_eq!(t.lookup(&id, now).unwrap(), m.lookup(&id, now));
+                }
+                Op::End(s) => {
+                    let id = format!("s{s}");
+                    let was = m.find(&id).map(|i| m.bindings.remove(i));
+                    let ended = t.end(&id).unwrap();
+                    match was {
+                        Some((_, _, expires)) if expires > now => proptest::prop_assert!(ended),
+                        Some(_) => {}
+                        None => proptest::prop_assert!(!ended),
+                    }
+                }
+                Op::ForgetWorker(w) => {
+                    let live = m.bindings.iter().filter(|b| b.1 == worker(w) && b.2 > now).count();
+                    let all = m.bindings.iter().filter(|b| b.1 == worker(w)).count();
+                    m.bindings.retain(|b| b.1 != worker(w));
+                    let forgot = t.forget_worker(worker(w).worker_id);
+                    proptest::prop_assert!((live..=all).contains(&forgot), "{} not in {}..={}", forgot, live, all);
+                }
+                Op::Wait(ms) => now += u64::from(ms),
+            }
+            proptest::prop_assert!(t.len() <= m.bindings.len());
+        }
+        for s in 0..IDS {
+            let id = format!("s{s}");
+            proptest::prop_assert_eq!(t.lookup(&id, now).unwrap(), m.lookup(&id, now));
+        }
+        proptest::prop_assert_eq!(t.len(), m.bindings.len());
+    }
+
+    /// A table too small for its sessions stays within its capacity, keeps
+    /// the session just bound, and answers only with a session's last
+    /// binding while it is live.
+    #[test]
+    fn a_small_table_stays_bounded_and_answers_only_live_bindings(
+        capacity in 1usize..8,
+        ttl in 1u64..200,
+        ops in proptest::collection::vec(any_op(), 1..600),
+    ) {
+        let mut t = SessionAffinityTable::new(AffinityMode::Hard, ttl, capacity);
+        let mut last: Vec<Option<(WorkerWithDpRank, u64)>> = vec![None; usize::from(IDS)];
+        let mut now = 0;
+        for op in ops {
+            match op {
+                Op::Bind(s, w) => {
+                    let id = format!("s{s}");
+                    t.bind(&id, worker(w), now).unwrap();
+                    last[usize::from(s)] = Some((worker(w), now + ttl));
+                    proptest::prop_assert_eq!(t.lookup(&id, now).unwrap(), Some(worker(w)));
+                }
+                Op::Lookup(s) => {
+                    if let Some(w) = t.lookup(&format!("s{s}"), now).unwrap() {
+                        let (bound, expires) = last[usize::from(s)].expect("bound before");
+                        proptest::prop_assert_eq!(w, bound);
+                        proptest::prop_assert!(expires > now);
+                    }
+                }
+                Op::End(s) => {
+                    t.end(&format!("s{s}")).unwrap();
+                    last[usize::from(s)] = None;
+                }
+                Op::ForgetWorker(w) => {
+                    t.forget_worker(worker(w).worker_id);
+                    for l in &mut last {
+                        if l.is_some_and(|(b, _)| b == worker(w)) {
+                            *l = None;
+                        }
+                    }
+                }
+                Op::Wait(ms) => now += u64::from(ms),
+            }
+            proptest::prop_assert!(t.len() <= capacity);
+        }
+    }
+}
+
+#[test]
+fn a_full_table_of_live_sessions_drops_the_one_bound_longest_ago() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 1_000, 3);
+    t.bind("a", A, 0).unwrap();
+    t.bind("b", A, 1).unwrap();
+    t.bind("c", A, 2).unwrap();
+    t.bind("a", B, 3).unwrap(); // refreshed: "b" is now the oldest
+    t.bind("d", B, 4).unwrap();
+    assert_eq!(t.lookup("b", 5).unwrap(), None);
+    assert_eq!(t.lookup("a", 5).unwrap(), Some(B));
+    assert_eq!(t.lookup("c", 5).unwrap(), Some(A));
+    assert_eq!(t.lookup("d", 5).unwrap(), Some(B));
+}
+
+#[test]
+fn a_reload_to_a_smaller_capacity_keeps_the_bindings_refreshed_last() {
+    let mut t = SessionAffinityTable::new(AffinityMode::Hard, 1_000, 4);
+    for (now, id) in ["a", "b", "c", "d"].into_iter().enumerate() {
+        t.bind(id, A, now as u64).unwrap();
+    }
+    t.bind("a", B, 4).unwrap();
+    t.reconfigure(AffinityMode::Soft, 1_000, 2);
+    assert_eq!(t.len(), 2);
+    assert_eq!(t.lookup("a", 5).unwrap(), Some(B));
+    assert_eq!(t.lookup("d", 5).unwrap(), Some(A));
+    assert_eq!(t.lookup("b", 5).unwrap(), None);
+    assert_eq!(t.lookup("c", 5).unwrap(), None);
+    t.reconfigure(AffinityMode::Soft, 1_000, 8);
+    for id in ["e", "f", "g", "h", "i", "j"] {
+        t.bind(id, A, 6).unwrap();
+    }
+    assert_eq!(t.len(), 8, "grown back");
+    assert_eq!(t.lookup("a", 7).unwrap(), Some(B));
+}

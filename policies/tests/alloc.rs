@@ -105,3 +105,51 @@ fn affinity_lookups_and_binds_allocate_nothing() {
         "capacity holds with six sessions cycling"
     );
 }
+
+#[test]
+fn rebinding_the_same_sessions_for_long_allocates_nothing() {
+    // Every rebind leaves its old place in the table's bind order behind
+    // and takes a new one; 20,000 binds go around its ring of 130 places
+    // about 150 times.
+    let mut affinity = SessionAffinityTable::new(AffinityMode::Hard, 1_000, 64);
+    let w = kvedge_policies::WorkerWithDpRank::new(1, 0);
+    let ids: Vec<String> = (0..48).map(|i| format!("session-{i}")).collect();
+    let info = allocation_counter::measure(|| {
+        for (now, id) in ids.iter().cycle().take(20_000).enumerate() {
+            affinity.bind(id, w, now as u64).unwrap();
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+    // A reload to a larger capacity reserves for it; binds after it (and
+    // their eviction once full) do not allocate.
+    affinity.reconfigure(AffinityMode::Hard, 1_000, 4_096);
+    let ids: Vec<String> = (0..8_192).map(|i| format!("new-session-{i}")).collect();
+    let info = allocation_counter::measure(|| {
+        for (i, id) in ids.iter().enumerate() {
+            affinity.bind(id, w, 20_000 + i as u64).unwrap();
+        }
+    });
+    assert_eq!(info.count_total, 0, "{info:?}");
+    assert_eq!(affinity.len(), 4_096);
+}
+
+#[test]
+fn new_sessions_evicting_others_for_long_allocate_nothing() {
+    // Capacities whose map would be more than half full: under churn its
+    // removals leave tombstones, and a map out of room grows.
+    for capacity in [1_500, 3_000, 5_000] {
+        let mut affinity = SessionAffinityTable::new(AffinityMode::Hard, 1 << 40, capacity);
+        let w = kvedge_policies::WorkerWithDpRank::new(1, 0);
+        let ids: Vec<String> = (0..3 * capacity).map(|i| format!("s-{i}")).collect();
+        for id in &ids[..capacity] {
+            affinity.bind(id, w, 0).unwrap();
+        }
+        let info = allocation_counter::measure(|| {
+            for (now, id) in ids.iter().cycle().take(60_000).enumerate() {
+                affinity.bind(id, w, now as u64).unwrap();
+            }
+        });
+        assert_eq!(info.count_total, 0, "capacity {capacity}: {info:?}");
+        assert_eq!(affinity.len(), capacity);
+    }
+}
