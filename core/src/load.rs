@@ -10,12 +10,14 @@
 //!
 //! Neither a report nor the expiry scans the reservations: a report bumps
 //! its worker's epoch (a reservation counts while its epoch is current),
-//! and reservations expire from the front of a queue in the order they
-//! were made. That order is expiry order while the TTL stays the same;
-//! after a reload shortens it, newer reservations wait for the older ones
-//! ahead of them, so they expire at most one old TTL late.
+//! and reservations are linked in the order they were made and expire from
+//! its head. A release unlinks its reservation at once, so the head is
+//! always a live reservation and nothing is left behind to skip or sweep.
+//! That order is expiry order while the TTL stays the same; after a reload
+//! shortens it, newer reservations wait for the older ones ahead of them,
+//! so they expire at most one old TTL late.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use kvedge_policies::LoadRow;
 
@@ -77,17 +79,33 @@ pub enum LoadError {
     UnknownRequest(u64),
 }
 
+/// No node: the end of the reservation order.
+const NIL: usize = usize::MAX;
+
+/// A reservation in the order they were made.
+#[derive(Clone, Copy, Debug)]
+struct Node {
+    request_id: u64,
+    r: Reservation,
+    prev: usize,
+    next: usize,
+}
+
 /// Per-worker reports plus outstanding reservations.
 #[derive(Debug)]
 pub struct LoadTable {
     reports: [LoadReport; MAX_WORKERS],
     extra: [(u32, u64, u64); MAX_WORKERS],
-    reservations: HashMap<u64, Reservation>,
+    /// Request id -> its node.
+    index: HashMap<u64, usize>,
+    /// The reservations, linked oldest (`head`) to newest (`tail`); the
+    /// nodes of released ones wait in `free` for reuse.
+    nodes: Vec<Node>,
+    free: Vec<usize>,
+    head: usize,
+    tail: usize,
     /// Reports received per worker.
     epochs: [u64; MAX_WORKERS],
-    /// (expiry, request id) in the order reserved; an entry whose id is
-    /// gone or was reserved again since is stale and dropped lazily.
-    order: VecDeque<(u64, u64)>,
     ttl_ms: u64,
     expired: u64,
 }
@@ -97,12 +115,57 @@ impl LoadTable {
         LoadTable {
             reports: [LoadReport::default(); MAX_WORKERS],
             extra: [(0, 0, 0); MAX_WORKERS],
-            reservations: HashMap::with_capacity(4096),
+            index: HashMap::with_capacity(4096),
+            nodes: Vec::with_capacity(4096),
+            free: Vec::with_capacity(4096),
+            head: NIL,
+            tail: NIL,
             epochs: [0; MAX_WORKERS],
-            order: VecDeque::with_capacity(4096),
             ttl_ms,
             expired: 0,
         }
+    }
+
+    /// Links a new reservation at the tail; returns its node.
+    fn push(&mut self, request_id: u64, r: Reservation) -> usize {
+        let node = Node {
+            request_id,
+            r,
+            prev: self.tail,
+            next: NIL,
+        };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                self.nodes.len() - 1
+            }
+        };
+        match self.tail {
+            NIL => self.head = i,
+            t => self.nodes[t].next = i,
+        }
+        self.tail = i;
+        i
+    }
+
+    /// Unlinks node `i` (its id already gone from the index) and takes
+    /// it out of the projection.
+    fn release(&mut self, i: usize) {
+        let Node { r, prev, next, .. } = self.nodes[i];
+        match prev {
+            NIL => self.head = next,
+            p => self.nodes[p].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.nodes[n].prev = prev,
+        }
+        self.free.push(i);
+        self.unproject(&r);
     }
 
     /// The TTL of reservations made from now on.
@@ -133,14 +196,14 @@ impl LoadTable {
         now_ms: u64,
         work_tokens: f64,
     ) {
-        if let Some(old) = self.reservations.remove(&request_id) {
-            self.unproject(&old);
+        if let Some(old) = self.index.remove(&request_id) {
+            self.release(old);
         }
         let e = &mut self.extra[slot.index()];
         e.0 += 1;
         e.1 += prefill_tokens;
         e.2 += blocks;
-        self.reservations.insert(
+        let i = self.push(
             request_id,
             Reservation {
                 slot,
@@ -153,17 +216,23 @@ impl LoadTable {
                 work_tokens,
             },
         );
-        self.order
-            .push_back((now_ms.saturating_add(self.ttl_ms), request_id));
+        // Headroom: a map at most half full leaves few tombstones on
+        // removal, so churn does not make it rehash all its buckets in
+        // place (in one reserve) when they use up its room.
+        if self.index.len() * 2 >= self.index.capacity() {
+            self.index.reserve(self.index.len());
+        }
+        self.index.insert(request_id, i);
     }
 
     /// The request finished its prefill: its prefill tokens leave the
     /// projection. The first report of it returns its timing.
     pub fn prefill_done(&mut self, request_id: u64) -> Result<Option<PrefillTiming>, LoadError> {
-        let r = self
-            .reservations
-            .get_mut(&request_id)
+        let &i = self
+            .index
+            .get(&request_id)
             .ok_or(LoadError::UnknownRequest(request_id))?;
+        let r = &mut self.nodes[i].r;
         // `pending`, with the fields borrowed apart from `r`.
         if r.epoch == self.epochs[r.slot.index()] && r.prefill_pending {
             let e = &mut self.extra[r.slot.index()];
@@ -179,11 +248,11 @@ impl LoadTable {
 
     /// The request finished: it leaves the projection entirely.
     pub fn finish(&mut self, request_id: u64) -> Result<(), LoadError> {
-        let r = self
-            .reservations
+        let i = self
+            .index
             .remove(&request_id)
             .ok_or(LoadError::UnknownRequest(request_id))?;
-        self.unproject(&r);
+        self.release(i);
         Ok(())
     }
 
@@ -200,49 +269,42 @@ impl LoadTable {
     }
 
     /// Drops reservations past their TTL; returns how many. Costs the
-    /// number dropped (and finished ids reaching the front), not the number
-    /// outstanding; allocates nothing.
+    /// number dropped, not the number outstanding; allocates nothing.
     pub fn expire(&mut self, now_ms: u64) -> usize {
         let mut gone = 0;
-        while let Some(&(expires_ms, id)) = self.order.front() {
-            match self.reservations.get(&id) {
-                // Finished, or reserved again since (a later entry stands
-                // for it): nothing to expire here.
-                None => {}
-                Some(r) if r.expires_ms != expires_ms => {}
-                Some(r) if r.expires_ms <= now_ms => {
-                    let r = *r;
-                    self.reservations.remove(&id);
-                    self.unproject(&r);
-                    gone += 1;
-                }
-                Some(_) => break,
-            }
-            self.order.pop_front();
-        }
-        // A forgotten reservation at the front holds finished ids behind
-        // it until it expires; drop them once they outnumber the live ones
-        // (in place, amortized over the finishes that made them).
-        if self.order.len() > 2 * self.reservations.len() + 1024 {
-            let live = &self.reservations;
-            self.order
-                .retain(|(at, id)| live.get(id).is_some_and(|r| r.expires_ms == *at));
+        while self.head != NIL && self.nodes[self.head].r.expires_ms <= now_ms {
+            let i = self.head;
+            self.index.remove(&self.nodes[i].request_id);
+            self.release(i);
+            gone += 1;
         }
         self.expired += gone as u64;
         gone
     }
 
-    /// When the oldest reservation expires, ms (it may have been released
-    /// since: then nothing expires at that time).
+    /// When the oldest reservation expires, ms.
     pub fn next_expiry_ms(&self) -> Option<u64> {
-        self.order.front().map(|&(at, _)| at)
+        (self.head != NIL).then(|| self.nodes[self.head].r.expires_ms)
     }
 
     /// A worker left: its report and reservations go.
     pub fn remove_worker(&mut self, slot: Slot) {
+        let mut i = self.head;
+        while i != NIL {
+            let Node {
+                request_id,
+                r,
+                next,
+                ..
+            } = self.nodes[i];
+            if r.slot == slot {
+                self.index.remove(&request_id);
+                self.release(i);
+            }
+            i = next;
+        }
         self.reports[slot.index()] = LoadReport::default();
         self.extra[slot.index()] = (0, 0, 0);
-        self.reservations.retain(|_, r| r.slot != slot);
     }
 
     /// The projected load of `slot`: report plus pending reservations.
@@ -264,7 +326,7 @@ impl LoadTable {
 
     /// Outstanding reservations.
     pub fn reservations(&self) -> usize {
-        self.reservations.len()
+        self.index.len()
     }
 
     /// Reservations dropped by the TTL so far.
@@ -362,12 +424,7 @@ mod tests {
             t.finish(id).unwrap();
             t.expire(10);
         }
-        assert!(
-            t.order.len() <= 2 * t.reservations() + 1024,
-            "{} queued for {} live",
-            t.order.len(),
-            t.reservations()
-        );
+        assert_eq!(t.nodes.len(), 2, "released nodes are reused");
         assert_eq!(t.expire(999), 0);
         assert_eq!(t.expire(1_000), 1);
         assert_eq!(
@@ -395,5 +452,115 @@ mod tests {
         t.remove_worker(s(3));
         assert_eq!(t.projected(s(3)), LoadRow::default());
         assert_eq!(t.finish(3), Err(LoadError::UnknownRequest(3)));
+    }
+
+    /// What the table should hold, the slow, obvious way.
+    #[derive(Default)]
+    struct Model {
+        reports: [LoadReport; 4],
+        epochs: [u64; 4],
+        /// (id, slot, prefill, blocks, epoch, prefill pending, expires)
+        live: Vec<(u64, usize, u64, u64, u64, bool, u64)>,
+    }
+
+    impl Model {
+        fn projected(&self, slot: usize) -> LoadRow {
+            let r = &self.reports[slot];
+            let mine = || {
+                self.live
+                    .iter()
+                    .filter(move |l| l.1 == slot && l.4 == self.epochs[slot])
+            };
+            LoadRow {
+                active_requests: r.active_requests + mine().count() as u32,
+                waiting_requests: r.waiting_requests,
+                active_prefill_tokens: r.active_prefill_tokens
+                    + mine().filter(|l| l.5).map(|l| l.2).sum::<u64>(),
+                active_decode_blocks: r.active_decode_blocks + mine().map(|l| l.3).sum::<u64>(),
+            }
+        }
+    }
+
+    #[derive(Clone, Debug)]
+    enum Op {
+        Reserve(u64, usize, u64, u64),
+        PrefillDone(u64),
+        Finish(u64),
+        Report(usize, u32, u64, u64),
+        Expire(u64),
+        RemoveWorker(usize),
+    }
+
+    fn any_op() -> impl proptest::strategy::Strategy<Value = Op> {
+        use proptest::prelude::*;
+        prop_oneof![
+            6 => (0u64..40, 0usize..4, 0u64..1000, 0u64..64)
+                .prop_map(|(id, slot, p, b)| Op::Reserve(id, slot, p, b)),
+            2 => (0u64..40).prop_map(Op::PrefillDone),
+            4 => (0u64..40).prop_map(Op::Finish),
+            1 => (0usize..4, 0u32..8, 0u64..1000, 0u64..64)
+                .prop_map(|(slot, a, p, b)| Op::Report(slot, a, p, b)),
+            3 => (0u64..300).prop_map(Op::Expire),
+            1 => (0usize..4).prop_map(Op::RemoveWorker),
+        ]
+    }
+
+    proptest::proptest! {
+        /// Whatever the reservations, releases, reports, departures and
+        /// expiries, the projection, the count and the next expiry are the
+        /// model's.
+        #[test]
+        fn the_table_agrees_with_a_model(ops in proptest::collection::vec(any_op(), 1..400)) {
+            const TTL: u64 = 1_000;
+            let mut t = LoadTable::new(TTL);
+            let mut m = Model::default();
+            let mut now = 0;
+            for op in ops {
+                match op {
+                    Op::Reserve(id, slot, p, b) => {
+                        t.reserve(id, s(slot), p, b, now, 0.0);
+                        m.live.retain(|l| l.0 != id);
+                        m.live.push((id, slot, p, b, m.epochs[slot], true, now + TTL));
+                    }
+                    Op::PrefillDone(id) => {
+                        let known = m.live.iter_mut().find(|l| l.0 == id);
+                        proptest::prop_assert_eq!(t.prefill_done(id).is_ok(), known.is_some());
+                        if let Some(l) = known {
+                            l.5 = false;
+                        }
+                    }
+                    Op::Finish(id) => {
+                        let before = m.live.len();
+                        m.live.retain(|l| l.0 != id);
+                        proptest::prop_assert_eq!(t.finish(id).is_ok(), m.live.len() < before);
+                    }
+                    Op::Report(slot, a, p, b) => {
+                        let r = report(a, p, b);
+                        t.report(s(slot), r);
+                        m.reports[slot] = r;
+                        m.epochs[slot] += 1;
+                    }
+                    Op::Expire(ms) => {
+                        now += ms;
+                        let before = m.live.len();
+                        m.live.retain(|l| l.6 > now);
+                        proptest::prop_assert_eq!(t.expire(now), before - m.live.len());
+                    }
+                    Op::RemoveWorker(slot) => {
+                        t.remove_worker(s(slot));
+                        m.live.retain(|l| l.1 != slot);
+                        m.reports[slot] = LoadReport::default();
+                    }
+                }
+                for slot in 0..4 {
+                    proptest::prop_assert_eq!(t.projected(s(slot)), m.projected(slot));
+                }
+                proptest::prop_assert_eq!(t.reservations(), m.live.len());
+                proptest::prop_assert_eq!(
+                    t.next_expiry_ms(),
+                    m.live.iter().map(|l| l.6).min()
+                );
+            }
+        }
     }
 }
