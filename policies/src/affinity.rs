@@ -82,7 +82,11 @@ pub struct SessionAffinityTable {
     mode: AffinityMode,
     ttl_ms: u64,
     capacity: usize,
-    map: HashMap<u128, Binding>,
+    /// Keyed by the id's digest, which is not seeded (and ids come from
+    /// clients), hashed again with a seeded foldhash: as hard to crowd
+    /// into one bucket as with the default SipHash, and a bind or lookup
+    /// takes about two thirds of the time (BENCHMARKS.md).
+    map: HashMap<u128, Binding, foldhash::fast::RandomState>,
     ring: Vec<Entry>,
     head: u64,
     tail: u64,
@@ -123,7 +127,7 @@ impl SessionAffinityTable {
             mode,
             ttl_ms,
             capacity,
-            map: HashMap::with_capacity(map_capacity(capacity)),
+            map: HashMap::with_capacity_and_hasher(map_capacity(capacity), Default::default()),
             ring: vec![Entry::default(); ring_len(capacity)],
             head: 0,
             tail: 0,
