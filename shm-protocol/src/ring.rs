@@ -305,6 +305,15 @@ pub fn wake_eventfd() -> Result<OwnedFd, SegmentError> {
         .map_err(|e| SegmentError::os("eventfd", e))
 }
 
+/// The consumer's half of the wake-up handshake with producers that
+/// publish with a compiler fence only: `membarrier(GLOBAL_EXPEDITED)`, a
+/// full barrier on every CPU running a registered process. One call serves
+/// every ring whose flag was set before it ([`Consumer::announce_sleep`]).
+/// Returns whether it ran.
+pub fn sleep_barrier() -> bool {
+    rustix::thread::membarrier(rustix::thread::MembarrierCommand::GlobalExpedited).is_ok()
+}
+
 /// One record handed out by [`Consumer::poll`], borrowed from the consumer's
 /// private buffer (not from shared memory).
 #[derive(Debug, Clone, Copy)]
@@ -573,29 +582,45 @@ impl Consumer {
 
     /// Announces that the consumer is about to sleep. Returns `false` (and
     /// clears the flag) when records arrived meanwhile, so the caller must
-    /// not sleep. After sleeping, call [`Consumer::end_sleep`].
+    /// not sleep. After sleeping, call [`Consumer::end_sleep`]. A caller
+    /// sleeping on several rings at once uses [`Consumer::announce_sleep`],
+    /// one [`sleep_barrier`] and [`Consumer::confirm_sleep`] instead, so
+    /// that one barrier serves them all.
     pub fn prepare_sleep(&mut self) -> bool {
+        let barrier = self.announce_sleep() && sleep_barrier();
+        self.confirm_sleep(barrier)
+    }
+
+    /// The first half of [`Consumer::prepare_sleep`]: hands space back and
+    /// sets the sleeping flag. Returns whether the producer relies on the
+    /// consumer's barrier ([`sleep_barrier`]) before [`Consumer::confirm_sleep`].
+    pub fn announce_sleep(&mut self) -> bool {
         self.publish_head();
         let h = self.seg.header();
         h.consumer_sleeping
             .0
             .store(CONSUMER_SLEEPING | self.force_bits(), Ordering::Relaxed);
-        // Our half of the Dekker pair in `Producer::try_push`. A producer
-        // that publishes with a compiler fence only needs a real barrier on
-        // its CPU: membarrier(GLOBAL_EXPEDITED) runs one on every CPU running
-        // a registered process (and is a full fence for us). If it fails,
-        // tell the producer to fence for itself from now on; until it reads
-        // that, a wake-up can be late by at most the caller's sleep timeout.
         let producer_flags = h.identity.0.producer_flags.load(Ordering::Relaxed);
-        if producer_flags & PRODUCER_ASYMMETRIC_FENCE != 0 && !self.force_fence {
-            let barrier =
-                rustix::thread::membarrier(rustix::thread::MembarrierCommand::GlobalExpedited);
-            if barrier.is_err() {
-                self.force_fence = true;
-                h.consumer_sleeping
-                    .0
-                    .store(CONSUMER_SLEEPING | CONSUMER_FORCE_FENCE, Ordering::Relaxed);
-            }
+        producer_flags & PRODUCER_ASYMMETRIC_FENCE != 0 && !self.force_fence
+    }
+
+    /// The second half of [`Consumer::prepare_sleep`], after the flags of
+    /// every ring the caller sleeps on are set and, if any of them asked
+    /// for it, [`sleep_barrier`] ran (`barrier`: whether it succeeded).
+    /// Returns `false` (and clears the flag) when records arrived, so the
+    /// caller must not sleep.
+    pub fn confirm_sleep(&mut self, barrier: bool) -> bool {
+        let h = self.seg.header();
+        // If the producer relies on our barrier and it did not run, tell
+        // the producer to fence for itself from now on; until it reads
+        // that, a wake-up can be late by at most the caller's sleep
+        // timeout.
+        let producer_flags = h.identity.0.producer_flags.load(Ordering::Relaxed);
+        if producer_flags & PRODUCER_ASYMMETRIC_FENCE != 0 && !self.force_fence && !barrier {
+            self.force_fence = true;
+            h.consumer_sleeping
+                .0
+                .store(CONSUMER_SLEEPING | CONSUMER_FORCE_FENCE, Ordering::Relaxed);
         }
         fence(Ordering::SeqCst);
         if self.has_pending() {
@@ -617,13 +642,21 @@ impl Consumer {
 
     /// Clears the sleeping flag and drains the eventfd counter.
     pub fn end_sleep(&mut self) {
+        self.clear_sleep();
+        let mut buf = [0u8; 8];
+        let _ = rustix::io::read(&self.wake, &mut buf);
+    }
+
+    /// Clears the sleeping flag but leaves the eventfd as it is: for a
+    /// caller whose sleep reported no ring's eventfd readable, which saves
+    /// a read per ring. A producer that wrote the eventfd since leaves it
+    /// readable, so the next sleep ends at once and drains it.
+    pub fn clear_sleep(&mut self) {
         self.seg
             .header()
             .consumer_sleeping
             .0
             .store(self.force_bits(), Ordering::Relaxed);
-        let mut buf = [0u8; 8];
-        let _ = rustix::io::read(&self.wake, &mut buf);
     }
 
     /// Waits until records are pending or `timeout` passes: spins for

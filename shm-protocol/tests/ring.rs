@@ -392,6 +392,130 @@ fn no_wake_up_is_lost_across_thousands_of_sleeps() {
     producer.join().unwrap();
 }
 
+/// Sleeps on several rings the way the daemon does: every flag set, one
+/// barrier, every ring checked; then a wait on all their eventfds, drained
+/// only when one was readable. Returns whether the wait ended in time.
+fn sleep_on_all(rings: &mut [Consumer], timeout: Duration) -> bool {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let mut barrier = false;
+    for c in rings.iter_mut() {
+        barrier |= c.announce_sleep();
+    }
+    let barrier = barrier && kvedge_shm::ring::sleep_barrier();
+    let mut pending = false;
+    for c in rings.iter_mut() {
+        pending |= !c.confirm_sleep(barrier);
+    }
+    if pending {
+        rings.iter_mut().for_each(Consumer::end_sleep);
+        return true;
+    }
+    let start = std::time::Instant::now();
+    let woke = {
+        let wake: Vec<_> = rings.iter().map(Consumer::wake_fd).collect();
+        let mut fds: Vec<PollFd<'_>> = wake
+            .iter()
+            .map(|fd| PollFd::new(fd, PollFlags::IN))
+            .collect();
+        let ts = rustix::time::Timespec::try_from(timeout).unwrap();
+        poll(&mut fds, Some(&ts)).unwrap() > 0
+    };
+    for c in rings.iter_mut() {
+        if woke {
+            c.end_sleep();
+        } else {
+            c.clear_sleep();
+        }
+    }
+    start.elapsed() < timeout / 2
+}
+
+#[test]
+fn no_wake_up_is_lost_with_one_barrier_for_several_rings() {
+    // Three producers commit at varying moments around the consumer's
+    // sleeps on all three rings. A lost wake-up would leave it asleep for
+    // the whole 20 s timeout.
+    let rounds = 1500u64;
+    let (producers, mut consumers): (Vec<Producer>, Vec<Consumer>) =
+        (0..3).map(|_| pair(1 << 16)).unzip();
+    let threads: Vec<_> = producers
+        .into_iter()
+        .enumerate()
+        .map(|(k, mut p)| {
+            std::thread::spawn(move || {
+                for i in 0..rounds {
+                    for _ in 0..((i + k as u64) % 5) * 80 {
+                        std::hint::spin_loop();
+                    }
+                    while !matches!(
+                        p.try_push(1, 0, &i.to_le_bytes()).unwrap(),
+                        Push::Committed { .. }
+                    ) {
+                        std::thread::yield_now();
+                    }
+                    if i % 50 == k as u64 {
+                        std::thread::sleep(Duration::from_micros(100));
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut seen = [0u64; 3];
+    while seen.iter().any(|&n| n < rounds) {
+        assert!(
+            sleep_on_all(&mut consumers, Duration::from_secs(20)),
+            "wake-up lost after {seen:?}"
+        );
+        for (c, n) in consumers.iter_mut().zip(&mut seen) {
+            while let Some(r) = c.poll().unwrap() {
+                assert_eq!(r.payload, n.to_le_bytes());
+                *n += 1;
+            }
+        }
+    }
+    for t in threads {
+        t.join().unwrap();
+    }
+    for c in &consumers {
+        let flag = c
+            .segment()
+            .header()
+            .consumer_sleeping
+            .0
+            .load(Ordering::Relaxed);
+        assert_eq!(flag & kvedge_shm::layout::CONSUMER_SLEEPING, 0);
+    }
+}
+
+#[test]
+fn a_sleep_flag_cleared_without_a_read_leaves_the_wake_up_for_the_next_sleep() {
+    let (mut p, mut c) = pair(4096);
+    let barrier = c.announce_sleep() && kvedge_shm::ring::sleep_barrier();
+    assert!(c.confirm_sleep(barrier), "nothing pending: may sleep");
+    // The producer sees the flag and writes the eventfd; the consumer, woken
+    // by something else, clears its flag without reading it.
+    p.try_push(1, 0, b"x").unwrap();
+    c.clear_sleep();
+    let wake = c.wake_fd();
+    let mut fds = [rustix::event::PollFd::new(
+        &wake,
+        rustix::event::PollFlags::IN,
+    )];
+    let zero = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    assert_eq!(rustix::event::poll(&mut fds, Some(&zero)).unwrap(), 1);
+    // An awake consumer is not signalled again; end_sleep drains the counter.
+    p.try_push(1, 0, b"y").unwrap();
+    c.end_sleep();
+    let mut buf = [0u8; 8];
+    assert!(rustix::io::read(c.wake_fd(), &mut buf).is_err());
+    // And a sleep announced with records pending is refused.
+    let barrier = c.announce_sleep() && kvedge_shm::ring::sleep_barrier();
+    assert!(!c.confirm_sleep(barrier));
+}
+
 #[test]
 fn producer_does_not_signal_an_awake_consumer() {
     let (mut p, c) = pair(4096);
