@@ -481,12 +481,12 @@ impl Clients {
 
     /// On the way out: writes what slow readers have not taken yet,
     /// waiting for their sockets for at most `within`.
-    pub fn flush_all(&mut self, poller: &Poller, within: std::time::Duration) {
+    pub fn flush_all(&mut self, poller: &mut Poller, within: std::time::Duration) {
         let deadline = Instant::now() + within;
         loop {
             let mut pending = false;
             for c in &mut self.conns {
-                if !c.out.is_empty() && flush(c, poller).is_ok() {
+                if !c.out.is_empty() && flush(c, &*poller).is_ok() {
                     pending |= !c.out.is_empty();
                 }
             }

@@ -21,6 +21,9 @@ pub(crate) struct Poller {
     epoll: OwnedFd,
     /// Readable at the last check, indexed by fd.
     ready: Vec<bool>,
+    /// The last sleep's events are in `ready` already, so the check after
+    /// it need not ask the set again.
+    slept: bool,
 }
 
 impl Poller {
@@ -28,6 +31,7 @@ impl Poller {
         Ok(Poller {
             epoll: epoll::create(epoll::CreateFlags::CLOEXEC)?,
             ready: Vec::new(),
+            slept: false,
         })
     }
 
@@ -74,21 +78,34 @@ impl Poller {
     }
 
     /// Asks the set, without waiting, which sockets are readable (or hung
-    /// up); [`Poller::take`] then reads the answer per socket.
+    /// up); [`Poller::take`] then reads the answer per socket. Right after
+    /// [`Poller::sleep`], the sleep's answer stands instead.
     pub fn check(&mut self) {
+        // Right after a sleep, what woke it is the answer: a system call
+        // fewer per wake-up.
+        if std::mem::take(&mut self.slept) {
+            return;
+        }
         let zero = rustix::time::Timespec {
             tv_sec: 0,
             tv_nsec: 0,
         };
-        // On the stack: `epoll::Event` carries a raw pointer, which would
-        // make a retained buffer (and so the server) not `Send`. Level
-        // triggered: sockets beyond 256 ready ones are reported next turn.
+        self.wait(&zero);
+    }
+
+    /// Waits for at most `timeout` and notes which sockets are readable.
+    /// Returns whether a ring's wake eventfd was. On the stack:
+    /// `epoll::Event` carries a raw pointer, which would make a retained
+    /// buffer (and so the server) not `Send`. Level triggered: sockets
+    /// beyond 256 ready ones are reported next time. EINTR reports nothing.
+    fn wait(&mut self, timeout: &rustix::time::Timespec) -> bool {
         let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 256];
-        // EINTR reports nothing this turn; the next turn asks again.
-        if let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf[..], Some(&zero)) {
+        let mut ring_woke = false;
+        if let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf[..], Some(timeout)) {
             for ev in events.iter() {
                 let key = ev.data.u64();
                 if key == WAKE_KEY {
+                    ring_woke = true;
                     continue;
                 }
                 let fd = key as usize;
@@ -98,6 +115,7 @@ impl Poller {
                 self.ready[fd] = true;
             }
         }
+        ring_woke
     }
 
     /// Whether `fd` was readable (or, when asked for, writable) at the
@@ -108,14 +126,16 @@ impl Poller {
             .is_some_and(|r| std::mem::replace(r, false))
     }
 
-    /// Sleeps until a watched fd is readable or `timeout` passes. What
-    /// woke it is found by the next [`Poller::check`].
-    pub fn sleep(&self, timeout: Duration) {
+    /// Sleeps until a watched fd is readable or `timeout` passes, and
+    /// notes what woke it for the next [`Poller::check`]. Returns whether
+    /// a ring's wake eventfd was readable (its counter needs draining).
+    pub fn sleep(&mut self, timeout: Duration) -> bool {
         let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
             tv_sec: 0,
             tv_nsec: 100_000_000,
         });
-        let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 8];
-        let _ = epoll::wait(&self.epoll, &mut buf[..], Some(&ts));
+        let ring_woke = self.wait(&ts);
+        self.slept = true;
+        ring_woke
     }
 }

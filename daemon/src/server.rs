@@ -212,7 +212,7 @@ impl Server {
         let draining = Instant::now();
         while self.turn(Instant::now()) && draining.elapsed() < DRAIN_WRITES {}
         self.clients.flush_all(
-            &self.poller,
+            &mut self.poller,
             DRAIN_WRITES.saturating_sub(draining.elapsed()),
         );
         Ok(())
@@ -308,22 +308,39 @@ impl Server {
     /// Sleeps in the epoll set for at most `timeout`, unless a ring
     /// received records meanwhile.
     fn sleep(&mut self, timeout: Duration) {
-        // A ring whose prepare_sleep says records arrived meanwhile clears
-        // its own flag; the ones before it are woken back up.
-        let prepared = self
-            .rings()
-            .map(|r| r.prepare_sleep())
-            .take_while(|&ok| ok)
-            .count();
-        if prepared < self.rings().count() {
-            for ring in self.rings().take(prepared) {
+        // Records already waiting: no sleep, and no flag set (a producer
+        // that sees a flag pays a system call to write the eventfd).
+        if self.rings().any(|r| r.has_pending()) {
+            return;
+        }
+        // Every ring's sleeping flag is set first, then one barrier serves
+        // them all (a membarrier interrupts every CPU running an engine),
+        // then each ring is checked for records that arrived meanwhile.
+        let mut barrier = false;
+        for ring in self.rings() {
+            barrier |= ring.announce_sleep();
+        }
+        let barrier = barrier && kvedge_shm::ring::sleep_barrier();
+        let mut pending = false;
+        for ring in self.rings() {
+            pending |= !ring.confirm_sleep(barrier);
+        }
+        if pending {
+            for ring in self.rings() {
                 ring.end_sleep();
             }
             return;
         }
-        self.poller.sleep(timeout);
+        // A ring's eventfd is read only when the sleep saw one readable:
+        // a system call per ring fewer on a wake-up by a socket or the
+        // timeout.
+        let ring_woke = self.poller.sleep(timeout);
         for ring in self.rings() {
-            ring.end_sleep();
+            if ring_woke {
+                ring.end_sleep();
+            } else {
+                ring.clear_sleep();
+            }
         }
     }
 }
