@@ -15,7 +15,10 @@
 //! figures are percentiles. Each row times every call on the monotonic
 //! clock and sorts the samples.
 //!
-//! `cargo bench --bench paced [-- --quick] [--reserve] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
+//! With `--engines N`, N engines publish (the first holds the prompt), as
+//! on a node of several GPUs: the daemon then reads N rings.
+//!
+//! `cargo bench --bench paced [-- --quick] [--reserve] [--engines N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -81,13 +84,14 @@ struct Daemon {
     dir: PathBuf,
     stop: Arc<AtomicBool>,
     thread: Option<std::thread::JoinHandle<()>>,
-    engine: Option<std::thread::JoinHandle<()>>,
+    engines: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl Daemon {
-    /// A daemon in a thread, and an engine that holds a 2,048-token prompt
-    /// and publishes a 16-block Stored and a Load every millisecond.
-    fn start(name: &str, spin_us: u64, warm_us: u64) -> (Daemon, Vec<u64>) {
+    /// A daemon in a thread, and `engines` engines that each publish a
+    /// 16-block Stored and a Load every millisecond; the first holds a
+    /// 2,048-token prompt.
+    fn start(name: &str, spin_us: u64, warm_us: u64, engines: u64) -> (Daemon, Vec<u64>) {
         let dir = std::env::temp_dir().join(format!("kvedge-paced-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let config = Config::load(
@@ -104,43 +108,52 @@ impl Daemon {
         let stop = Arc::new(AtomicBool::new(false));
         let s = Arc::clone(&stop);
         let thread = std::thread::spawn(move || server.run(|| s.load(Ordering::Relaxed)).unwrap());
-        let hello = Hello {
-            worker_id: 1,
-            dp_rank: 0,
-            model: "llama".into(),
-            role: Role::Aggregated,
-            block_size: 16,
-            kv_blocks: [1 << 20, 0, 0],
-            labels: vec![],
-            taints: vec![],
-            endpoint: "http://engine-1".into(),
-            ring_capacity: 0,
-        };
-        let (session, ring) =
-            ProducerSession::connect(dir.join("control.sock"), &hello, Duration::from_secs(5))
-                .unwrap();
-        let mut p = Publisher::new(Some(session), ring);
         let tokens: Vec<u32> = (0..2048).collect();
         let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
-        p.publish_stored_hashes(Tier::Device, None, &hashes)
-            .unwrap();
-        let s = Arc::clone(&stop);
-        let engine = std::thread::spawn(move || {
-            let mut next = 1u64 << 40;
-            while !s.load(Ordering::Relaxed) {
-                let blocks: Vec<u64> = (next..next + 16).collect();
-                next += 16;
-                let _ = p.publish_stored_hashes(Tier::Device, None, &blocks);
-                let _ = p.publish_load(&Load::default());
-                std::thread::sleep(Duration::from_millis(1));
-            }
-        });
+        let engines = (1..=engines.max(1))
+            .map(|id| {
+                let hello = Hello {
+                    worker_id: id,
+                    dp_rank: 0,
+                    model: "llama".into(),
+                    role: Role::Aggregated,
+                    block_size: 16,
+                    kv_blocks: [1 << 20, 0, 0],
+                    labels: vec![],
+                    taints: vec![],
+                    endpoint: format!("http://engine-{id}"),
+                    ring_capacity: 0,
+                };
+                let (session, ring) = ProducerSession::connect(
+                    dir.join("control.sock"),
+                    &hello,
+                    Duration::from_secs(5),
+                )
+                .unwrap();
+                let mut p = Publisher::new(Some(session), ring);
+                if id == 1 {
+                    p.publish_stored_hashes(Tier::Device, None, &hashes)
+                        .unwrap();
+                }
+                let s = Arc::clone(&stop);
+                std::thread::spawn(move || {
+                    let mut next = (1u64 << 40) + (id << 32);
+                    while !s.load(Ordering::Relaxed) {
+                        let blocks: Vec<u64> = (next..next + 16).collect();
+                        next += 16;
+                        let _ = p.publish_stored_hashes(Tier::Device, None, &blocks);
+                        let _ = p.publish_load(&Load::default());
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                })
+            })
+            .collect();
         (
             Daemon {
                 dir,
                 stop,
                 thread: Some(thread),
-                engine: Some(engine),
+                engines,
             },
             hashes,
         )
@@ -166,7 +179,7 @@ impl Daemon {
 impl Drop for Daemon {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.engine.take() {
+        for t in self.engines.drain(..) {
             let _ = t.join();
         }
         if let Some(t) = self.thread.take() {
@@ -189,8 +202,10 @@ fn selects(
     spin_us: u64,
     warm_us: u64,
     reserve: bool,
+    engines: u64,
 ) -> (Duration, Duration, f64, f64) {
-    let (d, hashes) = Daemon::start(if rings { "rings" } else { "socket" }, spin_us, warm_us);
+    let name = if rings { "rings" } else { "socket" };
+    let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines);
     let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
     if rings {
         c.attach_rings().unwrap().unwrap();
@@ -288,6 +303,7 @@ fn main() {
             .unwrap_or(vec![default])
     };
     let spins = list("--spin", kvedge_core::config::DEFAULT_SPIN_US);
+    let engines = list("--engines", 1)[0];
     let warms = list("--warm", kvedge_core::config::DEFAULT_WARM_US);
     // About 2 s per row (1 s with --quick), at least 1,000 samples.
     let paces = [
@@ -311,6 +327,9 @@ fn main() {
         println!("Selects: dry runs without a session.\n");
     }
     println!(
+        "Engines: {engines}, each publishing a 16-block Stored and a Load every millisecond.\n"
+    );
+    println!(
         "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
     );
     println!("|---|---|---|---|---|---|---|---|---|---|");
@@ -325,7 +344,7 @@ fn main() {
         let (e50, e99) = echo(pace, n);
         for rings in [false, true] {
             for (&spin, &warm) in spins.iter().flat_map(|s| warms.iter().map(move |w| (s, w))) {
-                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, reserve);
+                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, reserve, engines);
                 println!(
                     "| {} | {} | {spin} µs | {warm} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
                     pace.label(),
