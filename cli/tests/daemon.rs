@@ -856,3 +856,56 @@ fn query_channels_can_be_turned_off() {
         .unwrap_err();
     assert_eq!(err.0, Status::NoWorker);
 }
+
+/// CPU time (user and system) the process `pid` has used so far.
+fn cpu_time(pid: u32) -> Duration {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which ends at the last ')': state is
+    // the first, utime and stime the 12th and 13th, in clock ticks.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<u64> = rest
+        .split(' ')
+        .skip(11)
+        .take(2)
+        .map(|f| f.parse().unwrap())
+        .collect();
+    let out = Command::new("getconf").arg("CLK_TCK").output().unwrap();
+    let hz: u64 = String::from_utf8(out.stdout)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    Duration::from_micros((fields[0] + fields[1]) * 1_000_000 / hz)
+}
+
+#[test]
+fn between_engine_records_the_daemon_sleeps() {
+    // Three engines publish a record each every 50 ms, so every record
+    // comes while the loop sleeps and its ring's eventfd wakes it. A wake-up
+    // left undrained would keep the eventfd readable and the loop from
+    // sleeping again: the daemon would spend the whole second on the CPU.
+    let d = start("sleeps");
+    let mut engines: Vec<Publisher> = (1..=3).map(|id| engine(&d, id)).collect();
+    wait_for(
+        || common::ask(&d.query(), json!({"op": "stats"}))["workers"] == json!(3),
+        "three engines",
+    );
+    let before = cpu_time(d.child.id());
+    let start = std::time::Instant::now();
+    for round in 0..20u64 {
+        for (i, e) in engines.iter_mut().enumerate() {
+            e.publish_stored_hashes(Tier::Device, None, &[round * 8 + i as u64 + 1])
+                .unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let used = cpu_time(d.child.id()) - before;
+    let wall = start.elapsed();
+    assert!(
+        used < wall / 4,
+        "the daemon used {used:?} of CPU in {wall:?} of sparse engine records"
+    );
+    // And it saw every record.
+    let blocks = common::ask(&d.query(), json!({"op": "stats"}))["index_entries"].clone();
+    assert_eq!(blocks, json!(60), "{blocks}");
+}

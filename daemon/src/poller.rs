@@ -1,9 +1,9 @@
 //! The routing thread's one epoll set: every socket (listeners, engine
 //! control connections, clients, the jobs eventfd) keyed by its fd, and
-//! every ring's wake eventfd under a key of its own. A busy turn asks the
-//! set once, without waiting, which sockets are readable (one system call
-//! whatever their number); an idle loop sleeps in the same set, so a
-//! socket or a ring record wakes it.
+//! every ring's wake eventfd keyed by its fd and a bit of its own. A busy
+//! turn asks the set once, without waiting, which sockets are readable
+//! (one system call whatever their number); an idle loop sleeps in the
+//! same set, so a socket or a ring record wakes it, and notes which.
 
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
@@ -11,9 +11,10 @@ use std::time::Duration;
 
 use rustix::event::epoll;
 
-/// The epoll key of a ring's wake eventfd: it only ends a sleep, so
-/// readiness checks skip it.
-const WAKE_KEY: u64 = u64::MAX;
+/// Set in the epoll key of a ring's wake eventfd (beside its number): it
+/// only ends a sleep, so readiness checks skip it, and a sleep notes which
+/// one ended it, so that only that one is drained.
+const WAKE_BIT: u64 = 1 << 63;
 
 /// The epoll set and the readiness it last reported.
 #[derive(Debug)]
@@ -24,6 +25,8 @@ pub(crate) struct Poller {
     /// The last sleep's events are in `ready` already, so the check after
     /// it need not ask the set again.
     slept: bool,
+    /// Wake eventfds readable when the last sleep ended, indexed by fd.
+    woken: Vec<bool>,
 }
 
 impl Poller {
@@ -32,6 +35,7 @@ impl Poller {
             epoll: epoll::create(epoll::CreateFlags::CLOEXEC)?,
             ready: Vec::new(),
             slept: false,
+            woken: Vec::new(),
         })
     }
 
@@ -45,7 +49,8 @@ impl Poller {
     /// removed explicitly ([`Poller::unwatch`]): the peer holds a copy of
     /// the eventfd, so closing ours does not take it out of the set.
     pub fn watch_wake(&self, fd: impl AsFd) -> io::Result<()> {
-        self.add(fd, WAKE_KEY)
+        let key = WAKE_BIT | fd.as_fd().as_raw_fd() as u64;
+        self.add(fd, key)
     }
 
     fn add(&self, fd: impl AsFd, key: u64) -> io::Result<()> {
@@ -90,32 +95,33 @@ impl Poller {
             tv_sec: 0,
             tv_nsec: 0,
         };
-        self.wait(&zero);
+        self.wait(&zero, false);
     }
 
-    /// Waits for at most `timeout` and notes which sockets are readable.
-    /// Returns whether a ring's wake eventfd was. On the stack:
+    /// Waits for at most `timeout` and notes which sockets are readable
+    /// (and, with `wakes`, which wake eventfds). On the stack:
     /// `epoll::Event` carries a raw pointer, which would make a retained
-    /// buffer (and so the server) not `Send`. Level triggered: sockets
-    /// beyond 256 ready ones are reported next time. EINTR reports nothing.
-    fn wait(&mut self, timeout: &rustix::time::Timespec) -> bool {
+    /// buffer (and so the server) not `Send`. Level triggered: fds beyond
+    /// 256 ready ones are reported next time. EINTR reports nothing.
+    fn wait(&mut self, timeout: &rustix::time::Timespec, wakes: bool) {
         let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 256];
-        let mut ring_woke = false;
         if let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf[..], Some(timeout)) {
             for ev in events.iter() {
                 let key = ev.data.u64();
-                if key == WAKE_KEY {
-                    ring_woke = true;
+                let fd = (key & !WAKE_BIT) as usize;
+                let marks = if key & WAKE_BIT == 0 {
+                    &mut self.ready
+                } else if wakes {
+                    &mut self.woken
+                } else {
                     continue;
+                };
+                if fd >= marks.len() {
+                    marks.resize(fd + 1, false);
                 }
-                let fd = key as usize;
-                if fd >= self.ready.len() {
-                    self.ready.resize(fd + 1, false);
-                }
-                self.ready[fd] = true;
+                marks[fd] = true;
             }
         }
-        ring_woke
     }
 
     /// Whether `fd` was readable (or, when asked for, writable) at the
@@ -127,15 +133,21 @@ impl Poller {
     }
 
     /// Sleeps until a watched fd is readable or `timeout` passes, and
-    /// notes what woke it for the next [`Poller::check`]. Returns whether
-    /// a ring's wake eventfd was readable (its counter needs draining).
-    pub fn sleep(&mut self, timeout: Duration) -> bool {
+    /// notes what woke it: sockets for the next [`Poller::check`], wake
+    /// eventfds for [`Poller::woke`].
+    pub fn sleep(&mut self, timeout: Duration) {
         let ts = rustix::time::Timespec::try_from(timeout).unwrap_or(rustix::time::Timespec {
             tv_sec: 0,
             tv_nsec: 100_000_000,
         });
-        let ring_woke = self.wait(&ts);
+        self.woken.fill(false);
+        self.wait(&ts, true);
         self.slept = true;
-        ring_woke
+    }
+
+    /// Whether wake eventfd `fd` was readable when the last sleep ended
+    /// (its counter needs draining).
+    pub fn woke(&self, fd: BorrowedFd<'_>) -> bool {
+        self.woken.get(fd.as_raw_fd() as usize).is_some_and(|&w| w)
     }
 }

@@ -331,12 +331,13 @@ impl Server {
             }
             return;
         }
-        // A ring's eventfd is read only when the sleep saw one readable:
-        // a system call per ring fewer on a wake-up by a socket or the
-        // timeout.
-        let ring_woke = self.poller.sleep(timeout);
-        for ring in self.rings() {
-            if ring_woke {
+        // Only the eventfds the sleep saw readable are read: a system call
+        // per ring fewer on a wake-up by a socket, the clock or another
+        // ring.
+        self.poller.sleep(timeout);
+        let poller = &self.poller;
+        for ring in self.engines.rings().chain(self.clients.rings()) {
+            if poller.woke(ring.wake_fd()) {
                 ring.end_sleep();
             } else {
                 ring.clear_sleep();
