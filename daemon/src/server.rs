@@ -335,6 +335,7 @@ impl Server {
         // per ring fewer on a wake-up by a socket, the clock or another
         // ring.
         self.poller.sleep(timeout);
+        // The rings of `rings()`, borrowed field by field beside the poller.
         let poller = &self.poller;
         for ring in self.engines.rings().chain(self.clients.rings()) {
             if poller.woke(ring.wake_fd()) {

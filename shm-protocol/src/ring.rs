@@ -600,7 +600,21 @@ impl Consumer {
         h.consumer_sleeping
             .0
             .store(CONSUMER_SLEEPING | self.force_bits(), Ordering::Relaxed);
-        let producer_flags = h.identity.0.producer_flags.load(Ordering::Relaxed);
+        self.relies_on_barrier()
+    }
+
+    /// Whether the producer publishes with a compiler fence only and so
+    /// relies on the consumer's barrier for its half of the Dekker pair in
+    /// `Producer::try_push` (the membarrier runs a real barrier on its CPU,
+    /// and is a full fence for us).
+    fn relies_on_barrier(&self) -> bool {
+        let producer_flags = self
+            .seg
+            .header()
+            .identity
+            .0
+            .producer_flags
+            .load(Ordering::Relaxed);
         producer_flags & PRODUCER_ASYMMETRIC_FENCE != 0 && !self.force_fence
     }
 
@@ -615,8 +629,7 @@ impl Consumer {
         // the producer to fence for itself from now on; until it reads
         // that, a wake-up can be late by at most the caller's sleep
         // timeout.
-        let producer_flags = h.identity.0.producer_flags.load(Ordering::Relaxed);
-        if producer_flags & PRODUCER_ASYMMETRIC_FENCE != 0 && !self.force_fence && !barrier {
+        if !barrier && self.relies_on_barrier() {
             self.force_fence = true;
             h.consumer_sleeping
                 .0
@@ -648,8 +661,8 @@ impl Consumer {
     }
 
     /// Clears the sleeping flag but leaves the eventfd as it is: for a
-    /// caller whose sleep reported no ring's eventfd readable, which saves
-    /// a read per ring. A producer that wrote the eventfd since leaves it
+    /// caller whose sleep did not report this ring's eventfd readable,
+    /// which saves a read. A producer that wrote the eventfd since leaves it
     /// readable, so the next sleep ends at once and drains it.
     pub fn clear_sleep(&mut self) {
         self.seg
