@@ -7,6 +7,10 @@
 //! per entry at 10 million entries (printed; counted by allocation-counter).
 //!
 //! `cargo bench --bench index`
+//!
+//! `... -- --walk-loop warm|cold ITERATIONS` skips criterion and runs that
+//! many overlap walks over the fixture, for counting a walk's instructions
+//! under `valgrind --tool=callgrind`, or its misses under `perf stat`.
 
 #![forbid(unsafe_code)]
 
@@ -50,7 +54,76 @@ fn load_lines(lines: &[[u64; 8]], set: &[u32; 128]) -> u64 {
     acc
 }
 
+/// Overlap: worker 0 holds the request's whole 128-block chain; the
+/// request's blocks are also scattered over other workers' chains, in a
+/// 1-million-block index.
+fn overlap_fixture() -> (KvIndex, Vec<u64>) {
+    let mut ix = filled(1_000_000);
+    let request: Vec<u64> = (0..128u64).map(|i| mix(0xF00D << 40 | i)).collect();
+    ix.store(Slot::new(0).unwrap(), Tier::Device, &request);
+    for w in 1..MAX_WORKERS {
+        let held = w * 2; // worker w holds a prefix of 2w blocks
+        ix.store(
+            Slot::new(w).unwrap(),
+            Tier::Device,
+            &request[..held.min(128)],
+        );
+    }
+    (ix, request)
+}
+
+/// The cold walk's requests: 4,096 different fully cached ones, stored into
+/// `ix`, taken in turn so that their entries are not in the CPU caches
+/// from the last walk.
+fn cold_requests(ix: &mut KvIndex) -> Vec<Vec<u64>> {
+    let requests: Vec<Vec<u64>> = (0..4096u64)
+        .map(|r| {
+            (0..128u64)
+                .map(|i| mix(0xC01D << 44 | r << 8 | i))
+                .collect()
+        })
+        .collect();
+    for (r, req) in requests.iter().enumerate() {
+        ix.store(Slot::new(r % MAX_WORKERS).unwrap(), Tier::Device, req);
+    }
+    requests
+}
+
+/// `--walk-loop warm|cold ITERATIONS`, if given: builds the overlap
+/// fixture (and the cold requests), runs that many walks and returns true.
+/// For counting a walk's instructions under callgrind, or its cache and
+/// TLB misses under `perf stat` where the CPU exposes counters: the
+/// difference between two iteration counts is the walks' own.
+fn walk_loop() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(at) = args.iter().position(|a| a == "--walk-loop") else {
+        return false;
+    };
+    let usage = "--walk-loop warm|cold ITERATIONS";
+    let cold = match args.get(at + 1).map(String::as_str) {
+        Some("warm") => false,
+        Some("cold") => true,
+        _ => panic!("{usage}"),
+    };
+    let iterations: usize = args.get(at + 2).and_then(|n| n.parse().ok()).expect(usage);
+    let (mut ix, request) = overlap_fixture();
+    let requests = if cold {
+        cold_requests(&mut ix)
+    } else {
+        vec![request]
+    };
+    let mut out = Overlap::default();
+    for k in 0..iterations {
+        ix.overlap(black_box(&requests[k % requests.len()]), u64::MAX, &mut out);
+        black_box(out.blocks[0][0]);
+    }
+    true
+}
+
 fn main() {
+    if walk_loop() {
+        return;
+    }
     let mut c = Criterion::default().configure_from_args();
 
     // Memory at 10 million entries (one worker per block: the worst case).
@@ -100,19 +173,7 @@ fn main() {
         })
     });
 
-    // Overlap: worker 0 holds the request's whole 128-block chain; the
-    // request's blocks are also scattered over other workers' chains.
-    let mut ix = filled(1_000_000);
-    let request: Vec<u64> = (0..128u64).map(|i| mix(0xF00D << 40 | i)).collect();
-    ix.store(Slot::new(0).unwrap(), Tier::Device, &request);
-    for w in 1..MAX_WORKERS {
-        let held = w * 2; // worker w holds a prefix of 2w blocks
-        ix.store(
-            Slot::new(w).unwrap(),
-            Tier::Device,
-            &request[..held.min(128)],
-        );
-    }
+    let (mut ix, request) = overlap_fixture();
     let mut out = Overlap::default();
     g.throughput(Throughput::Elements(128));
     g.bench_function("overlap_128_blocks_64_workers_1m_index", |b| {
@@ -127,18 +188,7 @@ fn main() {
     assert_eq!(out.get(Slot::new(0).unwrap(), Tier::Device), 128);
     assert_eq!(out.get(Slot::new(5).unwrap(), Tier::Device), 10);
 
-    // The same query, but cold: 4,096 different fully cached requests taken
-    // in turn, so their entries are not in the CPU caches from the last run.
-    let requests: Vec<Vec<u64>> = (0..4096u64)
-        .map(|r| {
-            (0..128u64)
-                .map(|i| mix(0xC01D << 44 | r << 8 | i))
-                .collect()
-        })
-        .collect();
-    for (r, req) in requests.iter().enumerate() {
-        ix.store(Slot::new(r % MAX_WORKERS).unwrap(), Tier::Device, req);
-    }
+    let requests = cold_requests(&mut ix);
     let mut k = 0usize;
     g.bench_function("overlap_128_blocks_64_workers_1m_index_cold", |b| {
         b.iter(|| {

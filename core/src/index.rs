@@ -722,6 +722,75 @@ mod tests {
         );
     }
 
+    /// The walk against its definition (per worker and tier, the leading
+    /// hashes held), over requests whose prefixes break at random places
+    /// and run past every batch boundary, with random candidate masks.
+    #[test]
+    fn overlap_agrees_with_counting_leading_hashes() {
+        let mut state = 0x0ddba11_u64;
+        let mut next = move || {
+            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = state;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            z ^ (z >> 31)
+        };
+        let tiers = [Tier::Device, Tier::Host, Tier::Disk];
+        let mut ix = KvIndex::new(usize::MAX);
+        let mut model: HashSet<(u64, usize, usize)> = HashSet::new();
+        let chain: Vec<u64> = (0..300).map(|_| next()).collect();
+        // Each of 70 (worker, tier) pairs holds a prefix of the chain with
+        // a few holes, so prefixes end everywhere, also inside batches.
+        for _ in 0..70 {
+            let (w, t) = ((next() % 64) as usize, (next() % 3) as usize);
+            let len = (next() % 301) as usize;
+            let held: Vec<u64> = chain[..len]
+                .iter()
+                .copied()
+                .filter(|_| next() % 40 != 0)
+                .collect();
+            ix.store(s(w), tiers[t], &held);
+            model.extend(held.iter().map(|&h| (h, w, t)));
+        }
+        // Unrelated entries, so the tables have other keys in their buckets.
+        let noise: Vec<u64> = (0..20_000).map(|_| next()).collect();
+        ix.store(s(5), Tier::Device, &noise);
+        let mut out = Overlap::default();
+        for round in 0..400 {
+            let len = match round % 4 {
+                0 => (next() % 10) as usize,
+                _ => (next() % 301) as usize,
+            };
+            let mut request = chain[..len].to_vec();
+            if round % 3 == 0 && len > 0 {
+                let at = (next() % len as u64) as usize;
+                request[at] = next(); // a miss in the middle
+            }
+            let candidates = match round % 5 {
+                0 => u64::MAX,
+                1 => 0,
+                _ => next() & next(),
+            };
+            ix.overlap(&request, candidates, &mut out);
+            for t in 0..3 {
+                for w in 0..64 {
+                    let expected = if candidates & (1 << w) == 0 {
+                        0
+                    } else {
+                        request
+                            .iter()
+                            .take_while(|&&h| model.contains(&(h, w, t)))
+                            .count() as u32
+                    };
+                    assert_eq!(
+                        out.blocks[t][w], expected,
+                        "round {round}, worker {w}, tier {t}"
+                    );
+                }
+            }
+        }
+    }
+
     #[test]
     fn slots_are_bounded() {
         assert!(Slot::new(63).is_some());
