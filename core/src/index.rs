@@ -489,42 +489,41 @@ impl KvIndex {
             if map.len == 0 || candidates == 0 {
                 continue;
             }
+            let row = &mut out.blocks[t];
             let mut alive = candidates;
             // Ask for the lines of several lookups before reading any, so
             // their cache misses are in flight together. Batches double (8,
             // 16, 32, 64): a short or absent prefix stops after a few
             // lookups, a long one gets the parallelism.
             const MAX_BATCH: usize = 64;
-            let mut masks = [0u64; MAX_BATCH];
             let mut homes = [map.buckets_of(0); MAX_BATCH];
             let mut batch = 8;
             let mut start = 0;
-            while start < hashes.len() && alive != 0 {
+            'walk: while start < hashes.len() {
                 let chunk = &hashes[start..(start + batch).min(hashes.len())];
                 for (home, &h) in homes.iter_mut().zip(chunk) {
                     *home = map.buckets_of(map.hash(h));
                     home.0.prefetch();
                     home.1.prefetch();
                 }
-                for ((m, &(first, second)), &h) in masks.iter_mut().zip(&homes).zip(chunk) {
-                    *m = mask_in(first, second, h);
-                }
-                for (k, &m) in masks[..chunk.len()].iter().enumerate() {
-                    let next = alive & m;
-                    let dropped = alive & !next;
-                    if dropped != 0 {
-                        record(&mut out.blocks[t], dropped, (start + k) as u32);
-                    }
-                    alive = next;
-                    if alive == 0 {
-                        break;
+                // Each lookup's mask is read as the walk reaches it (the
+                // lines are on their way); the mask of workers still
+                // matching changes only where a prefix ends.
+                for (k, (&(first, second), &h)) in homes.iter().zip(chunk).enumerate() {
+                    let next = alive & mask_in(first, second, h);
+                    if next != alive {
+                        record(row, alive ^ next, (start + k) as u32);
+                        alive = next;
+                        if alive == 0 {
+                            break 'walk;
+                        }
                     }
                 }
                 start += chunk.len();
                 batch = (batch * 2).min(MAX_BATCH);
             }
             if alive != 0 {
-                record(&mut out.blocks[t], alive, hashes.len() as u32);
+                record(row, alive, hashes.len() as u32);
             }
         }
     }
