@@ -653,19 +653,23 @@ mod tests {
         }
     }
 
-    /// Random stores, removals and clears against a plain set of (hash,
-    /// worker, tier) entries, with workers small enough to keep their list
-    /// and large enough to be swept, and hashes removed and stored again.
-    #[test]
-    fn random_operations_agree_with_a_plain_model() {
-        let mut state = 0x5eed_u64;
-        let mut next = move || {
+    /// Deterministic, well-mixed values (splitmix64) from `state`.
+    fn splitmix(mut state: u64) -> impl FnMut() -> u64 {
+        move || {
             state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
             let mut z = state;
             z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
             z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
             z ^ (z >> 31)
-        };
+        }
+    }
+
+    /// Random stores, removals and clears against a plain set of (hash,
+    /// worker, tier) entries, with workers small enough to keep their list
+    /// and large enough to be swept, and hashes removed and stored again.
+    #[test]
+    fn random_operations_agree_with_a_plain_model() {
+        let mut next = splitmix(0x5eed);
         let mut ix = KvIndex::new(usize::MAX);
         let mut model: HashSet<(u64, usize, usize)> = HashSet::new();
         let tiers = [Tier::Device, Tier::Host, Tier::Disk];
@@ -726,14 +730,7 @@ mod tests {
     /// and run past every batch boundary, with random candidate masks.
     #[test]
     fn overlap_agrees_with_counting_leading_hashes() {
-        let mut state = 0x0ddba11_u64;
-        let mut next = move || {
-            state = state.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = state;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            z ^ (z >> 31)
-        };
+        let mut next = splitmix(0x00dd_ba11);
         let tiers = [Tier::Device, Tier::Host, Tier::Disk];
         let mut ix = KvIndex::new(usize::MAX);
         let mut model: HashSet<(u64, usize, usize)> = HashSet::new();
@@ -746,7 +743,7 @@ mod tests {
             let held: Vec<u64> = chain[..len]
                 .iter()
                 .copied()
-                .filter(|_| next() % 40 != 0)
+                .filter(|_| !next().is_multiple_of(40))
                 .collect();
             ix.store(s(w), tiers[t], &held);
             model.extend(held.iter().map(|&h| (h, w, t)));
