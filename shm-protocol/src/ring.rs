@@ -59,6 +59,8 @@ pub struct Producer {
     head_cache: u64,
     next_seq: u64,
     dropped: u64,
+    /// Commits that found the consumer asleep and wrote its eventfd.
+    wakes: u64,
     max_payload: usize,
     /// Set when the consumer published an impossible head; from then on every
     /// record is dropped (the daemon will notice the silence or the gap).
@@ -104,6 +106,7 @@ impl Producer {
             head_cache: 0,
             next_seq: 0,
             dropped: 0,
+            wakes: 0,
             consumer_broken: false,
             asymmetric,
         })
@@ -140,6 +143,14 @@ impl Producer {
     /// Records dropped so far because the ring was full.
     pub fn dropped(&self) -> u64 {
         self.dropped
+    }
+
+    /// Commits so far that found the consumer asleep and woke it (wrote its
+    /// eventfd). A caller that waits for an answer compares it before and
+    /// after a push to learn whether it has just woken the consumer, which
+    /// the kernel then tends to run on the caller's CPU.
+    pub fn wakes(&self) -> u64 {
+        self.wakes
     }
 
     /// The attach epoch the daemon wrote into the segment.
@@ -290,8 +301,9 @@ impl Producer {
         }
     }
 
-    fn wake(&self) {
+    fn wake(&mut self) {
         if let Some(fd) = &self.wake {
+            self.wakes += 1;
             // A full eventfd counter (EAGAIN) already means "wake up"; any
             // other error cannot be acted on without blocking the engine.
             let _ = rustix::io::write(fd, &1u64.to_ne_bytes());

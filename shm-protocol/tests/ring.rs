@@ -315,7 +315,7 @@ fn sleeping_consumer_is_woken_by_a_push() {
     assert!(c.wait(Duration::ZERO, Duration::from_secs(30)));
     assert!(start.elapsed() < Duration::from_secs(20));
     assert_eq!(c.poll().unwrap().unwrap().payload, b"wake");
-    let _p = t.join().unwrap();
+    assert_eq!(t.join().unwrap().wakes(), 1, "the push found it asleep");
     assert_eq!(
         c.segment()
             .header()
@@ -495,6 +495,7 @@ fn a_sleep_flag_cleared_without_a_read_leaves_the_wake_up_for_the_next_sleep() {
     // The producer sees the flag and writes the eventfd; the consumer, woken
     // by something else, clears its flag without reading it.
     p.try_push(1, 0, b"x").unwrap();
+    assert_eq!(p.wakes(), 1);
     c.clear_sleep();
     let wake = c.wake_fd();
     let mut fds = [rustix::event::PollFd::new(
@@ -508,6 +509,7 @@ fn a_sleep_flag_cleared_without_a_read_leaves_the_wake_up_for_the_next_sleep() {
     assert_eq!(rustix::event::poll(&mut fds, Some(&zero)).unwrap(), 1);
     // An awake consumer is not signalled again; end_sleep drains the counter.
     p.try_push(1, 0, b"y").unwrap();
+    assert_eq!(p.wakes(), 1);
     c.end_sleep();
     let mut buf = [0u8; 8];
     assert!(rustix::io::read(c.wake_fd(), &mut buf).is_err());
@@ -523,6 +525,7 @@ fn producer_does_not_signal_an_awake_consumer() {
     let mut buf = [0u8; 8];
     // No wake-up was written: the eventfd is empty (non-blocking read fails).
     assert!(rustix::io::read(c.wake_fd(), &mut buf).is_err());
+    assert_eq!(p.wakes(), 0);
 }
 
 #[test]
