@@ -712,6 +712,22 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
         .unwrap()
         .unwrap();
     assert_eq!(r.overlap_blocks[0], 16);
+    // A request that finds the loop asleep wakes it through the ring's
+    // eventfd (the client then waits for the reply yielding its CPU), and
+    // is answered like any other.
+    let woken = ring.channel().unwrap().requests.wakes();
+    wait_for(
+        || {
+            std::thread::sleep(Duration::from_millis(20));
+            let r = ring
+                .select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 256, true)
+                .unwrap()
+                .unwrap();
+            assert_eq!((r.worker_id, r.overlap_blocks[0]), (1, 16));
+            ring.channel().unwrap().requests.wakes() > woken
+        },
+        "a select that woke the sleeping loop",
+    );
 
     // Bad records in a raw channel: each gets its error reply.
     let (raw_stream, mut raw) = raw_channel(&d.query());

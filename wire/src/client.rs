@@ -41,6 +41,24 @@ pub type Outcome<T> = io::Result<Result<T, (Status, String)>>;
 /// endpoint; an error, its message).
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
 
+/// How long a blocking client on a query channel polls for its reply
+/// before it sleeps on the reply ring's eventfd.
+const RING_SPIN: Duration = Duration::from_micros(50);
+
+/// The first part of that poll, in which it holds its CPU (a pause between
+/// checks): long enough for an awake daemon on another core to answer a
+/// select. After it, and from the start when the request found the daemon
+/// asleep and woke it, the client yields its CPU between checks. The
+/// kernel tends to run a woken thread on its waker's core, and a daemon
+/// sharing this core could not answer while the client held it: the
+/// reply then came only once the client gave up and slept (BENCHMARKS.md,
+/// "A query-channel client that yields").
+const RING_HOLD: Duration = Duration::from_micros(5);
+
+/// The longest sleep between checks that the daemon is still there and
+/// that the call's timeout has not passed.
+const RING_SLEEP_SLICE: Duration = Duration::from_millis(10);
+
 /// The status of a reply's code; one this version does not know is an
 /// `InvalidData` error (a newer daemon; this client cannot tell what it
 /// means).
@@ -224,6 +242,7 @@ impl Client {
     /// `broken` set; clears it on success.
     fn ring_round_trip(&mut self) -> io::Result<(u16, &[u8])> {
         let rings = self.rings.as_mut().expect("attached");
+        let wakes = rings.requests.wakes();
         match rings.requests.try_push(channel::FRAME, 0, &self.out[4..]) {
             Ok(Push::Committed { .. }) => {}
             Ok(Push::Dropped { .. }) => {
@@ -233,6 +252,9 @@ impl Client {
             }
             Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidInput, e)),
         }
+        // Whether the daemon was asleep and this request woke it (see
+        // `RING_HOLD`).
+        let woke_daemon = rings.requests.wakes() != wakes;
         let start = Instant::now();
         let mut turns = 0u32;
         loop {
@@ -251,8 +273,9 @@ impl Client {
                 Ok(None) => {}
                 Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
             }
-            // Waiting: spin, or (blocking client) sleep on the wake eventfd
-            // in slices; between them, make sure the daemon is still there.
+            // Waiting: spin, or (blocking client) poll for `RING_SPIN`, then
+            // sleep on the wake eventfd in slices; between them, make sure
+            // the daemon is still there.
             turns = turns.wrapping_add(1);
             if self.spinning {
                 std::hint::spin_loop();
@@ -260,9 +283,16 @@ impl Client {
                     continue;
                 }
             } else {
-                rings
-                    .replies
-                    .wait(Duration::from_micros(50), Duration::from_millis(10));
+                let waited = start.elapsed();
+                if waited < RING_SPIN {
+                    if waited < RING_HOLD && !woke_daemon {
+                        std::hint::spin_loop();
+                    } else {
+                        std::thread::yield_now();
+                    }
+                    continue;
+                }
+                rings.replies.wait(Duration::ZERO, RING_SLEEP_SLICE);
             }
             if kvedge_shm::control::connection_closed(&self.stream)? {
                 return Err(io::Error::new(
