@@ -42,18 +42,17 @@ pub type Outcome<T> = io::Result<Result<T, (Status, String)>>;
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
 
 /// How long a blocking client on a query channel polls for its reply
-/// before it sleeps on the reply ring's eventfd.
+/// before it sleeps on the reply ring's eventfd. It holds its CPU while it
+/// polls (a pause between checks), except when its request found the daemon
+/// asleep and woke it: then it yields the CPU between checks. The kernel
+/// tends to run a woken thread on its waker's core, and a daemon placed
+/// there could not answer while the client held it; the reply came only
+/// once a blocking client's poll ended and it slept, or once the
+/// scheduler's tick preempted a spinning client (BENCHMARKS.md, "A
+/// query-channel client that yields to the loop it woke"). An awake
+/// daemon is not yielded to: with other threads wanting the CPU, a yield
+/// hands it to them, and a busy daemon's replies then came later.
 const RING_SPIN: Duration = Duration::from_micros(50);
-
-/// The first part of that poll, in which it holds its CPU (a pause between
-/// checks): long enough for an awake daemon on another core to answer a
-/// select. After it, and from the start when the request found the daemon
-/// asleep and woke it, the client yields its CPU between checks. The
-/// kernel tends to run a woken thread on its waker's core, and a daemon
-/// sharing this core could not answer while the client held it: the
-/// reply then came only once the client gave up and slept (BENCHMARKS.md,
-/// "A query-channel client that yields").
-const RING_HOLD: Duration = Duration::from_micros(5);
 
 /// The longest sleep between checks that the daemon is still there and
 /// that the call's timeout has not passed.
@@ -118,7 +117,10 @@ impl Client {
     }
 
     /// Spin on a non-blocking socket while waiting for replies (`true`), or
-    /// block in `read` (`false`, the default).
+    /// block in `read` (`false`, the default). On a query channel a
+    /// spinning client polls the reply ring without ever sleeping, yielding
+    /// its CPU between checks only when its request woke the daemon (see
+    /// `RING_SPIN`).
     pub fn set_spinning(&mut self, spinning: bool) -> io::Result<()> {
         self.stream.set_nonblocking(spinning)?;
         self.spinning = spinning;
@@ -253,7 +255,7 @@ impl Client {
             Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidInput, e)),
         }
         // Whether the daemon was asleep and this request woke it (see
-        // `RING_HOLD`).
+        // `RING_SPIN`).
         let woke_daemon = rings.requests.wakes() != wakes;
         let start = Instant::now();
         let mut turns = 0u32;
@@ -273,25 +275,23 @@ impl Client {
                 Ok(None) => {}
                 Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
             }
-            // Waiting: spin, or (blocking client) poll for `RING_SPIN`, then
-            // sleep on the wake eventfd in slices; between them, make sure
-            // the daemon is still there.
-            turns = turns.wrapping_add(1);
-            if self.spinning {
-                std::hint::spin_loop();
-                if !turns.is_multiple_of(4096) {
+            // Waiting: poll (a spinning client for as long as it takes, a
+            // blocking one for `RING_SPIN`), holding the CPU unless this
+            // request woke the daemon (see `RING_SPIN`); a blocking client
+            // then sleeps on the wake eventfd in slices. Between slices (a
+            // spinning client: every few thousand checks), make sure the
+            // daemon is still there.
+            if self.spinning || start.elapsed() < RING_SPIN {
+                if woke_daemon {
+                    std::thread::yield_now();
+                } else {
+                    std::hint::spin_loop();
+                }
+                turns = turns.wrapping_add(1);
+                if !self.spinning || !turns.is_multiple_of(4096) {
                     continue;
                 }
             } else {
-                let waited = start.elapsed();
-                if waited < RING_SPIN {
-                    if waited < RING_HOLD && !woke_daemon {
-                        std::hint::spin_loop();
-                    } else {
-                        std::thread::yield_now();
-                    }
-                    continue;
-                }
                 rings.replies.wait(Duration::ZERO, RING_SLEEP_SLICE);
             }
             if kvedge_shm::control::connection_closed(&self.stream)? {
