@@ -16,9 +16,11 @@
 //! clock and sorts the samples.
 //!
 //! With `--engines N`, N engines publish (the first holds the prompt), as
-//! on a node of several GPUs: the daemon then reads N rings.
+//! on a node of several GPUs: the daemon then reads N rings. With
+//! `--spinning-client` the client spins while it waits
+//! (`Client::set_spinning`) instead of blocking; the echo still blocks.
 //!
-//! `cargo bench --bench paced [-- --quick] [--reserve] [--engines N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
+//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -189,6 +191,14 @@ impl Drop for Daemon {
     }
 }
 
+/// How the bench's client asks: real selects (`--reserve`) or dry runs,
+/// spinning while it waits (`--spinning-client`) or blocking.
+#[derive(Clone, Copy)]
+struct ClientMode {
+    reserve: bool,
+    spinning: bool,
+}
+
 /// Sessions the selects of `--reserve` take turns with.
 const SESSIONS: usize = 64;
 
@@ -201,12 +211,14 @@ fn selects(
     n: u32,
     spin_us: u64,
     warm_us: u64,
-    reserve: bool,
+    client: ClientMode,
     engines: u64,
 ) -> (Duration, Duration, f64, f64) {
+    let ClientMode { reserve, spinning } = client;
     let name = if rings { "rings" } else { "socket" };
     let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines);
     let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
+    c.set_spinning(spinning).unwrap();
     if rings {
         c.attach_rings().unwrap().unwrap();
     }
@@ -284,6 +296,8 @@ fn main() {
     // `--reserve`: real selects (load reserved, a session bound), each
     // finished after it, instead of dry runs.
     let reserve = args.iter().any(|a| a == "--reserve");
+    let spinning = args.iter().any(|a| a == "--spinning-client");
+    let client = ClientMode { reserve, spinning };
     // `--only <label prefix>` runs the matching rows (for profiling one).
     let only = args
         .iter()
@@ -329,6 +343,9 @@ fn main() {
     println!(
         "Engines: {engines}, each publishing a 16-block Stored and a Load every millisecond.\n"
     );
+    if spinning {
+        println!("Clients: spinning while they wait (the echo blocks).\n");
+    }
     println!(
         "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
     );
@@ -344,7 +361,7 @@ fn main() {
         let (e50, e99) = echo(pace, n);
         for rings in [false, true] {
             for (&spin, &warm) in spins.iter().flat_map(|s| warms.iter().map(move |w| (s, w))) {
-                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, reserve, engines);
+                let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, client, engines);
                 println!(
                     "| {} | {} | {spin} µs | {warm} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
                     pace.label(),

@@ -306,6 +306,24 @@ fn main() {
     g.bench_function("engine_commit_to_visible_in_ring_select_daemon_busy", |b| {
         b.iter_custom(|iters| commit_to_visible(iters, &mut k, &mut engines[0], &mut ring))
     });
+    // The same client blocking while it waits, as most frontends' clients
+    // do: with another thread wanting the CPU, what a blocking client does
+    // while it polls (hold the CPU or yield it) shows here.
+    ring.set_spinning(false).unwrap();
+    g.bench_function(
+        "engine_commit_to_visible_in_blocking_ring_select_daemon_busy",
+        |b| b.iter_custom(|iters| commit_to_visible(iters, &mut k, &mut engines[0], &mut ring)),
+    );
+    g.bench_function(
+        "ring_select_1_hash_round_trip_blocking_client_daemon_busy",
+        |b| {
+            b.iter(|| {
+                ring.select_hashes("llama", kvedge_wire::Role::Aggregated, &[1], 16, true)
+                    .unwrap()
+                    .unwrap()
+            })
+        },
+    );
     busy_stop.store(true, Ordering::Relaxed);
     let background_selects = background.join().unwrap();
     eprintln!(
