@@ -976,9 +976,8 @@ pub unsafe extern "C" fn kvedge_client_set_timeout_ms(
 /// sleeps. It holds its CPU while it polls, except when its request woke
 /// the sleeping daemon: then it yields the CPU between checks, so that a
 /// daemon the kernel placed on the same core runs at once. Requests too
-/// large for the
-/// ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves the client
-/// working over the socket. Calling it again is a no-op.
+/// large for the ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves
+/// the client working over the socket. Calling it again is a no-op.
 ///
 /// # Safety
 /// `client` is a live handle used by this thread only.
