@@ -1,6 +1,6 @@
 //! The daemon over its sockets (targets in BENCHMARKS.md): a select round trip over
 //! `query.sock` with a client that spins on the socket and with one that
-//! blocks in `read`; 16 clients in parallel; and an engine's commit until
+//! sleeps until its reply arrives; 16 clients in parallel; and an engine's commit until
 //! the next select sees it. The server runs in a thread of this process
 //! (the same `Server` that `kvedge run` runs).
 //!

@@ -16,8 +16,9 @@ use crate::binary::{MAGIC, decode_select_reply, encode_request};
 use crate::reply::{SelectReply, SelectView};
 use crate::request::{Ids, Request, Role, Select};
 
-/// A client of the binary protocol. It blocks in `read` by default;
-/// [`Client::set_spinning`] makes it spin on a non-blocking socket instead
+/// A client of the binary protocol. By default it checks for its reply
+/// for up to 50 µs, yielding its CPU between checks, and then sleeps until
+/// the reply arrives; [`Client::set_spinning`] makes it spin instead
 /// (lower latency, one core busy while waiting).
 #[derive(Debug)]
 pub struct Client {
@@ -41,18 +42,22 @@ pub type Outcome<T> = io::Result<Result<T, (Status, String)>>;
 /// endpoint; an error, its message).
 pub const MAX_REPLY_BYTES: usize = 1 << 20;
 
-/// How long a blocking client on a query channel polls for its reply
-/// before it sleeps on the reply ring's eventfd. It holds its CPU while it
-/// polls (a pause between checks), except when its request found the daemon
-/// asleep and woke it: then it yields the CPU between checks. The kernel
-/// tends to run a woken thread on its waker's core, and a daemon placed
-/// there could not answer while the client held it; the reply came only
-/// once a blocking client's poll ended and it slept, or once the
-/// scheduler's tick preempted a spinning client (BENCHMARKS.md, "A
-/// query-channel client that yields to the loop it woke"). An awake
-/// daemon is not yielded to: with other threads wanting the CPU, a yield
-/// hands it to them, and a busy daemon's replies then came later.
-const RING_SPIN: Duration = Duration::from_micros(50);
+/// How long a blocking client checks for its reply before it sleeps.
+/// The kernel tends to run a woken thread on its waker's core, so the
+/// daemon a request wakes often shares the client's core and can answer
+/// only once the client lets go of it; a client that slept at once pays a
+/// wake-up of its own when the reply comes (tens of microseconds on a
+/// virtual machine whose idle core has halted). So a blocking client
+/// checks, and lets other threads run between checks, for this long, and
+/// then sleeps. Over the socket, each check is a `poll` and the client
+/// always yields between checks. Over a query channel a check reads the
+/// reply ring, and the client yields only when its request found the
+/// daemon asleep and woke it: an awake daemon is not yielded to, because
+/// with other threads wanting the CPU a yield hands it to them, and a busy
+/// daemon's replies then came later (BENCHMARKS.md, "A query-channel
+/// client that yields to the loop it woke" and "A socket client that
+/// checks before it sleeps").
+const SPIN: Duration = Duration::from_micros(50);
 
 /// The longest sleep between checks that the daemon is still there and
 /// that the call's timeout has not passed.
@@ -86,6 +91,51 @@ fn send_all(stream: &UnixStream, mut buf: &[u8]) -> io::Result<()> {
     Ok(())
 }
 
+/// Waits until `stream` has bytes to read (or hung up), for at most
+/// `timeout`: checks with a yield between them for [`SPIN`], then sleeps
+/// in `poll`. Not in `read`: Linux wakes a thread blocked in `read` on a
+/// Unix socket whenever its own earlier write is consumed (the daemon
+/// reading the request frees the client's send buffer), so a client
+/// sleeping in `read` is woken once for nothing per request, and on the
+/// daemon's core that wake-up interrupts the daemon mid-request. A
+/// `poll` for input ignores it.
+fn wait_readable(stream: &UnixStream, timeout: Option<Duration>) -> io::Result<()> {
+    use rustix::event::{PollFd, PollFlags, poll};
+    let start = Instant::now();
+    let spin = timeout.map_or(SPIN, |t| t.min(SPIN));
+    let now = rustix::time::Timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    while start.elapsed() < spin {
+        let mut fds = [PollFd::new(stream, PollFlags::IN)];
+        if poll(&mut fds, Some(&now)).is_ok_and(|n| n > 0) {
+            return Ok(());
+        }
+        std::thread::yield_now();
+    }
+    let deadline = timeout.map(|t| start + t);
+    loop {
+        let left = match deadline {
+            Some(d) => {
+                let left = d.saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(io::ErrorKind::TimedOut.into());
+                }
+                Some(rustix::time::Timespec::try_from(left).map_err(io::Error::other)?)
+            }
+            None => None,
+        };
+        let mut fds = [PollFd::new(stream, PollFlags::IN)];
+        match poll(&mut fds, left.as_ref()) {
+            // Readable, hung up or failed: the read that follows says which.
+            Ok(n) if n > 0 => return Ok(()),
+            Ok(_) | Err(rustix::io::Errno::INTR) => {}
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
 /// `read_exact` that retries on `WouldBlock` (a spinning client).
 fn read_exact_spinning(stream: &mut UnixStream, mut buf: &mut [u8]) -> io::Result<()> {
     while !buf.is_empty() {
@@ -116,21 +166,23 @@ impl Client {
         })
     }
 
-    /// Spin on a non-blocking socket while waiting for replies (`true`), or
-    /// block in `read` (`false`, the default). On a query channel a
-    /// spinning client polls the reply ring without ever sleeping, yielding
-    /// its CPU between checks only when its request woke the daemon (see
-    /// `RING_SPIN`). Give a spinning client a core of its own: one that
-    /// shares a core with an awake daemon holds it until the scheduler
-    /// preempts it (a p99 of 4 ms on a 250 Hz kernel in `cargo bench
-    /// --bench paced -- --spinning-client`).
+    /// Spin on a non-blocking socket while waiting for replies (`true`),
+    /// or check for up to 50 µs and then sleep until the reply arrives
+    /// (`false`, the default; see `SPIN`). On a query channel a spinning
+    /// client polls the reply ring without ever sleeping, yielding its CPU
+    /// between checks only when its request woke the daemon. Give a
+    /// spinning client a core of its own: one that shares a core with an
+    /// awake daemon holds it until the scheduler preempts it (a p99 of 4 ms
+    /// on a 250 Hz kernel in `cargo bench --bench paced --
+    /// --spinning-client`).
     pub fn set_spinning(&mut self, spinning: bool) -> io::Result<()> {
         self.stream.set_nonblocking(spinning)?;
         self.spinning = spinning;
         Ok(())
     }
 
-    /// Bounds how long a blocking client waits for a reply (`None`: forever).
+    /// Bounds how long a blocking client waits for a reply (`None`:
+    /// forever). A call that waited that long fails with `TimedOut`.
     pub fn set_timeout(&mut self, timeout: Option<Duration>) -> io::Result<()> {
         self.timeout = timeout;
         self.stream.set_read_timeout(timeout)?;
@@ -180,6 +232,9 @@ impl Client {
             None if spinning => read_exact_spinning(stream, buf),
             None => stream.read_exact(buf),
         };
+        if !spinning {
+            wait_readable(&self.stream, self.timeout)?;
+        }
         let mut len = [0u8; 4];
         fill(&mut self.stream, &mut len)?;
         let len = u32::from_le_bytes(len) as usize;
@@ -258,7 +313,7 @@ impl Client {
             Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidInput, e)),
         }
         // Whether the daemon was asleep and this request woke it (see
-        // `RING_SPIN`).
+        // `SPIN`).
         let woke_daemon = rings.requests.wakes() != wakes;
         let start = Instant::now();
         let mut turns = 0u32;
@@ -279,12 +334,12 @@ impl Client {
                 Err(e) => return Err(io::Error::new(io::ErrorKind::InvalidData, e)),
             }
             // Waiting: poll (a spinning client for as long as it takes, a
-            // blocking one for `RING_SPIN`), holding the CPU unless this
-            // request woke the daemon (see `RING_SPIN`); a blocking client
+            // blocking one for `SPIN`), holding the CPU unless this
+            // request woke the daemon (see `SPIN`); a blocking client
             // then sleeps on the wake eventfd in slices. Between slices (a
             // spinning client: every few thousand checks), make sure the
             // daemon is still there.
-            if self.spinning || start.elapsed() < RING_SPIN {
+            if self.spinning || start.elapsed() < SPIN {
                 if woke_daemon {
                     std::thread::yield_now();
                 } else {
