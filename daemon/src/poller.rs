@@ -5,6 +5,7 @@
 //! (one system call whatever their number); an idle loop sleeps in the
 //! same set, so a socket or a ring record wakes it, and notes which.
 
+use std::cell::Cell;
 use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::time::Duration;
@@ -27,6 +28,11 @@ pub(crate) struct Poller {
     slept: bool,
     /// Wake eventfds readable when the last sleep ended, indexed by fd.
     woken: Vec<bool>,
+    /// One past the highest fd ever watched: `ready` and `woken` grow to it
+    /// before the next wait, so that the first readiness of a descriptor
+    /// watched long ago (a client's ring, first woken under load) does not
+    /// allocate on the served path.
+    watched_end: Cell<usize>,
 }
 
 impl Poller {
@@ -36,6 +42,7 @@ impl Poller {
             ready: Vec::new(),
             slept: false,
             woken: Vec::new(),
+            watched_end: Cell::new(0),
         })
     }
 
@@ -54,6 +61,8 @@ impl Poller {
     }
 
     fn add(&self, fd: impl AsFd, key: u64) -> io::Result<()> {
+        let end = fd.as_fd().as_raw_fd() as usize + 1;
+        self.watched_end.set(self.watched_end.get().max(end));
         epoll::add(
             &self.epoll,
             fd,
@@ -104,6 +113,12 @@ impl Poller {
     /// buffer (and so the server) not `Send`. Level triggered: fds beyond
     /// 256 ready ones are reported next time. EINTR reports nothing.
     fn wait(&mut self, timeout: &rustix::time::Timespec, wakes: bool) {
+        let end = self.watched_end.get();
+        for marks in [&mut self.ready, &mut self.woken] {
+            if marks.len() < end {
+                marks.resize(end, false);
+            }
+        }
         let mut buf = [std::mem::MaybeUninit::<epoll::Event>::uninit(); 256];
         if let Ok((events, _)) = epoll::wait(&self.epoll, &mut buf[..], Some(timeout)) {
             for ev in events.iter() {
@@ -149,5 +164,44 @@ impl Poller {
     /// (its counter needs draining).
     pub fn woke(&self, fd: BorrowedFd<'_>) -> bool {
         self.woken.get(fd.as_raw_fd() as usize).is_some_and(|&w| w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An eventfd with a number above every descriptor the poller has seen.
+    fn high_eventfd(above: usize) -> OwnedFd {
+        let mut fds = Vec::new();
+        loop {
+            let fd = rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK).unwrap();
+            if fd.as_raw_fd() as usize > above + 8 {
+                return fd;
+            }
+            fds.push(fd);
+        }
+    }
+
+    #[test]
+    fn the_first_readiness_of_a_watched_descriptor_does_not_grow_the_marks() {
+        let mut p = Poller::new().unwrap();
+        let low = rustix::event::eventfd(0, rustix::event::EventfdFlags::NONBLOCK).unwrap();
+        p.watch(&low).unwrap();
+        p.check();
+        let (socket, wake) = (high_eventfd(p.ready.len()), high_eventfd(p.ready.len()));
+        p.watch(&socket).unwrap();
+        p.watch_wake(&wake).unwrap();
+        // The next wait sizes the marks for both, with nothing ready yet.
+        p.check();
+        let sizes = (p.ready.capacity(), p.woken.capacity());
+        rustix::io::write(&socket, &1u64.to_ne_bytes()).unwrap();
+        rustix::io::write(&wake, &1u64.to_ne_bytes()).unwrap();
+        p.sleep(Duration::from_secs(1));
+        assert!(p.woke(wake.as_fd()));
+        p.check();
+        assert!(p.take(socket.as_fd()));
+        assert!(!p.take(low.as_fd()));
+        assert_eq!((p.ready.capacity(), p.woken.capacity()), sizes);
     }
 }
