@@ -691,6 +691,14 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
             over_socket.overlap_blocks
         )
     );
+    // The daemon told the client which CPU its loop runs on: one the
+    // daemon may run on (it inherited this process's CPUs).
+    let cpu = ring.channel().unwrap().requests.consumer_cpu();
+    let allowed = rustix::thread::sched_getaffinity(None).unwrap();
+    assert!(
+        cpu.is_some_and(|c| allowed.is_set(c)),
+        "the loop's CPU: {cpu:?}"
+    );
     let mut json = Conn::connect(&d.query());
     assert_eq!(json.ask(json!({"op": "stats"}))["reservations"], 1);
     assert_eq!(ring.finish(r.request_id).unwrap(), Ok(()));

@@ -971,11 +971,11 @@ pub unsafe extern "C" fn kvedge_client_set_timeout_ms(
 /// Moves this client's requests onto a query channel: a request ring and a
 /// reply ring in shared memory, created by the daemon. A select then costs
 /// no system call while the daemon is busy (a 128-hash select took about
-/// 1 µs, against 22 µs for a blocking socket client, on our test VM). While
-/// waiting for a reply the calling thread polls for up to 50 µs, then
-/// sleeps. It holds its CPU while it polls, except when its request woke
-/// the sleeping daemon: then it yields the CPU between checks, so that a
-/// daemon the kernel placed on the same core runs at once. Requests too
+/// 1 µs, against about 9 µs for a blocking socket client, on our test VM).
+/// While waiting for a reply the calling thread polls for up to 50 µs,
+/// then sleeps. It holds its CPU while it polls, except when its request
+/// woke the sleeping daemon or the daemon runs on the same CPU: then it
+/// yields the CPU between checks, so that the daemon can answer. Requests too
 /// large for the ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves
 /// the client working over the socket. Calling it again is a no-op.
 ///

@@ -89,6 +89,8 @@ pub(crate) struct Clients {
     reply: Vec<u8>,
     /// The bytes of every connection's `buf`, together.
     input_backlog: usize,
+    /// The CPU this loop ran on when it last told the query channels.
+    loop_cpu: usize,
 }
 
 impl Clients {
@@ -99,6 +101,7 @@ impl Clients {
             scratch: vec![0; 16384],
             reply: Vec::with_capacity(4096),
             input_backlog: 0,
+            loop_cpu: usize::MAX,
         }
     }
 
@@ -183,6 +186,17 @@ impl Clients {
     ) -> bool {
         let mut any = false;
         let limits = Limits::of(core);
+        // Where this loop runs, told to every query channel's client when
+        // it changes: a client that shares this CPU with the awake loop
+        // yields it while it waits, rather than holding it while the loop
+        // cannot answer (a vDSO call, no system call).
+        let cpu = rustix::thread::sched_getcpu();
+        if cpu != self.loop_cpu {
+            self.loop_cpu = cpu;
+            for r in self.conns.iter().filter_map(|c| c.rings.as_ref()) {
+                r.requests.publish_cpu(cpu);
+            }
+        }
         let mut i = 0;
         while i < self.conns.len() {
             let mut end = None;
@@ -588,6 +602,8 @@ fn attach_rings(
         core.handle_rings_detached(c.id);
         return Err(End::Dropped(ClientDrop::SlowReader));
     }
+    // Where this loop runs, for the client (see `Clients::serve`).
+    rings.requests.publish_cpu(rustix::thread::sched_getcpu());
     c.rings = Some(rings);
     Ok(())
 }

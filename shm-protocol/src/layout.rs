@@ -11,7 +11,7 @@ pub const MAGIC: u64 = u64::from_le_bytes(*b"KVEDGRNG");
 /// Major version: a change here is incompatible.
 pub const VERSION_MAJOR: u16 = 1;
 /// Minor version: additions a v1 consumer may ignore (new record types).
-pub const VERSION_MINOR: u16 = 0;
+pub const VERSION_MINOR: u16 = 1;
 /// The data area starts on its own page after the header.
 pub const HEADER_SIZE: usize = 4096;
 /// Records (and so record payloads) start on 16-byte boundaries.
@@ -65,6 +65,12 @@ pub struct Header {
     pub consumer_sleeping: Line<AtomicU32>,
     /// Producer-owned: records dropped because the ring was full.
     pub dropped: Line<AtomicU64>,
+    /// Consumer-owned, a hint: one plus the CPU the consumer last ran on
+    /// (0: none published). A producer that waits for the consumer's
+    /// answer reads it to learn whether the two share a CPU. Added in
+    /// minor version 1 and left out of the layout hash: either side may
+    /// predate it (an older consumer leaves it 0).
+    pub consumer_cpu: Line<AtomicU32>,
 }
 
 /// `producer_flags`: the producer's process is registered with
@@ -172,6 +178,7 @@ mod tests {
         assert_eq!(offset_of!(Header, head), 256);
         assert_eq!(offset_of!(Header, consumer_sleeping), 384);
         assert_eq!(offset_of!(Header, dropped), 512);
+        assert_eq!(offset_of!(Header, consumer_cpu), 640);
     }
 
     #[test]

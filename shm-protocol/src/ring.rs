@@ -158,6 +158,16 @@ impl Producer {
         self.seg.attach_epoch()
     }
 
+    /// The CPU the consumer last published as its own
+    /// ([`Consumer::publish_cpu`]), if any. A hint: it may have moved
+    /// since, and the consumer may write anything there.
+    pub fn consumer_cpu(&self) -> Option<usize> {
+        match self.seg.header().consumer_cpu.0.load(Ordering::Relaxed) {
+            0 => None,
+            cpu => Some(cpu as usize - 1),
+        }
+    }
+
     /// Appends one record, never blocking. Wakes the consumer only when it
     /// announced it is going to sleep.
     pub fn try_push(&mut self, kind: u16, flags: u16, payload: &[u8]) -> Result<Push, PushError> {
@@ -590,6 +600,21 @@ impl Consumer {
             self.head_published = self.head;
             self.seg.header().head.0.store(self.head, Ordering::Release);
         }
+    }
+
+    /// Tells the producer which CPU this consumer runs on (a hint it reads
+    /// with [`Producer::consumer_cpu`]); a CPU number beyond `u32` is
+    /// published as none.
+    pub fn publish_cpu(&self, cpu: usize) {
+        let value = u32::try_from(cpu)
+            .ok()
+            .and_then(|c| c.checked_add(1))
+            .unwrap_or(0);
+        self.seg
+            .header()
+            .consumer_cpu
+            .0
+            .store(value, Ordering::Relaxed);
     }
 
     /// Announces that the consumer is about to sleep. Returns `false` (and

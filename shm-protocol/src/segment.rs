@@ -211,7 +211,11 @@ mod tests {
             err,
             SegmentError::IncompatibleVersion { found_major: 2, .. }
         ));
-        assert!(err.to_string().contains("2.0 is incompatible"), "{err}");
+        assert!(
+            err.to_string()
+                .contains(&format!("2.{VERSION_MINOR} is incompatible")),
+            "{err}"
+        );
         id.version_major
             .store(VERSION_MAJOR.into(), Ordering::Relaxed);
 

@@ -529,6 +529,26 @@ fn producer_does_not_signal_an_awake_consumer() {
 }
 
 #[test]
+fn the_consumer_tells_the_producer_its_cpu() {
+    let (p, c) = pair(4096);
+    assert_eq!(p.consumer_cpu(), None, "nothing published yet");
+    c.publish_cpu(0);
+    assert_eq!(p.consumer_cpu(), Some(0));
+    c.publish_cpu(3);
+    assert_eq!(p.consumer_cpu(), Some(3));
+    // A number the field cannot hold is published as none.
+    c.publish_cpu(u32::MAX as usize);
+    assert_eq!(p.consumer_cpu(), None);
+    // Whatever a hostile consumer writes is some CPU number, never a panic.
+    c.segment()
+        .header()
+        .consumer_cpu
+        .0
+        .store(u32::MAX, Ordering::Relaxed);
+    assert_eq!(p.consumer_cpu(), Some(u32::MAX as usize - 1));
+}
+
+#[test]
 fn tail_corruptions_poison_the_ring() {
     // Misaligned, beyond capacity, and wrapped around.
     for tail in [8, 1 << 20, u64::MAX - 15] {

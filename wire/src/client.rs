@@ -52,12 +52,20 @@ pub const MAX_REPLY_BYTES: usize = 1 << 20;
 /// then sleeps. Over the socket, each check is a `poll` and the client
 /// always yields between checks. Over a query channel a check reads the
 /// reply ring, and the client yields only when its request found the
-/// daemon asleep and woke it: an awake daemon is not yielded to, because
-/// with other threads wanting the CPU a yield hands it to them, and a busy
-/// daemon's replies then came later (BENCHMARKS.md, "A query-channel
-/// client that yields to the loop it woke" and "A socket client that
-/// checks before it sleeps").
+/// daemon asleep and woke it, or when the awake daemon runs on the
+/// client's CPU (the daemon publishes its CPU in the request ring's
+/// header). An awake daemon elsewhere is not yielded to: with other
+/// threads wanting the CPU a yield hands it to them, and a busy daemon's
+/// replies then came later (BENCHMARKS.md, "A query-channel client that
+/// yields to the loop it woke", "A socket client that checks before it
+/// sleeps" and "A query-channel client that yields to a loop on its
+/// CPU").
 const SPIN: Duration = Duration::from_micros(50);
+
+/// Checks of the reply ring between two looks at whether the awake daemon
+/// runs on this client's CPU (about a microsecond of checks): a reply that
+/// comes sooner never pays for the look.
+const SHARED_CPU_CHECK: u32 = 64;
 
 /// The longest sleep between checks that the daemon is still there and
 /// that the call's timeout has not passed.
@@ -315,6 +323,10 @@ impl Client {
         // Whether the daemon was asleep and this request woke it (see
         // `SPIN`).
         let woke_daemon = rings.requests.wakes() != wakes;
+        // Whether to yield between checks: when this request woke the
+        // daemon, or once the awake daemon turns out to run on this CPU
+        // (looked at after the first few checks; see `SPIN`).
+        let mut yielding = woke_daemon;
         let start = Instant::now();
         let mut turns = 0u32;
         loop {
@@ -335,17 +347,21 @@ impl Client {
             }
             // Waiting: poll (a spinning client for as long as it takes, a
             // blocking one for `SPIN`), holding the CPU unless this
-            // request woke the daemon (see `SPIN`); a blocking client
-            // then sleeps on the wake eventfd in slices. Between slices (a
-            // spinning client: every few thousand checks), make sure the
-            // daemon is still there.
+            // request woke the daemon or the daemon runs on this CPU (see
+            // `SPIN`); a blocking client then sleeps on the wake eventfd
+            // in slices. Between slices (a spinning client: every few
+            // thousand checks), make sure the daemon is still there.
             if self.spinning || start.elapsed() < SPIN {
-                if woke_daemon {
+                if yielding {
                     std::thread::yield_now();
                 } else {
                     std::hint::spin_loop();
                 }
                 turns = turns.wrapping_add(1);
+                if !yielding && turns.is_multiple_of(SHARED_CPU_CHECK) {
+                    yielding =
+                        rings.requests.consumer_cpu() == Some(rustix::thread::sched_getcpu());
+                }
                 if !self.spinning || !turns.is_multiple_of(4096) {
                     continue;
                 }
