@@ -111,13 +111,13 @@ fn wait_readable(stream: &UnixStream, timeout: Option<Duration>) -> io::Result<(
     use rustix::event::{PollFd, PollFlags, poll};
     let start = Instant::now();
     let spin = timeout.map_or(SPIN, |t| t.min(SPIN));
-    let now = rustix::time::Timespec {
+    let no_wait = rustix::time::Timespec {
         tv_sec: 0,
         tv_nsec: 0,
     };
     while start.elapsed() < spin {
         let mut fds = [PollFd::new(stream, PollFlags::IN)];
-        if poll(&mut fds, Some(&now)).is_ok_and(|n| n > 0) {
+        if poll(&mut fds, Some(&no_wait)).is_ok_and(|n| n > 0) {
             return Ok(());
         }
         std::thread::yield_now();
