@@ -178,11 +178,10 @@ impl Client {
     /// or check for up to 50 µs and then sleep until the reply arrives
     /// (`false`, the default; see `SPIN`). On a query channel a spinning
     /// client polls the reply ring without ever sleeping, yielding its CPU
-    /// between checks only when its request woke the daemon. Give a
-    /// spinning client a core of its own: one that shares a core with an
-    /// awake daemon holds it until the scheduler preempts it (a p99 of 4 ms
-    /// on a 250 Hz kernel in `cargo bench --bench paced --
-    /// --spinning-client`).
+    /// between checks only when its request woke the daemon or the daemon
+    /// runs on its CPU. Over the socket it spins without yielding: give it
+    /// a core of its own, or a daemon that shares its core waits for the
+    /// scheduler to preempt it.
     pub fn set_spinning(&mut self, spinning: bool) -> io::Result<()> {
         self.stream.set_nonblocking(spinning)?;
         self.spinning = spinning;
