@@ -9,7 +9,8 @@
 //!
 //! Bounded: at most [`MAX_SESSIONS`] bindings, session ids of at most
 //! [`MAX_SESSION_ID_BYTES`] bytes. Ids are kept as 128-bit xxh3 digests, so
-//! the table is allocated once and binding a new session allocates nothing.
+//! the table is allocated once, its memory written at once, and binding a
+//! new session neither allocates nor takes a page fault.
 //! A full table makes room for a new session in constant time: the binding
 //! refreshed longest ago goes, found at the head of the bind order kept
 //! beside the map. Time comes from the caller (milliseconds of a monotonic
@@ -86,7 +87,7 @@ pub struct SessionAffinityTable {
     /// clients), hashed again with a seeded foldhash: as hard to crowd
     /// into one bucket as with the default SipHash, and a bind or lookup
     /// takes about two thirds of the time (BENCHMARKS.md).
-    map: HashMap<u128, Binding, foldhash::fast::RandomState>,
+    map: Map,
     ring: Vec<Entry>,
     head: u64,
     tail: u64,
@@ -98,6 +99,30 @@ pub struct SessionAffinityTable {
 /// larger table in the middle of a bind.
 fn map_capacity(capacity: usize) -> usize {
     2 * capacity
+}
+
+type Map = HashMap<u128, Binding, foldhash::fast::RandomState>;
+
+/// An empty map with room for `capacity` bindings, its memory written
+/// once: a fresh allocation is only reserved address space, and the first
+/// write to each of its pages takes a page fault (1.3-1.9 µs on the VM in
+/// BENCHMARKS.md). Filling every slot and clearing the map takes those
+/// faults here, not one in each bind of a new session until the whole
+/// table has been used (about ten of its capacities of new sessions).
+fn prefaulted_map(capacity: usize) -> Map {
+    let mut map = Map::with_capacity_and_hasher(map_capacity(capacity), Default::default());
+    let unused = Binding {
+        worker: WorkerWithDpRank::new(0, 0),
+        expires_ms: 0,
+        seq: 0,
+    };
+    // As many keys as it holds without growing, spread by the map's hash
+    // over all its buckets.
+    for key in 0..map.capacity() as u128 {
+        map.insert(key, unused);
+    }
+    map.clear();
+    map
 }
 
 /// Places of the bind order for a capacity (see [`SessionAffinityTable`]).
@@ -120,14 +145,14 @@ fn join([lo, hi]: [u64; 2]) -> u128 {
 
 impl SessionAffinityTable {
     /// A table of at most `capacity` sessions (clamped to 1..=MAX_SESSIONS),
-    /// allocated in full now.
+    /// allocated in full, and its memory written, now.
     pub fn new(mode: AffinityMode, ttl_ms: u64, capacity: usize) -> Self {
         let capacity = capacity.clamp(1, MAX_SESSIONS);
         SessionAffinityTable {
             mode,
             ttl_ms,
             capacity,
-            map: HashMap::with_capacity_and_hasher(map_capacity(capacity), Default::default()),
+            map: prefaulted_map(capacity),
             ring: vec![Entry::default(); ring_len(capacity)],
             head: 0,
             tail: 0,
@@ -203,15 +228,20 @@ impl SessionAffinityTable {
     /// New settings for a live table (a configuration reload): bindings are
     /// kept, and the new TTL applies from their next refresh. A smaller
     /// capacity drops the bindings refreshed longest ago down to it now; a
-    /// larger one is allocated now (the bind order rebuilt, in the same
-    /// order), so binds still allocate nothing.
+    /// larger one is allocated and its memory written now (the bind order
+    /// rebuilt, in the same order), so binds still allocate nothing and
+    /// take no page fault.
     pub fn reconfigure(&mut self, mode: AffinityMode, ttl_ms: u64, capacity: usize) {
         self.mode = mode;
         self.ttl_ms = ttl_ms;
         self.capacity = capacity.clamp(1, MAX_SESSIONS);
         while self.map.len() > self.capacity && self.evict_oldest() {}
-        self.map
-            .reserve(map_capacity(self.capacity).saturating_sub(self.map.len()));
+        if self.map.capacity() < map_capacity(self.capacity) {
+            // A larger map, its memory written now (see `prefaulted_map`).
+            let mut map = prefaulted_map(self.capacity);
+            map.extend(self.map.drain());
+            self.map = map;
+        }
         if ring_len(self.capacity) > self.ring.len() {
             let old = std::mem::replace(
                 &mut self.ring,
