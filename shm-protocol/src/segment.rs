@@ -5,7 +5,7 @@
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::Ordering;
 
-use memmap2::{MmapOptions, MmapRaw};
+use memmap2::{Advice, MmapOptions, MmapRaw};
 use rustix::fs::{MemfdFlags, SealFlags};
 
 use crate::error::SegmentError;
@@ -119,6 +119,14 @@ impl Segment {
             .len(len)
             .map_raw(&fd)
             .map_err(|e| SegmentError::os("mmap", e))?;
+        if capacity > 0 {
+            // Map every page, writable, now: each side's first write or
+            // read of a page would otherwise take a page fault (1-2 µs), in
+            // a publish or an ingest, all through the first pass over the
+            // ring. Best effort: kernels before 5.14 refuse the advice, and
+            // then the pages are mapped as they are first touched.
+            let _ = map.advise(Advice::PopulateWrite);
+        }
         Ok(Segment { map, fd, capacity })
     }
 
