@@ -3,22 +3,7 @@
 
 use kvedge_core::index::Slot;
 use kvedge_core::load::LoadTable;
-
-/// Page faults the calling thread has taken so far (`minflt` in
-/// `/proc/thread-self/stat`), read into a buffer on the stack so that
-/// reading it allocates nothing.
-#[allow(clippy::disallowed_methods)] // the test reads the kernel's count, not the core
-fn minor_faults() -> u64 {
-    use std::io::Read;
-    let mut buf = [0u8; 1024];
-    let mut f = std::fs::File::open("/proc/thread-self/stat").unwrap();
-    let n = f.read(&mut buf).unwrap();
-    let stat = std::str::from_utf8(&buf[..n]).unwrap();
-    // After the command name's closing parenthesis: state is field 3 of
-    // the line, minflt field 10.
-    let fields = &stat[stat.rfind(')').unwrap() + 1..];
-    fields.split_whitespace().nth(7).unwrap().parse().unwrap()
-}
+use kvedge_shm::testing::minor_faults;
 
 #[test]
 fn reserving_takes_no_page_fault() {

@@ -12,6 +12,7 @@ use kvedge_policies::{
     AffinityMode, AffinityTarget, InputTrigger, SelectionErrorKind, SessionAffinityTable,
     SessionContext, WorkerSelectionContext, WorkerWithDpRank,
 };
+use kvedge_shm::testing::minor_faults;
 
 fn ctx_for(session: &str, now: u64) -> WorkerSelectionContext<'_> {
     WorkerSelectionContext::new("r", 64, 16)
@@ -379,21 +380,6 @@ fn a_reload_to_a_smaller_capacity_keeps_the_bindings_refreshed_last() {
     }
     assert_eq!(t.len(), 8, "grown back");
     assert_eq!(t.lookup("a", 7).unwrap(), Some(B));
-}
-
-/// Page faults the calling thread has taken so far (`minflt` in
-/// `/proc/thread-self/stat`), read into a buffer on the stack so that
-/// reading it allocates nothing.
-fn minor_faults() -> u64 {
-    use std::io::Read;
-    let mut buf = [0u8; 1024];
-    let mut f = std::fs::File::open("/proc/thread-self/stat").unwrap();
-    let n = f.read(&mut buf).unwrap();
-    let stat = std::str::from_utf8(&buf[..n]).unwrap();
-    // After the command name's closing parenthesis: state is field 3 of
-    // the line, minflt field 10.
-    let fields = &stat[stat.rfind(')').unwrap() + 1..];
-    fields.split_whitespace().nth(7).unwrap().parse().unwrap()
 }
 
 #[test]

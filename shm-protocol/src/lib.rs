@@ -30,6 +30,8 @@ pub mod prefetch;
 pub mod publisher;
 pub mod ring;
 pub mod segment;
+#[doc(hidden)]
+pub mod testing;
 
 pub use error::{ControlError, DecodeError, RingError, SegmentError};
 pub use messages::{Event, EventRef, Tier, decode};

@@ -8,6 +8,7 @@ use std::time::Duration;
 use kvedge_shm::layout::{HEADER_SIZE, PADDING_TYPE, RecordHeader};
 use kvedge_shm::messages::{EventRef, Load, StoredBlock, Tier, kind};
 use kvedge_shm::segment::Segment;
+use kvedge_shm::testing::minor_faults;
 use kvedge_shm::{Consumer, DecodeError, Producer, Publisher, Push, PushError, RingError};
 use proptest::prelude::*;
 
@@ -694,20 +695,6 @@ fn hostile_sequence_numbers_do_not_overflow() {
     assert_eq!(c.poll().unwrap().unwrap().missing_before, u64::MAX - 2);
     assert_eq!(c.poll().unwrap().unwrap().missing_before, 0);
     assert_eq!(c.missing_total(), u64::MAX - 2);
-}
-
-/// Page faults the calling thread has taken so far (`minflt` in
-/// `/proc/thread-self/stat`), read into a buffer on the stack.
-fn minor_faults() -> u64 {
-    use std::io::Read;
-    let mut buf = [0u8; 1024];
-    let mut f = std::fs::File::open("/proc/thread-self/stat").unwrap();
-    let n = f.read(&mut buf).unwrap();
-    let stat = std::str::from_utf8(&buf[..n]).unwrap();
-    // After the command name's closing parenthesis: state is field 3 of
-    // the line, minflt field 10.
-    let fields = &stat[stat.rfind(')').unwrap() + 1..];
-    fields.split_whitespace().nth(7).unwrap().parse().unwrap()
 }
 
 #[test]
