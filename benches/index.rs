@@ -11,6 +11,12 @@
 //! `... -- --walk-loop warm|cold ITERATIONS` skips criterion and runs that
 //! many overlap walks over the fixture, for counting a walk's instructions
 //! under `valgrind --tool=callgrind`, or its misses under `perf stat`.
+//!
+//! `... -- --stalls ENTRIES` skips criterion, fills an index to that many
+//! entries with 16-block Stored events (one worker, random hashes) and
+//! prints every store that took over a millisecond: a table doubling, or
+//! the eviction queues starting at half the capacity. The routing thread
+//! answers no select while one runs.
 
 #![forbid(unsafe_code)]
 
@@ -120,8 +126,46 @@ fn walk_loop() -> bool {
     true
 }
 
+/// `--stalls ENTRIES`, if given: see the module documentation. Returns
+/// true when it ran.
+fn stalls() -> bool {
+    let args: Vec<String> = std::env::args().collect();
+    let Some(at) = args.iter().position(|a| a == "--stalls") else {
+        return false;
+    };
+    let entries: u64 = args
+        .get(at + 1)
+        .and_then(|n| n.parse().ok())
+        .expect("--stalls ENTRIES");
+    // The daemon's default capacity.
+    let mut ix = KvIndex::new(16 * 1024 * 1024).quiet();
+    let slot = Slot::new(0).unwrap();
+    let mut hashes = [0u64; 16];
+    let started = std::time::Instant::now();
+    println!("| entries held before the store | store took |\n|---|---|");
+    let mut over = 0;
+    for event in 0..entries / 16 {
+        for (k, h) in hashes.iter_mut().enumerate() {
+            *h = mix(event * 16 + k as u64);
+        }
+        let t = std::time::Instant::now();
+        ix.store(slot, Tier::Device, &hashes);
+        let took = t.elapsed();
+        if took > Duration::from_millis(1) {
+            over += 1;
+            println!("| {} | {:.1} ms |", event * 16, took.as_secs_f64() * 1e3);
+        }
+    }
+    println!(
+        "{} entries in {:.2} s; {over} stores over 1 ms",
+        ix.entries(),
+        started.elapsed().as_secs_f64()
+    );
+    true
+}
+
 fn main() {
-    if walk_loop() {
+    if walk_loop() || stalls() {
         return;
     }
     let mut c = Criterion::default().configure_from_args();
