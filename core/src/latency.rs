@@ -89,6 +89,27 @@ impl Histogram {
         self.max_ns
     }
 
+    /// What was recorded after `earlier`, a copy of this histogram taken
+    /// before: for the latency of one phase of a run (a benchmark's paced
+    /// selects without its warm-up). Each bucket's count is the difference;
+    /// the maximum is the upper edge of the highest bucket that grew (the
+    /// largest value since is not kept), at most this histogram's maximum.
+    /// A histogram that is not a later state of `earlier` gives the
+    /// differences that are positive and zero for the rest.
+    pub fn since(&self, earlier: &Histogram) -> Histogram {
+        let mut out = Histogram::default();
+        for (b, (&now, &then)) in self.buckets.iter().zip(&earlier.buckets).enumerate() {
+            let n = now.saturating_sub(then);
+            if n > 0 {
+                out.buckets[b] = n;
+                out.count += n;
+                out.max_ns = upper(b).min(self.max_ns);
+            }
+        }
+        out.sum_ns = self.sum_ns.saturating_sub(earlier.sum_ns);
+        out
+    }
+
     /// Total of all recorded values, ns.
     pub fn sum_ns(&self) -> u64 {
         self.sum_ns
@@ -152,6 +173,38 @@ mod tests {
             }
         }
         assert_eq!(upper(last), (1 << 40) - 1, "the last bucket ends at 2^40");
+    }
+
+    #[test]
+    fn since_keeps_only_what_came_after() {
+        let mut h = Histogram::default();
+        // A warm-up of fast values, then a phase of slow ones.
+        for _ in 0..200 {
+            h.record(1_000);
+        }
+        let before = h.clone();
+        for ns in 1..=300u64 {
+            h.record(10_000 + ns * 100);
+        }
+        let phase = h.since(&before);
+        assert_eq!(phase.count(), 300);
+        assert_eq!(
+            phase.sum_ns(),
+            (1..=300u64).map(|ns| 10_000 + ns * 100).sum::<u64>()
+        );
+        // The phase's median is its own (about 25 µs), not the whole run's,
+        // which the warm-up pulls down to about 15 µs.
+        let p50 = phase.quantile_ns(0.5);
+        assert!((25_000..=26_600).contains(&p50), "{p50}");
+        assert!(h.quantile_ns(0.5) < 16_000, "{}", h.quantile_ns(0.5));
+        assert_eq!(phase.quantile_ns(1.0), 40_000);
+        assert!(phase.max_ns() >= 40_000 && phase.max_ns() <= h.max_ns());
+        // Nothing since: empty.
+        let none = h.since(&h);
+        assert_eq!(
+            (none.count(), none.quantile_ns(0.99), none.max_ns()),
+            (0, 0, 0)
+        );
     }
 
     #[test]
