@@ -4,9 +4,9 @@
 //! over the binary socket and over a query channel: the round trip's p50
 //! and p99, and the router core's own time per select (the daemon's
 //! latency histogram over the timed selects alone, a fresh daemon per
-//! row). Beside them, with the same
-//! pacing, a kernel socket echo (a thread that reads a frame and writes it
-//! back): the floor of a socket round trip with a sleeping peer. The
+//! row). Beside them, with the same pacing, a kernel socket echo (a thread
+//! that reads a frame and writes it back): the floor of a socket round
+//! trip with a sleeping peer. The
 //! selects are dry runs without a session; with `--reserve` they are real
 //! (load reserved, a session bound) and each is finished after it, the part
 //! of a select that changes state.
