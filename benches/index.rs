@@ -14,9 +14,10 @@
 //!
 //! `... -- --stalls ENTRIES` skips criterion, fills an index to that many
 //! entries with 16-block Stored events (one worker, random hashes) and
-//! prints every store that took over a millisecond: a table doubling, or
-//! the eviction queues starting at half the capacity. The routing thread
-//! answers no select while one runs.
+//! prints every store that took over a millisecond (a table doubling, or
+//! the eviction queues starting at half the capacity), then the longest
+//! and how many took at least 10 µs, 20 µs, 50 µs and so on. The routing
+//! thread answers no select while one runs.
 
 #![forbid(unsafe_code)]
 
@@ -143,7 +144,10 @@ fn stalls() -> bool {
     let mut hashes = [0u64; 16];
     let started = std::time::Instant::now();
     println!("| entries held before the store | store took |\n|---|---|");
-    let mut over = 0;
+    // Stores taking at least 10, 20, 50, 100, ... µs (a 1-2-5 series).
+    const BANDS_US: [u64; 9] = [10, 20, 50, 100, 200, 500, 1_000, 10_000, 100_000];
+    let mut bands = [0u64; BANDS_US.len()];
+    let (mut over, mut longest) = (0, Duration::ZERO);
     for event in 0..entries / 16 {
         for (k, h) in hashes.iter_mut().enumerate() {
             *h = mix(event * 16 + k as u64);
@@ -151,16 +155,26 @@ fn stalls() -> bool {
         let t = std::time::Instant::now();
         ix.store(slot, Tier::Device, &hashes);
         let took = t.elapsed();
+        longest = longest.max(took);
+        for (band, &us) in bands.iter_mut().zip(&BANDS_US) {
+            *band += u64::from(took >= Duration::from_micros(us));
+        }
         if took > Duration::from_millis(1) {
             over += 1;
             println!("| {} | {:.1} ms |", event * 16, took.as_secs_f64() * 1e3);
         }
     }
     println!(
-        "{} entries in {:.2} s; {over} stores over 1 ms",
+        "{} entries in {:.2} s, {} stores; {over} over 1 ms; the longest {:.1} ms",
         ix.entries(),
-        started.elapsed().as_secs_f64()
+        started.elapsed().as_secs_f64(),
+        entries / 16,
+        longest.as_secs_f64() * 1e3
     );
+    println!("| at least | stores |\n|---|---|");
+    for (band, &us) in bands.iter().zip(&BANDS_US) {
+        println!("| {us} µs | {band} |");
+    }
     true
 }
 
