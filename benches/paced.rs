@@ -6,10 +6,9 @@
 //! latency histogram over the timed selects alone, a fresh daemon per
 //! row). Beside them, with the same pacing, a kernel socket echo (a thread
 //! that reads a frame and writes it back): the floor of a socket round
-//! trip with a sleeping peer. The
-//! selects are dry runs without a session; with `--reserve` they are real
-//! (load reserved, a session bound) and each is finished after it, the part
-//! of a select that changes state.
+//! trip with a sleeping peer. The selects are dry runs without a session;
+//! with `--reserve` they are real (load reserved, a session bound) and each
+//! is finished after it, the part of a select that changes state.
 //!
 //! Not criterion: criterion sizes its samples by the measured time, which a
 //! paced loop (mostly waiting) defeats, and reports a mean where these
