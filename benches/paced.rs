@@ -19,8 +19,11 @@
 //! on a node of several GPUs: the daemon then reads N rings. With
 //! `--spinning-client` the client spins while it waits
 //! (`Client::set_spinning`) instead of blocking; the echo still blocks.
+//! With `--flood` the engines publish bursts of single-block stores of
+//! new blocks instead, hundreds of thousands a second: the selects then
+//! wait for the routing thread's turns of ingest.
 //!
-//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
+//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--flood] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -95,7 +98,13 @@ impl Daemon {
     /// A daemon in a thread, and `engines` engines that each publish a
     /// 16-block Stored and a Load every millisecond; the first holds a
     /// 2,048-token prompt.
-    fn start(name: &str, spin_us: u64, warm_us: u64, engines: u64) -> (Daemon, Vec<u64>) {
+    fn start(
+        name: &str,
+        spin_us: u64,
+        warm_us: u64,
+        engines: u64,
+        flood: bool,
+    ) -> (Daemon, Vec<u64>) {
         let dir = std::env::temp_dir().join(format!("kvedge-paced-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
         let config = Config::load(
@@ -151,6 +160,14 @@ impl Daemon {
                 std::thread::spawn(move || {
                     let mut next = (1u64 << 40) + (id << 32);
                     while !s.load(Ordering::Relaxed) {
+                        if flood {
+                            for _ in 0..FLOOD_RECORDS {
+                                let _ = p.publish_stored_hashes(Tier::Device, None, &[next]);
+                                next += 1;
+                            }
+                            std::thread::sleep(FLOOD_EVERY);
+                            continue;
+                        }
                         let blocks: Vec<u64> = (next..next + 16).collect();
                         next += 16;
                         let _ = p.publish_stored_hashes(Tier::Device, None, &blocks);
@@ -216,12 +233,21 @@ impl Drop for Daemon {
 }
 
 /// How the bench's client asks: real selects (`--reserve`) or dry runs,
-/// spinning while it waits (`--spinning-client`) or blocking.
+/// spinning while it waits (`--spinning-client`) or blocking; and whether the
+/// engines flood the daemon meanwhile (`--flood`).
 #[derive(Clone, Copy)]
 struct ClientMode {
     reserve: bool,
     spinning: bool,
+    flood: bool,
 }
+
+/// With `--flood`, each engine publishes this many single-block Stored
+/// records back to back ...
+const FLOOD_RECORDS: u64 = 1_000;
+/// ... and then sleeps this long: about 400,000 records a second each,
+/// in bursts the ring holds without dropping.
+const FLOOD_EVERY: Duration = Duration::from_millis(2);
 
 /// Sessions the selects of `--reserve` take turns with.
 const SESSIONS: usize = 64;
@@ -238,9 +264,13 @@ fn selects(
     client: ClientMode,
     engines: u64,
 ) -> (Duration, Duration, f64, f64) {
-    let ClientMode { reserve, spinning } = client;
+    let ClientMode {
+        reserve,
+        spinning,
+        flood,
+    } = client;
     let name = if rings { "rings" } else { "socket" };
-    let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines);
+    let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines, flood);
     let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
     c.set_spinning(spinning).unwrap();
     if rings {
@@ -330,7 +360,14 @@ fn main() {
     // finished after it, instead of dry runs.
     let reserve = args.iter().any(|a| a == "--reserve");
     let spinning = args.iter().any(|a| a == "--spinning-client");
-    let client = ClientMode { reserve, spinning };
+    // `--flood`: the engines publish in bursts of single-block stores
+    // (new blocks, so the index grows, and evicts once full) instead.
+    let flood = args.iter().any(|a| a == "--flood");
+    let client = ClientMode {
+        reserve,
+        spinning,
+        flood,
+    };
     // `--only <label prefix>` runs the matching rows (for profiling one).
     let only = args
         .iter()
@@ -374,9 +411,16 @@ fn main() {
     } else {
         println!("Selects: dry runs without a session.\n");
     }
-    println!(
-        "Engines: {engines}, each publishing a 16-block Stored and a Load every millisecond.\n"
-    );
+    if flood {
+        println!(
+            "Engines: {engines}, each publishing {FLOOD_RECORDS} single-block Stored records every {} ms.\n",
+            FLOOD_EVERY.as_millis()
+        );
+    } else {
+        println!(
+            "Engines: {engines}, each publishing a 16-block Stored and a Load every millisecond.\n"
+        );
+    }
     if spinning {
         println!("Clients: spinning while they wait (the echo blocks).\n");
     }
