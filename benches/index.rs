@@ -12,12 +12,15 @@
 //! many overlap walks over the fixture, for counting a walk's instructions
 //! under `valgrind --tool=callgrind`, or its misses under `perf stat`.
 //!
-//! `... -- --stalls ENTRIES` skips criterion, fills an index to that many
-//! entries with 16-block Stored events (one worker, random hashes) and
-//! prints every store that took over a millisecond (a table doubling, or
-//! the eviction queues starting at half the capacity), then the longest
-//! and how many took at least 10 µs, 20 µs, 50 µs and so on. The routing
-//! thread answers no select while one runs.
+//! `... -- --stalls ENTRIES [CHURN]` skips criterion, fills an index to
+//! that many entries with 16-block Stored events (one worker, random
+//! hashes) and prints every store that took over a millisecond (a table
+//! doubling, or the eviction queues starting at half the capacity), then
+//! the longest and how many took at least 10 µs, 20 µs, 50 µs and so on.
+//! With CHURN, it then runs that many events of an engine whose cache is
+//! full: a 16-block store and the removal of its 16 oldest blocks, each
+//! timed the same way. The routing thread answers no select while one
+//! runs.
 
 #![forbid(unsafe_code)]
 
@@ -127,53 +130,98 @@ fn walk_loop() -> bool {
     true
 }
 
-/// `--stalls ENTRIES`, if given: see the module documentation. Returns
-/// true when it ran.
+/// Stores taking at least 10, 20, 50, 100, ... µs (a 1-2-5 series).
+const BANDS_US: [u64; 9] = [10, 20, 50, 100, 200, 500, 1_000, 10_000, 100_000];
+
+/// How long each of a run of index changes took: every one over a
+/// millisecond (with the entries held before it), the longest, and how
+/// many took at least each of [`BANDS_US`].
+struct Stalls {
+    bands: [u64; BANDS_US.len()],
+    longest: Duration,
+    changes: u64,
+}
+
+impl Stalls {
+    fn start(what: &str) -> Self {
+        println!("\n{what}\n\n| entries held before | took |\n|---|---|");
+        Stalls {
+            bands: [0; BANDS_US.len()],
+            longest: Duration::ZERO,
+            changes: 0,
+        }
+    }
+
+    fn time(&mut self, ix: &mut KvIndex, change: impl FnOnce(&mut KvIndex)) {
+        let before = ix.entries();
+        let t = std::time::Instant::now();
+        change(ix);
+        let took = t.elapsed();
+        self.changes += 1;
+        self.longest = self.longest.max(took);
+        for (band, &us) in self.bands.iter_mut().zip(&BANDS_US) {
+            *band += u64::from(took >= Duration::from_micros(us));
+        }
+        if took > Duration::from_millis(1) {
+            println!("| {before} | {:.1} ms |", took.as_secs_f64() * 1e3);
+        }
+    }
+
+    fn report(&self, ix: &KvIndex, started: std::time::Instant) {
+        println!(
+            "\n{} entries after {} changes in {:.2} s; the longest {:.1} ms\n",
+            ix.entries(),
+            self.changes,
+            started.elapsed().as_secs_f64(),
+            self.longest.as_secs_f64() * 1e3
+        );
+        println!("| at least | changes |\n|---|---|");
+        for (band, &us) in self.bands.iter().zip(&BANDS_US) {
+            println!("| {us} µs | {band} |");
+        }
+    }
+}
+
+/// `--stalls ENTRIES [CHURN]`, if given: see the module documentation.
+/// Returns true when it ran.
 fn stalls() -> bool {
     let args: Vec<String> = std::env::args().collect();
     let Some(at) = args.iter().position(|a| a == "--stalls") else {
         return false;
     };
-    let entries: u64 = args
-        .get(at + 1)
-        .and_then(|n| n.parse().ok())
-        .expect("--stalls ENTRIES");
+    let usage = "--stalls ENTRIES [CHURN]";
+    let entries: u64 = args.get(at + 1).and_then(|n| n.parse().ok()).expect(usage);
+    let churn: u64 = args.get(at + 2).map_or(0, |n| n.parse().expect(usage));
     // The daemon's default capacity.
     let mut ix = KvIndex::new(16 * 1024 * 1024).quiet();
     let slot = Slot::new(0).unwrap();
-    let mut hashes = [0u64; 16];
+    let block = |i: u64| -> [u64; 16] { std::array::from_fn(|k| mix(i * 16 + k as u64)) };
     let started = std::time::Instant::now();
-    println!("| entries held before the store | store took |\n|---|---|");
-    // Stores taking at least 10, 20, 50, 100, ... µs (a 1-2-5 series).
-    const BANDS_US: [u64; 9] = [10, 20, 50, 100, 200, 500, 1_000, 10_000, 100_000];
-    let mut bands = [0u64; BANDS_US.len()];
-    let mut longest = Duration::ZERO;
+    let mut fill = Stalls::start("Filling: 16-block stores.");
     for event in 0..entries / 16 {
-        for (k, h) in hashes.iter_mut().enumerate() {
-            *h = mix(event * 16 + k as u64);
-        }
-        let t = std::time::Instant::now();
-        ix.store(slot, Tier::Device, &hashes);
-        let took = t.elapsed();
-        longest = longest.max(took);
-        for (band, &us) in bands.iter_mut().zip(&BANDS_US) {
-            *band += u64::from(took >= Duration::from_micros(us));
-        }
-        if took > Duration::from_millis(1) {
-            println!("| {} | {:.1} ms |", event * 16, took.as_secs_f64() * 1e3);
-        }
+        let hashes = block(event);
+        fill.time(&mut ix, |ix| {
+            ix.store(slot, Tier::Device, &hashes);
+        });
     }
-    println!(
-        "{} entries in {:.2} s, {} stores; the longest {:.1} ms",
-        ix.entries(),
-        started.elapsed().as_secs_f64(),
-        entries / 16,
-        longest.as_secs_f64() * 1e3
-    );
-    println!("| at least | stores |\n|---|---|");
-    for (band, &us) in bands.iter().zip(&BANDS_US) {
-        println!("| {us} µs | {band} |");
+    fill.report(&ix, started);
+    if churn == 0 {
+        return true;
     }
+    // An engine whose cache is full: each new block evicts its oldest.
+    let started = std::time::Instant::now();
+    let mut churned =
+        Stalls::start("Churn: each 16-block store followed by the removal of the 16 oldest.");
+    for event in 0..churn {
+        let (new, old) = (block(entries / 16 + event), block(event));
+        churned.time(&mut ix, |ix| {
+            ix.store(slot, Tier::Device, &new);
+        });
+        churned.time(&mut ix, |ix| {
+            ix.remove(slot, Tier::Device, &old);
+        });
+    }
+    churned.report(&ix, started);
     true
 }
 
