@@ -31,12 +31,15 @@
 //! when it is reused, so the block resident longest is the best guess at
 //! the least recently used. [`KvIndex::evicted`] counts them, and a log
 //! line says when eviction starts. A worker's store order is kept in a
-//! queue (removed hashes leave it lazily, and it is compacted when mostly
-//! stale), but only while the index is at least half full: far from
+//! queue, but only while the index is at least half full: far from
 //! capacity, where most nodes live, a store costs no more than its table
 //! insert and no memory goes to the queues. When the index first reaches
 //! half, the queues start from the tables as they are (the blocks already
 //! held count as equally old); below a quarter they are dropped again.
+//! Removed hashes leave a queue lazily. Once they are most of it, the
+//! queue is compacted a few entries per later change (see `Compaction`),
+//! so that no single change pays for the whole queue; and a queue grows
+//! by chunks (`ChunkQueue`), never by copying itself.
 //!
 //! The overlap query walks the request's hashes in order, keeping for each
 //! tier the mask of workers whose prefix is still unbroken, and stops as soon
@@ -46,11 +49,12 @@
 //! misses of a large or cold index overlap instead of queuing, while a
 //! short prefix still stops after a few.
 
-use std::collections::{HashSet, VecDeque};
+use std::collections::HashSet;
 use std::hash::BuildHasher;
 
 use kvedge_shm::messages::Tier;
 
+use crate::chunk_queue::ChunkQueue;
 use crate::mask_table::{Bucket, MaskTable, Set, mask_in};
 
 /// Most worker slots one index tracks.
@@ -212,6 +216,38 @@ impl Held {
     }
 }
 
+/// Stale entries (removed hashes, and repeats) a store-order queue may
+/// hold beyond its live ones before it is compacted: a compaction starts
+/// once the queue is longer than twice its live entries plus this.
+const COMPACT_SLACK: usize = 1024;
+
+/// Queue entries a compaction looks at per hash an index change stores or
+/// removes, and at least per change. A compaction starts when over half
+/// of its queue is stale, so it has the queue's length to look at, and
+/// each hash stored meanwhile lengthens the queue by one; at four per
+/// hash it ends long before the next could start.
+const COMPACT_PER_HASH: usize = 4;
+const COMPACT_PER_CHANGE: usize = 16;
+
+/// A compaction of store-order queue `order[w][t]` in progress, done a few
+/// entries per index change: a queue of 20 million entries, compacted at
+/// once, held the routing thread for 4.7 s.
+///
+/// The queue's entries before `write` are kept (live, each hash once, in
+/// store order); those from `write` to `read` are free, dropped at the
+/// end; those from `read` on, with every hash stored since it started,
+/// are yet to be looked at. Eviction takes the oldest kept entry, or the
+/// first not looked at while none is kept.
+#[derive(Debug)]
+struct Compaction {
+    w: usize,
+    t: usize,
+    write: usize,
+    read: usize,
+    /// The hashes kept so far.
+    seen: HashSet<u64, foldhash::fast::RandomState>,
+}
+
 /// The index.
 #[derive(Debug)]
 pub struct KvIndex {
@@ -219,7 +255,7 @@ pub struct KvIndex {
     held: Vec<[Held; 3]>,
     /// Per worker and tier, hashes in the order they were stored (some
     /// already removed: checked against the tier map when evicting).
-    order: Vec<[VecDeque<u64>; 3]>,
+    order: Vec<[ChunkQueue; 3]>,
     entries: usize,
     capacity: usize,
     refused_full: u64,
@@ -230,6 +266,8 @@ pub struct KvIndex {
     /// The store-order queues are kept (the index is at least half full,
     /// and has not drained below a quarter since).
     ordered: bool,
+    /// The compaction of one store-order queue, while it runs.
+    compaction: Option<Compaction>,
     /// Log when eviction starts (off for the approximate memory, where
     /// evicting the oldest decisions is the normal course).
     warn_when_full: bool,
@@ -250,6 +288,7 @@ impl KvIndex {
             evicted: 0,
             evicting: false,
             ordered: false,
+            compaction: None,
             warn_when_full: true,
         }
     }
@@ -323,11 +362,13 @@ impl KvIndex {
                 self.start_ordering();
             }
         }
+        self.compact_step(hashes.len());
         added
     }
 
     /// Starts keeping store order: each queue from the tables as they are.
     fn start_ordering(&mut self) {
+        self.compaction = None;
         for order in &mut self.order {
             for queue in order.iter_mut() {
                 queue.clear();
@@ -355,6 +396,7 @@ impl KvIndex {
             for order in &mut self.order {
                 *order = Default::default();
             }
+            self.compaction = None;
             self.ordered = false;
         }
     }
@@ -384,7 +426,7 @@ impl KvIndex {
             self.start_ordering();
         }
         let bit = 1u64 << w;
-        while let Some(h) = self.order[w][t].pop_front() {
+        while let Some(h) = self.pop_oldest(w, t) {
             if self.tiers[t].unset(h, bit) {
                 self.held[w][t].count -= 1;
                 self.entries -= 1;
@@ -419,24 +461,88 @@ impl KvIndex {
                 removed += 1;
             }
         }
-        self.compact(slot.index(), t);
+        self.maybe_compact(slot.index(), t);
+        self.compact_step(hashes.len());
+        self.maybe_stop_ordering();
         removed
     }
 
-    /// Drops the removed hashes (and repeats) from a store-order queue
-    /// once they are most of it.
-    fn compact(&mut self, w: usize, t: usize) {
-        if self.ordered {
-            let live = self.held[w][t].count;
-            let queue = &mut self.order[w][t];
-            if queue.len() > 2 * live + 1024 {
-                let map = &self.tiers[t];
-                let bit = 1u64 << w;
-                let mut seen = HashSet::with_capacity(live);
-                queue.retain(|&h| map.get(h) & bit != 0 && seen.insert(h));
+    /// Takes the oldest entry of store-order queue `order[w][t]` (perhaps
+    /// a hash since removed), minding a compaction of it.
+    fn pop_oldest(&mut self, w: usize, t: usize) -> Option<u64> {
+        let queue = &mut self.order[w][t];
+        match &mut self.compaction {
+            Some(c) if (c.w, c.t) == (w, t) => {
+                if c.write > 0 {
+                    // A kept entry. If its hash is stored again, the new
+                    // copy is the one to keep.
+                    let h = queue.pop_front()?;
+                    c.write -= 1;
+                    c.read -= 1;
+                    c.seen.remove(&h);
+                    Some(h)
+                } else {
+                    // Nothing kept yet: the oldest is the first not looked
+                    // at, which joins the free entries.
+                    let h = queue.get(c.read)?;
+                    c.read += 1;
+                    Some(h)
+                }
             }
+            _ => queue.pop_front(),
         }
-        self.maybe_stop_ordering();
+    }
+
+    /// Starts compacting store-order queue `order[w][t]` once removed
+    /// hashes (and repeats) are most of it, unless another compaction is
+    /// running (this one then starts on a later removal).
+    #[inline(never)]
+    fn maybe_compact(&mut self, w: usize, t: usize) {
+        if !self.ordered || self.compaction.is_some() {
+            return;
+        }
+        let live = self.held[w][t].count;
+        if self.order[w][t].len() > 2 * live + COMPACT_SLACK {
+            let mut seen = HashSet::with_hasher(foldhash::fast::RandomState::default());
+            seen.reserve(live);
+            self.compaction = Some(Compaction {
+                w,
+                t,
+                write: 0,
+                read: 0,
+                seen,
+            });
+        }
+    }
+
+    /// Moves the running compaction on by the entries a change of
+    /// `hashes` hashes pays for, and ends it when it reaches the back.
+    #[inline(always)]
+    fn compact_step(&mut self, hashes: usize) {
+        if self.compaction.is_some() {
+            self.compact_more(hashes);
+        }
+    }
+
+    #[inline(never)]
+    fn compact_more(&mut self, hashes: usize) {
+        let Some(c) = &mut self.compaction else {
+            return;
+        };
+        let (queue, map) = (&mut self.order[c.w][c.t], &self.tiers[c.t]);
+        let bit = 1u64 << c.w;
+        for _ in 0..(hashes * COMPACT_PER_HASH).max(COMPACT_PER_CHANGE) {
+            let Some(h) = queue.get(c.read) else {
+                queue.truncate(c.write);
+                self.compaction = None;
+                return;
+            };
+            if map.get(h) & bit != 0 && c.seen.insert(h) {
+                queue.set(c.write, h);
+                c.write += 1;
+            }
+            c.read += 1;
+        }
     }
 
     /// Drops everything `slot` holds in `tier` (or in every tier).
@@ -451,6 +557,13 @@ impl KvIndex {
             let t = tier as usize;
             let held = std::mem::replace(&mut self.held[w][t], Held::fresh());
             self.order[w][t].clear();
+            if self
+                .compaction
+                .as_ref()
+                .is_some_and(|c| (c.w, c.t) == (w, t))
+            {
+                self.compaction = None;
+            }
             if held.count > 0 {
                 match &held.listed {
                     Some(list) => {
@@ -636,13 +749,194 @@ mod tests {
         assert_eq!((ix.entries(), ix.evicted()), (8, 1));
         ix.remove(s(0), Tier::Device, &[1, 2, 3, 5, 6, 7, 8, 9]);
         assert!(
-            !ix.ordered && ix.order[0][0].capacity() == 0,
+            !ix.ordered && ix.order[0][0].chunks() == 0,
             "below a quarter: freed"
         );
         // Evicting again starts from the sets as they are.
         ix.store(s(1), Tier::Device, &[20, 21, 22, 23, 24, 25, 26, 27]);
         assert_eq!(ix.entries(), 8);
         assert!(ix.worker_blocks(s(1), Tier::Device) >= 7);
+    }
+
+    impl KvIndex {
+        /// The hashes store-order queue `order[w][t]` still holds, oldest
+        /// first (without the free entries of a compaction of it).
+        fn queued(&self, w: usize, t: usize) -> Vec<u64> {
+            let q = &self.order[w][t];
+            let all = (0..q.len()).map(|i| q.get(i).unwrap());
+            match &self.compaction {
+                Some(c) if (c.w, c.t) == (w, t) => all
+                    .enumerate()
+                    .filter(|&(i, _)| i < c.write || i >= c.read)
+                    .map(|(_, h)| h)
+                    .collect(),
+                _ => all.collect(),
+            }
+        }
+    }
+
+    /// A compaction looks at a few entries per change, not the whole
+    /// queue at once, and evictions during it still take the oldest live
+    /// entry first: from the entries kept so far, then from those not
+    /// looked at yet.
+    #[test]
+    fn a_compaction_runs_a_few_entries_per_change_and_keeps_store_order() {
+        let n = COMPACT_SLACK as u64;
+        let mut ix = KvIndex::new(8 * COMPACT_SLACK);
+        // Worker 1 holds a little; worker 0's first blocks bring the index
+        // to half full (they count as equally old), then 0..4n in order.
+        ix.store(
+            s(1),
+            Tier::Device,
+            &(1_000_000..1_000_000 + n).collect::<Vec<_>>(),
+        );
+        let early: Vec<u64> = (2_000_000..2_000_000 + 3 * n).collect();
+        ix.store(s(0), Tier::Device, &early);
+        assert!(ix.ordered);
+        let ordered: Vec<u64> = (0..4 * n).collect();
+        for chunk in ordered.chunks(64) {
+            ix.store(s(0), Tier::Device, chunk);
+        }
+        assert_eq!(ix.entries(), 8 * COMPACT_SLACK);
+        // The early blocks leave, then odd ones, eight per change, until
+        // over half of worker 0's queue is stale.
+        for chunk in early.chunks(8) {
+            ix.remove(s(0), Tier::Device, chunk);
+        }
+        assert!(ix.compaction.is_none());
+        let odd: Vec<u64> = (1..4 * n).step_by(2).collect();
+        let mut removed = 0;
+        for chunk in odd.chunks(8) {
+            ix.remove(s(0), Tier::Device, chunk);
+            removed += chunk.len();
+            if ix.compaction.is_some() {
+                break;
+            }
+        }
+        let c = ix.compaction.as_ref().expect("a compaction started");
+        assert_eq!(c.w, 0);
+        // One change's worth looked at, not the queue.
+        assert!(c.read <= 8 * COMPACT_PER_HASH, "{} looked at", c.read);
+        let queue = ix.order[0][0].len();
+        assert!(queue > 6 * COMPACT_SLACK);
+        // Moved on past the early blocks and into the ordered ones.
+        ix.compact_step(3 * COMPACT_SLACK / COMPACT_PER_HASH + 100);
+        let c = ix.compaction.as_ref().expect("still compacting");
+        assert!(c.write > 0 && c.read > c.write && c.read < queue);
+        let live: Vec<u64> = (0..4 * n)
+            .filter(|&h| ix.holds(s(0), Tier::Device, h))
+            .collect();
+        assert_eq!(live.len(), 4 * COMPACT_SLACK - removed);
+        assert_eq!(
+            ix.queued(0, 0).iter().filter(|h| live.contains(h)).count(),
+            live.len()
+        );
+        // Evictions take worker 0's live blocks oldest first, across the
+        // kept entries and on into the rest.
+        let kept = ix.compaction.as_ref().unwrap().write;
+        for (i, &h) in live.iter().enumerate().take(kept + 50) {
+            assert!(ix.evict_one());
+            assert!(!ix.holds(s(0), Tier::Device, h), "eviction {i} spared {h}");
+            if let Some(&next) = live.get(i + 1) {
+                assert!(
+                    ix.holds(s(0), Tier::Device, next),
+                    "eviction {i} took {next}"
+                );
+            }
+        }
+        // The first block evicted, stored again: its new copy is queued
+        // (the kept copy it had left the queue with the eviction).
+        ix.store(s(0), Tier::Device, &[live[0]]);
+        // Enough changes finish it: the queue is the live blocks, in order.
+        while ix.compaction.is_some() {
+            ix.compact_step(1);
+        }
+        let mut left: Vec<u64> = live[kept + 50..].to_vec();
+        left.push(live[0]);
+        assert_eq!(ix.queued(0, 0), left);
+        assert_eq!(ix.order[0][0].len(), left.len());
+    }
+
+    /// Random stores, removals, stores again and clears in an index kept
+    /// at capacity: every live entry stays in its worker's queue, also
+    /// while a compaction runs, and the queues stay within a few times
+    /// their live entries, even for an engine that stores and removes the
+    /// same few hashes over and over.
+    #[test]
+    fn store_order_queues_hold_every_live_entry_and_stay_bounded() {
+        let mut next = splitmix(0x000d_de12);
+        let cap = 6 * COMPACT_SLACK;
+        let mut ix = KvIndex::new(cap);
+        let mut compactions = 0;
+        // What worker 1 stored, oldest first; it removes its oldest, as
+        // an engine's cache does. Worker 0 only stores, and holds the
+        // most: evictions take its blocks.
+        let mut stored = std::collections::VecDeque::new();
+        let mut fresh = 0u64;
+        for step in 0..8000 {
+            let w = (next() % 3) as usize;
+            let was_compacting = ix.compaction.is_some();
+            let roll = next() % 1000;
+            let mut new = || -> Vec<u64> {
+                (0..16)
+                    .map(|_| {
+                        fresh += 1;
+                        // Now and then a block stored before.
+                        if fresh.is_multiple_of(7) {
+                            fresh / 2
+                        } else {
+                            fresh
+                        }
+                    })
+                    .collect()
+            };
+            if roll == 0 {
+                if w == 1 {
+                    stored.clear();
+                }
+                ix.clear(s(w), Some(Tier::Device));
+            } else if w == 0 {
+                ix.store(s(0), Tier::Device, &new());
+            } else if w == 1 && (stored.len() < 2000 || roll < 500) {
+                let hashes = new();
+                stored.extend(&hashes);
+                ix.store(s(1), Tier::Device, &hashes);
+            } else if w == 1 {
+                let oldest: Vec<u64> = stored.drain(..16).collect();
+                ix.remove(s(1), Tier::Device, &oldest);
+            } else {
+                // Worker 2 stores and removes the same eight hashes.
+                let hashes: Vec<u64> = (0..8).map(|_| (1 << 40) | (next() % 8)).collect();
+                if roll < 500 {
+                    ix.store(s(2), Tier::Device, &hashes);
+                } else {
+                    ix.remove(s(2), Tier::Device, &hashes);
+                }
+            }
+            compactions += usize::from(!was_compacting && ix.compaction.is_some());
+            if !ix.ordered {
+                continue;
+            }
+            for w in 0..3 {
+                let queued: HashSet<u64> = ix.queued(w, 0).into_iter().collect();
+                let live = ix.worker_blocks(s(w), Tier::Device);
+                for h in ix.tiers[0].iter().filter(|(_, m)| m & s(w).bit() != 0) {
+                    assert!(queued.contains(&h.0), "step {step}: {:x} not queued", h.0);
+                }
+                assert!(
+                    ix.order[w][0].len() <= 4 * live + 4 * COMPACT_SLACK,
+                    "step {step}: worker {w}'s queue of {} for {live} blocks",
+                    ix.order[w][0].len()
+                );
+            }
+        }
+        assert!(
+            ix.ordered && ix.evicted() > 0 && compactions >= 3,
+            "{compactions} compactions, {} evicted, {} entries, ordered {}",
+            ix.evicted(),
+            ix.entries(),
+            ix.ordered
+        );
     }
 
     impl KvIndex {

@@ -16,6 +16,7 @@
 )]
 
 mod answer;
+mod chunk_queue;
 mod client;
 pub mod config;
 mod counters;
