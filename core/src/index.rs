@@ -229,6 +229,35 @@ const COMPACT_SLACK: usize = 1024;
 const COMPACT_PER_HASH: usize = 4;
 const COMPACT_PER_CHANGE: usize = 16;
 
+/// Table buckets (about three keys each) the walk that starts keeping
+/// store order reads per hash a store brings. It has the tables' buckets
+/// to read, about a quarter of the capacity's worth when it starts at half
+/// of it, and at least half the capacity's hashes come before eviction
+/// needs it done.
+const WALK_PER_HASH: usize = 2;
+
+/// Buckets the walk reads at once when it starts (tens of microseconds):
+/// an index this small is queued whole, and exactly as it was.
+const WALK_AT_ONCE: usize = 4096;
+
+/// The walk over the tables, a few buckets per stored hash, that queues
+/// the entries held when the index first reached half full (building those
+/// queues at once held the routing thread for 134-185 ms at 8 million
+/// entries). Its place is table `shard` of tier `tier`, bucket `bucket` of
+/// the `size` the table had when the walk reached it.
+///
+/// Keys the tables move meanwhile may be read twice (a second copy in a
+/// queue is harmless) or not at all, when an insertion moves one from a
+/// bucket not read yet into one already read; such an entry is found when
+/// its worker's queues run out (`KvIndex::requeue`).
+#[derive(Debug)]
+struct Walk {
+    tier: usize,
+    shard: usize,
+    bucket: usize,
+    size: usize,
+}
+
 /// A compaction of store-order queue `order[w][t]` in progress, done a few
 /// entries per index change: a queue of 20 million entries, compacted at
 /// once, held the routing thread for 4.7 s.
@@ -256,6 +285,12 @@ pub struct KvIndex {
     /// Per worker and tier, hashes in the order they were stored (some
     /// already removed: checked against the tier map when evicting).
     order: Vec<[ChunkQueue; 3]>,
+    /// Per worker and tier, the hashes it held when store order started
+    /// to be kept, in table order (equally old, and older than `order`'s;
+    /// some since removed). Evicted first.
+    earlier: Vec<[ChunkQueue; 3]>,
+    /// The walk over the tables that fills `earlier`, while it runs.
+    walk: Option<Walk>,
     entries: usize,
     capacity: usize,
     refused_full: u64,
@@ -282,6 +317,8 @@ impl KvIndex {
                 .map(|_| [Held::fresh(), Held::fresh(), Held::fresh()])
                 .collect(),
             order: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
+            earlier: (0..MAX_WORKERS).map(|_| Default::default()).collect(),
+            walk: None,
             entries: 0,
             capacity,
             refused_full: 0,
@@ -363,28 +400,88 @@ impl KvIndex {
             }
         }
         self.compact_step(hashes.len());
+        if self.walk.is_some() {
+            self.walk_on(hashes.len() * WALK_PER_HASH);
+        }
         added
     }
 
-    /// Starts keeping store order: each queue from the tables as they are.
+    /// Starts keeping store order. The entries held so far are queued by
+    /// a walk over the tables that later stores move on (see [`Walk`]).
     fn start_ordering(&mut self) {
         self.compaction = None;
-        for order in &mut self.order {
-            for queue in order.iter_mut() {
+        for queues in self.order.iter_mut().chain(&mut self.earlier) {
+            for queue in queues.iter_mut() {
                 queue.clear();
             }
         }
-        for (t, tier) in self.tiers.iter().enumerate() {
-            for (h, mask) in tier.iter() {
+        self.walk = Some(Walk {
+            tier: 0,
+            shard: 0,
+            bucket: 0,
+            size: self.tiers[0].shards[0].bucket_count(),
+        });
+        self.ordered = true;
+        self.walk_on(WALK_AT_ONCE);
+    }
+
+    /// Moves the walk on by up to `buckets` buckets, and ends it after the
+    /// last table.
+    #[inline(never)]
+    fn walk_on(&mut self, mut buckets: usize) {
+        while let Some(walk) = &mut self.walk {
+            let table = &self.tiers[walk.tier].shards[walk.shard];
+            if table.bucket_count() != walk.size {
+                // The table doubled under the walk: read it again.
+                walk.bucket = 0;
+                walk.size = table.bucket_count();
+            }
+            let to = walk.bucket.saturating_add(buckets).min(walk.size);
+            for (h, mask) in table.iter_buckets(walk.bucket, to) {
                 let mut m = mask;
                 while m != 0 {
-                    let w = m.trailing_zeros() as usize;
-                    self.order[w][t].push_back(h);
+                    self.earlier[m.trailing_zeros() as usize][walk.tier].push_back(h);
                     m &= m - 1;
                 }
             }
+            buckets -= to - walk.bucket;
+            walk.bucket = to;
+            if walk.bucket < walk.size {
+                return;
+            }
+            // The next table, or the end.
+            let (tier, shard) = if walk.shard + 1 < SHARDS {
+                (walk.tier, walk.shard + 1)
+            } else {
+                (walk.tier + 1, 0)
+            };
+            if tier == self.tiers.len() {
+                self.walk = None;
+                return;
+            }
+            *walk = Walk {
+                tier,
+                shard,
+                bucket: 0,
+                size: self.tiers[tier].shards[shard].bucket_count(),
+            };
+            if buckets == 0 {
+                return;
+            }
         }
-        self.ordered = true;
+    }
+
+    /// Queues every entry of worker `w` in tier `t` again, from the table:
+    /// for a worker whose queues ran out while it still holds entries (the
+    /// walk missed some, see [`Walk`]). Reads the whole tier, once.
+    #[cold]
+    fn requeue(&mut self, w: usize, t: usize) {
+        let bit = 1u64 << w;
+        for (h, m) in self.tiers[t].iter() {
+            if m & bit != 0 {
+                self.earlier[w][t].push_back(h);
+            }
+        }
     }
 
     /// Below a quarter full: stops keeping store order, and frees it.
@@ -393,10 +490,11 @@ impl KvIndex {
             self.evicting = false;
         }
         if self.ordered && self.entries < self.capacity / 4 {
-            for order in &mut self.order {
-                *order = Default::default();
+            for queues in self.order.iter_mut().chain(&mut self.earlier) {
+                *queues = Default::default();
             }
             self.compaction = None;
+            self.walk = None;
             self.ordered = false;
         }
     }
@@ -425,29 +523,36 @@ impl KvIndex {
         if !self.ordered {
             self.start_ordering();
         }
+        if self.walk.is_some() {
+            // Eviction came before the walk was done (the index reached
+            // half full and full in a few stores): finish it now.
+            self.walk_on(usize::MAX);
+        }
         let bit = 1u64 << w;
-        while let Some(h) = self.pop_oldest(w, t) {
-            if self.tiers[t].unset(h, bit) {
-                self.held[w][t].count -= 1;
-                self.entries -= 1;
-                self.evicted += 1;
-                return true;
+        for requeued in [false, true] {
+            if requeued {
+                self.requeue(w, t);
+            }
+            while let Some(h) = self.earlier[w][t].pop_front() {
+                if self.tiers[t].unset(h, bit) {
+                    self.evicted_one(w, t);
+                    return true;
+                }
+            }
+            while let Some(h) = self.pop_oldest(w, t) {
+                if self.tiers[t].unset(h, bit) {
+                    self.evicted_one(w, t);
+                    return true;
+                }
             }
         }
-        // The queue lost track (it cannot, but stay correct): any entry of
-        // the worker, from the shards it stored into.
-        let found = self.tiers[t]
-            .iter()
-            .find(|(_, m)| m & bit != 0)
-            .map(|(h, _)| h);
-        let Some(h) = found else {
-            return false;
-        };
-        self.tiers[t].unset(h, bit);
+        false
+    }
+
+    fn evicted_one(&mut self, w: usize, t: usize) {
         self.held[w][t].count -= 1;
         self.entries -= 1;
         self.evicted += 1;
-        true
     }
 
     /// Records that `slot` evicted `hashes` from `tier`.
@@ -741,15 +846,17 @@ mod tests {
         ix.store(s(0), Tier::Device, &[1, 2, 3]);
         assert!(!ix.ordered, "far from capacity: no queue");
         ix.store(s(0), Tier::Device, &[4]);
-        assert!(
-            ix.ordered && ix.order[0][0].len() == 4,
-            "half full: from the set"
+        assert!(ix.ordered && ix.walk.is_none(), "half full: queued at once");
+        assert_eq!(
+            (ix.earlier[0][0].len(), ix.order[0][0].len()),
+            (4, 0),
+            "the blocks held then, queued by the walk"
         );
         ix.store(s(0), Tier::Device, &[5, 6, 7, 8, 9]);
         assert_eq!((ix.entries(), ix.evicted()), (8, 1));
         ix.remove(s(0), Tier::Device, &[1, 2, 3, 5, 6, 7, 8, 9]);
         assert!(
-            !ix.ordered && ix.order[0][0].chunks() == 0,
+            !ix.ordered && ix.order[0][0].chunks() == 0 && ix.earlier[0][0].chunks() == 0,
             "below a quarter: freed"
         );
         // Evicting again starts from the sets as they are.
@@ -784,7 +891,8 @@ mod tests {
         let n = COMPACT_SLACK as u64;
         let mut ix = KvIndex::new(8 * COMPACT_SLACK);
         // Worker 1 holds a little; worker 0's first blocks bring the index
-        // to half full (they count as equally old), then 0..4n in order.
+        // to half full (they count as equally old, and are queued apart),
+        // then 0..4n in order.
         ix.store(
             s(1),
             Tier::Device,
@@ -798,15 +906,17 @@ mod tests {
             ix.store(s(0), Tier::Device, chunk);
         }
         assert_eq!(ix.entries(), 8 * COMPACT_SLACK);
-        // The early blocks leave, then odd ones, eight per change, until
-        // over half of worker 0's queue is stale.
+        assert!(ix.walk.is_none(), "the walk over the tables is done");
+        assert_eq!(ix.order[0][0].len(), ordered.len());
+        // The early blocks leave, then three in four of the others, eight
+        // per change, until over half of worker 0's queue is stale.
         for chunk in early.chunks(8) {
             ix.remove(s(0), Tier::Device, chunk);
         }
         assert!(ix.compaction.is_none());
-        let odd: Vec<u64> = (1..4 * n).step_by(2).collect();
+        let leaving: Vec<u64> = (0..4 * n).filter(|h| h % 4 != 0).collect();
         let mut removed = 0;
-        for chunk in odd.chunks(8) {
+        for chunk in leaving.chunks(8) {
             ix.remove(s(0), Tier::Device, chunk);
             removed += chunk.len();
             if ix.compaction.is_some() {
@@ -818,9 +928,9 @@ mod tests {
         // One change's worth looked at, not the queue.
         assert!(c.read <= 8 * COMPACT_PER_HASH, "{} looked at", c.read);
         let queue = ix.order[0][0].len();
-        assert!(queue > 6 * COMPACT_SLACK);
-        // Moved on past the early blocks and into the ordered ones.
-        ix.compact_step(3 * COMPACT_SLACK / COMPACT_PER_HASH + 100);
+        assert_eq!(queue, 4 * COMPACT_SLACK);
+        // Part of the way.
+        ix.compact_step(COMPACT_SLACK / COMPACT_PER_HASH);
         let c = ix.compaction.as_ref().expect("still compacting");
         assert!(c.write > 0 && c.read > c.write && c.read < queue);
         let live: Vec<u64> = (0..4 * n)
@@ -855,6 +965,62 @@ mod tests {
         left.push(live[0]);
         assert_eq!(ix.queued(0, 0), left);
         assert_eq!(ix.order[0][0].len(), left.len());
+    }
+
+    /// A large index is queued by a walk that each store moves on a few
+    /// buckets, not at once; the entries it misses (keys moved under it)
+    /// are few, and are queued again from the table if a worker's queues
+    /// run out.
+    #[test]
+    fn a_large_index_is_queued_by_a_walk_a_few_buckets_per_store() {
+        let cap = 1 << 17;
+        let mut ix = KvIndex::new(cap).quiet();
+        let mut fresh = 0u64;
+        let mut batch = || -> Vec<u64> {
+            fresh += 16;
+            (fresh - 16..fresh).collect()
+        };
+        while !ix.ordered {
+            ix.store(s(0), Tier::Device, &batch());
+        }
+        let buckets: usize = ix.tiers[0].shards.iter().map(|t| t.bucket_count()).sum();
+        assert!(buckets > 2 * WALK_AT_ONCE, "{buckets} buckets");
+        assert!(ix.walk.is_some(), "walked in part");
+        let mut stores = 0;
+        while ix.walk.is_some() {
+            ix.store(s(1), Tier::Device, &batch());
+            stores += 1;
+        }
+        // At two buckets per hash, of 16-hash stores, give or take a
+        // table that doubled under it.
+        let expected = (buckets - WALK_AT_ONCE) / (WALK_PER_HASH * 16);
+        assert!(
+            stores > expected / 2 && stores <= expected * 3 / 2 + 2,
+            "{stores} stores to walk {buckets} buckets"
+        );
+        let queued: HashSet<u64> = (0..ix.earlier[0][0].len())
+            .map(|i| ix.earlier[0][0].get(i).unwrap())
+            .collect();
+        let live: Vec<u64> = ix.tiers[0]
+            .iter()
+            .filter(|(_, m)| m & 1 != 0)
+            .map(|(h, _)| h)
+            .collect();
+        let missed = live.iter().filter(|h| !queued.contains(h)).count();
+        assert!(
+            missed * 100 <= live.len(),
+            "{missed} of {} missed",
+            live.len()
+        );
+        // Worker 0 holds the most; with its queues gone, an eviction
+        // queues its entries from the table again and takes one.
+        ix.earlier[0][0].clear();
+        ix.order[0][0].clear();
+        let (entries, evicted) = (ix.entries(), ix.evicted());
+        assert!(ix.evict_one());
+        assert_eq!((ix.entries(), ix.evicted()), (entries - 1, evicted + 1));
+        assert_eq!(ix.worker_blocks(s(0), Tier::Device), live.len() - 1);
+        assert_eq!(ix.earlier[0][0].len(), live.len() - 1);
     }
 
     /// Random stores, removals, stores again and clears in an index kept
@@ -917,8 +1083,14 @@ mod tests {
             if !ix.ordered {
                 continue;
             }
+            assert!(ix.walk.is_none(), "a small index is walked at once");
             for w in 0..3 {
-                let queued: HashSet<u64> = ix.queued(w, 0).into_iter().collect();
+                let e = &ix.earlier[w][0];
+                let queued: HashSet<u64> = ix
+                    .queued(w, 0)
+                    .into_iter()
+                    .chain((0..e.len()).map(|i| e.get(i).unwrap()))
+                    .collect();
                 let live = ix.worker_blocks(s(w), Tier::Device);
                 for h in ix.tiers[0].iter().filter(|(_, m)| m & s(w).bit() != 0) {
                     assert!(queued.contains(&h.0), "step {step}: {:x} not queued", h.0);

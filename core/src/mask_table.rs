@@ -267,6 +267,26 @@ impl MaskTable {
         })
     }
 
+    /// Buckets in the table (0 before the first insertion; it changes when
+    /// the table doubles).
+    pub(crate) fn bucket_count(&self) -> usize {
+        self.buckets.len()
+    }
+
+    /// Every (key, mask) in buckets `from..to` (clamped to the table).
+    pub(crate) fn iter_buckets(
+        &self,
+        from: usize,
+        to: usize,
+    ) -> impl Iterator<Item = (u64, u64)> + '_ {
+        let to = to.min(self.buckets.len());
+        self.buckets[from.min(to)..to].iter().flat_map(|b| {
+            (0..SLOTS)
+                .filter(|&j| b.masks[j] != 0)
+                .map(|j| (b.keys[j], b.masks[j]))
+        })
+    }
+
     /// Puts `e` (a key not in the table) in a free slot of one of its
     /// buckets, moving residents along if both are full; the entry left
     /// without a place when the moves run out is returned.
