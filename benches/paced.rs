@@ -21,9 +21,12 @@
 //! (`Client::set_spinning`) instead of blocking; the echo still blocks.
 //! With `--flood` the engines publish bursts of single-block stores of
 //! new blocks instead, hundreds of thousands a second: the selects then
-//! wait for the routing thread's turns of ingest.
+//! wait for the routing thread's turns of ingest. With `--held N` the
+//! first engine first stores N blocks of other prompts, so that the index
+//! is the size of a full cache rather than of the few thousand blocks the
+//! engines publish during a row.
 //!
-//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--flood] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
+//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--flood] [--held N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -104,6 +107,7 @@ impl Daemon {
         warm_us: u64,
         engines: u64,
         flood: bool,
+        held: u64,
     ) -> (Daemon, Vec<u64>) {
         let dir = std::env::temp_dir().join(format!("kvedge-paced-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
@@ -153,6 +157,21 @@ impl Daemon {
                 .unwrap();
                 let mut p = Publisher::new(Some(session), ring);
                 if id == 1 {
+                    // Blocks of other prompts first, paced so the ring
+                    // never fills (a drop would start a resync).
+                    for (i, chunk) in (0..held).collect::<Vec<u64>>().chunks(16).enumerate() {
+                        let blocks: Vec<u64> = chunk.iter().map(|&b| (3 << 40) | b).collect();
+                        let push = p
+                            .publish_stored_hashes(Tier::Device, None, &blocks)
+                            .unwrap();
+                        assert!(
+                            matches!(push, kvedge_shm::Push::Committed { .. }),
+                            "the ring filled while the engine stored its other blocks"
+                        );
+                        if i % 64 == 63 {
+                            std::thread::sleep(Duration::from_millis(1));
+                        }
+                    }
                     p.publish_stored_hashes(Tier::Device, None, &hashes)
                         .unwrap();
                 }
@@ -232,14 +251,16 @@ impl Drop for Daemon {
     }
 }
 
-/// How the bench's client asks: real selects (`--reserve`) or dry runs,
-/// spinning while it waits (`--spinning-client`) or blocking; and whether the
-/// engines flood the daemon meanwhile (`--flood`).
+/// How a row runs: real selects (`--reserve`) or dry runs, a client
+/// spinning while it waits (`--spinning-client`) or blocking, engines
+/// flooding the daemon meanwhile (`--flood`) or not, and how many other
+/// blocks the first engine holds (`--held N`).
 #[derive(Clone, Copy)]
-struct ClientMode {
+struct Mode {
     reserve: bool,
     spinning: bool,
     flood: bool,
+    held: u64,
 }
 
 /// With `--flood`, each engine publishes this many single-block Stored
@@ -261,16 +282,17 @@ fn selects(
     n: u32,
     spin_us: u64,
     warm_us: u64,
-    client: ClientMode,
+    client: Mode,
     engines: u64,
 ) -> (Duration, Duration, f64, f64) {
-    let ClientMode {
+    let Mode {
         reserve,
         spinning,
         flood,
+        held,
     } = client;
     let name = if rings { "rings" } else { "socket" };
-    let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines, flood);
+    let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines, flood, held);
     let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
     c.set_spinning(spinning).unwrap();
     if rings {
@@ -363,11 +385,6 @@ fn main() {
     // `--flood`: the engines publish in bursts of single-block stores
     // (new blocks, so the index grows, and evicts once full) instead.
     let flood = args.iter().any(|a| a == "--flood");
-    let client = ClientMode {
-        reserve,
-        spinning,
-        flood,
-    };
     // `--only <label prefix>` runs the matching rows (for profiling one).
     let only = args
         .iter()
@@ -389,6 +406,15 @@ fn main() {
     let spins = list("--spin", kvedge_core::config::DEFAULT_SPIN_US);
     let engines = list("--engines", 1)[0];
     let warms = list("--warm", kvedge_core::config::DEFAULT_WARM_US);
+    // `--held N`: the first engine also holds N blocks of other prompts
+    // (an index the size of a full cache, not a few thousand blocks).
+    let held = list("--held", 0)[0];
+    let client = Mode {
+        reserve,
+        spinning,
+        flood,
+        held,
+    };
     // About 2 s per row and at least 1,000 samples, so that a p99 is the
     // tenth slowest (hence 10 s at 100/s); --quick halves both.
     let paces = [
@@ -420,6 +446,9 @@ fn main() {
         println!(
             "Engines: {engines}, each publishing a 16-block Stored and a Load every millisecond.\n"
         );
+    }
+    if held > 0 {
+        println!("The first engine also holds {held} blocks of other prompts.\n");
     }
     if spinning {
         println!("Clients: spinning while they wait (the echo blocks).\n");
