@@ -168,7 +168,7 @@ impl Daemon {
                             matches!(push, kvedge_shm::Push::Committed { .. }),
                             "the ring filled while the engine stored its other blocks"
                         );
-                        if i % 64 == 63 {
+                        if i % 16 == 15 {
                             std::thread::sleep(Duration::from_millis(1));
                         }
                     }
