@@ -258,7 +258,17 @@ struct Walk {
     size: usize,
 }
 
-/// A compaction of store-order queue `order[w][t]` in progress, done a few
+/// Which of a worker's two store-order queues in a tier.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Queue {
+    /// `KvIndex::earlier`: what it held when the order started to be kept.
+    Earlier,
+    /// `KvIndex::order`: what it stored since.
+    Order,
+}
+
+/// A compaction of store-order queue `order[w][t]` (or `earlier[w][t]`,
+/// as `queue` says) in progress, done a few
 /// entries per index change: a queue of 20 million entries, compacted at
 /// once, held the routing thread for 4.7 s.
 ///
@@ -271,6 +281,7 @@ struct Walk {
 struct Compaction {
     w: usize,
     t: usize,
+    queue: Queue,
     write: usize,
     read: usize,
     /// The hashes kept so far.
@@ -533,16 +544,12 @@ impl KvIndex {
             if requeued {
                 self.requeue(w, t);
             }
-            while let Some(h) = self.earlier[w][t].pop_front() {
-                if self.tiers[t].unset(h, bit) {
-                    self.evicted_one(w, t);
-                    return true;
-                }
-            }
-            while let Some(h) = self.pop_oldest(w, t) {
-                if self.tiers[t].unset(h, bit) {
-                    self.evicted_one(w, t);
-                    return true;
+            for q in [Queue::Earlier, Queue::Order] {
+                while let Some(h) = self.pop_oldest(w, t, q) {
+                    if self.tiers[t].unset(h, bit) {
+                        self.evicted_one(w, t);
+                        return true;
+                    }
                 }
             }
         }
@@ -572,12 +579,15 @@ impl KvIndex {
         removed
     }
 
-    /// Takes the oldest entry of store-order queue `order[w][t]` (perhaps
-    /// a hash since removed), minding a compaction of it.
-    fn pop_oldest(&mut self, w: usize, t: usize) -> Option<u64> {
-        let queue = &mut self.order[w][t];
+    /// Takes the oldest entry of store-order queue `q` of worker `w` in
+    /// tier `t` (perhaps a hash since removed), minding a compaction of it.
+    fn pop_oldest(&mut self, w: usize, t: usize, q: Queue) -> Option<u64> {
+        let queue = match q {
+            Queue::Earlier => &mut self.earlier[w][t],
+            Queue::Order => &mut self.order[w][t],
+        };
         match &mut self.compaction {
-            Some(c) if (c.w, c.t) == (w, t) => {
+            Some(c) if (c.w, c.t, c.queue) == (w, t, q) => {
                 if c.write > 0 {
                     // A kept entry. If its hash is stored again, the new
                     // copy is the one to keep.
@@ -598,21 +608,28 @@ impl KvIndex {
         }
     }
 
-    /// Starts compacting store-order queue `order[w][t]` once removed
-    /// hashes (and repeats) are most of it, unless another compaction is
-    /// running (this one then starts on a later removal).
+    /// Starts compacting the longer of worker `w`'s two store-order
+    /// queues in tier `t` once removed hashes (and repeats) are most of
+    /// what they hold, unless another compaction is running (this one then
+    /// starts on a later removal).
     #[inline(never)]
     fn maybe_compact(&mut self, w: usize, t: usize) {
         if !self.ordered || self.compaction.is_some() {
             return;
         }
         let live = self.held[w][t].count;
-        if self.order[w][t].len() > 2 * live + COMPACT_SLACK {
+        let (earlier, order) = (self.earlier[w][t].len(), self.order[w][t].len());
+        if earlier + order > 2 * live + COMPACT_SLACK {
             let mut seen = HashSet::with_hasher(foldhash::fast::RandomState::default());
-            seen.reserve(live);
+            seen.reserve(live.min(earlier.max(order)));
             self.compaction = Some(Compaction {
                 w,
                 t,
+                queue: if earlier > order {
+                    Queue::Earlier
+                } else {
+                    Queue::Order
+                },
                 write: 0,
                 read: 0,
                 seen,
@@ -634,8 +651,11 @@ impl KvIndex {
         let Some(c) = &mut self.compaction else {
             return;
         };
-        let (queue, map) = (&mut self.order[c.w][c.t], &self.tiers[c.t]);
-        let bit = 1u64 << c.w;
+        let queue = match c.queue {
+            Queue::Earlier => &mut self.earlier[c.w][c.t],
+            Queue::Order => &mut self.order[c.w][c.t],
+        };
+        let (map, bit) = (&self.tiers[c.t], 1u64 << c.w);
         for _ in 0..(hashes * COMPACT_PER_HASH).max(COMPACT_PER_CHANGE) {
             let Some(h) = queue.get(c.read) else {
                 queue.truncate(c.write);
@@ -866,13 +886,17 @@ mod tests {
     }
 
     impl KvIndex {
-        /// The hashes store-order queue `order[w][t]` still holds, oldest
-        /// first (without the free entries of a compaction of it).
-        fn queued(&self, w: usize, t: usize) -> Vec<u64> {
-            let q = &self.order[w][t];
-            let all = (0..q.len()).map(|i| q.get(i).unwrap());
+        /// The hashes store-order queue `q` of worker `w` in tier `t`
+        /// still holds, oldest first (without the free entries of a
+        /// compaction of it).
+        fn queued(&self, w: usize, t: usize, q: Queue) -> Vec<u64> {
+            let queue = match q {
+                Queue::Earlier => &self.earlier[w][t],
+                Queue::Order => &self.order[w][t],
+            };
+            let all = (0..queue.len()).map(|i| queue.get(i).unwrap());
             match &self.compaction {
-                Some(c) if (c.w, c.t) == (w, t) => all
+                Some(c) if (c.w, c.t, c.queue) == (w, t, q) => all
                     .enumerate()
                     .filter(|&(i, _)| i < c.write || i >= c.read)
                     .map(|(_, h)| h)
@@ -938,7 +962,10 @@ mod tests {
             .collect();
         assert_eq!(live.len(), 4 * COMPACT_SLACK - removed);
         assert_eq!(
-            ix.queued(0, 0).iter().filter(|h| live.contains(h)).count(),
+            ix.queued(0, 0, Queue::Order)
+                .iter()
+                .filter(|h| live.contains(h))
+                .count(),
             live.len()
         );
         // Evictions take worker 0's live blocks oldest first, across the
@@ -963,8 +990,53 @@ mod tests {
         }
         let mut left: Vec<u64> = live[kept + 50..].to_vec();
         left.push(live[0]);
-        assert_eq!(ix.queued(0, 0), left);
+        assert_eq!(ix.queued(0, 0, Queue::Order), left);
         assert_eq!(ix.order[0][0].len(), left.len());
+    }
+
+    /// The entries held when the order started, once mostly removed, are
+    /// compacted too (a little per change, keeping their order), so that
+    /// an eviction does not first wade through them.
+    #[test]
+    fn the_earlier_queue_is_compacted_too() {
+        let n = COMPACT_SLACK as u64;
+        let mut ix = KvIndex::new(8 * COMPACT_SLACK);
+        let held: Vec<u64> = (0..4 * n).map(|i| i * 7919).collect();
+        ix.store(s(0), Tier::Device, &held);
+        assert!(ix.ordered && ix.walk.is_none());
+        let before = ix.queued(0, 0, Queue::Earlier);
+        assert_eq!(before.len(), held.len());
+        // Another worker keeps the index over a quarter full.
+        ix.store(
+            s(1),
+            Tier::Device,
+            &(1 << 40..(1 << 40) + 3 * n).collect::<Vec<_>>(),
+        );
+        let (leaving, staying): (Vec<u64>, Vec<u64>) = held.iter().partition(|&&h| h % 4 != 0);
+        let mut compacted = false;
+        for chunk in leaving.chunks(8) {
+            ix.remove(s(0), Tier::Device, chunk);
+            compacted |= ix
+                .compaction
+                .as_ref()
+                .is_some_and(|c| c.queue == Queue::Earlier);
+        }
+        assert!(compacted, "no compaction of the earlier queue");
+        while ix.compaction.is_some() {
+            ix.compact_step(1);
+        }
+        // It started once over half the queue was stale (after 2.5n of the
+        // 3n removals) and dropped those: what is left is the live
+        // entries, in their order, and the removals after it passed them.
+        let left = ix.queued(0, 0, Queue::Earlier);
+        assert!(
+            left.len() <= staying.len() + leaving.len() / 6 + 8,
+            "{} left",
+            left.len()
+        );
+        let live: Vec<u64> = left.into_iter().filter(|h| staying.contains(h)).collect();
+        let kept: Vec<u64> = before.into_iter().filter(|h| staying.contains(h)).collect();
+        assert_eq!(live, kept);
     }
 
     /// A large index is queued by a walk that each store moves on a few
@@ -1085,11 +1157,10 @@ mod tests {
             }
             assert!(ix.walk.is_none(), "a small index is walked at once");
             for w in 0..3 {
-                let e = &ix.earlier[w][0];
                 let queued: HashSet<u64> = ix
-                    .queued(w, 0)
+                    .queued(w, 0, Queue::Order)
                     .into_iter()
-                    .chain((0..e.len()).map(|i| e.get(i).unwrap()))
+                    .chain(ix.queued(w, 0, Queue::Earlier))
                     .collect();
                 let live = ix.worker_blocks(s(w), Tier::Device);
                 for h in ix.tiers[0].iter().filter(|(_, m)| m & s(w).bit() != 0) {
