@@ -267,16 +267,16 @@ enum Queue {
     Order,
 }
 
-/// A compaction of store-order queue `order[w][t]` (or `earlier[w][t]`,
-/// as `queue` says) in progress, done a few
-/// entries per index change: a queue of 20 million entries, compacted at
-/// once, held the routing thread for 4.7 s.
+/// A compaction of worker `w`'s store-order queues in tier `t`, first
+/// `earlier[w][t]` then `order[w][t]` (`queue` says which it is in), in
+/// progress, done a few entries per index change: a queue of 20 million
+/// entries, compacted at once, held the routing thread for 4.7 s.
 ///
-/// The queue's entries before `write` are kept (live, each hash once, in
-/// store order); those from `write` to `read` are free, dropped at the
-/// end; those from `read` on, with every hash stored since it started,
-/// are yet to be looked at. Eviction takes the oldest kept entry, or the
-/// first not looked at while none is kept.
+/// In the queue it is in, the entries before `write` are kept (live, each
+/// hash once across both queues, in store order); those from `write` to
+/// `read` are free, dropped at the end; those from `read` on, with every
+/// hash stored since it started, are yet to be looked at. Eviction takes
+/// the oldest kept entry, or the first not looked at while none is kept.
 #[derive(Debug)]
 struct Compaction {
     w: usize,
@@ -604,28 +604,35 @@ impl KvIndex {
                     Some(h)
                 }
             }
+            Some(c) if (c.w, c.t) == (w, t) => {
+                // The other queue of a compaction that passes over both:
+                // a hash leaving it may be kept again when stored again.
+                let h = queue.pop_front()?;
+                c.seen.remove(&h);
+                Some(h)
+            }
             _ => queue.pop_front(),
         }
     }
 
-    /// Starts compacting the longer of worker `w`'s two store-order
-    /// queues in tier `t` once removed hashes (and repeats) are most of
-    /// what they hold, unless another compaction is running (this one then
-    /// starts on a later removal).
+    /// Starts compacting worker `w`'s store-order queues in tier `t` (the
+    /// earlier one, then the other) once removed hashes (and repeats) are
+    /// most of what they hold, unless another compaction is running (this
+    /// one then starts on a later removal).
     #[inline(never)]
     fn maybe_compact(&mut self, w: usize, t: usize) {
         if !self.ordered || self.compaction.is_some() {
             return;
         }
         let live = self.held[w][t].count;
-        let (earlier, order) = (self.earlier[w][t].len(), self.order[w][t].len());
-        if earlier + order > 2 * live + COMPACT_SLACK {
+        let earlier = self.earlier[w][t].len();
+        if earlier + self.order[w][t].len() > 2 * live + COMPACT_SLACK {
             let mut seen = HashSet::with_hasher(foldhash::fast::RandomState::default());
-            seen.reserve(live.min(earlier.max(order)));
+            seen.reserve(live);
             self.compaction = Some(Compaction {
                 w,
                 t,
-                queue: if earlier > order {
+                queue: if earlier > 0 {
                     Queue::Earlier
                 } else {
                     Queue::Order
@@ -659,6 +666,11 @@ impl KvIndex {
         for _ in 0..(hashes * COMPACT_PER_HASH).max(COMPACT_PER_CHANGE) {
             let Some(h) = queue.get(c.read) else {
                 queue.truncate(c.write);
+                if c.queue == Queue::Earlier {
+                    // On to the later queue, with the hashes kept so far.
+                    (c.queue, c.write, c.read) = (Queue::Order, 0, 0);
+                    return self.compact_more(hashes);
+                }
                 self.compaction = None;
                 return;
             };
@@ -953,7 +965,13 @@ mod tests {
         assert!(c.read <= 8 * COMPACT_PER_HASH, "{} looked at", c.read);
         let queue = ix.order[0][0].len();
         assert_eq!(queue, 4 * COMPACT_SLACK);
-        // Part of the way.
+        // Through the early blocks' queue (all of them gone), then part
+        // of the way through the ordered ones.
+        assert_eq!(ix.compaction.as_ref().unwrap().queue, Queue::Earlier);
+        while ix.compaction.as_ref().unwrap().queue == Queue::Earlier {
+            ix.compact_step(1);
+        }
+        assert_eq!(ix.earlier[0][0].len(), 0);
         ix.compact_step(COMPACT_SLACK / COMPACT_PER_HASH);
         let c = ix.compaction.as_ref().expect("still compacting");
         assert!(c.write > 0 && c.read > c.write && c.read < queue);
