@@ -694,6 +694,7 @@ impl KvIndex {
             let t = tier as usize;
             let held = std::mem::replace(&mut self.held[w][t], Held::fresh());
             self.order[w][t].clear();
+            self.earlier[w][t].clear();
             if self
                 .compaction
                 .as_ref()
@@ -886,6 +887,21 @@ mod tests {
         );
         ix.store(s(0), Tier::Device, &[5, 6, 7, 8, 9]);
         assert_eq!((ix.entries(), ix.evicted()), (8, 1));
+        // A worker cleared leaves neither of its queues behind.
+        let mut cleared = KvIndex::new(8);
+        cleared.store(s(4), Tier::Device, &[10, 11, 12]);
+        cleared.store(s(3), Tier::Device, &[1]);
+        cleared.store(s(3), Tier::Device, &[2]);
+        assert_eq!(
+            (cleared.earlier[3][0].len(), cleared.order[3][0].len()),
+            (1, 1)
+        );
+        cleared.clear(s(3), Some(Tier::Device));
+        assert!(cleared.ordered, "worker 4 keeps it over a quarter full");
+        assert_eq!(
+            (cleared.earlier[3][0].len(), cleared.order[3][0].len()),
+            (0, 0)
+        );
         ix.remove(s(0), Tier::Device, &[1, 2, 3, 5, 6, 7, 8, 9]);
         assert!(
             !ix.ordered && ix.order[0][0].chunks() == 0 && ix.earlier[0][0].chunks() == 0,
