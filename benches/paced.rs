@@ -159,8 +159,10 @@ impl Daemon {
                 if id == 1 {
                     // Blocks of other prompts first, paced so the ring
                     // never fills (a drop would start a resync).
-                    for (i, chunk) in (0..held).collect::<Vec<u64>>().chunks(16).enumerate() {
-                        let blocks: Vec<u64> = chunk.iter().map(|&b| (3 << 40) | b).collect();
+                    for (i, first) in (0..held).step_by(16).enumerate() {
+                        let blocks: Vec<u64> = (first..(first + 16).min(held))
+                            .map(|b| (3 << 40) | b)
+                            .collect();
                         let push = p
                             .publish_stored_hashes(Tier::Device, None, &blocks)
                             .unwrap();

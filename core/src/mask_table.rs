@@ -260,11 +260,7 @@ impl MaskTable {
 
     /// Every (key, mask).
     pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
-        self.buckets.iter().flat_map(|b| {
-            (0..SLOTS)
-                .filter(|&j| b.masks[j] != 0)
-                .map(|j| (b.keys[j], b.masks[j]))
-        })
+        self.iter_buckets(0, usize::MAX)
     }
 
     /// Buckets in the table (0 before the first insertion; it changes when
