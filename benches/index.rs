@@ -191,7 +191,11 @@ fn stalls() -> bool {
     };
     let usage = "--stalls ENTRIES [CHURN]";
     let entries: u64 = args.get(at + 1).and_then(|n| n.parse().ok()).expect(usage);
-    let churn: u64 = args.get(at + 2).map_or(0, |n| n.parse().expect(usage));
+    // Not a flag that follows (`cargo bench` appends `--bench`).
+    let churn: u64 = args
+        .get(at + 2)
+        .filter(|a| !a.starts_with("--"))
+        .map_or(0, |n| n.parse().expect(usage));
     // The daemon's default capacity.
     let mut ix = KvIndex::new(16 * 1024 * 1024).quiet();
     let slot = Slot::new(0).unwrap();
