@@ -52,16 +52,13 @@ impl ChunkQueue {
         let x = self.chunks[0][self.head];
         self.head += 1;
         self.len -= 1;
-        if self.head == CHUNK || self.len == 0 {
+        if self.len == 0 {
+            // Empty: the one chunk left is written again from its start.
+            debug_assert_eq!(self.chunks.len(), 1);
             self.head = 0;
-            if self.len == 0 {
-                // Reuse the chunk in place: it is the only one left.
-                let chunk = self.chunks.pop_front();
-                debug_assert!(self.chunks.is_empty());
-                self.chunks.extend(chunk);
-            } else {
-                self.spare = self.chunks.pop_front();
-            }
+        } else if self.head == CHUNK {
+            self.head = 0;
+            self.spare = self.chunks.pop_front();
         }
         Some(x)
     }
