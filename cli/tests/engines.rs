@@ -325,6 +325,14 @@ fn a_dead_exporter_takes_its_worker_out_of_routing() {
         },
         "the worker out of routing after its exporter died",
     );
+    // The bridge goes on reporting the load it cannot read (at failures
+    // 1, 2, 4, 8, ...); those reports are no sign of the engine's life.
+    let reported = notice(&worker(&mut c, 10), "load_unreadable");
+    wait(
+        || notice(&worker(&mut c, 10), "load_unreadable") > reported,
+        "a report of the unreadable load after the silence",
+    );
+    assert_eq!(worker(&mut c, 10)["available"], false);
     let r =
         c.ask(json!({"op": "select", "model": "llama", "tokens": tokens(0, 16), "dry_run": true}));
     assert!(r["error"].is_object(), "no worker to pick: {r}");

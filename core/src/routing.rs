@@ -16,6 +16,7 @@ use std::time::{Duration, Instant};
 use kvedge_policies::{WorkerType, WorkerWithDpRank};
 use kvedge_shm::control::PeerCred;
 use kvedge_shm::messages::control::{ResyncRequest, Welcome, reject};
+use kvedge_shm::messages::kind;
 use kvedge_shm::ring::Record;
 use kvedge_shm::{EventRef, decode};
 
@@ -403,8 +404,15 @@ impl Core {
         let Some(slot) = e.slot.filter(|_| e.registered()) else {
             return;
         };
-        e.last_seen = now;
-        let mut back = std::mem::take(&mut e.late);
+        // A notice is the producer's report on its feed, not a sign of
+        // the engine's life (a bridge keeps reporting a load it cannot
+        // read about an engine it no longer hears): it neither moves the
+        // heartbeat deadline nor brings a worker back into routing.
+        let alive = record.kind != kind::NOTICE;
+        if alive {
+            e.last_seen = now;
+        }
+        let back = alive && std::mem::take(&mut e.late);
         e.note_gap(record.missing_before);
         self.counters.ring_gaps += record.missing_before;
         // A record that does not decode is skipped; its sequence number
@@ -423,10 +431,8 @@ impl Core {
                     if code == kvedge_shm::messages::notice::SILENT {
                         // The producer says its engine went silent (a
                         // bridge that stopped hearing from it): out of
-                        // routing now, not a heartbeat timeout later,
-                        // until its next record.
+                        // routing now, not a heartbeat timeout later.
                         e.late = true;
-                        back = false;
                         self.router.set_available(slot, false);
                     }
                 }
@@ -434,7 +440,7 @@ impl Core {
             }
         }
         if back {
-            // Its heartbeat came back: routable again, and its next
+            // Its engine spoke again: routable again, and its next
             // deadline counts.
             self.router.set_available(slot, true);
             tracing::info!(
@@ -630,7 +636,7 @@ impl Core {
                             self.router.set_available(slot, false);
                             tracing::warn!(
                                 worker = ?self.router.worker(slot).map(|w| w.worker),
-                                "worker unavailable: nothing from its engine for {heartbeat:?} (heartbeat_timeout_ms); it returns with its next record"
+                                "worker unavailable: nothing from its engine for {heartbeat:?} (heartbeat_timeout_ms); it returns with its next event, load or heartbeat"
                             );
                         }
                     } else {

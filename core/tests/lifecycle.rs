@@ -19,7 +19,8 @@ use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::control::PeerCred;
 use kvedge_shm::messages::control::{Hello, reject};
 use kvedge_shm::messages::{
-    Event, Heartbeat, KvCleared, KvStored, Role, SnapshotBegin, SnapshotEnd, StoredBlock, Tier,
+    Event, Heartbeat, KvCleared, KvStored, Notice, Role, SnapshotBegin, SnapshotEnd, StoredBlock,
+    Tier, notice,
 };
 use kvedge_shm::ring::Record;
 use kvedge_wire::{Ids, Reply, Request, Select, Status};
@@ -488,6 +489,45 @@ fn a_late_heartbeat_takes_the_worker_out_until_it_speaks_again() {
     assert!(h.select(c, &[1], true).is_ok());
     h.advance(Duration::from_millis(5000));
     assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+}
+
+#[test]
+fn a_notice_is_no_sign_of_life_and_brings_no_worker_back() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 5000\n");
+    let e = h.engine(1);
+    let c = h.client();
+    let notice = |code, count| {
+        Event::Notice(Notice {
+            code,
+            count,
+            message: "the engine's metrics endpoint refused the connection".into(),
+        })
+    };
+    // A bridge reporting about its engine does not move the deadline.
+    h.advance(Duration::from_millis(4000));
+    h.record(e, 0, notice(notice::LOAD_UNREADABLE, 1));
+    h.advance(Duration::from_millis(1000));
+    assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+    // Nor does its report bring the worker back, however many come.
+    for count in [2, 4, 8] {
+        h.record(e, 0, notice(notice::LOAD_UNREADABLE, count));
+        assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+    }
+    h.record(e, 0, Event::Heartbeat(Heartbeat { timestamp_ns: 1 }));
+    assert!(
+        h.select(c, &[1], true).is_ok(),
+        "a heartbeat brings it back"
+    );
+    // Declared silent by its producer: out at once, and a later report
+    // about it (the load it cannot read) leaves it out.
+    h.record(e, 0, notice(notice::SILENT, 1));
+    assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+    h.record(e, 0, notice(notice::LOAD_UNREADABLE, 16));
+    assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
+    assert!(!h.core.worker_rows()[0].available);
+    h.record(e, 0, stored(&[7]));
+    let (worker, overlap, _) = h.select(c, &[7], true).expect("an event brings it back");
+    assert_eq!((worker, overlap), (1, 1));
 }
 
 #[test]
