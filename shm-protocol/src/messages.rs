@@ -390,7 +390,8 @@ pub mod control {
         pub dp_rank: u32,
         pub attach_epoch: u64,
         pub ring_capacity: u64,
-        /// The engine must send a Heartbeat or any record at least this often.
+        /// The engine must send a Heartbeat or any record but a Notice at
+        /// least this often.
         pub heartbeat_interval_ms: u32,
     }
 
