@@ -496,7 +496,7 @@ fn a_notice_is_no_sign_of_life_and_brings_no_worker_back() {
     let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 5000\n");
     let e = h.engine(1);
     let c = h.client();
-    let notice = |code, count| {
+    let report = |code, count| {
         Event::Notice(Notice {
             code,
             count,
@@ -505,12 +505,12 @@ fn a_notice_is_no_sign_of_life_and_brings_no_worker_back() {
     };
     // A bridge reporting about its engine does not move the deadline.
     h.advance(Duration::from_millis(4000));
-    h.record(e, 0, notice(notice::LOAD_UNREADABLE, 1));
+    h.record(e, 0, report(notice::LOAD_UNREADABLE, 1));
     h.advance(Duration::from_millis(1000));
     assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
     // Nor does its report bring the worker back, however many come.
     for count in [2, 4, 8] {
-        h.record(e, 0, notice(notice::LOAD_UNREADABLE, count));
+        h.record(e, 0, report(notice::LOAD_UNREADABLE, count));
         assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
     }
     h.record(e, 0, Event::Heartbeat(Heartbeat { timestamp_ns: 1 }));
@@ -520,9 +520,9 @@ fn a_notice_is_no_sign_of_life_and_brings_no_worker_back() {
     );
     // Declared silent by its producer: out at once, and a later report
     // about it (the load it cannot read) leaves it out.
-    h.record(e, 0, notice(notice::SILENT, 1));
+    h.record(e, 0, report(notice::SILENT, 1));
     assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
-    h.record(e, 0, notice(notice::LOAD_UNREADABLE, 16));
+    h.record(e, 0, report(notice::LOAD_UNREADABLE, 16));
     assert_eq!(h.select(c, &[1], true), Err(Status::NoWorker));
     assert!(!h.core.worker_rows()[0].available);
     h.record(e, 0, stored(&[7]));
