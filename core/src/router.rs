@@ -152,6 +152,9 @@ pub const APPROX_CAPACITY_DIVISOR: usize = 16;
 #[derive(Debug)]
 pub struct Router {
     workers: Vec<Option<WorkerInfo>>,
+    /// The slots of `workers` that hold one: a select visits these, not
+    /// every slot (a cold select would read a line per slot).
+    registered: u64,
     pub index: KvIndex,
     /// Where approximate selects were sent: each one's chunk hashes,
     /// stored for the worker it went to (as if on its device tier), oldest
@@ -159,7 +162,11 @@ pub struct Router {
     pub approx: KvIndex,
     pub load: LoadTable,
     plugins: RouterPlugins,
-    policies: HashMap<String, [Option<WorkerSelectionPolicy>; 4]>,
+    /// Per model, a policy per role, built on first use. Hashed with
+    /// foldhash: SipHash's code alone is a dozen cache lines that a cold
+    /// select would wait for, and the keys are models of registered
+    /// workers only.
+    policies: HashMap<String, [Option<WorkerSelectionPolicy>; 4], foldhash::fast::RandomState>,
     affinity: SessionAffinityTable,
     table: CandidateTable,
     rows: Vec<Slot>,
@@ -203,11 +210,12 @@ impl Router {
     ) -> Self {
         Router {
             workers: vec![None; MAX_WORKERS],
+            registered: 0,
             index: KvIndex::new(index_capacity),
             approx: KvIndex::new((index_capacity / APPROX_CAPACITY_DIVISOR).max(1024)).quiet(),
             load: LoadTable::new(reservation_ttl_ms),
             plugins,
-            policies: HashMap::new(),
+            policies: HashMap::default(),
             affinity,
             table: CandidateTable::new(),
             rows: Vec::with_capacity(MAX_WORKERS),
@@ -366,6 +374,7 @@ impl Router {
         self.update_peer_speed();
         self.syncing &= !(1u64 << free);
         self.workers[free] = Some(info);
+        self.registered |= 1u64 << free;
         Ok(slot)
     }
 
@@ -373,6 +382,7 @@ impl Router {
     /// reservations and session bindings go at once.
     pub fn unregister(&mut self, slot: Slot) -> Option<WorkerInfo> {
         let info = self.workers[slot.index()].take()?;
+        self.registered &= !(1u64 << slot.index());
         self.speed[slot.index()] = PrefillSpeedLearner::default();
         self.update_peer_speed();
         self.syncing &= !(1u64 << slot.index());
@@ -528,11 +538,27 @@ impl Router {
     /// request being decided (before its reservation changes one of them).
     fn explain_ttft(&mut self, prompt_tokens: u32) {
         if self.explain_costs {
-            let mut out = self.last_ttft;
-            self.predicting()
-                .all_into(&mut out, &self.workers, &self.overlap, prompt_tokens);
-            self.last_ttft = out;
+            self.record_ttft(prompt_tokens);
         }
+    }
+
+    /// Out of line: only `explain` asks for it, and a select's frame
+    /// should not carry room for every worker's terms.
+    #[cold]
+    #[inline(never)]
+    fn record_ttft(&mut self, prompt_tokens: u32) {
+        Predicting {
+            ttft: &self.ttft,
+            load: &self.load,
+            speed: &self.speed,
+            peer_speed: self.peer_speed,
+        }
+        .all_into(
+            &mut self.last_ttft,
+            registered(self.registered, &self.workers),
+            &self.overlap,
+            prompt_tokens,
+        );
     }
 
     fn predict(&self, slot: Slot, prompt_tokens: u32, overlap: [u32; 3]) -> TtftTerms {
@@ -572,6 +598,16 @@ impl Router {
         let _ = self.route(req, Purpose::Warm);
     }
 
+    /// Builds the policy of a partition. Out of line: it runs once per
+    /// partition, and its temporaries (a policy for each role) should not
+    /// widen the frame of every select.
+    #[cold]
+    #[inline(never)]
+    fn build_policy(&mut self, model: &str, role: WorkerType) {
+        let built = self.plugins.build(&RoutingPartition::new(role, model));
+        self.policies.entry(model.to_owned()).or_default()[role as usize] = Some(built);
+    }
+
     /// A select, or only the warming part of it (`Ok(None)`).
     fn route(
         &mut self,
@@ -582,25 +618,12 @@ impl Router {
         if self.explain_costs && !warm {
             self.last_costs = [f64::NAN; MAX_WORKERS];
         }
-        // The partition's policy, built on first use.
-        if !self.policies.contains_key(req.model) {
-            self.policies
-                .insert(req.model.to_owned(), Default::default());
-        }
-        let per_role = self.policies.get_mut(req.model).expect("inserted above");
-        let policy = per_role[req.role as usize].get_or_insert_with(|| {
-            self.plugins
-                .build(&RoutingPartition::new(req.role, req.model))
-        });
-        let required = policy.required_worker_inputs();
-
         // Candidates: available workers of this model and role.
         let mut mask = 0u64;
         let mut block_size = 0;
         self.rows.clear();
-        for (i, w) in self.workers.iter().enumerate() {
-            if let Some(w) = w
-                && w.available
+        for (i, w) in registered(self.registered, &self.workers) {
+            if w.available
                 && w.role == req.role
                 && w.model == req.model
                 && in_subset(&w.endpoint, &req.subset)
@@ -632,6 +655,22 @@ impl Router {
                 role: req.role,
             });
         }
+        // The partition's policy, built on first use: only for a model a
+        // worker serves, so a client's unknown model names build nothing.
+        let role = req.role as usize;
+        if self
+            .policies
+            .get(req.model)
+            .is_none_or(|p| p[role].is_none())
+        {
+            self.build_policy(req.model, req.role);
+        }
+        let policy = self
+            .policies
+            .get_mut(req.model)
+            .and_then(|p| p[role].as_mut())
+            .expect("built above");
+        let required = policy.required_worker_inputs();
         // Only the signal groups the policy declared.
         let predict_ttft = required.contains(WorkerInputs::TTFT);
         if predict_ttft || required.contains(WorkerInputs::CACHE) {
@@ -754,12 +793,8 @@ impl Router {
         let engine = self.rules.as_mut().expect("checked by the caller");
         // Overlap for every available worker of the role.
         let mut mask = 0u64;
-        for (i, w) in self.workers.iter().enumerate() {
-            if let Some(w) = w
-                && w.available
-                && w.role == req.role
-                && in_subset(&w.endpoint, &req.subset)
-            {
+        for (i, w) in registered(self.registered, &self.workers) {
+            if w.available && w.role == req.role && in_subset(&w.endpoint, &req.subset) {
                 mask |= 1u64 << i;
             }
         }
@@ -774,8 +809,7 @@ impl Router {
         // What each candidate stands for: a worker slot or a provider index.
         let targets = &mut self.rule_targets;
         targets.clear();
-        for (i, w) in self.workers.iter().enumerate() {
-            let Some(w) = w else { continue };
+        for (i, w) in registered(self.registered, &self.workers) {
             if mask & (1u64 << i) == 0 {
                 continue;
             }
@@ -838,15 +872,18 @@ impl Router {
             .map(|_| unreachable!("empty"))
             .collect();
         if self.explain_costs {
-            let mut out = self.last_ttft;
             Predicting {
                 ttft: &self.ttft,
                 load: &self.load,
                 speed: &self.speed,
                 peer_speed: self.peer_speed,
             }
-            .all_into(&mut out, &self.workers, &self.overlap, req.prompt_tokens);
-            self.last_ttft = out;
+            .all_into(
+                &mut self.last_ttft,
+                registered(self.registered, &self.workers),
+                &self.overlap,
+                req.prompt_tokens,
+            );
         }
         let rule_name = |i: Option<usize>| {
             i.and_then(|i| policy.rules.get(i))
@@ -984,15 +1021,15 @@ impl Predicting<'_> {
     }
 
     /// Every registered worker's prediction into `out` (explain).
-    fn all_into(
+    fn all_into<'w>(
         &self,
         out: &mut [TtftTerms; MAX_WORKERS],
-        workers: &[Option<WorkerInfo>],
+        workers: impl Iterator<Item = (usize, &'w WorkerInfo)>,
         overlap: &Overlap,
         prompt_tokens: u32,
     ) {
-        for (i, w) in workers.iter().enumerate() {
-            let (Some(w), Some(slot)) = (w, Slot::new(i)) else {
+        for (i, w) in workers {
+            let Some(slot) = Slot::new(i) else {
                 continue;
             };
             let blocks = [
@@ -1003,6 +1040,23 @@ impl Predicting<'_> {
             out[i] = self.terms(slot, w.block_size, prompt_tokens, blocks);
         }
     }
+}
+
+/// The workers of the slots in `mask` (all registered), in slot order.
+fn registered(
+    mask: u64,
+    workers: &[Option<WorkerInfo>],
+) -> impl Iterator<Item = (usize, &WorkerInfo)> {
+    let mut left = mask;
+    std::iter::from_fn(move || {
+        let i = left.trailing_zeros() as usize;
+        left &= left.wrapping_sub(1);
+        let w = workers
+            .get(i)?
+            .as_ref()
+            .expect("a registered slot holds its worker");
+        Some((i, w))
+    })
 }
 
 /// Decimal digits of `v` in `buf`, without allocating.
@@ -1029,5 +1083,90 @@ mod tests {
         assert_eq!(format_u64(0, &mut b), "0");
         assert_eq!(format_u64(1234567890, &mut b), "1234567890");
         assert_eq!(format_u64(u64::MAX, &mut b), u64::MAX.to_string());
+    }
+
+    fn worker(id: u64, model: &str) -> WorkerInfo {
+        WorkerInfo {
+            worker: WorkerWithDpRank::new(id, 0),
+            model: model.into(),
+            role: WorkerType::Aggregated,
+            endpoint: format!("http://engine-{id}"),
+            block_size: 16,
+            available: true,
+        }
+    }
+
+    fn request<'a>(model: &'a str, hashes: &'a [u64]) -> SelectRequest<'a> {
+        SelectRequest {
+            model,
+            tenant: None,
+            tags: &[],
+            headers: None,
+            priority: 0,
+            role: WorkerType::Aggregated,
+            hashes,
+            prompt_tokens: 16 * hashes.len() as u32,
+            session: None,
+            pinned: None,
+            now_ms: 0,
+            dry_run: true,
+            subset: kvedge_wire::Strs::EMPTY,
+            approximate: false,
+        }
+    }
+
+    #[test]
+    fn a_model_no_worker_serves_builds_no_partition() {
+        let mut router = Router::with_defaults();
+        router.register(worker(1, "llama")).unwrap();
+        for i in 0..1_000 {
+            let model = format!("no-such-model-{i}");
+            assert!(matches!(
+                router.select(&request(&model, &[1, 2])),
+                Err(RouterError::NoWorkers { .. })
+            ));
+        }
+        assert!(router.policies.is_empty(), "{:?}", router.policies.keys());
+        router.select(&request("llama", &[1, 2])).unwrap();
+        assert_eq!(router.policies.len(), 1);
+    }
+
+    #[test]
+    fn selects_visit_the_registered_slots_as_they_change() {
+        let mut router = Router::with_defaults();
+        let slots: Vec<Slot> = (1..=6)
+            .map(|id| router.register(worker(id, "llama")).unwrap())
+            .collect();
+        let held = [7u64, 8, 9];
+        router.apply_stored(slots[4], Tier::Device, &held);
+        assert_eq!(
+            router.select(&request("llama", &held)).unwrap().slot,
+            Some(slots[4])
+        );
+        // A gap below the holder and a slot reused above it.
+        router.unregister(slots[1]).unwrap();
+        router.unregister(slots[4]).unwrap();
+        assert_eq!(router.registered.count_ones(), 4);
+        let back = router.register(worker(9, "llama")).unwrap();
+        assert_eq!(back, slots[1], "the lowest free slot is reused");
+        router.apply_stored(back, Tier::Device, &held);
+        let chosen = router.select(&request("llama", &held)).unwrap();
+        assert_eq!(chosen.slot, Some(back));
+        assert_eq!(chosen.overlap_blocks[0], 3);
+        assert_eq!(router.last_explain().candidates, 5);
+        let listed: Vec<usize> = router.workers().map(|(s, _)| s.index()).collect();
+        assert_eq!(listed, [0, 1, 2, 3, 5]);
+        // The last slot of all.
+        let mut full = Router::with_defaults();
+        for id in 0..MAX_WORKERS as u64 {
+            full.register(worker(id, "llama")).unwrap();
+        }
+        let last = Slot::new(MAX_WORKERS - 1).unwrap();
+        full.apply_stored(last, Tier::Device, &held);
+        assert_eq!(
+            full.select(&request("llama", &held)).unwrap().slot,
+            Some(last)
+        );
+        assert_eq!(full.last_explain().candidates, MAX_WORKERS);
     }
 }
