@@ -790,7 +790,6 @@ impl Router {
         request_id: u64,
         block_size: u32,
     ) -> Result<SelectResult, RouterError> {
-        let engine = self.rules.as_mut().expect("checked by the caller");
         // Overlap for every available worker of the role.
         let mut mask = 0u64;
         for (i, w) in registered(self.registered, &self.workers) {
@@ -804,6 +803,8 @@ impl Router {
             &self.index
         };
         index.overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
+        // The TTFT terms `explain` shows, before a reservation changes them.
+        self.explain_ttft(req.prompt_tokens);
         // Reuse the retained allocation for this request's candidates.
         let mut candidates: Vec<RuleCandidate<'_>> = std::mem::take(&mut self.rule_buf);
         // What each candidate stands for: a worker slot or a provider index.
@@ -856,6 +857,7 @@ impl Router {
             headers: req.headers,
             tags: req.tags,
         };
+        let engine = self.rules.as_mut().expect("checked by the caller");
         let decision = engine.decide(&rule_request, &candidates);
         self.last = Explain {
             candidates: candidates.len(),
@@ -871,20 +873,6 @@ impl Router {
             .into_iter()
             .map(|_| unreachable!("empty"))
             .collect();
-        if self.explain_costs {
-            Predicting {
-                ttft: &self.ttft,
-                load: &self.load,
-                speed: &self.speed,
-                peer_speed: self.peer_speed,
-            }
-            .all_into(
-                &mut self.last_ttft,
-                registered(self.registered, &self.workers),
-                &self.overlap,
-                req.prompt_tokens,
-            );
-        }
         let rule_name = |i: Option<usize>| {
             i.and_then(|i| policy.rules.get(i))
                 .map(|r| r.name.clone())

@@ -565,6 +565,16 @@ fn prefill_speed_is_learned_from_prefill_done_and_the_policy_and_rules_agree() {
         terms.speed_source,
         kvedge_policies::predict::SpeedSource::Learned
     );
+    // The rules path explains the same terms for the same state.
+    by_rules.set_explain_costs(true);
+    let by_rule = by_rules
+        .select(&SelectRequest {
+            dry_run: true,
+            ..req(&hashes, 1024)
+        })
+        .unwrap();
+    assert_eq!(by_rule.worker, r.worker);
+    assert_eq!(by_rules.last_ttft(by_rule.slot.unwrap()), terms);
 }
 
 #[test]
