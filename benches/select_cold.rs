@@ -79,20 +79,8 @@ fn router() -> (Box<Router>, Vec<u64>) {
 
 fn request(hashes: &[u64]) -> SelectRequest<'_> {
     SelectRequest {
-        model: "llama",
-        tenant: None,
-        tags: &[],
-        headers: None,
-        priority: 0,
-        role: WorkerType::Aggregated,
-        hashes,
-        prompt_tokens: 2048,
-        session: None,
-        pinned: None,
-        now_ms: 0,
         dry_run: true,
-        subset: kvedge_wire::Strs::EMPTY,
-        approximate: false,
+        ..SelectRequest::new("llama", WorkerType::Aggregated, hashes, 2048)
     }
 }
 

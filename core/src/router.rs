@@ -91,6 +91,31 @@ pub struct SelectRequest<'a> {
     pub approximate: bool,
 }
 
+impl<'a> SelectRequest<'a> {
+    /// A select of `hashes` (a prompt of `prompt_tokens`) for `model` in
+    /// `role`, and nothing else: no tenant, tags, headers, session or pin,
+    /// priority 0, at time 0, reserving, over every worker, exact hashes.
+    /// Set the other fields with struct update syntax.
+    pub fn new(model: &'a str, role: WorkerType, hashes: &'a [u64], prompt_tokens: u32) -> Self {
+        SelectRequest {
+            model,
+            tenant: None,
+            tags: &[],
+            headers: None,
+            priority: 0,
+            role,
+            hashes,
+            prompt_tokens,
+            session: None,
+            pinned: None,
+            now_ms: 0,
+            dry_run: false,
+            subset: kvedge_wire::Strs::EMPTY,
+            approximate: false,
+        }
+    }
+}
+
 /// Why [`Router::route`] runs.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Purpose {
@@ -1085,21 +1110,10 @@ mod tests {
     }
 
     fn request<'a>(model: &'a str, hashes: &'a [u64]) -> SelectRequest<'a> {
+        let tokens = 16 * hashes.len() as u32;
         SelectRequest {
-            model,
-            tenant: None,
-            tags: &[],
-            headers: None,
-            priority: 0,
-            role: WorkerType::Aggregated,
-            hashes,
-            prompt_tokens: 16 * hashes.len() as u32,
-            session: None,
-            pinned: None,
-            now_ms: 0,
             dry_run: true,
-            subset: kvedge_wire::Strs::EMPTY,
-            approximate: false,
+            ..SelectRequest::new(model, WorkerType::Aggregated, hashes, tokens)
         }
     }
 

@@ -693,20 +693,10 @@ impl Core {
     fn warm(&mut self, now: Instant) {
         let w = &self.warmth;
         let req = SelectRequest {
-            model: &w.model,
-            tenant: None,
-            tags: &[],
-            headers: None,
-            priority: 0,
-            role: w.role,
-            hashes: &w.hashes,
-            prompt_tokens: w.prompt_tokens,
-            session: None,
-            pinned: None,
             now_ms: self.ms(now),
             dry_run: true,
-            subset: kvedge_wire::Strs::EMPTY,
             approximate: w.approximate,
+            ..SelectRequest::new(&w.model, w.role, &w.hashes, w.prompt_tokens)
         };
         self.router.warm(&req);
         self.warmth.ran(now);

@@ -57,22 +57,7 @@ fn prompt(prefix: u32, len: u32) -> Vec<u32> {
 }
 
 fn req<'a>(hashes: &'a [u64], tokens: u32) -> SelectRequest<'a> {
-    SelectRequest {
-        model: "llama",
-        tenant: None,
-        tags: &[],
-        headers: None,
-        priority: 0,
-        role: WorkerType::Aggregated,
-        hashes,
-        prompt_tokens: tokens,
-        session: None,
-        pinned: None,
-        now_ms: 0,
-        dry_run: false,
-        subset: kvedge_wire::Strs::EMPTY,
-        approximate: false,
-    }
+    SelectRequest::new("llama", WorkerType::Aggregated, hashes, tokens)
 }
 
 #[test]
