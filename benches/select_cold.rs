@@ -96,6 +96,16 @@ fn mix(mut x: u64) -> u64 {
     x
 }
 
+/// The floor's array (32 MiB of lines) and 4,096 sets of 128 random
+/// lines of it.
+fn floor() -> (Vec<[u64; 8]>, Vec<[u32; 128]>) {
+    let lines: Vec<[u64; 8]> = vec![[1; 8]; (32 << 20) / 64];
+    let sets = (0..4096u64)
+        .map(|r| std::array::from_fn(|i| (mix(r << 8 | i as u64) % lines.len() as u64) as u32))
+        .collect();
+    (lines, sets)
+}
+
 /// `--footprint N`, if given: runs N marked selects and returns true.
 fn footprint(args: &[String]) -> bool {
     let Some(at) = args.iter().position(|a| a == "--footprint") else {
@@ -148,10 +158,7 @@ fn swept(args: &[String]) -> bool {
     let (mut router, hashes) = router();
     let (long, short) = (request(&hashes), request(&hashes[..1]));
     let mut buf = vec![0u64; (64 << 20) / 8];
-    let lines: Vec<[u64; 8]> = vec![[1; 8]; (32 << 20) / 64];
-    let sets: Vec<[u32; 128]> = (0..4096u64)
-        .map(|r| std::array::from_fn(|i| (mix(r << 8 | i as u64) % lines.len() as u64) as u32))
-        .collect();
+    let (lines, sets) = floor();
     let (mut other, theirs) = self::router();
     let theirs = request(&theirs);
     let mut took: [Vec<Duration>; 5] = Default::default();
@@ -232,10 +239,7 @@ fn main() {
             })
         })
     });
-    let lines: Vec<[u64; 8]> = vec![[1; 8]; (32 << 20) / 64];
-    let sets: Vec<[u32; 128]> = (0..4096u64)
-        .map(|r| std::array::from_fn(|i| (mix(r << 8 | i as u64) % lines.len() as u64) as u32))
-        .collect();
+    let (lines, sets) = floor();
     let mut k = 0usize;
     g.bench_function("swept_floor_128_random_lines_32mib", |b| {
         b.iter_custom(|iters| {
