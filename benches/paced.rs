@@ -6,7 +6,11 @@
 //! latency histogram over the timed selects alone, a fresh daemon per
 //! row). Beside them, with the same pacing, a kernel socket echo (a thread
 //! that reads a frame and writes it back): the floor of a socket round
-//! trip with a sleeping peer. The selects are dry runs without a session;
+//! trip with a sleeping peer. And the memory floor: that thread, after
+//! each reply, reads the same 256 lines (on 32 pages) it read at the
+//! previous request, about the data a 128-block select reads, and times
+//! it: what the pause between requests leaves of a request's data,
+//! without any code or computation. The selects are dry runs without a session;
 //! with `--reserve` they are real (load reserved, a session bound) and each
 //! is finished after it, the part of a select that changes state.
 //!
@@ -345,17 +349,61 @@ fn selects(
     (p50, p99, us(0.5), us(0.99))
 }
 
+/// Lines the memory floor reads: as many data lines as a 128-block
+/// select reads (246 in its memory trace, see `benches/select_cold.rs`),
+/// on about as many pages (30).
+const FLOOR_LINES: usize = 256;
+const FLOOR_PAGES: usize = 32;
+
+/// The same `FLOOR_LINES` lines of a 4 MiB array every time: eight random
+/// lines on each of `FLOOR_PAGES` random pages.
+fn floor_lines() -> (Vec<[u64; 8]>, Vec<u32>) {
+    let lines = vec![[1u64; 8]; (4 << 20) / 64];
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let mut next = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let pages = lines.len() / 64;
+    let set = (0..FLOOR_PAGES)
+        .flat_map(|_| {
+            let page = (next() % pages as u64) as u32;
+            (0..FLOOR_LINES / FLOOR_PAGES)
+                .map(|_| page * 64 + (next() % 64) as u32)
+                .collect::<Vec<_>>()
+        })
+        .collect();
+    (lines, set)
+}
+
+/// One load from each line of `set`, independent of each other.
+fn read_lines(lines: &[[u64; 8]], set: &[u32]) -> u64 {
+    set.iter().map(|&i| lines[i as usize][0]).sum()
+}
+
 /// The kernel's floor: a 64-byte frame to a thread that reads it and
-/// writes it back, paced the same way.
-fn echo(pace: Pace, n: u32) -> (Duration, Duration) {
+/// writes it back, paced the same way. And, timed by that thread after
+/// each reply, the memory floor: it reads the same [`FLOOR_LINES`] lines
+/// it read at the previous request, so paced, they are what the pause
+/// left of them, as a select finds its own data. Returns the echo's round
+/// trip and the floor's time, p50 and p99 each.
+fn echo(pace: Pace, n: u32) -> ((Duration, Duration), (Duration, Duration)) {
     let (mut a, mut b) = UnixStream::pair().unwrap();
     let peer = std::thread::spawn(move || {
+        let (lines, set) = floor_lines();
+        let mut floor = Vec::new();
         let mut buf = [0u8; 64];
         while b.read_exact(&mut buf).is_ok() {
             if b.write_all(&buf).is_err() {
                 break;
             }
+            let t = Instant::now();
+            std::hint::black_box(read_lines(&lines, std::hint::black_box(&set)));
+            floor.push(t.elapsed());
         }
+        floor
     });
     let frame = [7u8; 64];
     let mut back = [0u8; 64];
@@ -373,8 +421,10 @@ fn echo(pace: Pace, n: u32) -> (Duration, Duration) {
         samples.push(t.elapsed());
     }
     drop(a);
-    peer.join().unwrap();
-    percentiles(samples)
+    let mut floor = peer.join().unwrap();
+    // The timed requests' floors, not the warm-up's.
+    let timed = floor.split_off(floor.len() - n as usize);
+    (percentiles(samples), percentiles(timed))
 }
 
 fn main() {
@@ -456,9 +506,9 @@ fn main() {
         println!("Clients: spinning while they wait (the echo blocks).\n");
     }
     println!(
-        "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 |"
+        "| pace | path | spin | warm | round trip p50 | p99 | router core p50 | p99 | kernel echo p50 | p99 | memory floor p50 | p99 |"
     );
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
     for (pace, n) in paces {
         if only
             .as_ref()
@@ -467,18 +517,20 @@ fn main() {
             continue;
         }
         let n = if quick { (n / 2).max(200) } else { n };
-        let (e50, e99) = echo(pace, n);
+        let ((e50, e99), (f50, f99)) = echo(pace, n);
         for rings in [false, true] {
             for (&spin, &warm) in spins.iter().flat_map(|s| warms.iter().map(move |w| (s, w))) {
                 let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, client, engines);
                 println!(
-                    "| {} | {} | {spin} µs | {warm} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs |",
+                    "| {} | {} | {spin} µs | {warm} µs | {:.1} µs | {:.1} µs | {c50:.2} µs | {c99:.2} µs | {:.1} µs | {:.1} µs | {:.2} µs | {:.2} µs |",
                     pace.label(),
                     if rings { "query channel" } else { "socket" },
                     p50.as_secs_f64() * 1e6,
                     p99.as_secs_f64() * 1e6,
                     e50.as_secs_f64() * 1e6,
                     e99.as_secs_f64() * 1e6,
+                    f50.as_secs_f64() * 1e6,
+                    f99.as_secs_f64() * 1e6,
                 );
             }
         }
