@@ -6,13 +6,14 @@
 //! latency histogram over the timed selects alone, a fresh daemon per
 //! row). Beside them, with the same pacing, a kernel socket echo (a thread
 //! that reads a frame and writes it back): the floor of a socket round
-//! trip with a sleeping peer. And the memory floor: that thread, after
-//! each reply, reads the same 256 lines (on 32 pages) it read at the
-//! previous request, about the data a 128-block select reads, and times
-//! it: what the pause between requests leaves of a request's data,
-//! without any code or computation. The selects are dry runs without a session;
-//! with `--reserve` they are real (load reserved, a session bound) and each
-//! is finished after it, the part of a select that changes state.
+//! trip with a sleeping peer. And a memory floor: that thread, after each
+//! reply, times a read of the same 256 lines (on 32 pages; `--floor-lines
+//! N` for N on N / 8) it read at the previous request, about the data a
+//! 128-block select reads: what the pause between requests leaves of a
+//! request's data, without any code or computation. The selects are dry
+//! runs without a session; with `--reserve` they are real (load reserved,
+//! a session bound) and each is finished after it, the part of a select
+//! that changes state.
 //!
 //! Not criterion: criterion sizes its samples by the measured time, which a
 //! paced loop (mostly waiting) defeats, and reports a mean where these
@@ -30,7 +31,7 @@
 //! is the size of a full cache rather than of the few thousand blocks the
 //! engines publish during a row.
 //!
-//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--flood] [--held N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
+//! `cargo bench --bench paced [-- --quick] [--reserve] [--spinning-client] [--engines N] [--flood] [--held N] [--floor-lines N] [--only <pace label prefix>] [--spin <µs,...>] [--warm <µs,...>]`
 
 #![forbid(unsafe_code)]
 
@@ -349,15 +350,14 @@ fn selects(
     (p50, p99, us(0.5), us(0.99))
 }
 
-/// Lines the memory floor reads: as many data lines as a 128-block
-/// select reads (246 in its memory trace, see `benches/select_cold.rs`),
-/// on about as many pages (30).
+/// Lines the memory floor reads unless `--floor-lines` says otherwise: as
+/// many data lines as a 128-block select reads (246 in its memory trace,
+/// see `benches/select_cold.rs`), on about as many pages (30).
 const FLOOR_LINES: usize = 256;
-const FLOOR_PAGES: usize = 32;
 
-/// The same `FLOOR_LINES` lines of a 4 MiB array every time: eight random
-/// lines on each of `FLOOR_PAGES` random pages.
-fn floor_lines() -> (Vec<[u64; 8]>, Vec<u32>) {
+/// The same `count` lines of a 4 MiB array every time: eight random lines
+/// on each of `count / 8` random pages.
+fn floor_lines(count: usize) -> (Vec<[u64; 8]>, Vec<u32>) {
     let lines = vec![[1u64; 8]; (4 << 20) / 64];
     let mut x = 0x9e37_79b9_7f4a_7c15u64;
     let mut next = move || {
@@ -367,13 +367,14 @@ fn floor_lines() -> (Vec<[u64; 8]>, Vec<u32>) {
         x
     };
     let pages = lines.len() / 64;
-    let set = (0..FLOOR_PAGES)
+    let set = (0..count.div_ceil(8))
         .flat_map(|_| {
             let page = (next() % pages as u64) as u32;
-            (0..FLOOR_LINES / FLOOR_PAGES)
+            (0..8)
                 .map(|_| page * 64 + (next() % 64) as u32)
                 .collect::<Vec<_>>()
         })
+        .take(count)
         .collect();
     (lines, set)
 }
@@ -385,14 +386,14 @@ fn read_lines(lines: &[[u64; 8]], set: &[u32]) -> u64 {
 
 /// The kernel's floor: a 64-byte frame to a thread that reads it and
 /// writes it back, paced the same way. And, timed by that thread after
-/// each reply, the memory floor: it reads the same [`FLOOR_LINES`] lines
+/// each reply, the memory floor: it reads the same `floor_lines` lines
 /// it read at the previous request, so paced, they are what the pause
 /// left of them, as a select finds its own data. Returns the echo's round
 /// trip and the floor's time, p50 and p99 each.
-fn echo(pace: Pace, n: u32) -> ((Duration, Duration), (Duration, Duration)) {
+fn echo(pace: Pace, n: u32, floor_lines: usize) -> ((Duration, Duration), (Duration, Duration)) {
     let (mut a, mut b) = UnixStream::pair().unwrap();
     let peer = std::thread::spawn(move || {
-        let (lines, set) = floor_lines();
+        let (lines, set) = self::floor_lines(floor_lines);
         let mut floor = Vec::new();
         let mut buf = [0u8; 64];
         while b.read_exact(&mut buf).is_ok() {
@@ -461,6 +462,8 @@ fn main() {
     // `--held N`: the first engine also holds N blocks of other prompts
     // (an index the size of a full cache, not a few thousand blocks).
     let held = list("--held", 0)[0];
+    // `--floor-lines N`: the memory floor reads N lines (on N / 8 pages).
+    let floor = list("--floor-lines", FLOOR_LINES as u64)[0] as usize;
     let client = Mode {
         reserve,
         spinning,
@@ -517,7 +520,7 @@ fn main() {
             continue;
         }
         let n = if quick { (n / 2).max(200) } else { n };
-        let ((e50, e99), (f50, f99)) = echo(pace, n);
+        let ((e50, e99), (f50, f99)) = echo(pace, n, floor);
         for rings in [false, true] {
             for (&spin, &warm) in spins.iter().flat_map(|s| warms.iter().map(move |w| (s, w))) {
                 let (p50, p99, c50, c99) = selects(pace, rings, n, spin, warm, client, engines);
