@@ -4,7 +4,9 @@
 //! criterion's rows, which run minutes apart on a VM whose speed drifts, the
 //! default selection's ratio at 32 workers is also measured interleaved:
 //! batches of ours and of Dynamo's in alternation, a ratio per pair, and
-//! their spread (`ratio_interleaved/...`, printed).
+//! their spread (`ratio_interleaved/...`, printed); and so is the bare
+//! columnar loop's (`plain_columnar_loop`), for scale: the cost formula
+//! and an argmin written plainly, without the pipeline or its checks.
 
 use std::collections::{HashMap, HashSet};
 use std::hint::black_box;
@@ -23,7 +25,7 @@ use dynamo_kv_router::{
 };
 use rustc_hash::FxHashMap;
 
-use super::{PROMPT_TOKENS, SIZES, context, default_policy, fill, group, rows};
+use super::{PROMPT_TOKENS, PlainColumns, SIZES, context, default_policy, fill, group, rows};
 
 #[derive(Default)]
 struct Config {
@@ -261,6 +263,20 @@ pub fn interleaved_ratios() {
             &mut || select(&selector, &workers, &request),
         );
     }
+    // For scale, in the same run: the bare loop of the default cost and an
+    // argmin, written plainly (a division per row, no pipeline, no checks),
+    // against Dynamo.
+    let n = 32;
+    let columns = PlainColumns::new(n);
+    let (workers, request) = fixture(n);
+    let selector = default_selector(0.0);
+    interleaved(
+        &format!("plain_columnar_loop/{n} against Dynamo's temperature_0/{n}"),
+        &mut || {
+            black_box(black_box(&columns).argmin());
+        },
+        &mut || select(&selector, &workers, &request),
+    );
 }
 
 pub fn benches(c: &mut Criterion) {
