@@ -24,6 +24,8 @@
 
 #![forbid(unsafe_code)]
 
+mod floor;
+
 use std::hint::black_box;
 use std::time::Duration;
 
@@ -31,13 +33,7 @@ use criterion::{Criterion, Throughput};
 use kvedge_core::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
 use kvedge_shm::messages::Tier;
 
-/// Deterministic, well-mixed 64-bit values (splitmix64).
-fn mix(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    x ^ (x >> 31)
-}
+use floor::mix;
 
 /// An index of `blocks` blocks: 64 workers, each holding its own chains.
 fn filled(blocks: u64) -> KvIndex {
@@ -53,15 +49,6 @@ fn filled(blocks: u64) -> KvIndex {
         }
     }
     ix
-}
-
-/// The floor's work: one load from each of 128 lines, independent.
-fn load_lines(lines: &[[u64; 8]], set: &[u32; 128]) -> u64 {
-    let mut acc = 0u64;
-    for &i in set {
-        acc = acc.wrapping_add(lines[i as usize][0]);
-    }
-    acc
 }
 
 /// Overlap: worker 0 holds the request's whole 128-block chain; the
@@ -313,16 +300,13 @@ fn main() {
     // 4,096 different sets in turn. The VM's memory latency moves from day
     // to day (the cold walk measured 2.3 and 6 µs on two days with the same
     // code), so the walk is compared with this floor, measured beside it.
-    let lines: Vec<[u64; 8]> = vec![[1; 8]; (32 << 20) / 64];
-    let sets: Vec<[u32; 128]> = (0..4096u64)
-        .map(|r| std::array::from_fn(|i| (mix(r << 8 | i as u64) % lines.len() as u64) as u32))
-        .collect();
+    let (lines, sets) = floor::random_line_sets();
     let mut k = 0usize;
     g.bench_function("cold_floor_128_random_lines_32mib", |b| {
         b.iter(|| {
             let set = &sets[k % sets.len()];
             k += 1;
-            black_box(load_lines(&lines, set))
+            black_box(floor::load_lines(&lines, set))
         })
     });
     // Colder still: before each walk, 64 MiB are written (twice the last
@@ -330,20 +314,9 @@ fn main() {
     // headers out of the caches, as after a sleep among busy neighbours.
     // Only the walk is timed. Beside it, the floor in the same state: 128
     // loads of random lines from the 32 MiB array.
-    let mut sweep = vec![0u64; (64 << 20) / 8];
-    let mut after_sweeps = |iters: u64, f: &mut dyn FnMut()| {
-        let mut took = Duration::ZERO;
-        for round in 0..iters {
-            for x in sweep.iter_mut().step_by(8) {
-                *x = x.wrapping_add(round);
-            }
-            black_box(&sweep);
-            let t = std::time::Instant::now();
-            f();
-            took += t.elapsed();
-        }
-        took
-    };
+    let mut sweep = floor::sweep_buffer();
+    let mut after_sweeps =
+        |iters: u64, f: &mut dyn FnMut()| floor::after_sweeps(&mut sweep, iters, f);
     let mut k = 0usize;
     g.sample_size(30);
     g.bench_function("overlap_128_blocks_64_workers_1m_index_swept", |b| {
@@ -358,7 +331,7 @@ fn main() {
     g.bench_function("swept_floor_128_random_lines_32mib", |b| {
         b.iter_custom(|iters| {
             after_sweeps(iters, &mut || {
-                black_box(load_lines(&lines, &sets[k % sets.len()]));
+                black_box(floor::load_lines(&lines, &sets[k % sets.len()]));
                 k += 1;
             })
         })

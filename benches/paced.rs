@@ -35,6 +35,8 @@
 
 #![forbid(unsafe_code)]
 
+mod floor;
+
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
 use std::path::PathBuf;
@@ -379,11 +381,6 @@ fn floor_lines(count: usize) -> (Vec<[u64; 8]>, Vec<u32>) {
     (lines, set)
 }
 
-/// One load from each line of `set`, independent of each other.
-fn read_lines(lines: &[[u64; 8]], set: &[u32]) -> u64 {
-    set.iter().map(|&i| lines[i as usize][0]).sum()
-}
-
 /// The kernel's floor: a 64-byte frame to a thread that reads it and
 /// writes it back, paced the same way. And, timed by that thread after
 /// each reply, the memory floor: it reads the same `floor_lines` lines
@@ -401,7 +398,7 @@ fn echo(pace: Pace, n: u32, floor_lines: usize) -> ((Duration, Duration), (Durat
                 break;
             }
             let t = Instant::now();
-            std::hint::black_box(read_lines(&lines, std::hint::black_box(&set)));
+            std::hint::black_box(floor::load_lines(&lines, std::hint::black_box(&set)));
             floor.push(t.elapsed());
         }
         floor

@@ -32,6 +32,8 @@
 
 #![forbid(unsafe_code)]
 
+mod floor;
+
 use std::hint::black_box;
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -84,28 +86,6 @@ fn request(hashes: &[u64]) -> SelectRequest<'_> {
     }
 }
 
-/// One load from each of `set`'s lines, independent of each other.
-fn load_lines(lines: &[[u64; 8]], set: &[u32; 128]) -> u64 {
-    set.iter().map(|&i| lines[i as usize][0]).sum()
-}
-
-fn mix(mut x: u64) -> u64 {
-    x ^= x >> 33;
-    x = x.wrapping_mul(0xff51_afd7_ed55_8ccd);
-    x ^= x >> 33;
-    x
-}
-
-/// The floor's array (32 MiB of lines) and 4,096 sets of 128 random
-/// lines of it.
-fn floor() -> (Vec<[u64; 8]>, Vec<[u32; 128]>) {
-    let lines: Vec<[u64; 8]> = vec![[1; 8]; (32 << 20) / 64];
-    let sets = (0..4096u64)
-        .map(|r| std::array::from_fn(|i| (mix(r << 8 | i as u64) % lines.len() as u64) as u32))
-        .collect();
-    (lines, sets)
-}
-
 /// `--footprint N`, if given: runs N marked selects and returns true.
 fn footprint(args: &[String]) -> bool {
     let Some(at) = args.iter().position(|a| a == "--footprint") else {
@@ -132,14 +112,6 @@ fn footprint(args: &[String]) -> bool {
     true
 }
 
-/// Writes 64 MiB, twice the last level cache.
-fn sweep(buf: &mut [u64], round: u64) {
-    for x in buf.iter_mut().step_by(8) {
-        *x = x.wrapping_add(round);
-    }
-    black_box(&buf);
-}
-
 /// `--swept N`, if given: N rounds of a swept select of 128 blocks and of
 /// 1 block, each also with its code warm (right after the sweep, a select
 /// on a second router: the same code and static data, other heap data),
@@ -157,14 +129,14 @@ fn swept(args: &[String]) -> bool {
         .expect("--swept N");
     let (mut router, hashes) = router();
     let (long, short) = (request(&hashes), request(&hashes[..1]));
-    let mut buf = vec![0u64; (64 << 20) / 8];
-    let (lines, sets) = floor();
+    let mut buf = floor::sweep_buffer();
+    let (lines, sets) = floor::random_line_sets();
     let (mut other, theirs) = self::router();
     let theirs = request(&theirs);
     let mut took: [Vec<Duration>; 5] = Default::default();
     for round in 0..n {
         for (k, t) in took.iter_mut().enumerate() {
-            sweep(&mut buf, round as u64);
+            floor::sweep(&mut buf, round as u64);
             if k == 2 || k == 3 {
                 black_box(other.select(black_box(&theirs)).unwrap());
             }
@@ -172,7 +144,10 @@ fn swept(args: &[String]) -> bool {
             match k {
                 0 | 2 => drop(black_box(router.select(black_box(&long)).unwrap())),
                 1 | 3 => drop(black_box(router.select(black_box(&short)).unwrap())),
-                _ => drop(black_box(load_lines(&lines, &sets[round % sets.len()]))),
+                _ => drop(black_box(floor::load_lines(
+                    &lines,
+                    &sets[round % sets.len()],
+                ))),
             }
             t.push(start.elapsed());
         }
@@ -210,17 +185,9 @@ fn main() {
     g.bench_function("hot", |b| {
         b.iter(|| black_box(router.select(black_box(&req)).unwrap()))
     });
-    let mut buf = vec![0u64; (64 << 20) / 8];
-    let mut after_sweeps = |iters: u64, f: &mut dyn FnMut()| {
-        let mut took = Duration::ZERO;
-        for round in 0..iters {
-            sweep(&mut buf, round);
-            let t = Instant::now();
-            f();
-            took += t.elapsed();
-        }
-        took
-    };
+    let mut buf = floor::sweep_buffer();
+    let mut after_sweeps =
+        |iters: u64, f: &mut dyn FnMut()| floor::after_sweeps(&mut buf, iters, f);
     g.sample_size(30);
     g.bench_function("swept", |b| {
         b.iter_custom(|iters| {
@@ -239,12 +206,12 @@ fn main() {
             })
         })
     });
-    let (lines, sets) = floor();
+    let (lines, sets) = floor::random_line_sets();
     let mut k = 0usize;
     g.bench_function("swept_floor_128_random_lines_32mib", |b| {
         b.iter_custom(|iters| {
             after_sweeps(iters, &mut || {
-                black_box(load_lines(&lines, &sets[k % sets.len()]));
+                black_box(floor::load_lines(&lines, &sets[k % sets.len()]));
                 k += 1;
             })
         })
