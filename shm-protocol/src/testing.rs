@@ -23,3 +23,11 @@ pub fn minor_faults() -> u64 {
         .and_then(|f| f.parse().ok())
         .expect("minflt")
 }
+
+/// The faults a test of a path that should take none allows. The kernel
+/// may move a page that was already written (compaction, migration) while
+/// the test runs, and the next touch of it then faults once: up to 8 in
+/// 2,000 session binds were seen on a fresh CI machine. A path that writes
+/// unwritten memory takes one per new page, 88 to 1,400 in the tests that
+/// use this, so the allowance still tells the two apart.
+pub const FAULT_ALLOWANCE: u64 = 16;

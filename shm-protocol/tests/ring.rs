@@ -8,7 +8,7 @@ use std::time::Duration;
 use kvedge_shm::layout::{HEADER_SIZE, PADDING_TYPE, RecordHeader};
 use kvedge_shm::messages::{EventRef, Load, StoredBlock, Tier, kind};
 use kvedge_shm::segment::Segment;
-use kvedge_shm::testing::minor_faults;
+use kvedge_shm::testing::{FAULT_ALLOWANCE, minor_faults};
 use kvedge_shm::{Consumer, DecodeError, Producer, Publisher, Push, PushError, RingError};
 use proptest::prelude::*;
 
@@ -715,5 +715,8 @@ fn the_first_pass_over_a_ring_takes_no_page_fault() {
         c.poll().unwrap().expect("record");
     }
     let faults = minor_faults() - before;
-    assert!(faults <= 2, "{faults} page faults in a pass over the ring");
+    assert!(
+        faults <= FAULT_ALLOWANCE,
+        "{faults} page faults in a pass over the ring"
+    );
 }
