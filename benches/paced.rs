@@ -361,22 +361,12 @@ const FLOOR_LINES: usize = 256;
 /// on each of `count / 8` random pages.
 fn floor_lines(count: usize) -> (Vec<[u64; 8]>, Vec<u32>) {
     let lines = vec![[1u64; 8]; (4 << 20) / 64];
-    let mut x = 0x9e37_79b9_7f4a_7c15u64;
-    let mut next = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    };
-    let pages = lines.len() / 64;
-    let set = (0..count.div_ceil(8))
-        .flat_map(|_| {
-            let page = (next() % pages as u64) as u32;
-            (0..8)
-                .map(|_| page * 64 + (next() % 64) as u32)
-                .collect::<Vec<_>>()
+    let pages = lines.len() as u64 / 64;
+    let set = (0..count as u64)
+        .map(|j| {
+            let page = floor::mix(j / 8) % pages;
+            (page * 64 + floor::mix(1 << 32 | j) % 64) as u32
         })
-        .take(count)
         .collect();
     (lines, set)
 }
