@@ -379,9 +379,12 @@ fn floor_lines(count: usize) -> (Vec<[u64; 8]>, Vec<u32>) {
 /// trip and the floor's time, p50 and p99 each.
 fn echo(pace: Pace, n: u32, floor_lines: usize) -> ((Duration, Duration), (Duration, Duration)) {
     let (mut a, mut b) = UnixStream::pair().unwrap();
+    let warm_up = 200;
     let peer = std::thread::spawn(move || {
         let (lines, set) = self::floor_lines(floor_lines);
-        let mut floor = Vec::new();
+        // Room for every sample, so that no copy of a growing vector runs
+        // between two reads of the lines.
+        let mut floor = Vec::with_capacity(warm_up + n as usize);
         let mut buf = [0u8; 64];
         while b.read_exact(&mut buf).is_ok() {
             if b.write_all(&buf).is_err() {
@@ -395,7 +398,7 @@ fn echo(pace: Pace, n: u32, floor_lines: usize) -> ((Duration, Duration), (Durat
     });
     let frame = [7u8; 64];
     let mut back = [0u8; 64];
-    for _ in 0..200 {
+    for _ in 0..warm_up {
         a.write_all(&frame).unwrap();
         a.read_exact(&mut back).unwrap();
     }
