@@ -30,7 +30,6 @@ use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{EventRef, Role, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher};
-use zeromq::{Socket, SocketSend, ZmqMessage};
 
 const BLOCK: u32 = 16;
 
@@ -176,8 +175,13 @@ fn publish_to_visible(c: &mut Criterion) {
         .enable_all()
         .build()
         .unwrap();
-    let mut publisher = zeromq::PubSocket::new();
-    let endpoint = rt.block_on(publisher.bind("tcp://127.0.0.1:0")).unwrap();
+    let publisher = rt
+        .block_on(kvedge_zmtp::Pub::bind(
+            "tcp://127.0.0.1:0",
+            &kvedge_zmtp::Options::default(),
+        ))
+        .unwrap();
+    let endpoint = publisher.endpoint().to_string();
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 86400000\nengines:\n  - kind: vllm\n    model: llama\n    worker_id: 1\n    block_size: {BLOCK}\n    endpoint: http://engine-1\n    events: {endpoint}\n    topic: kv-events\n"
     );
@@ -224,12 +228,9 @@ fn publish_to_visible(c: &mut Criterion) {
 
     let mut seq = 0u64;
     let mut k = 0u32;
-    let mut send = |tokens: &[u32], seq: &mut u64| {
+    let send = |tokens: &[u32], seq: &mut u64| {
         let payload = stored_batch(&[u64::from(tokens[0]) + 7], None, tokens);
-        let mut msg = ZmqMessage::from("kv-events");
-        msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
-        msg.push_back(payload.into());
-        rt.block_on(publisher.send(msg)).unwrap();
+        publisher.send(&[&b"kv-events"[..], &seq.to_be_bytes(), &payload]);
         *seq += 1;
     };
     let visible = |client: &mut kvedge_wire::Client, hash: u64| {

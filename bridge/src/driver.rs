@@ -12,6 +12,12 @@
 //! routing until the engine is heard again. A probe that fails and later
 //! succeeds means the engine's socket went away and came back (a restart):
 //! the SUB socket is opened again, since the old connection is dead.
+//!
+//! The sockets are `kvedge-zmtp`'s: every message is capped
+//! (`max_message_bytes`) before it is read, and a bound events port takes
+//! peers only from its allowed addresses, a few at a time. Which peer's
+//! messages count is the [`Feed`]'s decision. Every repeated warning goes
+//! through a rate limit, one line a second per kind.
 
 use std::collections::HashMap;
 use std::io;
@@ -24,12 +30,13 @@ use kvedge_core::config::{EngineRank, EngineSpec};
 use kvedge_shm::Publisher;
 use kvedge_shm::messages::control::{Hello, Label};
 use kvedge_shm::messages::{StoredBlock, Tier, notice};
+use kvedge_shm::ratelimit::{RateLimit, held_back};
+use kvedge_zmtp::{Allow, Dealer, Limits, Options, Sub, SubEvent};
 use tokio::sync::{mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::feed::{Feed, Live};
+use crate::feed::{Feed, Live, LogKind, Sender};
 use crate::scrape::{self, Reading};
 use crate::translate::{COUNTED, Sink};
 
@@ -51,8 +58,15 @@ const IDLE_PROBE: Duration = Duration::from_secs(1);
 const CONNECT_TIMEOUT: Duration = Duration::from_millis(500);
 /// How long a replay may wait for its next message.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(2);
-/// Largest payload accepted (a batch of a few thousand blocks is ~100 KB).
-pub const MAX_PAYLOAD: usize = 64 << 20;
+/// How long a whole replay may take: one that stalls past it is abandoned
+/// (its gap counts as lost, the engine's blocks are dropped and rebuilt
+/// from the next live batch), so a replay socket that trickles cannot
+/// hold a rank.
+pub const REPLAY_DEADLINE: Duration = Duration::from_secs(10);
+/// How long a peer of a bound events port may stay silent before it is
+/// disconnected (an engine's publisher reconnects at once; a connection
+/// held open for nothing does not keep its place).
+const BOUND_IDLE: Duration = Duration::from_secs(300);
 /// Largest metrics page read (vLLM's is tens of kilobytes).
 const MAX_METRICS_PAGE: usize = 16 << 20;
 /// Most messages one replay may send (vLLM buffers 10,000 batches); an
@@ -184,8 +198,13 @@ async fn run_engine(spec: EngineSpec, settings: Arc<Settings>) {
 /// Reads the engine's metrics every interval and hands each rank its part.
 async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scraped>>) {
     let interval = Duration::from_millis(spec.scrape_interval_ms);
+    // No redirects: a metrics endpoint that sends kvedge elsewhere is
+    // misconfigured, and following it would let it point kvedge at any
+    // host. The page and the time are capped.
     let client = match reqwest::Client::builder()
         .timeout(interval.max(Duration::from_millis(500)))
+        .connect_timeout(CONNECT_TIMEOUT)
+        .redirect(reqwest::redirect::Policy::none())
         .build()
     {
         Ok(c) => c,
@@ -200,6 +219,10 @@ async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scr
         tick.tick().await;
         let text = match client.get(&url).send().await {
             Ok(r) if r.status().is_success() => read_page(r).await,
+            Ok(r) if r.status().is_redirection() => Err(format!(
+                "HTTP {} (a redirect, which kvedge does not follow: point `metrics` at the page itself)",
+                r.status()
+            )),
             Ok(r) => Err(format!("HTTP {}", r.status())),
             Err(e) => Err(e.to_string()),
         };
@@ -303,38 +326,68 @@ async fn register(rank: &EngineRank, settings: &Settings) -> Publisher {
     }
 }
 
-async fn open_sub(rank: &EngineRank) -> Result<zeromq::SubSocket, String> {
-    let mut sub = zeromq::SubSocket::new();
-    sub.subscribe(&rank.topic)
-        .await
-        .map_err(|e| e.to_string())?;
-    let opened = if rank.events_bind {
-        sub.bind(&rank.events).await.map(|_| ())
-    } else {
-        match tokio::time::timeout(CONNECT_TIMEOUT, sub.connect(&rank.events)).await {
-            Ok(r) => r,
-            Err(_) => return Err(format!("{} does not answer", rank.events)),
+/// The socket options of a rank's sockets.
+fn options(rank: &EngineRank, allow: Allow) -> Options {
+    Options {
+        limits: Limits {
+            max_frame_bytes: rank.max_message_bytes,
+            max_message_bytes: rank.max_message_bytes,
+            // topic, sequence number, payload (and a replay's envelope).
+            max_message_frames: 8,
+        },
+        connect_timeout: CONNECT_TIMEOUT,
+        max_peers: rank.events_max_peers,
+        allow,
+        idle_timeout: rank.events_bind.then_some(BOUND_IDLE),
+        ..Options::default()
+    }
+}
+
+/// The addresses a bound events port takes peers from: each entry of
+/// `events_allow` as an address, a range, or a host name looked up now
+/// (a name that does not resolve is logged and left out).
+async fn allow_list(rank: &EngineRank) -> Allow {
+    let mut nets = Vec::new();
+    for entry in &rank.events_allow {
+        if let Ok(net) = entry.parse::<ipnet::IpNet>() {
+            nets.push(net);
+        } else if let Ok(ip) = entry.parse::<std::net::IpAddr>() {
+            nets.push(ipnet::IpNet::from(ip));
+        } else {
+            match tokio::net::lookup_host((entry.as_str(), 0)).await {
+                Ok(addrs) => nets.extend(addrs.map(|a| ipnet::IpNet::from(a.ip().to_canonical()))),
+                Err(e) => warn!(
+                    worker = rank.worker_id,
+                    dp_rank = rank.dp_rank,
+                    "events_allow: `{entry}` does not resolve ({e}); no connection from it is taken"
+                ),
+            }
         }
+    }
+    Allow::only(nets)
+}
+
+async fn open_sub(rank: &EngineRank, allow: &Allow) -> Result<Sub, String> {
+    let topics = [rank.topic.as_bytes()];
+    let options = options(rank, allow.clone());
+    let opened = if rank.events_bind {
+        Sub::bind(&rank.events, &topics, &options).await
+    } else {
+        Sub::connect(&rank.events, &topics, &options).await
     };
-    opened.map_err(|e| format!("{}: {e}", rank.events))?;
-    Ok(sub)
+    opened.map_err(|e| format!("{}: {e}", rank.events))
 }
 
 /// A live message's sequence number and payload, if it has the engines'
 /// three-frame shape.
-fn frames(msg: &ZmqMessage) -> Result<(u64, Bytes), String> {
-    if msg.len() != 3 {
+fn frames(msg: &[Bytes]) -> Result<(u64, Bytes), String> {
+    let [_, seq, payload] = msg else {
         return Err(format!(
             "a message of {} frames, not 3 (topic, seq, payload)",
             msg.len()
         ));
-    }
-    let seq = seq_of(msg.get(1).expect("3 frames"))?;
-    let payload = msg.get(2).expect("3 frames").clone();
-    if payload.len() > MAX_PAYLOAD {
-        return Err(format!("a payload of {} bytes", payload.len()));
-    }
-    Ok((seq, payload))
+    };
+    Ok((seq_of(seq)?, payload.clone()))
 }
 
 fn seq_of(frame: &[u8]) -> Result<u64, String> {
@@ -345,42 +398,65 @@ fn seq_of(frame: &[u8]) -> Result<u64, String> {
 }
 
 /// Asks the replay socket for every batch from `from` on and hands them
-/// to the feed; whether the end marker arrived.
-async fn replay(endpoint: &str, from: u64, feed: &mut Feed, publisher: &mut Publisher) -> bool {
-    let mut dealer = zeromq::DealerSocket::new();
-    match tokio::time::timeout(CONNECT_TIMEOUT, dealer.connect(endpoint)).await {
-        Ok(Ok(())) => {}
-        _ => return false,
-    }
-    let mut ask = ZmqMessage::from(Bytes::new());
-    ask.push_back(Bytes::copy_from_slice(&from.to_be_bytes()));
-    if dealer.send(ask).await.is_err() {
-        return false;
-    }
-    for _ in 0..MAX_REPLAY_MESSAGES {
-        let msg = match tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv()).await {
-            Ok(Ok(m)) => m,
-            _ => return false,
-        };
-        // ["", seq, payload] (older engines) or ["", topic, seq, payload].
-        let (seq, payload) = match msg.len() {
-            3 => (msg.get(1), msg.get(2)),
-            4 => (msg.get(2), msg.get(3)),
-            _ => return false,
-        };
-        let (Some(seq), Some(payload)) = (seq, payload) else {
+/// to the feed; whether the end marker arrived within
+/// [`REPLAY_DEADLINE`].
+async fn replay(
+    rank: &EngineRank,
+    endpoint: &str,
+    from: u64,
+    feed: &mut Feed,
+    publisher: &mut Publisher,
+) -> bool {
+    let run = async {
+        let options = options(rank, Allow::loopback());
+        let Ok(mut dealer) = Dealer::connect(endpoint, &options).await else {
             return false;
         };
-        if seq.as_ref() == END_SEQ {
-            return true;
-        }
-        let Ok(seq) = seq_of(seq) else { return false };
-        if payload.len() > MAX_PAYLOAD {
+        if dealer.send(&[&b""[..], &from.to_be_bytes()]).await.is_err() {
             return false;
         }
-        feed.handle_replayed(seq, payload, &mut Ring(publisher));
+        for _ in 0..MAX_REPLAY_MESSAGES {
+            let msg = match tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv()).await {
+                Ok(Ok(m)) => m,
+                _ => return false,
+            };
+            // ["", seq, payload] (older engines) or ["", topic, seq, payload].
+            let (seq, payload) = match msg.as_slice() {
+                [_, seq, payload] | [_, _, seq, payload] => (seq, payload),
+                _ => return false,
+            };
+            if seq.as_ref() == END_SEQ {
+                return true;
+            }
+            let Ok(seq) = seq_of(seq) else { return false };
+            feed.handle_replayed(seq, payload, &mut Ring(publisher));
+        }
+        false
+    };
+    tokio::time::timeout(REPLAY_DEADLINE, run)
+        .await
+        .unwrap_or(false)
+}
+
+/// Hands a live message to the feed, and runs the replays it asks for
+/// one after another.
+async fn feed_live(
+    rank: &EngineRank,
+    from: Sender,
+    seq: u64,
+    payload: &[u8],
+    feed: &mut Feed,
+    publisher: &mut Publisher,
+) -> Live {
+    let mut step = feed.handle_live(from, seq, payload, &mut Ring(publisher));
+    while let Live::Replay { from } = step {
+        let complete = match &rank.replay {
+            Some(endpoint) => replay(rank, endpoint, from, feed, publisher).await,
+            None => false,
+        };
+        step = feed.handle_replay_end(complete, &mut Ring(publisher));
     }
-    false
+    step
 }
 
 /// Whether something accepts connections at `endpoint` (the engine's PUB
@@ -437,6 +513,14 @@ fn monotonic_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
 
+/// The rate limits of a rank's repeated warnings, one per kind.
+#[derive(Debug, Default)]
+struct Logs {
+    feed: HashMap<LogKind, RateLimit>,
+    refused: RateLimit,
+    dropped: RateLimit,
+}
+
 /// One rank, for as long as it is configured.
 async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::Receiver<Scraped>) {
     let mut publisher = register(&rank, &settings).await;
@@ -454,19 +538,25 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
         settings.index_capacity,
         rank.replay.is_some(),
     );
-    let mut sub: Option<zeromq::SubSocket> = None;
+    let allow = if rank.events_bind {
+        allow_list(&rank).await
+    } else {
+        Allow::loopback()
+    };
+    let mut sub: Option<Sub> = None;
     let mut last_message = Instant::now();
     let mut last_probe = Instant::now();
     let mut probe_failed = false;
     let mut liveness = Liveness::default();
     let mut sub_problem_logged = false;
     let mut reported = Reported::default();
+    let mut logs = Logs::default();
     let mut scraper_gone = false;
     let mut tick = tokio::time::interval((timeout / 4).min(Duration::from_millis(250)));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         if sub.is_none() {
-            match open_sub(&rank).await {
+            match open_sub(&rank, &allow).await {
                 Ok(s) => {
                     sub = Some(s);
                     last_message = Instant::now();
@@ -476,11 +566,20 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                     sub_problem_logged = false;
                 }
                 Err(e) if !sub_problem_logged => {
-                    debug!(
-                        worker = rank.worker_id,
-                        dp_rank = rank.dp_rank,
-                        "events: {e}"
-                    );
+                    let level_warn = rank.events_bind;
+                    if level_warn {
+                        warn!(
+                            worker = rank.worker_id,
+                            dp_rank = rank.dp_rank,
+                            "events: {e}"
+                        );
+                    } else {
+                        debug!(
+                            worker = rank.worker_id,
+                            dp_rank = rank.dp_rank,
+                            "events: {e}"
+                        );
+                    }
                     sub_problem_logged = true;
                 }
                 Err(_) => {}
@@ -493,28 +592,42 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
             }
         };
         tokio::select! {
-            msg = recv => {
-                let msg = match msg {
-                    Ok(m) => m,
-                    Err(e) => {
-                        debug!(worker = rank.worker_id, "events socket: {e}; re-opening");
-                        sub = None;
-                        continue;
-                    }
-                };
-                last_message = Instant::now();
-                liveness.hear(&rank);
-                match frames(&msg) {
-                    Ok((seq, payload)) => {
-                        if let Live::Replay { from } = feed.handle_live(seq, &payload, &mut Ring(&mut publisher)) {
-                            let complete = match &rank.replay {
-                                Some(endpoint) => replay(endpoint, from, &mut feed, &mut publisher).await,
-                                None => false,
-                            };
-                            feed.handle_replay_end(complete, &mut Ring(&mut publisher));
+            event = recv => {
+                let now = Instant::now();
+                match event {
+                    // A connecting socket's one connection ended: open it again.
+                    None => close(&mut sub, &mut reported),
+                    Some(SubEvent::Message { peer, frames: msg }) => {
+                        let from = Sender { peer, trusted: !rank.events_bind };
+                        match frames(&msg) {
+                            Ok((seq, payload)) => {
+                                let step = feed_live(&rank, from, seq, &payload, &mut feed, &mut publisher).await;
+                                if step != Live::Ignored {
+                                    last_message = Instant::now();
+                                    liveness.hear(&rank);
+                                }
+                            }
+                            Err(why) => feed.handle_malformed(from, &why),
                         }
                     }
-                    Err(why) => feed.translator().undecodable(&why),
+                    Some(SubEvent::Joined { peer, addr }) => {
+                        debug!(worker = rank.worker_id, dp_rank = rank.dp_rank, "events: peer {peer} ({addr}) connected");
+                    }
+                    Some(SubEvent::Left { peer, error }) => {
+                        feed.handle_left(peer);
+                        if error.is_protocol() {
+                            if let Some(n) = logs.dropped.allow(now) {
+                                warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "events: peer {peer} was disconnected: {error}{}", held_back(n));
+                            }
+                        } else {
+                            debug!(worker = rank.worker_id, dp_rank = rank.dp_rank, "events: peer {peer} left: {error}");
+                        }
+                    }
+                    Some(SubEvent::Refused { addr, why }) => {
+                        if let Some(n) = logs.refused.allow(now) {
+                            warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "events: a connection from {addr} was refused: {why}{}", held_back(n));
+                        }
+                    }
                 }
             }
             changed = loads.changed(), if !scraper_gone => {
@@ -572,13 +685,14 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                         liveness.hear(&rank);
                         if std::mem::take(&mut probe_failed) {
                             debug!(worker = rank.worker_id, "events socket is back; re-opening");
-                            sub = None;
+                            close(&mut sub, &mut reported);
                         }
                     } else {
                         probe_failed = true;
                     }
                 }
-                flush_notices(&rank, &mut feed, &mut publisher, &mut reported);
+                reported.refused_now = reported.refused_before + sub.as_ref().map_or(0, refusals);
+                flush_notices(&rank, &mut feed, &mut publisher, &mut reported, &mut logs, now);
                 // A resync the daemon asked for (after our ring overflowed).
                 let served = publisher.serve_resync(|p| {
                     feed.translator().republish(&mut Ring(p));
@@ -595,28 +709,64 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
     }
 }
 
+/// Connections a rank's events socket refused or cut off.
+fn refusals(sub: &Sub) -> u64 {
+    let s = sub.stats();
+    [
+        &s.refused_address,
+        &s.refused_full,
+        &s.failed_handshakes,
+        &s.broke_protocol,
+    ]
+    .iter()
+    .map(|c| c.load(std::sync::atomic::Ordering::Relaxed))
+    .sum()
+}
+
+/// Closes the events socket, keeping its counts for the next one's.
+fn close(sub: &mut Option<Sub>, reported: &mut Reported) {
+    if let Some(s) = sub.take() {
+        reported.refused_before += refusals(&s);
+    }
+}
+
 /// Counts already published as notices.
 #[derive(Debug, Default)]
 struct Reported {
     counted: [u64; COUNTED.len()],
-    feed: [u64; 3],
+    feed: [u64; 6],
     silent: u64,
+    /// Connections the events socket refused or cut off: those of sockets
+    /// closed before, in all now, and as last published.
+    refused_before: u64,
+    refused_now: u64,
+    refused: u64,
     /// The sentence each code was first reported with.
     messages: HashMap<u16, String>,
     block_size_warned: bool,
     scrape_failures: u64,
 }
 
-/// Publishes a notice for each count that moved, and logs each reason the
-/// first time it happens.
+/// Publishes a notice for each count that moved, and logs each reason
+/// (the feed's lines at most once a second per kind, skips the first time
+/// each happens).
 fn flush_notices(
     rank: &EngineRank,
     feed: &mut Feed,
     publisher: &mut Publisher,
     reported: &mut Reported,
+    logs: &mut Logs,
+    now: Instant,
 ) {
-    for line in feed.take_log() {
-        warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{line}");
+    for (kind, line) in feed.take_log() {
+        if let Some(n) = logs.feed.entry(kind).or_default().allow(now) {
+            warn!(
+                worker = rank.worker_id,
+                dp_rank = rank.dp_rank,
+                "{line}{}",
+                held_back(n)
+            );
+        }
     }
     for (code, why) in feed.translator().take_first_skips() {
         warn!(
@@ -644,12 +794,29 @@ fn flush_notices(
                     "the engine restarted; its blocks were dropped and rebuilt from its events"
                 }
                 notice::REPLAYED => "event batches lost in transit were replayed",
+                notice::FOREIGN_BATCHES => {
+                    "batches from a peer that is not the engine's publisher were ignored"
+                }
+                notice::STALE_SEQUENCE => {
+                    "batches numbered back were ignored: the engine's replay socket showed it had not restarted"
+                }
+                notice::UNVERIFIED_PUBLISHER => {
+                    "batches from a new publisher were ignored: the engine's replay socket did not answer to vouch for it"
+                }
                 _ => {
                     "events were lost and could not be replayed: the engine's blocks were dropped rather than kept stale"
                 }
             };
             let _ = publisher.publish_notice(code, n, message);
         }
+    }
+    if reported.refused_now != reported.refused {
+        reported.refused = reported.refused_now;
+        let _ = publisher.publish_notice(
+            notice::EVENTS_REFUSED,
+            reported.refused,
+            "connections to the events port were refused or cut off (an address not allowed, too many peers, a failed handshake, or a message over max_message_bytes)",
+        );
     }
 }
 

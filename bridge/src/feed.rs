@@ -1,7 +1,17 @@
-//! One engine rank's event feed as a state machine without I/O: sequence
-//! numbers in, translated events and replay requests out. Its driver reads
-//! the sockets; tests hand it messages directly.
+//! One engine rank's event feed as a state machine without I/O: who sent
+//! a message and its sequence number in, translated events and replay
+//! requests out. Its driver reads the sockets; tests hand it messages
+//! directly.
 //!
+//! - **One source.** Messages come from the engine's publisher: the one
+//!   connection kvedge made (trusted: kvedge chose the address), or, on a
+//!   bound port, the first peer to send. Another peer's messages are
+//!   ignored and counted (`foreign_batches`) while that source is
+//!   connected; when it leaves, the next peer to send takes its place.
+//! - **Vouched for by the engine.** A source kvedge did not dial is
+//!   trusted only once the engine's own replay socket, which kvedge dials,
+//!   holds the same batch under the same number; until then its message
+//!   waits, and a peer the replay disowns is ignored for good.
 //! - The next sequence number is applied.
 //! - A gap asks for a replay from the first missing number
 //!   ([`Live::Replay`]); the message that showed the gap waits until the
@@ -9,18 +19,46 @@
 //!   cover the gap, the worker's state is dropped (never kept stale) and
 //!   the loss is counted.
 //! - A number at or below the last one means the engine restarted (each
-//!   engine process counts from 0): its state is dropped and rebuilt from
-//!   what follows.
+//!   engine process counts from 0) only if its replay socket agrees: a
+//!   restarted engine's buffer no longer holds the last batch kvedge
+//!   applied. Then its state is dropped and rebuilt from what follows;
+//!   otherwise the message is ignored as stale. Without a replay socket
+//!   (or when it does not answer), the trusted source's word is taken.
 //! - The first message after kvedge starts asks for a replay from 0, so
 //!   blocks stored before kvedge came up are known where the engine's
 //!   replay buffer still holds them.
 
 use kvedge_shm::messages::notice;
+use xxhash_rust::xxh3::xxh3_64;
 
 use crate::decode::Decoder;
 use crate::translate::{Sink, Translator};
 
-/// What the driver does after a live message.
+/// Peers found not to be the engine's publisher, remembered so that
+/// their later messages cost no replay.
+const DISOWNED: usize = 64;
+
+/// Who sent a live message.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Sender {
+    /// The connection, numbered by the driver (never reused).
+    pub peer: u64,
+    /// Whether kvedge dialled this peer at the engine's configured
+    /// address (a connecting SUB): its word needs no replay to vouch.
+    pub trusted: bool,
+}
+
+/// What the log should say, by kind (the driver rate-limits each kind).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LogKind {
+    Restart,
+    Loss,
+    Foreign,
+    Stale,
+    Unverified,
+}
+
+/// What the driver does after a live message or a replay's end.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Live {
     /// Applied (or skipped as undecodable, and counted).
@@ -28,9 +66,12 @@ pub enum Live {
     /// Not applied: a replay is under way (the driver reads no live
     /// message until it ends).
     Busy,
+    /// Not applied: from a peer that is not the engine's publisher, or a
+    /// stale number the engine's replay socket disowned (counted).
+    Ignored,
     /// Ask the replay socket for every batch from this sequence number on,
     /// hand each to [`Feed::handle_replayed`], then call
-    /// [`Feed::handle_replay_end`].
+    /// [`Feed::handle_replay_end`] (which may ask for another).
     Replay { from: u64 },
 }
 
@@ -44,17 +85,52 @@ pub struct FeedCounts {
     pub replayed: u64,
     /// Gaps that could not be replayed (each dropped the worker's state).
     pub lost: u64,
+    /// Batches from a peer that is not the engine's publisher.
+    pub foreign: u64,
+    /// Batches numbered back though the engine did not restart.
+    pub stale: u64,
+    /// Batches from a new peer the replay socket could not vouch for
+    /// (it did not answer).
+    pub unverified: u64,
+}
+
+/// Why a replay was asked for, and what it found so far.
+#[derive(Debug, Clone)]
+enum Purpose {
+    /// Fill a gap (or, at start, learn the history): apply what comes.
+    Fill {
+        /// The replay kvedge asks for when it starts: history, not a loss.
+        startup: bool,
+        /// The replay left a hole of its own.
+        holed: bool,
+    },
+    /// A new source's first message: does the engine's buffer hold it?
+    Vouch { matched: bool },
+    /// The number went back: has the engine restarted? Replayed from the
+    /// last number applied, whose payload's digest kvedge kept.
+    Restart {
+        last: u64,
+        digest: Option<u64>,
+        /// The buffer's copy of `last`: Some(same payload).
+        seen_last: Option<bool>,
+        /// The buffer holds numbers past `last`.
+        ahead: bool,
+    },
 }
 
 #[derive(Debug, Clone)]
 struct Replaying {
-    /// The live message that showed the gap, applied after the replay.
+    /// The live message that asked, decided on after the replay.
     pending: (u64, Vec<u8>),
     from: u64,
-    /// The replay kvedge asks for when it starts: history, not a loss.
-    startup: bool,
-    /// The replay left a hole of its own.
-    holed: bool,
+    purpose: Purpose,
+}
+
+/// The peer whose messages the feed takes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Source {
+    peer: u64,
+    vouched: bool,
 }
 
 /// One rank's decoder, translator and sequence state.
@@ -64,10 +140,15 @@ pub struct Feed {
     translator: Translator,
     can_replay: bool,
     last: Option<u64>,
+    /// The digest of the last payload applied.
+    last_digest: Option<u64>,
+    source: Option<Source>,
+    disowned: Vec<u64>,
     replaying: Option<Replaying>,
     counts: FeedCounts,
-    /// Lines for the log (restarts, losses), drained by the driver.
-    log: Vec<String>,
+    /// Lines for the log (restarts, losses, strangers), drained by the
+    /// driver, which rate-limits each kind.
+    log: Vec<(LogKind, String)>,
 }
 
 impl Feed {
@@ -79,6 +160,9 @@ impl Feed {
             translator: Translator::new(block_size, capacity),
             can_replay,
             last: None,
+            last_digest: None,
+            source: None,
+            disowned: Vec::new(),
             replaying: None,
             counts: FeedCounts::default(),
             log: Vec::new(),
@@ -98,22 +182,26 @@ impl Feed {
         self.last
     }
 
-    /// Log lines since the last call.
-    pub fn take_log(&mut self) -> impl Iterator<Item = String> + '_ {
+    /// Log lines since the last call, with their kinds.
+    pub fn take_log(&mut self) -> impl Iterator<Item = (LogKind, String)> + '_ {
         self.log.drain(..)
     }
 
     /// Counted happenings as notice codes and counts, for the worker.
-    pub fn notices(&self) -> [(u16, u64); 3] {
+    pub fn notices(&self) -> [(u16, u64); 6] {
         [
             (notice::RESTARTED, self.counts.restarts),
             (notice::REPLAYED, self.counts.replayed),
             (notice::EVENTS_LOST, self.counts.lost),
+            (notice::FOREIGN_BATCHES, self.counts.foreign),
+            (notice::STALE_SEQUENCE, self.counts.stale),
+            (notice::UNVERIFIED_PUBLISHER, self.counts.unverified),
         ]
     }
 
     fn apply(&mut self, seq: u64, payload: &[u8], sink: &mut impl Sink) {
         self.last = Some(seq);
+        self.last_digest = Some(xxh3_64(payload));
         self.counts.batches += 1;
         let translator = &mut self.translator;
         match self.decoder.decode(payload, |e| translator.apply(e, sink)) {
@@ -132,34 +220,114 @@ impl Feed {
     pub fn forget(&mut self, sink: &mut impl Sink) {
         self.drop_state(sink);
         self.last = None;
+        self.last_digest = None;
         self.replaying = None;
     }
 
-    /// A message from the engine's PUB socket.
-    pub fn handle_live(&mut self, seq: u64, payload: &[u8], sink: &mut impl Sink) -> Live {
+    /// A peer's connection ended: if it was the source, the next peer to
+    /// send may take its place.
+    pub fn handle_left(&mut self, peer: u64) {
+        if self.source.is_some_and(|s| s.peer == peer) {
+            self.source = None;
+        }
+        self.disowned.retain(|&p| p != peer);
+    }
+
+    /// A message that does not have the engines' shape (three frames, an
+    /// 8-byte number): counted against the engine if it came from its
+    /// publisher (or from the first peer to send), else as foreign.
+    pub fn handle_malformed(&mut self, from: Sender, why: &str) {
+        let ours = match self.source {
+            Some(s) => s.peer == from.peer,
+            None => !self.disowned.contains(&from.peer),
+        };
+        if ours {
+            self.translator.undecodable(why);
+        } else {
+            self.foreign(from.peer, "the engine's publisher is connected");
+        }
+    }
+
+    /// A message from the engine's PUB socket (or a peer of a bound one).
+    pub fn handle_live(
+        &mut self,
+        from: Sender,
+        seq: u64,
+        payload: &[u8],
+        sink: &mut impl Sink,
+    ) -> Live {
         if self.replaying.is_some() {
             // The driver reads no live message during a replay; one that
             // arrives anyway waits its turn like the pending one would.
             return Live::Busy;
         }
+        let source = match self.source {
+            Some(s) if s.peer == from.peer => s,
+            Some(_) => return self.foreign(from.peer, "the engine's publisher is connected"),
+            None if self.disowned.contains(&from.peer) => {
+                return self.foreign(from.peer, "the replay socket disowned it");
+            }
+            None => {
+                let s = Source {
+                    peer: from.peer,
+                    vouched: from.trusted || !self.can_replay,
+                };
+                self.source = Some(s);
+                s
+            }
+        };
+        if !source.vouched {
+            return self.start_replay(seq, seq, payload, Purpose::Vouch { matched: false });
+        }
+        self.proceed(seq, payload, sink)
+    }
+
+    fn foreign(&mut self, peer: u64, why: &str) -> Live {
+        self.counts.foreign += 1;
+        self.log.push((
+            LogKind::Foreign,
+            format!(
+                "a batch from peer {peer}, which is not the engine's publisher ({why}), was ignored"
+            ),
+        ));
+        Live::Ignored
+    }
+
+    /// A message from the vouched source.
+    fn proceed(&mut self, seq: u64, payload: &[u8], sink: &mut impl Sink) -> Live {
         let Some(last) = self.last else {
             if seq > 0 && self.can_replay {
-                return self.start_replay(0, seq, payload, true);
+                return self.start_replay(
+                    0,
+                    seq,
+                    payload,
+                    Purpose::Fill {
+                        startup: true,
+                        holed: false,
+                    },
+                );
             }
             self.apply(seq, payload, sink);
             return Live::Applied;
         };
         match seq.checked_sub(last) {
             Some(1) => {}
-            Some(0) | None => {
-                self.counts.restarts += 1;
-                self.log.push(format!(
-                    "sequence went back from {last} to {seq}: the engine restarted; its blocks were dropped and are rebuilt from its events"
-                ));
-                self.drop_state(sink);
+            Some(0) | None if self.can_replay => {
+                let purpose = Purpose::Restart {
+                    last,
+                    digest: self.last_digest,
+                    seen_last: None,
+                    ahead: false,
+                };
+                return self.start_replay(last, seq, payload, purpose);
             }
+            Some(0) | None => self.restart(last, seq, "", sink),
             Some(_) if self.can_replay => {
-                return self.start_replay(last + 1, seq, payload, false);
+                let purpose = Purpose::Fill {
+                    startup: false,
+                    holed: false,
+                };
+                return self.start_replay(last + 1, seq, payload, purpose);
             }
             Some(gap) => {
                 self.lose(gap - 1, "no replay socket is configured", sink);
@@ -169,20 +337,36 @@ impl Feed {
         Live::Applied
     }
 
-    fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], startup: bool) -> Live {
+    /// The engine restarted: everything it had is gone.
+    fn restart(&mut self, last: u64, seq: u64, confirmed: &str, sink: &mut impl Sink) {
+        self.counts.restarts += 1;
+        self.log.push((
+            LogKind::Restart,
+            format!(
+                "sequence went back from {last} to {seq}{confirmed}: the engine restarted; its blocks were dropped and are rebuilt from its events"
+            ),
+        ));
+        self.drop_state(sink);
+        self.last = None;
+        self.last_digest = None;
+    }
+
+    fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], purpose: Purpose) -> Live {
         self.replaying = Some(Replaying {
             pending: (seq, payload.to_vec()),
             from,
-            startup,
-            holed: false,
+            purpose,
         });
         Live::Replay { from }
     }
 
     fn lose(&mut self, missing: u64, why: &str, sink: &mut impl Sink) {
         self.counts.lost += 1;
-        self.log.push(format!(
-            "{missing} event batches were lost and could not be replayed ({why}): the engine's blocks were dropped rather than kept stale"
+        self.log.push((
+            LogKind::Loss,
+            format!(
+                "{missing} event batches were lost and could not be replayed ({why}): the engine's blocks were dropped rather than kept stale"
+            ),
         ));
         self.drop_state(sink);
     }
@@ -190,46 +374,129 @@ impl Feed {
     /// A batch from the replay socket.
     pub fn handle_replayed(&mut self, seq: u64, payload: &[u8], sink: &mut impl Sink) {
         let Some(r) = &mut self.replaying else { return };
-        if seq >= r.pending.0 {
-            // The live stream has it (pending or later).
-            return;
-        }
-        match self.last {
-            Some(last) if seq <= last => return,
-            Some(last) if seq > last + 1 && !r.holed => {
-                r.holed = true;
-                let missing = seq - last - 1;
-                self.lose(
-                    missing,
-                    "the engine's replay buffer no longer holds them",
-                    sink,
-                );
+        match &mut r.purpose {
+            Purpose::Vouch { matched } => {
+                if seq == r.pending.0 && payload == r.pending.1.as_slice() {
+                    *matched = true;
+                }
             }
-            _ => {}
+            Purpose::Restart {
+                last,
+                digest,
+                seen_last,
+                ahead,
+            } => {
+                if seq == *last {
+                    *seen_last = Some(*digest == Some(xxh3_64(payload)));
+                } else if seq > *last {
+                    *ahead = true;
+                }
+            }
+            Purpose::Fill { holed, .. } => {
+                if seq >= r.pending.0 {
+                    // The live stream has it (pending or later).
+                    return;
+                }
+                match self.last {
+                    Some(last) if seq <= last => return,
+                    Some(last) if seq > last + 1 && !*holed => {
+                        *holed = true;
+                        let missing = seq - last - 1;
+                        self.lose(
+                            missing,
+                            "the engine's replay buffer no longer holds them",
+                            sink,
+                        );
+                    }
+                    _ => {}
+                }
+                self.apply(seq, payload, sink);
+                self.counts.replayed += 1;
+            }
         }
-        self.apply(seq, payload, sink);
-        self.counts.replayed += 1;
     }
 
     /// The replay ended: `complete` when its end marker arrived (false on
-    /// a timeout or a socket error). Applies the message that waited.
-    pub fn handle_replay_end(&mut self, complete: bool, sink: &mut impl Sink) {
+    /// a timeout, a stall past its deadline or a socket error). Decides on
+    /// the message that waited; may ask for another replay.
+    pub fn handle_replay_end(&mut self, complete: bool, sink: &mut impl Sink) -> Live {
         let Some(r) = self.replaying.take() else {
-            return;
+            return Live::Applied;
         };
         let (seq, payload) = r.pending;
-        let covered = self.last.map_or(seq == 0, |last| last + 1 >= seq);
-        if !covered && !r.startup && !r.holed {
-            let why = if complete {
-                "the engine's replay buffer no longer holds them"
-            } else {
-                "the replay socket did not answer"
-            };
-            let missing = seq - self.last.map_or(r.from, |l| l + 1);
-            self.lose(missing, why, sink);
-        }
-        if self.last.is_none_or(|last| seq > last) {
-            self.apply(seq, &payload, sink);
+        match r.purpose {
+            Purpose::Vouch { matched: true } => {
+                if let Some(s) = &mut self.source {
+                    s.vouched = true;
+                }
+                self.proceed(seq, &payload, sink)
+            }
+            Purpose::Vouch { matched: false } => {
+                let peer = self.source.take().map_or(0, |s| s.peer);
+                if complete {
+                    if self.disowned.len() == DISOWNED {
+                        self.disowned.remove(0);
+                    }
+                    self.disowned.push(peer);
+                    self.foreign(peer, "the engine's replay socket does not hold its batch")
+                } else {
+                    self.counts.unverified += 1;
+                    self.log.push((
+                        LogKind::Unverified,
+                        format!(
+                            "a batch from peer {peer} was ignored: the engine's replay socket did not answer, so it could not vouch for the peer"
+                        ),
+                    ));
+                    Live::Ignored
+                }
+            }
+            Purpose::Restart {
+                last,
+                seen_last,
+                ahead,
+                ..
+            } => {
+                let restarted = match (complete, seen_last) {
+                    // No answer: the source is the engine's, its word is
+                    // taken.
+                    (false, _) => true,
+                    (true, Some(same)) => !same,
+                    (true, None) => !ahead,
+                };
+                if !restarted {
+                    self.counts.stale += 1;
+                    self.log.push((
+                        LogKind::Stale,
+                        format!(
+                            "a batch numbered {seq} after {last} was ignored: the engine's replay socket still holds its later batches, so it did not restart"
+                        ),
+                    ));
+                    return Live::Ignored;
+                }
+                let how = if complete {
+                    " (its replay socket agrees)"
+                } else {
+                    " (its replay socket did not answer)"
+                };
+                self.restart(last, seq, how, sink);
+                self.proceed(seq, &payload, sink)
+            }
+            Purpose::Fill { startup, holed } => {
+                let covered = self.last.map_or(seq == 0, |last| last + 1 >= seq);
+                if !covered && !startup && !holed {
+                    let why = if complete {
+                        "the engine's replay buffer no longer holds them"
+                    } else {
+                        "the replay socket did not answer in time"
+                    };
+                    let missing = seq - self.last.map_or(r.from, |l| l + 1);
+                    self.lose(missing, why, sink);
+                }
+                if self.last.is_none_or(|last| seq > last) {
+                    self.apply(seq, &payload, sink);
+                }
+                Live::Applied
+            }
         }
     }
 

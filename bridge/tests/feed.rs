@@ -5,10 +5,16 @@ mod common;
 
 use common::{Out, Recorder, batch, raw_batch, removed, stored};
 use kvedge_bridge::decode::Decoder;
-use kvedge_bridge::feed::{Feed, Live};
+use kvedge_bridge::feed::{Feed, Live, Sender};
 use kvedge_bridge::translate::Translator;
 use kvedge_shm::messages::notice;
 use proptest::prelude::*;
+
+/// The engine's own publisher, dialled by kvedge.
+const ENGINE: Sender = Sender {
+    peer: 1,
+    trusted: true,
+};
 
 fn block(first: u32) -> Vec<u32> {
     (first..first + 4).collect()
@@ -28,11 +34,11 @@ fn in_order_batches_apply() {
     let mut feed = Feed::new(4, 1000, true);
     let mut out = Recorder::default();
     assert_eq!(
-        feed.handle_live(0, &one_block(1, None), &mut out),
+        feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out),
         Live::Applied
     );
     assert_eq!(
-        feed.handle_live(1, &one_block(2, Some(1)), &mut out),
+        feed.handle_live(ENGINE, 1, &one_block(2, Some(1)), &mut out),
         Live::Applied
     );
     assert_eq!(feed.translator().len(), 2);
@@ -43,10 +49,10 @@ fn in_order_batches_apply() {
 fn a_gap_is_replayed_and_the_waiting_message_applied_after() {
     let mut feed = Feed::new(4, 1000, true);
     let mut out = Recorder::default();
-    feed.handle_live(0, &one_block(1, None), &mut out);
+    feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
     // 1 and 2 were lost in transit; 3 shows the gap.
     assert_eq!(
-        feed.handle_live(3, &one_block(4, Some(3)), &mut out),
+        feed.handle_live(ENGINE, 3, &one_block(4, Some(3)), &mut out),
         Live::Replay { from: 1 }
     );
     assert!(feed.replaying());
@@ -66,9 +72,9 @@ fn a_gap_is_replayed_and_the_waiting_message_applied_after() {
 fn a_gap_without_replay_drops_the_state() {
     let mut feed = Feed::new(4, 1000, false);
     let mut out = Recorder::default();
-    feed.handle_live(0, &one_block(1, None), &mut out);
+    feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
     assert_eq!(
-        feed.handle_live(5, &one_block(9, None), &mut out),
+        feed.handle_live(ENGINE, 5, &one_block(9, None), &mut out),
         Live::Applied
     );
     assert_eq!(out.0.iter().filter(|o| **o == Out::Cleared).count(), 1);
@@ -76,7 +82,7 @@ fn a_gap_without_replay_drops_the_state() {
     assert_eq!(feed.translator().len(), 1, "only what came after the loss");
     assert!(
         feed.take_log()
-            .any(|l| l.contains("4 event batches were lost"))
+            .any(|(_, l)| l.contains("4 event batches were lost"))
     );
 }
 
@@ -85,9 +91,9 @@ fn a_replay_that_does_not_answer_or_cover_drops_the_state() {
     for complete in [false, true] {
         let mut feed = Feed::new(4, 1000, true);
         let mut out = Recorder::default();
-        feed.handle_live(0, &one_block(1, None), &mut out);
+        feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
         assert_eq!(
-            feed.handle_live(4, &one_block(9, None), &mut out),
+            feed.handle_live(ENGINE, 4, &one_block(9, None), &mut out),
             Live::Replay { from: 1 }
         );
         // The buffer has lost 1 and 2: it starts at 3.
@@ -102,13 +108,13 @@ fn a_replay_that_does_not_answer_or_cover_drops_the_state() {
 }
 
 #[test]
-fn a_sequence_going_back_is_a_restart() {
-    let mut feed = Feed::new(4, 1000, true);
+fn a_sequence_going_back_is_a_restart_without_a_replay_socket() {
+    let mut feed = Feed::new(4, 1000, false);
     let mut out = Recorder::default();
-    feed.handle_live(0, &one_block(1, None), &mut out);
-    feed.handle_live(1, &one_block(2, Some(1)), &mut out);
+    feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
+    feed.handle_live(ENGINE, 1, &one_block(2, Some(1)), &mut out);
     assert_eq!(
-        feed.handle_live(0, &one_block(7, None), &mut out),
+        feed.handle_live(ENGINE, 0, &one_block(7, None), &mut out),
         Live::Applied
     );
     assert_eq!(feed.counts().restarts, 1);
@@ -117,11 +123,178 @@ fn a_sequence_going_back_is_a_restart() {
 }
 
 #[test]
+fn a_restart_is_taken_once_the_replay_socket_confirms_it() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
+    feed.handle_live(ENGINE, 1, &one_block(2, Some(1)), &mut out);
+    // Number 0 again: the replay socket is asked from the last number.
+    assert_eq!(
+        feed.handle_live(ENGINE, 0, &one_block(7, None), &mut out),
+        Live::Replay { from: 1 }
+    );
+    assert_eq!(feed.counts().restarts, 0, "not before the replay says so");
+    assert!(!out.0.contains(&Out::Cleared));
+    // A restarted engine's buffer holds nothing from 1 on.
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.counts().restarts, 1);
+    assert!(out.0.contains(&Out::Cleared));
+    assert_eq!(feed.translator().len(), 1);
+    assert_eq!(feed.last(), Some(0));
+
+    // Its buffer holds a different batch under the last number: restarted
+    // too (and it has come that far since).
+    feed.handle_live(ENGINE, 1, &one_block(8, Some(7)), &mut out);
+    assert_eq!(
+        feed.handle_live(ENGINE, 0, &one_block(20, None), &mut out),
+        Live::Replay { from: 1 }
+    );
+    feed.handle_replayed(1, &one_block(30, None), &mut out);
+    feed.handle_replayed(2, &one_block(31, None), &mut out);
+    // History from 0 follows, as for any first message... but 0 is the
+    // pending one, so it applies at once.
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.counts().restarts, 2);
+}
+
+#[test]
+fn a_stale_number_the_replay_disowns_changes_nothing() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
+    let second = one_block(2, Some(1));
+    feed.handle_live(ENGINE, 1, &second, &mut out);
+    // A wiping batch numbered 0 (a stranger's, or an old one).
+    assert_eq!(
+        feed.handle_live(ENGINE, 0, &raw_batch(&[]), &mut out),
+        Live::Replay { from: 1 }
+    );
+    // The engine's buffer still holds batch 1, the same bytes.
+    feed.handle_replayed(1, &second, &mut out);
+    feed.handle_replayed(2, &one_block(3, Some(2)), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Ignored);
+    assert_eq!(feed.counts().stale, 1);
+    assert_eq!(feed.counts().restarts, 0);
+    assert!(!out.0.contains(&Out::Cleared));
+    assert_eq!(feed.translator().len(), 2);
+    assert_eq!(feed.last(), Some(1));
+    // The stream goes on from where it was.
+    assert_eq!(
+        feed.handle_live(ENGINE, 2, &one_block(3, Some(2)), &mut out),
+        Live::Applied
+    );
+    // A buffer that has moved past the last number (but no longer holds
+    // it) also shows the engine did not restart.
+    assert_eq!(
+        feed.handle_live(ENGINE, 0, &raw_batch(&[]), &mut out),
+        Live::Replay { from: 2 }
+    );
+    feed.handle_replayed(9, &one_block(9, None), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Ignored);
+    assert_eq!(feed.counts().stale, 2);
+    assert_eq!(feed.translator().len(), 3);
+}
+
+#[test]
+fn one_source_at_a_time_and_strangers_are_ignored() {
+    let mut feed = Feed::new(4, 1000, false);
+    let mut out = Recorder::default();
+    let a = Sender {
+        peer: 7,
+        trusted: false,
+    };
+    let stranger = Sender {
+        peer: 8,
+        trusted: false,
+    };
+    assert_eq!(
+        feed.handle_live(a, 0, &one_block(1, None), &mut out),
+        Live::Applied
+    );
+    // The next number with invented blocks, and a wiping number 0.
+    assert_eq!(
+        feed.handle_live(stranger, 1, &one_block(66, None), &mut out),
+        Live::Ignored
+    );
+    assert_eq!(
+        feed.handle_live(stranger, 0, &raw_batch(&[]), &mut out),
+        Live::Ignored
+    );
+    feed.handle_malformed(stranger, "a message of 1 frames");
+    assert_eq!(feed.counts().foreign, 3);
+    assert_eq!(feed.translator().len(), 1);
+    assert!(!out.0.contains(&Out::Cleared));
+    // When the source leaves, the next peer to send takes its place.
+    feed.handle_left(a.peer);
+    assert_eq!(
+        feed.handle_live(stranger, 1, &one_block(2, Some(1)), &mut out),
+        Live::Applied
+    );
+    assert_eq!(
+        feed.handle_live(a, 2, &one_block(3, Some(2)), &mut out),
+        Live::Ignored
+    );
+}
+
+#[test]
+fn a_new_publisher_is_vouched_for_by_the_replay_socket() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    let peer = |p| Sender {
+        peer: p,
+        trusted: false,
+    };
+    let first = one_block(1, None);
+    // A publisher that connected to kvedge: its batch waits for the
+    // replay socket, asked from its own number.
+    assert_eq!(
+        feed.handle_live(peer(3), 5, &first, &mut out),
+        Live::Replay { from: 5 }
+    );
+    assert!(out.0.is_empty());
+    feed.handle_replayed(5, &first, &mut out);
+    // Vouched for; as a first message it then asks for history.
+    assert_eq!(
+        feed.handle_replay_end(true, &mut out),
+        Live::Replay { from: 0 }
+    );
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.translator().len(), 1);
+    assert_eq!(
+        feed.handle_live(peer(3), 6, &one_block(2, Some(1)), &mut out),
+        Live::Applied,
+        "no replay once vouched for"
+    );
+    // The source leaves; a peer whose batch the engine does not hold is
+    // disowned, and ignored from then on without asking again.
+    feed.handle_left(3);
+    assert_eq!(
+        feed.handle_live(peer(4), 7, &one_block(66, Some(2)), &mut out),
+        Live::Replay { from: 7 }
+    );
+    feed.handle_replayed(7, &one_block(3, Some(2)), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Ignored);
+    assert_eq!(
+        feed.handle_live(peer(4), 8, &one_block(67, Some(66)), &mut out),
+        Live::Ignored
+    );
+    assert_eq!(feed.counts().foreign, 2);
+    // A replay socket that does not answer vouches for no one.
+    assert_eq!(
+        feed.handle_live(peer(5), 7, &one_block(3, Some(2)), &mut out),
+        Live::Replay { from: 7 }
+    );
+    assert_eq!(feed.handle_replay_end(false, &mut out), Live::Ignored);
+    assert_eq!(feed.counts().unverified, 1);
+    assert_eq!(feed.translator().len(), 2, "strangers added nothing");
+}
+
+#[test]
 fn the_first_message_asks_for_history() {
     let mut feed = Feed::new(4, 1000, true);
     let mut out = Recorder::default();
     assert_eq!(
-        feed.handle_live(10, &one_block(5, Some(4)), &mut out),
+        feed.handle_live(ENGINE, 10, &one_block(5, Some(4)), &mut out),
         Live::Replay { from: 0 }
     );
     feed.handle_replayed(8, &one_block(3, None), &mut out);
@@ -135,7 +308,7 @@ fn the_first_message_asks_for_history() {
 fn hostile_payloads_are_counted_and_change_nothing() {
     let mut feed = Feed::new(4, 1000, false);
     let mut out = Recorder::default();
-    feed.handle_live(0, &one_block(1, None), &mut out);
+    feed.handle_live(ENGINE, 0, &one_block(1, None), &mut out);
     let good = one_block(1, None);
     let mut wrong_types = Vec::new(); // ["a string for ts", []]
     rmp::encode::write_array_len(&mut wrong_types, 2).unwrap();
@@ -166,7 +339,7 @@ fn hostile_payloads_are_counted_and_change_nothing() {
         wrong_types,
     ];
     for (i, payload) in cases.iter().enumerate() {
-        feed.handle_live(1 + i as u64, payload, &mut out);
+        feed.handle_live(ENGINE, 1 + i as u64, payload, &mut out);
     }
     assert_eq!(feed.translator().len(), 1, "the good block survives");
     assert!(!out.0.contains(&Out::Cleared));
@@ -176,7 +349,12 @@ fn hostile_payloads_are_counted_and_change_nothing() {
     // A million removals of blocks never seen: counted, nothing sent.
     let bogus: Vec<u64> = (1_000_000..2_000_000).collect();
     let before = out.0.len();
-    feed.handle_live(1 + cases.len() as u64, &batch(&[removed(&bogus)]), &mut out);
+    feed.handle_live(
+        ENGINE,
+        1 + cases.len() as u64,
+        &batch(&[removed(&bogus)]),
+        &mut out,
+    );
     assert_eq!(
         feed.translator().counts().get(notice::UNKNOWN_REMOVAL),
         1_000_000

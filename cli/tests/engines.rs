@@ -376,25 +376,27 @@ fn hostile_feeds_hurt_no_one_else_and_reloads_add_and_remove_engines() {
         "the subscription in place",
     );
 
-    // Garbage: a one-frame message, a short sequence number, payloads that
-    // are truncated, claim 4 G elements, or nest without end, and a
-    // million removals of blocks never stored.
-    let seq = |n: u64| hex(&n.to_be_bytes());
+    // Garbage: a one-frame message, a short sequence number, and, as the
+    // next batches, payloads that are truncated, claim 4 G elements, or
+    // nest without end, and 300,000 removals of blocks never stored.
     for frames in [
         vec![hex(b"kv-events")],
         vec![hex(b"kv-events"), "0102".into(), "90".into()],
-        vec![hex(b"kv-events"), seq(0), "93cb41".into()],
-        vec![
-            hex(b"kv-events"),
-            seq(1),
-            "92cb3ff0000000000000ddffffffff".into(),
-        ],
-        vec![hex(b"kv-events"), seq(2), "91".repeat(5000)],
-        vec![hex(b"kv-events"), seq(3), "c1".into()],
     ] {
         bad.send(json!({"op": "raw", "frames": frames}));
     }
-    bad.send(json!({"op": "bogus_removals", "n": 1_000_000}));
+    for payload in [
+        "93cb41".to_owned(),
+        "92cb3ff0000000000000ddffffffff".into(),
+        "91".repeat(5000),
+        "c1".into(),
+    ] {
+        bad.send(json!({"op": "raw_payload", "payload": payload}));
+    }
+    bad.send(json!({"op": "bogus_removals", "n": 300_000}));
+    // A batch over `max_message_bytes` (4 MiB by default): the connection
+    // is cut at its header, counted, and opened again.
+    bad.send(json!({"op": "bogus_removals", "n": 1_200_000}));
 
     // The good engine is served as before.
     good.send(json!({"op": "stored", "hashes": [1, 2], "parent": null, "tokens": tokens(0, 32)}));
@@ -406,7 +408,9 @@ fn hostile_feeds_hurt_no_one_else_and_reloads_add_and_remove_engines() {
     wait(
         || {
             let w = worker(&mut c, 10);
-            notice(&w, "undecodable") >= 5 && notice(&w, "unknown_removal") >= 1_000_000
+            notice(&w, "undecodable") >= 5
+                && notice(&w, "unknown_removal") >= 300_000
+                && notice(&w, "events_refused") >= 1
         },
         "the hostile feed counted",
     );

@@ -4,7 +4,9 @@
 //! back, so a hostile peer cannot fill the journal or spend the routing
 //! thread's time on logging.
 
-use std::time::{Duration, Instant};
+use std::time::Instant;
+
+use kvedge_shm::ratelimit::RateLimit;
 
 /// The kinds of warning that are rate-limited, each on its own clock.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,38 +23,22 @@ pub(crate) enum Warn {
 
 const KINDS: usize = 4;
 
-/// The shortest time between two warnings of one kind.
-const EVERY: Duration = Duration::from_secs(1);
-
-#[derive(Debug, Default, Clone, Copy)]
-struct Limit {
-    last: Option<Instant>,
-    held_back: u64,
-}
-
-/// One clock per [`Warn`] kind.
+/// One clock per [`Warn`] kind (one warning a second each).
 #[derive(Debug, Default)]
-pub(crate) struct Warnings([Limit; KINDS]);
+pub(crate) struct Warnings([RateLimit; KINDS]);
 
 impl Warnings {
     /// Whether a warning of `kind` may be logged at `now`; if so, how many
     /// of its kind were held back since the last one.
     pub fn allow(&mut self, now: Instant, kind: Warn) -> Option<u64> {
-        let l = &mut self.0[kind as usize];
-        if l.last
-            .is_some_and(|t| now.saturating_duration_since(t) < EVERY)
-        {
-            l.held_back += 1;
-            return None;
-        }
-        l.last = Some(now);
-        Some(std::mem::take(&mut l.held_back))
+        self.0[kind as usize].allow(now)
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     #[allow(clippy::disallowed_methods)] // a test starts its clock once
@@ -67,6 +53,9 @@ mod tests {
             );
         }
         assert_eq!(w.allow(t, Warn::ClientDropped), Some(0), "kinds are apart");
-        assert_eq!(w.allow(t + EVERY, Warn::Registration), Some(5));
+        assert_eq!(
+            w.allow(t + Duration::from_secs(1), Warn::Registration),
+            Some(5)
+        );
     }
 }

@@ -12,7 +12,8 @@
 //! query [`channel`]: the same rings, one each way.
 //!
 //! It also holds the project's one [`prefetch`] hint (Rust has no safe
-//! one), which the KV index's walk uses.
+//! one), which the KV index's walk uses, and the [`ratelimit`] every
+//! driver's warnings go through.
 //!
 //! This crate has no async runtime: the daemon drives the consumer from its
 //! own loop, engines call the publisher from theirs.
@@ -28,6 +29,7 @@ pub mod layout;
 pub mod messages;
 pub mod prefetch;
 pub mod publisher;
+pub mod ratelimit;
 pub mod ring;
 pub mod segment;
 #[doc(hidden)]

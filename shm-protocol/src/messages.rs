@@ -217,6 +217,19 @@ pub mod notice {
     /// The engine holds more blocks than the index may keep for it
     /// (`daemon.index_capacity`): further blocks are not indexed.
     pub const TOO_MANY_BLOCKS: u16 = 15;
+    /// Batches from a peer that is not the engine's publisher (another
+    /// connection to a bound events port, or one the engine's replay
+    /// socket disowned): ignored.
+    pub const FOREIGN_BATCHES: u16 = 16;
+    /// A batch numbered back although the engine did not restart (its
+    /// replay socket still holds later batches): ignored.
+    pub const STALE_SEQUENCE: u16 = 17;
+    /// Batches from a new publisher that the engine's replay socket could
+    /// not vouch for because it did not answer: ignored.
+    pub const UNVERIFIED_PUBLISHER: u16 = 18;
+    /// Connections to a bound events port refused or cut off: an address
+    /// not allowed, too many peers, a failed handshake, or a broken cap.
+    pub const EVENTS_REFUSED: u16 = 19;
 
     /// The code's name, as `workers` and the metrics show it.
     pub fn name(code: u16) -> &'static str {
@@ -236,6 +249,10 @@ pub mod notice {
             SILENT => "silent",
             LOAD_UNREADABLE => "load_unreadable",
             TOO_MANY_BLOCKS => "too_many_blocks",
+            FOREIGN_BATCHES => "foreign_batches",
+            STALE_SEQUENCE => "stale_sequence",
+            UNVERIFIED_PUBLISHER => "unverified_publisher",
+            EVENTS_REFUSED => "events_refused",
             _ => "other",
         }
     }

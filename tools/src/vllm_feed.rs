@@ -19,7 +19,7 @@ use bytes::Bytes;
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_shm::messages::{Load, Tier};
 use kvedge_sim::engine::KvEvent;
-use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
+use kvedge_zmtp::{Allow, Options, Pub, Router};
 
 /// Batches kept for replay (vLLM's default buffer holds 10,000 steps).
 const REPLAY_BUFFER: usize = 10_000;
@@ -37,8 +37,10 @@ type Buffer = Arc<Mutex<VecDeque<(u64, Bytes)>>>;
 
 /// The publisher, its replay socket and its metrics page.
 pub struct VllmFeed {
-    rt: tokio::runtime::Runtime,
-    socket: zeromq::PubSocket,
+    /// Runs the sockets' tasks (the publisher's subscribers, the replay
+    /// socket) for as long as the feed lives.
+    _rt: tokio::runtime::Runtime,
+    socket: Pub,
     topic: Bytes,
     seq: u64,
     buffer: Buffer,
@@ -74,21 +76,26 @@ impl VllmFeed {
             .enable_all()
             .build()
             .map_err(|e| e.to_string())?;
-        let mut socket = zeromq::PubSocket::new();
-        rt.block_on(socket.bind(events))
+        // Anyone may subscribe, as to vLLM's own publisher.
+        let options = Options {
+            allow: Allow::any(),
+            max_peers: 64,
+            ..Options::default()
+        };
+        let socket = rt
+            .block_on(Pub::bind(events, &options))
             .map_err(|e| format!("--vllm-events {events}: {e}"))?;
         let topic = Bytes::from_static(b"kv-events");
         let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
         if let Some(replay) = replay {
-            let mut router = zeromq::RouterSocket::new();
-            rt.block_on(router.bind(replay))
+            let mut router = rt
+                .block_on(Router::bind(replay, &options))
                 .map_err(|e| format!("--vllm-replay {replay}: {e}"))?;
             let buffer = Arc::clone(&buffer);
             let topic = topic.clone();
             rt.spawn(async move {
-                while let Ok(ask) = router.recv().await {
-                    let frames = ask.into_vec();
-                    let [client, _, start] = frames.as_slice() else {
+                while let Some(ask) = router.recv().await {
+                    let [client, _, start] = ask.as_slice() else {
                         continue;
                     };
                     let Ok(start) = <[u8; 8]>::try_from(start.as_ref()) else {
@@ -108,17 +115,14 @@ impl VllmFeed {
                         } else {
                             topic.clone()
                         };
-                        let frames = vec![
+                        let frames = [
                             client.clone(),
                             Bytes::new(),
                             topic,
                             Bytes::copy_from_slice(&seq.to_be_bytes()),
                             payload,
                         ];
-                        let Ok(msg) = ZmqMessage::try_from(frames) else {
-                            continue;
-                        };
-                        if router.send(msg).await.is_err() {
+                        if router.send(&frames).await.is_err() {
                             break;
                         }
                     }
@@ -131,7 +135,7 @@ impl VllmFeed {
                 .map_err(|e| format!("--vllm-metrics {addr}: {e}"))?;
         }
         let feed = VllmFeed {
-            rt,
+            _rt: rt,
             socket,
             topic,
             seq: 0,
@@ -160,12 +164,14 @@ impl VllmFeed {
             }
             b.push_back((seq, payload.clone()));
         }
-        let mut msg = ZmqMessage::from(self.topic.clone());
-        msg.push_back(Bytes::copy_from_slice(&seq.to_be_bytes()));
-        msg.push_back(payload);
-        self.rt
-            .block_on(self.socket.send(msg))
-            .map_err(|e| format!("publish: {e}"))
+        // Like a PUB socket, nothing waits for subscribers: one that is not
+        // there, or behind, loses the batch (the replay socket has it).
+        self.socket.send(&[
+            self.topic.clone(),
+            Bytes::copy_from_slice(&seq.to_be_bytes()),
+            payload,
+        ]);
+        Ok(())
     }
 
     fn encode(&self, events: &[KvEvent]) -> Vec<u8> {

@@ -17,6 +17,11 @@
 //!     topic: kv-events
 //!     metrics: http://10.0.0.5:8000/metrics
 //! ```
+//!
+//! With `events_bind: true` kvedge binds `events` and the engine connects:
+//! `events_allow` names who may (default: loopback and the hosts this
+//! entry names), `events_max_peers` how many at once, and
+//! `max_message_bytes` caps every message read from the engine's sockets.
 
 use serde::Deserialize;
 
@@ -64,6 +69,18 @@ pub struct EngineSpec {
     /// Bind `events` (the engine connects to kvedge) instead of connecting.
     #[serde(default)]
     pub events_bind: bool,
+    /// With `events_bind`: the addresses (`10.0.0.5`, `10.0.0.0/24`,
+    /// `engine-1.pool`) whose connections are taken. Default: loopback and
+    /// the hosts this entry names (`endpoint`, `replay`, `metrics`).
+    #[serde(default)]
+    pub events_allow: Option<Vec<String>>,
+    /// With `events_bind`: connections taken at once (more are closed).
+    #[serde(default = "events_max_peers")]
+    pub events_max_peers: usize,
+    /// The largest message read from the engine's event and replay
+    /// sockets, in bytes; a peer that sends more is disconnected.
+    #[serde(default = "max_message_bytes")]
+    pub max_message_bytes: usize,
     /// The engine's replay socket (`tcp://host:port` or `ipc://path`);
     /// without it, a gap drops the engine's state.
     #[serde(default)]
@@ -90,6 +107,18 @@ fn scrape_interval() -> u64 {
     100
 }
 
+fn events_max_peers() -> usize {
+    4
+}
+
+/// Far above any real batch (one of thousands of blocks is about 100 KB).
+fn max_message_bytes() -> usize {
+    4 << 20
+}
+
+/// The most `max_message_bytes` may be set to.
+pub const MAX_MESSAGE_BYTES: usize = 256 << 20;
+
 /// One data-parallel rank of an engine: one worker.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
 pub struct EngineRank {
@@ -103,6 +132,11 @@ pub struct EngineRank {
     /// This rank's publisher (port offset by the rank for tcp).
     pub events: String,
     pub events_bind: bool,
+    /// Who may connect to a bound `events` (addresses, ranges or host
+    /// names), already defaulted.
+    pub events_allow: Vec<String>,
+    pub events_max_peers: usize,
+    pub max_message_bytes: usize,
     pub replay: Option<String>,
     pub topic: String,
     pub metrics: Option<String>,
@@ -128,6 +162,46 @@ fn endpoint_problem(endpoint: &str) -> Option<String> {
         Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => None,
         _ => Some(format!("`{endpoint}` has no host:port")),
     }
+}
+
+/// Whether `a` can be an `events_allow` entry: an address, a range, or a
+/// host name.
+fn allow_entry_ok(a: &str) -> bool {
+    if a.parse::<std::net::IpAddr>().is_ok() {
+        return true;
+    }
+    if let Some((ip, bits)) = a.split_once('/') {
+        return match (ip.parse::<std::net::IpAddr>(), bits.parse::<u8>()) {
+            (Ok(std::net::IpAddr::V4(_)), Ok(b)) => b <= 32,
+            (Ok(std::net::IpAddr::V6(_)), Ok(b)) => b <= 128,
+            _ => false,
+        };
+    }
+    !a.is_empty()
+        && a.len() <= 253
+        && a.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'.')
+}
+
+/// The host and port of `tcp://host:port` or `http://host:port/...` (port
+/// 80 when an http URL names none); brackets are taken off IPv6 hosts.
+pub(crate) fn host_port(url: &str) -> Option<(String, u16)> {
+    let (rest, default_port) = if let Some(r) = url.strip_prefix("tcp://") {
+        (r, None)
+    } else if let Some(r) = url.strip_prefix("http://") {
+        (r, Some(80))
+    } else {
+        return None;
+    };
+    let authority = rest.split('/').next()?;
+    let (host, port) = match authority.rsplit_once(':') {
+        Some((h, p)) if !h.ends_with(':') && (h.starts_with('[') || !h.contains(':')) => {
+            (h, p.parse::<u16>().ok()?)
+        }
+        _ => (authority, default_port?),
+    };
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    (!host.is_empty()).then(|| (host.to_owned(), port))
 }
 
 /// `endpoint` with its tcp port moved up by `rank` (the engines' convention
@@ -197,7 +271,51 @@ impl EngineSpec {
         if self.scrape_interval_ms < 10 {
             return Some("`scrape_interval_ms` must be at least 10".into());
         }
+        if !(1..=1024).contains(&self.events_max_peers) {
+            return Some(format!(
+                "`events_max_peers` must be between 1 and 1024, got {}",
+                self.events_max_peers
+            ));
+        }
+        if !(1024..=MAX_MESSAGE_BYTES).contains(&self.max_message_bytes) {
+            return Some(format!(
+                "`max_message_bytes` must be between 1024 and {MAX_MESSAGE_BYTES}, got {}",
+                self.max_message_bytes
+            ));
+        }
+        if let Some(allow) = &self.events_allow {
+            if !self.events_bind {
+                return Some("`events_allow` needs `events_bind: true`".into());
+            }
+            if let Some(bad) = allow.iter().find(|a| !allow_entry_ok(a)) {
+                return Some(format!(
+                    "`events_allow`: `{bad}` is not an address, a range (10.0.0.0/24) or a host name"
+                ));
+            }
+        }
         None
+    }
+
+    /// Who may connect to a bound `events`: `events_allow`, else loopback
+    /// and the hosts this entry names.
+    fn allowed_peers(&self) -> Vec<String> {
+        if let Some(allow) = &self.events_allow {
+            return allow.clone();
+        }
+        let mut hosts = vec!["127.0.0.0/8".to_owned(), "::1".to_owned()];
+        let named = [
+            Some(&self.endpoint),
+            self.replay.as_ref(),
+            self.metrics.as_ref(),
+        ];
+        for url in named.into_iter().flatten() {
+            if let Some((host, _)) = host_port(url)
+                && !hosts.contains(&host)
+            {
+                hosts.push(host);
+            }
+        }
+        hosts
     }
 
     /// Each data-parallel rank as one worker.
@@ -217,6 +335,9 @@ impl EngineSpec {
             endpoint: self.endpoint.clone(),
             events: offset(&self.events, rank),
             events_bind: self.events_bind,
+            events_allow: self.allowed_peers(),
+            events_max_peers: self.events_max_peers,
+            max_message_bytes: self.max_message_bytes,
             replay: self.replay.as_deref().map(|r| offset(r, rank)),
             topic: self.topic.clone(),
             metrics: self.metrics.clone(),
@@ -254,6 +375,85 @@ pub(crate) fn validate(engines: &[EngineSpec], max_workers: usize) -> Result<(),
             "engines: {} workers configured, more than daemon.max_workers ({max_workers})",
             seen.len()
         ));
+    }
+    Ok(())
+}
+
+/// Whether `host` names this machine through loopback.
+fn loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+/// Whether a connection to `host` reaches a listener bound on `bound`
+/// (as far as the configuration alone can tell).
+fn reaches(host: &str, bound: &str) -> bool {
+    let unspecified = |h: &str| {
+        h == "*"
+            || h.parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_unspecified())
+    };
+    host == bound || (loopback(host) && (loopback(bound) || unspecified(bound)))
+}
+
+/// Refuses an entry that would read from kvedge itself: an `events`,
+/// `replay` or `metrics` address that is one of kvedge's own listeners
+/// (`own`: what, host, port), and two entries binding one port.
+pub(crate) fn refuse_loops(
+    engines: &[EngineSpec],
+    own: &[(String, String, u16)],
+) -> Result<(), String> {
+    let at = |i: usize, e: &EngineSpec| match e.line {
+        Some(line) => format!("engines[{i}] (line {line})"),
+        None => format!("engines[{i}]"),
+    };
+    let mut listeners: Vec<(String, String, u16)> = own.to_vec();
+    for (i, e) in engines.iter().enumerate() {
+        if !e.events_bind {
+            continue;
+        }
+        for rank in e.ranks() {
+            let Some((host, port)) = host_port(&rank.events) else {
+                continue;
+            };
+            if let Some((what, ..)) = listeners
+                .iter()
+                .find(|(_, h, p)| *p == port && (reaches(&host, h) || reaches(h, &host)))
+            {
+                return Err(format!(
+                    "{}: `events: {}` binds a port {what} binds too",
+                    at(i, e),
+                    rank.events
+                ));
+            }
+            listeners.push((format!("{} (worker {})", at(i, e), e.worker_id), host, port));
+        }
+    }
+    for (i, e) in engines.iter().enumerate() {
+        for rank in e.ranks() {
+            let targets = [
+                ("events", (!rank.events_bind).then_some(&rank.events)),
+                ("replay", rank.replay.as_ref()),
+                ("metrics", rank.metrics.as_ref()),
+            ];
+            for (key, url) in targets {
+                let Some(url) = url else { continue };
+                let Some((host, port)) = host_port(url) else {
+                    continue;
+                };
+                if let Some((what, ..)) = listeners
+                    .iter()
+                    .find(|(_, h, p)| *p == port && reaches(&host, h))
+                {
+                    return Err(format!(
+                        "{}: `{key}: {url}` points at kvedge's own listener ({what}), not at an engine",
+                        at(i, e)
+                    ));
+                }
+            }
+        }
     }
     Ok(())
 }
@@ -350,6 +550,69 @@ mod tests {
                 .unwrap_err()
                 .contains("more than daemon.max_workers")
         );
+    }
+
+    #[test]
+    fn an_entry_pointing_at_kvedge_itself_is_refused() {
+        let own = [("epp.listen".to_owned(), "0.0.0.0".to_owned(), 9002)];
+        let e = spec(&format!("{BASE}replay: tcp://127.0.0.1:9002\n"));
+        let err = refuse_loops(&[e], &own).unwrap_err();
+        assert!(
+            err.contains("points at kvedge's own listener (epp.listen)"),
+            "{err}"
+        );
+        let e = spec(&format!("{BASE}metrics: http://localhost:9002/metrics\n"));
+        assert!(refuse_loops(&[e], &own).is_err());
+        // Another machine's port 9002 is not kvedge's.
+        let e = spec(&format!("{BASE}replay: tcp://10.0.0.1:9002\n"));
+        assert!(refuse_loops(&[e], &own).is_ok());
+        // One entry reading another's bound port, and two binding one.
+        let bound = spec(
+            "kind: vllm\nmodel: m\nworker_id: 6\nblock_size: 16\nendpoint: http://e\nevents: tcp://127.0.0.1:7000\nevents_bind: true\n",
+        );
+        let reader = spec(
+            "kind: vllm\nmodel: m\nworker_id: 7\nblock_size: 16\nendpoint: http://e\nevents: tcp://127.0.0.1:7000\n",
+        );
+        let err = refuse_loops(&[bound.clone(), reader], &[]).unwrap_err();
+        assert!(
+            err.contains("engines[1]") && err.contains("worker 6"),
+            "{err}"
+        );
+        let mut twin = bound.clone();
+        twin.worker_id = 8;
+        assert!(
+            refuse_loops(&[bound, twin], &[])
+                .unwrap_err()
+                .contains("binds a port")
+        );
+    }
+
+    #[test]
+    fn bound_events_allow_loopback_and_the_entrys_hosts_by_default() {
+        let e = spec(&format!(
+            "{BASE}events_bind: true\nreplay: tcp://10.0.0.9:5558\nmetrics: http://[fd00::5]:8000/metrics\n"
+        ));
+        let rank = e.ranks().next().unwrap();
+        assert_eq!(
+            rank.events_allow,
+            ["127.0.0.0/8", "::1", "e", "10.0.0.9", "fd00::5"]
+        );
+        let e = spec(&format!(
+            "{BASE}events_bind: true\nevents_allow: [10.1.0.0/16]\n"
+        ));
+        assert_eq!(e.ranks().next().unwrap().events_allow, ["10.1.0.0/16"]);
+        for bad in [
+            "events_allow: [\"a b\"]\nevents_bind: true\n",
+            "events_allow: [10.0.0.0/40]\nevents_bind: true\n",
+            "events_allow: [x]\n",
+            "max_message_bytes: 10\n",
+            "events_max_peers: 0\n",
+        ] {
+            assert!(
+                validate(&[spec(&format!("{BASE}{bad}"))], 64).is_err(),
+                "{bad}"
+            );
+        }
     }
 
     #[test]

@@ -488,6 +488,17 @@ impl Config {
             e.line = Some(line);
         }
         engines::validate(&engines, doc.daemon.max_workers).map_err(err)?;
+        let mut own = Vec::new();
+        for (what, addr) in [
+            ("metrics.listen", doc.metrics.listen.as_deref()),
+            ("epp.listen", doc.epp.as_ref().map(|e| e.listen.as_str())),
+        ] {
+            if let Some((host, port)) = addr.and_then(|a| engines::host_port(&format!("tcp://{a}")))
+            {
+                own.push((what.to_owned(), host, port));
+            }
+        }
+        engines::refuse_loops(&engines, &own).map_err(err)?;
         if let Some(e) = &doc.epp
             && let Some((key, message)) = epp::validate(e)
         {
