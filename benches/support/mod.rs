@@ -34,13 +34,16 @@ impl Running {
             &SelectionOverrides::default(),
         )
         .unwrap();
-        let section = config.epp.clone();
+        let picker = config
+            .epp
+            .as_ref()
+            .map(|s| kvedge_daemon::epp::load(s).unwrap());
         let runtime = RuntimeDir {
             dir: dir.join("run"),
         };
         let mut server = Server::bind(config, &runtime).unwrap();
-        if let Some(section) = section {
-            kvedge_daemon::epp::start(&section, server.job_sender().unwrap()).unwrap();
+        if let Some(picker) = picker {
+            kvedge_daemon::epp::start(picker, server.job_sender().unwrap()).unwrap();
         }
         let stop = Arc::new(AtomicBool::new(false));
         let s = Arc::clone(&stop);

@@ -18,6 +18,8 @@ pub mod decode;
 pub mod driver;
 pub mod encode;
 pub mod feed;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod msgpack;
 pub mod scrape;
 pub mod translate;

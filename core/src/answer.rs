@@ -507,7 +507,14 @@ impl Core {
                 .iter()
                 .map(|&d| (d.as_str(), c.dropped_clients[d as usize]))
                 .collect(),
+            picker: c.picker.clone(),
         }
+    }
+
+    /// The endpoint picker's driver reports what its bounds did (about
+    /// once a second), for the metrics.
+    pub fn handle_picker_stats(&mut self, stats: crate::metrics::PickerStats) {
+        self.counters.picker = Some(stats);
     }
 
     /// One line for `systemctl status`.

@@ -34,6 +34,8 @@ pub(crate) fn event_kind(e: &EventRef<'_>) -> usize {
 
 #[derive(Debug, Default)]
 pub(crate) struct Counters {
+    /// The endpoint picker's bounds, as its driver last reported them.
+    pub picker: Option<crate::metrics::PickerStats>,
     pub selects: u64,
     /// Error replies, of any request.
     pub errors: u64,

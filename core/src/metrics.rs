@@ -50,6 +50,27 @@ pub struct Snapshot {
     pub refused_registrations: u64,
     /// (reason, query connections dropped by the daemon for it).
     pub dropped_connections: Vec<(&'static str, u64)>,
+    /// The endpoint picker's connections, streams and refusals, when it
+    /// runs.
+    pub picker: Option<PickerStats>,
+}
+
+/// What the endpoint picker's bounds did, as its driver reports it
+/// (gauges: now; counters: since start).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct PickerStats {
+    pub connections: u64,
+    pub connections_refused: u64,
+    pub connections_idle_closed: u64,
+    pub streams: u64,
+    pub streams_refused: u64,
+    pub buffered_body_bytes: u64,
+    pub refused_body_budget: u64,
+    pub refused_tokenizer_queue: u64,
+    pub refused_tokenize_deadline: u64,
+    pub prompts_inline: u64,
+    pub prompts_pooled: u64,
+    pub picks_expired: u64,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -123,6 +144,74 @@ fn gauge(v: u64) -> Gauge {
 type WorkerValue = fn(&WorkerRow) -> u64;
 
 /// Renders `s` as OpenMetrics text.
+fn render_picker(r: &mut Registry, p: &PickerStats) {
+    r.register(
+        "epp_connections",
+        "Endpoint-picker gRPC connections open",
+        gauge(p.connections),
+    );
+    r.register(
+        "epp_connections_refused",
+        "Endpoint-picker connections closed as they came (epp.max_connections)",
+        counter(p.connections_refused),
+    );
+    r.register(
+        "epp_connections_idle_closed",
+        "Endpoint-picker connections closed when idle (epp.idle_timeout_ms) or silent from the start",
+        counter(p.connections_idle_closed),
+    );
+    r.register(
+        "epp_streams",
+        "Endpoint-picker ext_proc streams open",
+        gauge(p.streams),
+    );
+    r.register(
+        "epp_streams_refused",
+        "Endpoint-picker streams refused (epp.max_streams)",
+        counter(p.streams_refused),
+    );
+    r.register(
+        "epp_buffered_body_bytes",
+        "Request body bytes the endpoint picker holds",
+        gauge(p.buffered_body_bytes),
+    );
+    let overload = Family::<ReasonLabels, Counter>::default();
+    for (reason, n) in [
+        ("body_budget", p.refused_body_budget),
+        ("tokenizer_queue", p.refused_tokenizer_queue),
+        ("tokenize_deadline", p.refused_tokenize_deadline),
+    ] {
+        overload
+            .get_or_create(&ReasonLabels {
+                reason: reason.to_owned(),
+            })
+            .inc_by(n);
+    }
+    r.register(
+        "epp_overloaded",
+        "Requests the endpoint picker answered 503 at once (body_budget: epp.max_buffered_body_bytes; tokenizer_queue: epp.tokenizer_queue; tokenize_deadline: epp.tokenize_timeout_ms)",
+        overload,
+    );
+    let prompts = Family::<KindLabels, Counter>::default();
+    for (kind, n) in [("inline", p.prompts_inline), ("pool", p.prompts_pooled)] {
+        prompts
+            .get_or_create(&KindLabels {
+                kind: kind.to_owned(),
+            })
+            .inc_by(n);
+    }
+    r.register(
+        "epp_prompts",
+        "Prompts the endpoint picker read, on its serving thread (inline: small bodies) or its tokenizer pool",
+        prompts,
+    );
+    r.register(
+        "epp_picks_expired",
+        "Picks whose reservation was released because their response did not end within epp.pick_timeout_ms",
+        counter(p.picks_expired),
+    );
+}
+
 pub fn render(s: &Snapshot) -> String {
     let mut r = Registry::with_prefix("kvedge");
     let selections = Family::<SelectionLabels, Counter>::default();
@@ -324,6 +413,9 @@ pub fn render(s: &Snapshot) -> String {
         "Query connections the daemon dropped (slow_reader: replies left unread; input_backlog: unfinished requests over the budget)",
         dropped,
     );
+    if let Some(p) = &s.picker {
+        render_picker(&mut r, p);
+    }
     r.register(
         "refused_registrations",
         "Engine registrations refused",

@@ -6,9 +6,12 @@
 use std::io;
 use std::sync::{Arc, Mutex};
 
+use std::time::Duration;
+
 use kvedge_core::ClientId;
 use kvedge_core::config::EppSection;
-use kvedge_epp::{Backend, Limits, ModelSpec, Models, Picker};
+use kvedge_core::metrics::PickerStats;
+use kvedge_epp::{Backend, Limits, ModelSpec, Models, Picker, Settings, Stats};
 use kvedge_shm::control::PeerCred;
 use kvedge_wire::framing::Mode;
 
@@ -67,10 +70,26 @@ impl Backend for Client {
     }
 }
 
-/// Loads the models, binds the listener and starts the picker's thread.
-/// Errors (a tokenizer that does not load, an address in use) are the
-/// caller's to report: the daemon does not start without its picker.
-pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::SocketAddr> {
+/// A picker whose models are loaded, waiting for its socket and thread.
+pub struct Loaded {
+    models: Models,
+    limits: Limits,
+    settings: Settings,
+    listen: String,
+}
+
+impl std::fmt::Debug for Loaded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loaded")
+            .field("listen", &self.listen)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Loads the models' tokenizers and templates (each a regular file under
+/// its size limit). Called before the daemon binds any socket: a daemon
+/// that cannot serve does not listen.
+pub fn load(section: &EppSection) -> io::Result<Loaded> {
     let specs: Vec<ModelSpec> = section
         .models
         .iter()
@@ -84,7 +103,7 @@ pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::Socket
         .collect();
     let models = Models::load(&specs).map_err(io::Error::other)?;
     let limits = Limits {
-        max_body_bytes: section.max_body_bytes,
+        max_body_bytes: section.body_limit(),
         max_prompt_tokens: section.max_prompt_tokens,
         tenant_header: section
             .tenant_header
@@ -96,11 +115,59 @@ pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::Socket
             .map(|h| h.to_ascii_lowercase()),
         approximate_chunk_bytes: section.approximate_chunk_bytes,
     };
-    let listener = std::net::TcpListener::bind(&section.listen)?;
+    let ms = Duration::from_millis;
+    let settings = Settings {
+        max_connections: section.max_connections,
+        idle_timeout: ms(section.idle_timeout_ms),
+        max_streams: section.max_streams,
+        max_buffered_body_bytes: section.max_buffered_body_bytes,
+        pick_timeout: ms(section.pick_timeout_ms),
+        tokenizer_threads: section.tokenizer_threads,
+        tokenizer_queue: section.tokenizer_queue,
+        tokenize_timeout: ms(section.tokenize_timeout_ms),
+    };
+    Ok(Loaded {
+        models,
+        limits,
+        settings,
+        listen: section.listen.clone(),
+    })
+}
+
+/// The picker's counts as the core's metrics take them.
+fn snapshot(s: &Stats) -> PickerStats {
+    let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
+    PickerStats {
+        connections: n(&s.connections),
+        connections_refused: n(&s.connections_refused),
+        connections_idle_closed: n(&s.connections_idle_closed),
+        streams: n(&s.streams),
+        streams_refused: n(&s.streams_refused),
+        buffered_body_bytes: n(&s.buffered_body_bytes),
+        refused_body_budget: n(&s.refused_body_budget),
+        refused_tokenizer_queue: n(&s.refused_tokenizer_queue),
+        refused_tokenize_deadline: n(&s.refused_tokenize_deadline),
+        prompts_inline: n(&s.prompts_inline),
+        prompts_pooled: n(&s.prompts_pooled),
+        picks_expired: n(&s.picks_expired),
+    }
+}
+
+/// Binds the listener and starts the picker's thread (and its tokenizer
+/// pool). Errors (an address in use) are the caller's to report: the
+/// daemon does not start without its picker.
+pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<std::net::SocketAddr> {
+    let Loaded {
+        models,
+        limits,
+        settings,
+        listen,
+    } = loaded;
+    let listener = std::net::TcpListener::bind(&listen)?;
     listener.set_nonblocking(true)?;
     let addr = listener.local_addr()?;
     let backend = Arc::new(Jobs {
-        tx,
+        tx: tx.clone(),
         client: Mutex::new(None),
         me: PeerCred {
             pid: std::process::id(),
@@ -108,7 +175,12 @@ pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::Socket
             gid: rustix::process::getgid().as_raw(),
         },
     });
-    let picker = Arc::new(Picker::new(models, limits, Arc::new(Client(backend))));
+    let picker = Arc::new(Picker::new(
+        models,
+        limits,
+        settings,
+        Arc::new(Client(backend)),
+    )?);
     std::thread::Builder::new()
         .name("kvedge-epp".into())
         .spawn(move || {
@@ -130,6 +202,20 @@ pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::Socket
                         return;
                     }
                 };
+                // Its counts reach the core's metrics once a second.
+                let stats = Arc::clone(picker.stats());
+                tokio::spawn(async move {
+                    let mut tick = tokio::time::interval(Duration::from_secs(1));
+                    let mut last = None;
+                    loop {
+                        tick.tick().await;
+                        let now = snapshot(&stats);
+                        if last.as_ref() != Some(&now) {
+                            tx.send(Job::PickerStats(now.clone()));
+                            last = Some(now);
+                        }
+                    }
+                });
                 if let Err(e) =
                     kvedge_epp::server::serve(listener, picker, std::future::pending()).await
                 {
@@ -138,4 +224,20 @@ pub fn start(section: &EppSection, tx: JobSender) -> io::Result<std::net::Socket
             });
         })?;
     Ok(addr)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_configuration_checks_model_files_against_the_readers_limits() {
+        use kvedge_core::config::epp as config;
+        assert_eq!(
+            config::MAX_TOKENIZER_BYTES,
+            kvedge_epp::tokenize::MAX_TOKENIZER_BYTES
+        );
+        assert_eq!(
+            config::MAX_TEMPLATE_BYTES,
+            kvedge_epp::tokenize::MAX_TEMPLATE_BYTES
+        );
+    }
 }

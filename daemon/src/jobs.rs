@@ -48,6 +48,8 @@ pub enum Job {
     Active { client: ClientId },
     /// An admitted connection closed.
     Disconnect { client: ClientId },
+    /// The endpoint picker's counts, for the metrics.
+    PickerStats(kvedge_core::metrics::PickerStats),
 }
 
 impl std::fmt::Debug for Job {
@@ -67,6 +69,7 @@ impl std::fmt::Debug for Job {
                 .finish_non_exhaustive(),
             Job::Active { client } => f.debug_tuple("Active").field(client).finish(),
             Job::Disconnect { client } => f.debug_tuple("Disconnect").field(client).finish(),
+            Job::PickerStats(_) => f.write_str("PickerStats"),
         }
     }
 }
@@ -181,6 +184,7 @@ impl Jobs {
                     core.handle_client_closed(client);
                     self.closers.retain(|(id, _)| *id != client);
                 }
+                Job::PickerStats(stats) => core.handle_picker_stats(stats),
             }
         }
         any

@@ -105,7 +105,15 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     let query_io = config.daemon.query_io;
     let limits = config.daemon.clone();
     let engines = config.engines.clone();
-    let epp = config.epp.clone();
+    // The picker's models are loaded before any socket is bound: a daemon
+    // that cannot serve does not listen.
+    let epp = match config.epp.as_ref().map(crate::epp::load).transpose() {
+        Ok(e) => e,
+        Err(e) => {
+            error!("epp: {e}");
+            return 1;
+        }
+    };
     let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
         Ok(fds) => fds,
         Err(e) => {
@@ -151,10 +159,10 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
     }
     // The gateway endpoint picker, on its own thread, feeds the loop
     // through the jobs channel.
-    if let Some(section) = &epp {
+    if let Some(loaded) = epp {
         match server
             .job_sender()
-            .and_then(|tx| crate::epp::start(section, tx))
+            .and_then(|tx| crate::epp::start(loaded, tx))
         {
             Ok(addr) => info!("{}", kvedge_epp::server::describe(addr)),
             Err(e) => {

@@ -9,6 +9,7 @@
 //! - [`approx`]: text-chunk hashes for prompts without a tokenizer.
 //! - [`tokenize`]: the served models, their tokenizers and chat templates.
 //! - [`picker`]: one stream's exchange with Envoy, without I/O.
+//! - [`pool`]: the threads that read large prompts off the serving thread.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
 //!   the routing core.
 //! - [`testing`]: a tokenizer trained locally, for tests and benches.
@@ -18,10 +19,11 @@
 pub mod approx;
 pub mod body;
 pub mod picker;
+pub mod pool;
 pub mod server;
 pub mod testing;
 pub mod tokenize;
 
 pub use picker::Limits;
-pub use server::{Backend, Picker};
+pub use server::{Backend, Picker, Settings, Stats};
 pub use tokenize::{ModelSpec, Models};

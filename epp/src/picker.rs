@@ -19,6 +19,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value::Kind};
 
+use bytes::Bytes;
+
 use crate::body::{self, Route};
 use crate::tokenize::{Models, PromptError, Tokens};
 
@@ -33,6 +35,13 @@ pub const LB_NAMESPACE: &str = "envoy.lb";
 pub const SUBSET_NAMESPACE: &str = "envoy.lb.subset_hint";
 /// The subset hint's key: the endpoints (`ip:port`) the pick must come from.
 pub const SUBSET_KEY: &str = "x-gateway-destination-endpoint-subset";
+
+/// The most request headers the picker reads (Envoy's own default limit
+/// is 100).
+pub const MAX_HEADERS: usize = 256;
+/// The most bytes of request headers the picker reads (Envoy's own
+/// default limit is 60 KiB).
+pub const MAX_HEADER_BYTES: usize = 96 << 10;
 
 /// What the picker is configured with.
 #[derive(Clone, Debug)]
@@ -69,6 +78,77 @@ pub struct SelectArgs {
     pub subset: Vec<String>,
 }
 
+/// A whole request body, for [`prompt`].
+#[derive(Debug, Clone)]
+pub struct Body {
+    pub route: Route,
+    pub bytes: Bytes,
+}
+
+/// A body's prompt, read for the pick.
+#[derive(Debug, PartialEq)]
+pub struct Prompted {
+    pub model: String,
+    pub tokens: Vec<u32>,
+    /// The prompt length when `tokens` is empty (see [`SelectArgs`]).
+    pub prompt_tokens: Option<u32>,
+    pub approximate: Vec<u64>,
+}
+
+/// A local reply that refuses a request (boxed: it is large, and rare).
+pub type Refusal = Box<ProcessingResponse>;
+
+/// [`immediate`], boxed.
+pub fn refuse(code: i32, kind: &str, message: &str) -> Refusal {
+    Box::new(immediate(code, kind, message))
+}
+
+/// Reads `body`'s prompt: parses it, renders a chat with the model's
+/// template and tokenizes (or, without a tokenizer, hashes the text in
+/// chunks). The work grows with the body, so the server runs it off its
+/// serving thread when the body is large. A refusal is the reply to send.
+pub fn prompt(body: &Body, models: &Models, limits: &Limits) -> Result<Prompted, Refusal> {
+    let parsed = body::parse(body.route, &body.bytes)
+        .map_err(|e| refuse(400, "bad_request", &e.to_string()))?;
+    let tokens = match models.tokens(&parsed.model, &parsed.prompt, limits.max_prompt_tokens) {
+        Ok(t) => t,
+        Err(e @ PromptError::UnknownModel(_)) => {
+            return Err(refuse(404, "model_not_found", &e.to_string()));
+        }
+        Err(e) => return Err(refuse(400, "bad_request", &e.to_string())),
+    };
+    let (tokens, prompt_tokens, approximate) = match tokens {
+        Tokens::Ids(ids) => (ids, None, Vec::new()),
+        Tokens::Text(text) => {
+            // No tokenizer: about four bytes a token, held to the same
+            // limit as a tokenized prompt.
+            let estimate = (text.len() / 4).max(1);
+            if estimate > limits.max_prompt_tokens {
+                return Err(refuse(
+                    400,
+                    "bad_request",
+                    &format!(
+                        "the prompt has about {estimate} tokens ({} bytes), over the limit of {}",
+                        text.len(),
+                        limits.max_prompt_tokens
+                    ),
+                ));
+            }
+            (
+                Vec::new(),
+                Some(u32::try_from(estimate).unwrap_or(u32::MAX)),
+                crate::approx::chunk_hashes(text.as_bytes(), limits.approximate_chunk_bytes),
+            )
+        }
+    };
+    Ok(Prompted {
+        model: parsed.model,
+        tokens,
+        prompt_tokens,
+        approximate,
+    })
+}
+
 /// What the core answered a select.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Picked {
@@ -93,6 +173,9 @@ pub enum Step {
     Nothing,
     /// Send this to Envoy.
     Reply(ProcessingResponse),
+    /// Read the body's prompt with [`prompt`], then call
+    /// [`Exchange::handle_prompt`].
+    Prompt(Body),
     /// Ask the core, then call [`Exchange::handle_picked`].
     Select(SelectArgs),
     /// Tell the core the first token is out, then send the reply.
@@ -116,6 +199,8 @@ pub struct Exchange {
     /// The gateway's subset hint, once one was seen.
     subset: Option<Vec<String>>,
     body: Vec<u8>,
+    /// The whole body once it arrived (sent back in full-duplex mode).
+    whole: Option<Bytes>,
     /// The reservation to account, once picked.
     request_id: Option<u64>,
     prefill_reported: bool,
@@ -173,6 +258,19 @@ impl Exchange {
 
     /// The request's headers arrived.
     pub fn handle_request_headers(&mut self, h: &HttpHeaders) -> Step {
+        let all = h.headers.iter().flat_map(|m| m.headers.iter());
+        let (count, bytes) = all.fold((0usize, 0usize), |(n, b), v| {
+            (n + 1, b + v.key.len() + v.value.len() + v.raw_value.len())
+        });
+        if count > MAX_HEADERS || bytes > MAX_HEADER_BYTES {
+            return Step::Reply(immediate(
+                431,
+                "request_header_fields_too_large",
+                &format!(
+                    "the request has {count} headers of {bytes} bytes; the picker reads at most {MAX_HEADERS} of {MAX_HEADER_BYTES} bytes"
+                ),
+            ));
+        }
         self.headers = h
             .headers
             .iter()
@@ -209,7 +307,10 @@ impl Exchange {
     }
 
     /// A request body chunk arrived (the whole body, in `BUFFERED` mode).
-    pub fn handle_request_body(&mut self, b: &HttpBody, models: &Models, limits: &Limits) -> Step {
+    /// Once the body is whole, its prompt is to be read ([`Step::Prompt`]):
+    /// by [`prompt`], wherever the caller runs it, then
+    /// [`Exchange::handle_prompt`].
+    pub fn handle_request_body(&mut self, b: &HttpBody, limits: &Limits) -> Step {
         if self.body.len() + b.body.len() > limits.max_body_bytes {
             return Step::Reply(immediate(
                 413,
@@ -227,17 +328,20 @@ impl Exchange {
                 ..Default::default()
             });
         }
-        let route = self.route.unwrap_or(Route::Completions);
-        let parsed = match body::parse(route, &self.body) {
+        let body = Bytes::from(std::mem::take(&mut self.body));
+        self.whole = Some(body.clone());
+        Step::Prompt(Body {
+            route: self.route.unwrap_or(Route::Completions),
+            bytes: body,
+        })
+    }
+
+    /// The body's prompt was read: the select to ask for, or the refusal
+    /// to answer.
+    pub fn handle_prompt(&mut self, read: Result<Prompted, Refusal>, limits: &Limits) -> Step {
+        let p = match read {
             Ok(p) => p,
-            Err(e) => return Step::Reply(immediate(400, "bad_request", &e.to_string())),
-        };
-        let tokens = match models.tokens(&parsed.model, &parsed.prompt, limits.max_prompt_tokens) {
-            Ok(t) => t,
-            Err(e @ PromptError::UnknownModel(_)) => {
-                return Step::Reply(immediate(404, "model_not_found", &e.to_string()));
-            }
-            Err(e) => return Step::Reply(immediate(400, "bad_request", &e.to_string())),
+            Err(reply) => return Step::Reply(*reply),
         };
         let header = |name: &Option<String>| {
             name.as_ref().and_then(|n| {
@@ -258,19 +362,11 @@ impl Exchange {
             Some(s) => s.clone(),
             None => Vec::new(),
         };
-        let (tokens, prompt_tokens, approximate) = match tokens {
-            Tokens::Ids(ids) => (ids, None, Vec::new()),
-            Tokens::Text(text) => (
-                Vec::new(),
-                Some(u32::try_from(text.len() / 4).unwrap_or(u32::MAX).max(1)),
-                crate::approx::chunk_hashes(text.as_bytes(), limits.approximate_chunk_bytes),
-            ),
-        };
         Step::Select(SelectArgs {
-            model: parsed.model,
-            tokens,
-            prompt_tokens,
-            approximate,
+            model: p.model,
+            tokens: p.tokens,
+            prompt_tokens: p.prompt_tokens,
+            approximate: p.approximate,
             tenant: header(&limits.tenant_header),
             session: header(&limits.session_header),
             headers: self
@@ -336,7 +432,10 @@ impl Exchange {
         headers.response = Some(Response::RequestHeaders(HeadersResponse { response }));
         let body = ProcessingResponse {
             response: Some(Response::RequestBody(BodyResponse {
-                response: Some(streamed(std::mem::take(&mut self.body), true)),
+                response: Some(streamed(
+                    self.whole.take().map(Vec::from).unwrap_or_default(),
+                    true,
+                )),
             })),
             ..Default::default()
         };
@@ -539,6 +638,17 @@ mod tests {
     use super::*;
     use crate::tokenize::ModelSpec;
 
+    /// A body chunk, with its prompt read at once when the body is whole.
+    fn feed(ex: &mut Exchange, b: &HttpBody, models: &Models, limits: &Limits) -> Step {
+        match ex.handle_request_body(b, limits) {
+            Step::Prompt(body) => {
+                let read = prompt(&body, models, limits);
+                ex.handle_prompt(read, limits)
+            }
+            other => other,
+        }
+    }
+
     fn models() -> Models {
         Models::load(&[ModelSpec {
             name: "m".into(),
@@ -554,7 +664,8 @@ mod tests {
     fn a_provider_pick_names_the_provider_and_drops_any_destination() {
         let mut ex = Exchange::new(false, false);
         ex.handle_request_headers(&headers("/v1/completions"));
-        let Step::Select(_) = ex.handle_request_body(
+        let Step::Select(_) = feed(
+            &mut ex,
             &body(br#"{"model":"m","prompt":[1]}"#, true),
             &models(),
             &limits(),
@@ -593,9 +704,15 @@ mod tests {
             let body_json = serde_json::json!({"model": "m", "prompt": prompt}).to_string();
             let limits = Limits {
                 approximate_chunk_bytes: chunk,
+                max_prompt_tokens: 1000,
                 ..limits()
             };
-            match ex.handle_request_body(&body(body_json.as_bytes(), true), &models(), &limits) {
+            match feed(
+                &mut ex,
+                &body(body_json.as_bytes(), true),
+                &models(),
+                &limits,
+            ) {
                 Step::Select(args) => args,
                 _ => panic!("a select"),
             }
@@ -610,6 +727,43 @@ mod tests {
         assert_eq!(a.approximate, b.approximate[..2]);
         // The mode off: a load-only select.
         assert!(select(&doc, 0).approximate.is_empty());
+        // Without a tokenizer the prompt is held to the token limit all the
+        // same (about four bytes a token).
+        let mut ex = Exchange::new(false, false);
+        ex.handle_request_headers(&headers("/v1/completions"));
+        let long = serde_json::json!({"model": "m", "prompt": "x".repeat(40)}).to_string();
+        let step = feed(&mut ex, &body(long.as_bytes(), true), &models(), &limits());
+        assert!(
+            matches!(step, Step::Reply(ref r) if status(r) == Some(400)),
+            "{step:?}"
+        );
+    }
+
+    #[test]
+    fn oversized_headers_get_a_431() {
+        let mut h = headers("/v1/completions");
+        let map = h.headers.as_mut().unwrap();
+        map.headers.push(HeaderValue {
+            key: "x-big".into(),
+            raw_value: vec![b'a'; MAX_HEADER_BYTES],
+            ..Default::default()
+        });
+        let step = Exchange::default().handle_request_headers(&h);
+        assert!(
+            matches!(step, Step::Reply(ref r) if status(r) == Some(431)),
+            "{step:?}"
+        );
+        let mut many = headers("/v1/completions");
+        let map = many.headers.as_mut().unwrap();
+        for i in 0..MAX_HEADERS {
+            map.headers.push(HeaderValue {
+                key: format!("x-{i}"),
+                raw_value: b"v".to_vec(),
+                ..Default::default()
+            });
+        }
+        let step = Exchange::default().handle_request_headers(&many);
+        assert!(matches!(step, Step::Reply(ref r) if status(r) == Some(431)));
     }
 
     /// The common part of a body response (panics for another kind).
@@ -669,12 +823,20 @@ mod tests {
         // The body in two chunks: the first is acknowledged, the last
         // asks for a select with the tenant from its header.
         assert!(matches!(
-            ex.handle_request_body(&body(br#"{"model":"m","#, false), &models(), &limits()),
+            feed(
+                &mut ex,
+                &body(br#"{"model":"m","#, false),
+                &models(),
+                &limits()
+            ),
             Step::Reply(_)
         ));
-        let Step::Select(args) =
-            ex.handle_request_body(&body(br#""prompt":[1,2,3]}"#, true), &models(), &limits())
-        else {
+        let Step::Select(args) = feed(
+            &mut ex,
+            &body(br#""prompt":[1,2,3]}"#, true),
+            &models(),
+            &limits(),
+        ) else {
             panic!("a select");
         };
         assert_eq!(args.tokens, [1, 2, 3]);
@@ -732,7 +894,8 @@ mod tests {
     fn a_stream_that_ends_early_releases_its_reservation() {
         let mut ex = Exchange::default();
         ex.handle_request_headers(&headers("/v1/completions"));
-        ex.handle_request_body(
+        feed(
+            &mut ex,
             &body(br#"{"model":"m","prompt":[1]}"#, true),
             &models(),
             &limits(),
@@ -770,7 +933,8 @@ mod tests {
         // Bad requests never reach the core.
         let mut ex = Exchange::default();
         ex.handle_request_headers(&headers("/v1/completions"));
-        let step = ex.handle_request_body(
+        let step = feed(
+            &mut ex,
             &body(br#"{"model":"m","prompt":[1,2,3,4,5,6,7,8,9]}"#, true),
             &models(),
             &limits(),
@@ -778,7 +942,7 @@ mod tests {
         assert!(matches!(step, Step::Reply(ref r) if status(r) == Some(400)));
         let mut ex = Exchange::default();
         ex.handle_request_headers(&headers("/v1/completions"));
-        let step = ex.handle_request_body(&body(&[b' '; 2048], true), &models(), &limits());
+        let step = feed(&mut ex, &body(&[b' '; 2048], true), &models(), &limits());
         assert!(matches!(step, Step::Reply(ref r) if status(r) == Some(413)));
     }
 
@@ -790,11 +954,21 @@ mod tests {
             Step::Nothing
         ));
         assert!(matches!(
-            ex.handle_request_body(&body(br#"{"model":"m","#, false), &models(), &limits()),
+            feed(
+                &mut ex,
+                &body(br#"{"model":"m","#, false),
+                &models(),
+                &limits()
+            ),
             Step::Nothing
         ));
         assert!(matches!(
-            ex.handle_request_body(&body(br#""prompt":[1,2]}"#, true), &models(), &limits()),
+            feed(
+                &mut ex,
+                &body(br#""prompt":[1,2]}"#, true),
+                &models(),
+                &limits()
+            ),
             Step::Select(_)
         ));
         let r = ex.handle_picked(Picked::Worker {

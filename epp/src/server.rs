@@ -3,10 +3,22 @@
 //! [`Exchange`]; its selects, `prefill_done`s and `finish`es go to the
 //! routing core through a [`Backend`] in the binary query protocol, the
 //! same requests a Unix-socket client sends.
+//!
+//! The port is hostile: connections are bounded ([`Settings`]) and closed
+//! when idle or silent from the start, streams are bounded over all
+//! connections, buffered bodies share one budget, prompts larger than a
+//! few kilobytes are read on the tokenizer [`Pool`] (never on the serving
+//! thread), and a pick whose response never ends gives its reservation
+//! back. What each bound refused is counted in [`Stats`].
 
 use std::collections::BTreeMap;
+use std::io;
 use std::net::SocketAddr;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::BodySendMode;
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
@@ -15,12 +27,18 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse, processing_request::Request as Msg,
 };
+use kvedge_shm::ratelimit::{RateLimit, held_back};
 use kvedge_wire::{Ids, Pairs, Request, Role, Select, Status, Strs, binary};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Streaming, async_trait};
 
-use crate::picker::{Exchange, Limits, Picked, SelectArgs, Step};
+use crate::picker::{
+    self, Body, Exchange, Limits, Picked, Prompted, Refusal, SelectArgs, Step, immediate,
+};
+use crate::pool::{Pool, Refused};
 use crate::tokenize::Models;
 
 /// The gRPC service name of ext_proc (for health checks).
@@ -33,6 +51,73 @@ pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor"
 pub const REQUEST_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Streams at once per gRPC connection.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
+/// A prompt in a body of at most this many bytes is read on the serving
+/// thread (a millisecond or two); a larger one goes to the pool.
+pub const INLINE_PROMPT_BYTES: usize = 8 << 10;
+/// A connection that has sent nothing this long after it was accepted is
+/// closed (HTTP/2 begins with the client's preface).
+pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The server's bounds (`epp:` in the configuration).
+#[derive(Clone, Debug)]
+pub struct Settings {
+    pub max_connections: usize,
+    /// A connection with no stream open and no bytes this long is closed.
+    pub idle_timeout: Duration,
+    /// Streams open at once over all connections.
+    pub max_streams: usize,
+    /// Request body bytes buffered at once over all streams.
+    pub max_buffered_body_bytes: usize,
+    /// A pick whose response has not ended after this has its reservation
+    /// released.
+    pub pick_timeout: Duration,
+    pub tokenizer_threads: usize,
+    pub tokenizer_queue: usize,
+    pub tokenize_timeout: Duration,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            max_connections: 256,
+            idle_timeout: Duration::from_secs(300),
+            max_streams: 16_384,
+            max_buffered_body_bytes: 256 << 20,
+            pick_timeout: Duration::from_secs(300),
+            tokenizer_threads: 2,
+            tokenizer_queue: 64,
+            tokenize_timeout: Duration::from_secs(2),
+        }
+    }
+}
+
+/// What the picker's bounds did, for the metrics (gauges and counters).
+#[derive(Debug, Default)]
+pub struct Stats {
+    /// gRPC connections open now.
+    pub connections: AtomicU64,
+    /// Connections closed as they came, past `max_connections`.
+    pub connections_refused: AtomicU64,
+    /// Connections closed for being idle (or silent from the start).
+    pub connections_idle_closed: AtomicU64,
+    /// ext_proc streams open now.
+    pub streams: AtomicU64,
+    /// Streams refused past `max_streams`.
+    pub streams_refused: AtomicU64,
+    /// Request body bytes buffered now.
+    pub buffered_body_bytes: AtomicU64,
+    /// Requests answered 503 because the body budget was spent.
+    pub refused_body_budget: AtomicU64,
+    /// Requests answered 503 because the tokenizer queue was full.
+    pub refused_tokenizer_queue: AtomicU64,
+    /// Requests answered 503 because their prompt was not read in time.
+    pub refused_tokenize_deadline: AtomicU64,
+    /// Prompts read on the serving thread, and on the pool.
+    pub prompts_inline: AtomicU64,
+    pub prompts_pooled: AtomicU64,
+    /// Picks whose reservation was released by `pick_timeout`.
+    pub picks_expired: AtomicU64,
+}
 
 /// The routing core, as the picker reaches it.
 pub trait Backend: Send + Sync + 'static {
@@ -44,9 +129,12 @@ pub trait Backend: Send + Sync + 'static {
 
 /// The picker's shared state.
 pub struct Picker {
-    models: Models,
+    models: Arc<Models>,
     limits: Limits,
+    settings: Settings,
     backend: Arc<dyn Backend>,
+    pool: Pool,
+    stats: Arc<Stats>,
 }
 
 impl std::fmt::Debug for Picker {
@@ -54,23 +142,87 @@ impl std::fmt::Debug for Picker {
         f.debug_struct("Picker")
             .field("models", &self.models)
             .field("limits", &self.limits)
+            .field("settings", &self.settings)
             .finish_non_exhaustive()
     }
 }
 
 impl Picker {
-    pub fn new(models: Models, limits: Limits, backend: Arc<dyn Backend>) -> Picker {
-        Picker {
-            models,
+    /// The picker, with its tokenizer pool's threads started.
+    pub fn new(
+        models: Models,
+        limits: Limits,
+        settings: Settings,
+        backend: Arc<dyn Backend>,
+    ) -> io::Result<Picker> {
+        let pool = Pool::new(
+            settings.tokenizer_threads,
+            settings.tokenizer_queue,
+            settings.tokenize_timeout,
+        )?;
+        Ok(Picker {
+            models: Arc::new(models),
             limits,
+            settings,
             backend,
+            pool,
+            stats: Arc::default(),
+        })
+    }
+
+    /// What the bounds did so far.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.stats
+    }
+
+    /// Reads a whole body's prompt: here when the body is small, on the
+    /// pool when it is not (refused at once when the pool is full, and
+    /// after its deadline when it is slow).
+    async fn read_prompt(&self, body: Body) -> Result<Prompted, Refusal> {
+        if body.bytes.len() <= INLINE_PROMPT_BYTES {
+            self.stats.prompts_inline.fetch_add(1, Relaxed);
+            return picker::prompt(&body, &self.models, &self.limits);
         }
+        self.stats.prompts_pooled.fetch_add(1, Relaxed);
+        let (models, limits) = (Arc::clone(&self.models), self.limits.clone());
+        match self
+            .pool
+            .run(move || picker::prompt(&body, &models, &limits))
+            .await
+        {
+            Ok(read) => read,
+            Err(why) => {
+                let counter = match why {
+                    Refused::QueueFull => &self.stats.refused_tokenizer_queue,
+                    Refused::Deadline | Refused::Stopped => &self.stats.refused_tokenize_deadline,
+                };
+                counter.fetch_add(1, Relaxed);
+                Err(picker::refuse(
+                    503,
+                    "overloaded",
+                    &format!("{why}; try again"),
+                ))
+            }
+        }
+    }
+
+    /// Takes `n` bytes from the body budget, if it has them.
+    fn reserve_body(&self, n: usize) -> bool {
+        let max = self.settings.max_buffered_body_bytes as u64;
+        self.stats
+            .buffered_body_bytes
+            .fetch_update(Relaxed, Relaxed, |held| {
+                let after = held.checked_add(n as u64)?;
+                (after <= max).then_some(after)
+            })
+            .is_ok()
     }
 
     /// One request to the core; its reply's status and payload.
     async fn call(&self, request: &Request<'_>) -> Result<(Status, Vec<u8>), String> {
         let mut out = Vec::with_capacity(256);
-        binary::encode_request(&mut out, request).map_err(|e| e.to_string())?;
+        binary::encode_request(&mut out, request)
+            .map_err(|e| format!("the request cannot be sent to the routing core: {e}"))?;
         let (tx, rx) = oneshot::channel();
         self.backend.call(
             out.split_off(4),
@@ -128,7 +280,11 @@ impl Picker {
                 message: String::from_utf8_lossy(&payload).into_owned(),
             },
             Err(message) => Picked::Refused {
-                status: "internal",
+                status: if message.starts_with("the request cannot be sent") {
+                    "bad_request"
+                } else {
+                    "internal"
+                },
                 message,
             },
         }
@@ -166,13 +322,37 @@ impl Picker {
         out: mpsc::Sender<Result<ProcessingResponse, tonic::Status>>,
     ) {
         let mut ex: Option<Exchange> = None;
+        // Body bytes this stream holds of the budget.
+        let mut held = BodyHeld {
+            stats: Arc::clone(&self.stats),
+            bytes: 0,
+        };
+        // Whether the pick's reservation may still be released by the
+        // pick timeout (once).
+        let mut pick_timer = true;
         loop {
             let picked = ex.as_ref().is_some_and(Exchange::picked);
-            let next = if picked {
-                inbound.message().await
+            let (limit, phase) = if !picked {
+                (Some(REQUEST_PHASE_TIMEOUT), "request")
+            } else if pick_timer {
+                (Some(self.settings.pick_timeout), "response")
             } else {
-                match tokio::time::timeout(REQUEST_PHASE_TIMEOUT, inbound.message()).await {
+                (None, "")
+            };
+            let next = match limit {
+                None => inbound.message().await,
+                Some(limit) => match tokio::time::timeout(limit, inbound.message()).await {
                     Ok(next) => next,
+                    Err(_) if phase == "response" => {
+                        // The response has not ended: give the reservation
+                        // back (the stream goes on, accounted no more).
+                        pick_timer = false;
+                        if let Some(id) = ex.as_mut().and_then(Exchange::handle_closed) {
+                            self.stats.picks_expired.fetch_add(1, Relaxed);
+                            self.release(Request::Finish { request_id: id });
+                        }
+                        continue;
+                    }
                     Err(_) => {
                         let _ = out
                             .send(Err(tonic::Status::deadline_exceeded(
@@ -181,7 +361,7 @@ impl Picker {
                             .await;
                         break;
                     }
-                }
+                },
             };
             let msg = match next {
                 Ok(Some(m)) => m,
@@ -203,9 +383,21 @@ impl Picker {
             if let Some(m) = &msg.metadata_context {
                 ex.handle_metadata(m);
             }
-            let step = match &msg.request {
+            let mut step = match &msg.request {
                 Some(Msg::RequestHeaders(h)) => ex.handle_request_headers(h),
-                Some(Msg::RequestBody(b)) => ex.handle_request_body(b, &self.models, &self.limits),
+                Some(Msg::RequestBody(b)) => {
+                    if self.reserve_body(b.body.len()) {
+                        held.bytes += b.body.len();
+                        ex.handle_request_body(b, &self.limits)
+                    } else {
+                        self.stats.refused_body_budget.fetch_add(1, Relaxed);
+                        Step::Reply(immediate(
+                            503,
+                            "overloaded",
+                            "too many request bodies are being read at once; try again",
+                        ))
+                    }
+                }
                 Some(Msg::ResponseHeaders(h)) => ex.handle_response_headers(h),
                 Some(Msg::ResponseBody(b)) => ex.handle_response_body(b),
                 Some(Msg::RequestTrailers(_)) => ex.handle_trailers(false),
@@ -213,9 +405,15 @@ impl Picker {
                 // A flow-control message needs no answer.
                 None => continue,
             };
+            if let Step::Prompt(body) = step {
+                let read = self.read_prompt(body).await;
+                step = ex.handle_prompt(read, &self.limits);
+            }
             let replies = match step {
                 Step::Nothing => continue,
                 Step::Reply(r) => vec![r],
+                // Answered above.
+                Step::Prompt(_) => continue,
                 Step::Select(args) => {
                     let picked = self.select(&args).await;
                     let r = ex.handle_picked(picked);
@@ -235,6 +433,10 @@ impl Picker {
                     vec![r]
                 }
             };
+            // The body is no longer held once the request is answered.
+            if ex.picked() || replies.iter().any(is_immediate) {
+                held.release();
+            }
             let done = replies.iter().any(is_immediate);
             let mut sent = true;
             for r in replies {
@@ -246,6 +448,41 @@ impl Picker {
         }
         if let Some(id) = ex.as_mut().and_then(Exchange::handle_closed) {
             self.release(Request::Finish { request_id: id });
+        }
+    }
+}
+
+/// A stream's share of the body budget, given back when it is done with
+/// its body or ends.
+struct BodyHeld {
+    stats: Arc<Stats>,
+    bytes: usize,
+}
+
+impl BodyHeld {
+    fn release(&mut self) {
+        let n = std::mem::take(&mut self.bytes) as u64;
+        self.stats.buffered_body_bytes.fetch_sub(n, Relaxed);
+    }
+}
+
+impl Drop for BodyHeld {
+    fn drop(&mut self) {
+        self.release();
+    }
+}
+
+/// A stream's place among `max_streams`, and on its connection.
+struct StreamSlot {
+    stats: Arc<Stats>,
+    connection: Option<Arc<AtomicUsize>>,
+}
+
+impl Drop for StreamSlot {
+    fn drop(&mut self) {
+        self.stats.streams.fetch_sub(1, Relaxed);
+        if let Some(c) = &self.connection {
+            c.fetch_sub(1, Relaxed);
         }
     }
 }
@@ -269,9 +506,207 @@ impl ExternalProcessor for Service {
         &self,
         request: tonic::Request<Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+        let picker = &self.0;
+        let stats = &picker.stats;
+        let max = picker.settings.max_streams as u64;
+        if stats
+            .streams
+            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
+            .is_err()
+        {
+            stats.streams_refused.fetch_add(1, Relaxed);
+            return Err(tonic::Status::resource_exhausted(format!(
+                "the picker has {max} streams open already"
+            )));
+        }
+        let connection = request
+            .extensions()
+            .get::<ConnInfo>()
+            .map(|c| Arc::clone(&c.streams));
+        if let Some(c) = &connection {
+            c.fetch_add(1, Relaxed);
+        }
+        let slot = StreamSlot {
+            stats: Arc::clone(stats),
+            connection,
+        };
         let (tx, rx) = mpsc::channel(4);
-        tokio::spawn(Arc::clone(&self.0).run(request.into_inner(), tx));
+        let picker = Arc::clone(picker);
+        tokio::spawn(async move {
+            picker.run(request.into_inner(), tx).await;
+            drop(slot);
+        });
         Ok(tonic::Response::new(ReceiverStream::new(rx)))
+    }
+}
+
+/// What a connection tells the services about itself.
+#[derive(Clone, Debug)]
+pub struct ConnInfo {
+    pub remote: Option<SocketAddr>,
+    /// Streams open on it now (it is not idle while one is).
+    pub streams: Arc<AtomicUsize>,
+}
+
+/// An accepted connection, closed when it has been idle (no bytes, no
+/// stream open) for its timeout, or silent since it was accepted for
+/// [`FIRST_BYTES_TIMEOUT`].
+struct Guarded {
+    io: TcpStream,
+    timer: Pin<Box<tokio::time::Sleep>>,
+    idle_after: Duration,
+    greeted: bool,
+    streams: Arc<AtomicUsize>,
+    stats: Arc<Stats>,
+}
+
+impl Guarded {
+    fn new(io: TcpStream, idle_after: Duration, stats: Arc<Stats>) -> Guarded {
+        stats.connections.fetch_add(1, Relaxed);
+        Guarded {
+            io,
+            timer: Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT)),
+            idle_after,
+            greeted: false,
+            streams: Arc::default(),
+            stats,
+        }
+    }
+
+    fn touch(&mut self) {
+        let after = if self.greeted {
+            self.idle_after
+        } else {
+            FIRST_BYTES_TIMEOUT
+        };
+        self.timer
+            .as_mut()
+            .reset(tokio::time::Instant::now() + after);
+    }
+
+    /// Whether the connection has been idle too long (registering the
+    /// timer's wake-up when it has not).
+    fn expired(&mut self, cx: &mut Context<'_>) -> bool {
+        loop {
+            if self.timer.as_mut().poll(cx).is_pending() {
+                return false;
+            }
+            if self.greeted && self.streams.load(Relaxed) > 0 {
+                // A stream is open: not idle, whatever the silence.
+                self.touch();
+                continue;
+            }
+            self.stats.connections_idle_closed.fetch_add(1, Relaxed);
+            return true;
+        }
+    }
+}
+
+impl Drop for Guarded {
+    fn drop(&mut self) {
+        self.stats.connections.fetch_sub(1, Relaxed);
+    }
+}
+
+impl AsyncRead for Guarded {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        let before = buf.filled().len();
+        match Pin::new(&mut this.io).poll_read(cx, buf) {
+            Poll::Ready(Ok(())) => {
+                if buf.filled().len() > before {
+                    this.greeted = true;
+                    this.touch();
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending if this.expired(cx) => Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the connection was idle",
+            ))),
+            other => other,
+        }
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let this = self.get_mut();
+        let r = Pin::new(&mut this.io).poll_write(cx, buf);
+        if matches!(r, Poll::Ready(Ok(n)) if n > 0) {
+            this.touch();
+        }
+        r
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().io).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Guarded {
+    type ConnectInfo = ConnInfo;
+
+    fn connect_info(&self) -> ConnInfo {
+        ConnInfo {
+            remote: self.io.peer_addr().ok(),
+            streams: Arc::clone(&self.streams),
+        }
+    }
+}
+
+/// Accepts connections up to the limit (closing the rest as they come)
+/// and hands them to the server.
+async fn accept(
+    listener: tokio::net::TcpListener,
+    tx: mpsc::Sender<io::Result<Guarded>>,
+    settings: Settings,
+    stats: Arc<Stats>,
+) {
+    let mut refused = RateLimit::default();
+    let mut failed = RateLimit::default();
+    loop {
+        let (io, peer) = match listener.accept().await {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some(n) = failed.allow(std::time::Instant::now()) {
+                    tracing::warn!("the endpoint picker cannot accept: {e}{}", held_back(n));
+                }
+                // Out of descriptors: pause rather than spin.
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        if stats.connections.load(Relaxed) >= settings.max_connections as u64 {
+            stats.connections_refused.fetch_add(1, Relaxed);
+            if let Some(n) = refused.allow(std::time::Instant::now()) {
+                tracing::warn!(
+                    "the endpoint picker refused a connection from {peer}: it has {} open (epp.max_connections){}",
+                    settings.max_connections,
+                    held_back(n)
+                );
+            }
+            continue;
+        }
+        // Without TCP_NODELAY a reply waits for the peer's delayed ACK
+        // (40 ms on Linux) behind the one before it.
+        let _ = io.set_nodelay(true);
+        let conn = Guarded::new(io, settings.idle_timeout, Arc::clone(&stats));
+        if tx.send(Ok(conn)).await.is_err() {
+            return;
+        }
     }
 }
 
@@ -287,22 +722,25 @@ pub async fn serve(
             .set_service_status(name, tonic_health::ServingStatus::Serving)
             .await;
     }
-    // Without TCP_NODELAY a reply waits for the peer's delayed ACK
-    // (40 ms on Linux) behind the one before it.
-    let incoming = tokio_stream::StreamExt::map(
-        tokio_stream::wrappers::TcpListenerStream::new(listener),
-        |conn| {
-            let conn = conn?;
-            conn.set_nodelay(true)?;
-            Ok::<_, std::io::Error>(conn)
-        },
-    );
-    tonic::transport::Server::builder()
+    let (tx, rx) = mpsc::channel(16);
+    let acceptor = tokio::spawn(accept(
+        listener,
+        tx,
+        picker.settings.clone(),
+        Arc::clone(&picker.stats),
+    ));
+    // Envoy sends a buffered body in one message.
+    let max_message = picker.limits.max_body_bytes.saturating_add(1 << 20);
+    let served = tonic::transport::Server::builder()
         .max_concurrent_streams(MAX_STREAMS_PER_CONNECTION)
         .add_service(health)
-        .add_service(ExternalProcessorServer::new(Service(picker)))
-        .serve_with_incoming_shutdown(incoming, shutdown)
-        .await
+        .add_service(
+            ExternalProcessorServer::new(Service(picker)).max_decoding_message_size(max_message),
+        )
+        .serve_with_incoming_shutdown(ReceiverStream::new(rx), shutdown)
+        .await;
+    acceptor.abort();
+    served
 }
 
 /// The address a listener is bound to, for logs.

@@ -10,11 +10,51 @@
 //! template is routed the same way.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::io::Read;
+use std::path::{Path, PathBuf};
 
 use serde_json::Value;
 
 use crate::body::Prompt;
+
+/// The largest `tokenizer.json` read (real ones are 2-30 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+/// The largest chat template read (real ones are a few KB).
+pub const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
+
+/// Reads a model file: a regular file (a FIFO, a device or a directory is
+/// refused without waiting on it) of at most `limit` bytes.
+fn read_file(path: &Path, limit: u64) -> Result<Vec<u8>, String> {
+    use std::os::unix::fs::OpenOptionsExt;
+    // Non-blocking, so that opening a FIFO does not wait for a writer;
+    // what was opened is then checked, not the path.
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(rustix::fs::OFlags::NONBLOCK.bits() as i32)
+        .open(path)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let meta = file
+        .metadata()
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if !meta.is_file() {
+        return Err(format!("{} is not a regular file", path.display()));
+    }
+    if meta.len() > limit {
+        return Err(format!(
+            "{} has {} bytes, more than the {limit} a model file may have",
+            path.display(),
+            meta.len()
+        ));
+    }
+    let mut bytes = Vec::with_capacity(meta.len() as usize);
+    file.take(limit + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    if bytes.len() as u64 > limit {
+        return Err(format!("{} grew past {limit} bytes", path.display()));
+    }
+    Ok(bytes)
+}
 
 /// One model, as configured.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -75,24 +115,35 @@ pub enum Tokens {
 }
 
 impl Models {
-    /// Loads every model's tokenizer and template.
+    /// Loads every model's tokenizer and template (each a regular file of
+    /// at most [`MAX_TOKENIZER_BYTES`] or [`MAX_TEMPLATE_BYTES`]).
     pub fn load(specs: &[ModelSpec]) -> Result<Models, String> {
         let mut by_name = HashMap::new();
         for s in specs {
             let tokenizer = match &s.tokenizer {
-                Some(p) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| {
-                    format!(
-                        "model `{}`: tokenizer {} could not be loaded: {e}",
-                        s.name,
-                        p.display()
-                    )
-                })?),
+                Some(p) => {
+                    let bytes = read_file(p, MAX_TOKENIZER_BYTES)
+                        .map_err(|e| format!("model `{}`: tokenizer {e}", s.name))?;
+                    Some(tokenizers::Tokenizer::from_bytes(bytes).map_err(|e| {
+                        format!(
+                            "model `{}`: tokenizer {} could not be loaded: {e}",
+                            s.name,
+                            p.display()
+                        )
+                    })?)
+                }
                 None => None,
             };
             let template = match &s.chat_template {
                 Some(p) => {
-                    let source = std::fs::read_to_string(p).map_err(|e| {
-                        format!("model `{}`: chat template {}: {e}", s.name, p.display())
+                    let bytes = read_file(p, MAX_TEMPLATE_BYTES)
+                        .map_err(|e| format!("model `{}`: chat template {e}", s.name))?;
+                    let source = String::from_utf8(bytes).map_err(|_| {
+                        format!(
+                            "model `{}`: chat template {} is not UTF-8",
+                            s.name,
+                            p.display()
+                        )
                     })?;
                     let mut env = minijinja::Environment::new();
                     env.add_function(

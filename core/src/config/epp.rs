@@ -4,19 +4,61 @@
 
 use serde::Deserialize;
 
+/// The largest `tokenizer.json` read (real ones are 2-30 MB).
+pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
+/// The largest chat template read (real ones are a few KB).
+pub const MAX_TEMPLATE_BYTES: u64 = 1 << 20;
+/// Body bytes allowed per prompt token when `max_body_bytes` is not set:
+/// English text is about 4 bytes a token, JSON-escaped CJK text at most 6,
+/// and a chat's framing adds a little per message.
+pub const BODY_BYTES_PER_TOKEN: usize = 16;
+/// Room for a body's fields other than the prompt, when `max_body_bytes`
+/// is derived.
+pub const BODY_OVERHEAD: usize = 64 << 10;
+
 /// `epp:`.
 #[derive(Clone, Debug, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct EppSection {
-    /// Where the ext_proc gRPC service listens (`host:port`).
+    /// Where the ext_proc gRPC service listens (`host:port`); loopback
+    /// unless set (a gateway on another host needs this set).
     #[serde(default = "listen")]
     pub listen: String,
-    /// Largest request body read, in bytes (larger: 413).
-    #[serde(default = "max_body_bytes")]
-    pub max_body_bytes: usize,
+    /// Largest request body read, in bytes (larger: 413). Derived from
+    /// `max_prompt_tokens` when not set ([`EppSection::body_limit`]).
+    #[serde(default)]
+    pub max_body_bytes: Option<usize>,
     /// Largest prompt, in tokens (larger: 400).
     #[serde(default = "max_prompt_tokens")]
     pub max_prompt_tokens: usize,
+    /// gRPC connections at once; more are closed as they come.
+    #[serde(default = "max_connections")]
+    pub max_connections: usize,
+    /// A connection with no stream open and no bytes this long is
+    /// closed (a gateway opens another when it needs one).
+    #[serde(default = "idle_timeout_ms")]
+    pub idle_timeout_ms: u64,
+    /// ext_proc streams open at once, over all connections; more are
+    /// refused (`RESOURCE_EXHAUSTED`).
+    #[serde(default = "max_streams")]
+    pub max_streams: usize,
+    /// Request body bytes buffered at once over all streams; a body that
+    /// would pass it gets a 503 at once.
+    #[serde(default = "max_buffered_body_bytes")]
+    pub max_buffered_body_bytes: usize,
+    /// A pick whose response has not ended after this long has its
+    /// reservation released (the stream goes on).
+    #[serde(default = "pick_timeout_ms")]
+    pub pick_timeout_ms: u64,
+    /// Threads that tokenize prompts and render chat templates.
+    #[serde(default = "tokenizer_threads")]
+    pub tokenizer_threads: usize,
+    /// Prompts waiting for a tokenizer thread at most; more get a 503.
+    #[serde(default = "tokenizer_queue")]
+    pub tokenizer_queue: usize,
+    /// A prompt not tokenized this long after it arrived gets a 503.
+    #[serde(default = "tokenize_timeout_ms")]
+    pub tokenize_timeout_ms: u64,
     /// The request header naming the tenant the rule language sees.
     #[serde(default)]
     pub tenant_header: Option<String>,
@@ -51,13 +93,61 @@ pub struct EppModel {
 }
 
 fn listen() -> String {
-    "0.0.0.0:9002".into()
-}
-fn max_body_bytes() -> usize {
-    4 << 20
+    "127.0.0.1:9002".into()
 }
 fn max_prompt_tokens() -> usize {
     131_072
+}
+fn max_connections() -> usize {
+    256
+}
+fn idle_timeout_ms() -> u64 {
+    300_000
+}
+fn max_streams() -> usize {
+    16_384
+}
+fn max_buffered_body_bytes() -> usize {
+    256 << 20
+}
+fn pick_timeout_ms() -> u64 {
+    300_000
+}
+fn tokenizer_threads() -> usize {
+    2
+}
+fn tokenizer_queue() -> usize {
+    64
+}
+fn tokenize_timeout_ms() -> u64 {
+    2_000
+}
+
+impl EppSection {
+    /// The largest request body read: `max_body_bytes`, or
+    /// [`BODY_BYTES_PER_TOKEN`] per prompt token plus [`BODY_OVERHEAD`].
+    pub fn body_limit(&self) -> usize {
+        self.max_body_bytes.unwrap_or_else(|| {
+            self.max_prompt_tokens
+                .saturating_mul(BODY_BYTES_PER_TOKEN)
+                .saturating_add(BODY_OVERHEAD)
+                .min(1 << 30)
+        })
+    }
+}
+
+/// What is wrong with `path` as a file the picker reads at start: it must
+/// be a regular file (not a FIFO or a device) of at most `limit` bytes.
+pub fn file_problem(path: &str, limit: u64) -> Option<String> {
+    match std::fs::metadata(path) {
+        Err(e) => Some(format!("{path}: {e}")),
+        Ok(m) if !m.is_file() => Some(format!("{path} is not a regular file")),
+        Ok(m) if m.len() > limit => Some(format!(
+            "{path} has {} bytes, more than the {limit} a model file may have",
+            m.len()
+        )),
+        Ok(_) => None,
+    }
 }
 /// About one 16-token KV block of English text (four bytes a token), so
 /// an approximate overlap counts in blocks the cost model understands.
@@ -76,15 +166,39 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
             ),
         ));
     }
-    if !(1024..=(1 << 30)).contains(&e.max_body_bytes) {
+    if let Some(b) = e.max_body_bytes
+        && !(1024..=(1 << 30)).contains(&b)
+    {
         return Some((
             "max_body_bytes",
             format!(
-                "epp.max_body_bytes must be between 1024 and {}, got {}",
+                "epp.max_body_bytes must be between 1024 and {}, got {b}",
                 1u64 << 30,
-                e.max_body_bytes
             ),
         ));
+    }
+    let ranges: [(&'static str, u64, u64, u64); 8] = [
+        ("max_connections", e.max_connections as u64, 1, 65_536),
+        ("idle_timeout_ms", e.idle_timeout_ms, 1_000, 86_400_000),
+        ("max_streams", e.max_streams as u64, 1, 1 << 20),
+        (
+            "max_buffered_body_bytes",
+            e.max_buffered_body_bytes as u64,
+            1 << 20,
+            1 << 40,
+        ),
+        ("pick_timeout_ms", e.pick_timeout_ms, 1_000, 86_400_000),
+        ("tokenizer_threads", e.tokenizer_threads as u64, 1, 256),
+        ("tokenizer_queue", e.tokenizer_queue as u64, 1, 1 << 20),
+        ("tokenize_timeout_ms", e.tokenize_timeout_ms, 10, 600_000),
+    ];
+    for (key, value, min, max) in ranges {
+        if !(min..=max).contains(&value) {
+            return Some((
+                key,
+                format!("epp.{key} must be between {min} and {max}, got {value}"),
+            ));
+        }
     }
     if !(1..=(1 << 24)).contains(&e.max_prompt_tokens) {
         return Some((
@@ -129,9 +243,12 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
         if !seen.insert(&m.name) {
             return Some(("models", format!("epp model `{}` is named twice", m.name)));
         }
-        for path in [&m.tokenizer, &m.chat_template].into_iter().flatten() {
-            if let Err(err) = std::fs::metadata(path) {
-                return Some(("models", format!("epp model `{}`: {path}: {err}", m.name)));
+        for (path, limit) in [
+            (&m.tokenizer, MAX_TOKENIZER_BYTES),
+            (&m.chat_template, MAX_TEMPLATE_BYTES),
+        ] {
+            if let Some(problem) = path.as_deref().and_then(|p| file_problem(p, limit)) {
+                return Some(("models", format!("epp model `{}`: {problem}", m.name)));
             }
         }
     }
@@ -166,6 +283,9 @@ mod tests {
             ("listen: nowhere\n", "listen"),
             ("max_body_bytes: 10\n", "max_body_bytes"),
             ("max_prompt_tokens: 0\n", "max_prompt_tokens"),
+            ("max_connections: 0\n", "max_connections"),
+            ("tokenize_timeout_ms: 1\n", "tokenize_timeout_ms"),
+            ("idle_timeout_ms: 10\n", "idle_timeout_ms"),
             ("tenant_header: \"a b\"\n", "tenant_header"),
             ("session_header: \"\"\n", "session_header"),
         ] {
@@ -176,5 +296,33 @@ mod tests {
         let mut twice = section("");
         twice.models.push(twice.models[0].clone());
         assert_eq!(validate(&twice).unwrap().0, "models");
+        // Loopback unless told, and a body limit from the token limit.
+        assert_eq!(ok.listen, "127.0.0.1:9002");
+        assert_eq!(ok.body_limit(), 131_072 * 16 + 65_536);
+        assert_eq!(section("max_body_bytes: 5000\n").body_limit(), 5000);
+    }
+
+    #[test]
+    fn model_files_must_be_regular_and_not_too_large() {
+        let problem = |path: &str, limit| file_problem(path, limit).unwrap_or_default();
+        assert!(problem("/dev/zero", MAX_TOKENIZER_BYTES).contains("not a regular file"));
+        assert!(problem("/nonexistent/tokenizer.json", 10).contains("/nonexistent"));
+        let dir = std::env::temp_dir().join(format!("kvedge-epp-files-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let big = dir.join("big.jinja");
+        std::fs::write(&big, vec![b' '; 2048]).unwrap();
+        let big = big.to_str().unwrap();
+        assert!(problem(big, 1024).contains("2048 bytes, more than the 1024"));
+        assert_eq!(file_problem(big, 4096), None);
+        let section = parse(&format!(
+            "models:\n  - name: m\n    chat_template: {big}\n    tokenizer: /dev/zero\n"
+        ));
+        let (key, message) = validate(&section).unwrap();
+        assert_eq!(key, "models");
+        assert!(
+            message.contains("/dev/zero is not a regular file"),
+            "{message}"
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

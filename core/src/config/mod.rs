@@ -19,7 +19,7 @@ use serde::Deserialize;
 use crate::index::MAX_WORKERS;
 
 mod engines;
-mod epp;
+pub mod epp;
 pub mod source;
 pub use engines::{EngineKind, EngineRank, EngineSpec};
 pub use epp::{EppModel, EppSection};
