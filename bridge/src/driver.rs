@@ -448,7 +448,17 @@ async fn feed_live(
     feed: &mut Feed,
     publisher: &mut Publisher,
 ) -> Live {
-    let mut step = feed.handle_live(from, seq, payload, &mut Ring(publisher));
+    let step = feed.handle_live(from, seq, payload, &mut Ring(publisher));
+    replays(rank, step, feed, publisher).await
+}
+
+/// Runs the replays the feed asks for, one after another; the last step.
+async fn replays(
+    rank: &EngineRank,
+    mut step: Live,
+    feed: &mut Feed,
+    publisher: &mut Publisher,
+) -> Live {
     while let Live::Replay { from } = step {
         let complete = match &rank.replay {
             Some(endpoint) => replay(rank, endpoint, from, feed, publisher).await,
@@ -549,6 +559,10 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
     let mut probe_failed = false;
     let mut liveness = Liveness::default();
     let mut sub_problem_logged = false;
+    // Ask the replay socket what was missed: at start (the engine's
+    // history), and each time the connection to its publisher is made
+    // again (what passed meanwhile, or a restart).
+    let mut catch_up = true;
     let mut reported = Reported::default();
     let mut logs = Logs::default();
     let mut scraper_gone = false;
@@ -562,6 +576,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                     last_message = Instant::now();
                     if !rank.events_bind {
                         liveness.hear(&rank);
+                        catch_up = true;
                     }
                     sub_problem_logged = false;
                 }
@@ -584,6 +599,10 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                 }
                 Err(_) => {}
             }
+        }
+        if std::mem::take(&mut catch_up) {
+            let step = feed.handle_connected();
+            replays(&rank, step, &mut feed, &mut publisher).await;
         }
         let recv = async {
             match sub.as_mut() {

@@ -24,9 +24,14 @@
 //!   applied. Then its state is dropped and rebuilt from what follows;
 //!   otherwise the message is ignored as stale. Without a replay socket
 //!   (or when it does not answer), the trusted source's word is taken.
-//! - The first message after kvedge starts asks for a replay from 0, so
-//!   blocks stored before kvedge came up are known where the engine's
-//!   replay buffer still holds them.
+//! - When kvedge starts reading an engine, and each time its connection to
+//!   the engine's publisher is made again, it asks the replay socket at
+//!   once ([`Feed::handle_connected`]): from 0 for what the engine stored
+//!   before, or from the last number applied for what passed while the
+//!   connection was down. A buffer that no longer holds that batch (or
+//!   holds another under its number) shows the engine restarted meanwhile.
+//!   Failing that, the first message after kvedge starts asks for a replay
+//!   from 0.
 
 use kvedge_shm::messages::notice;
 use xxhash_rust::xxh3::xxh3_64;
@@ -106,6 +111,14 @@ enum Purpose {
     },
     /// A new source's first message: does the engine's buffer hold it?
     Vouch { matched: bool },
+    /// The connection to the publisher was made again: what passed while
+    /// it was down, and did the engine restart meanwhile? Replayed from
+    /// the last number applied, whose payload's digest kvedge kept.
+    CatchUp {
+        last: u64,
+        digest: Option<u64>,
+        found: Continuity,
+    },
     /// The number went back: has the engine restarted? Replayed from the
     /// last number applied, whose payload's digest kvedge kept.
     Restart {
@@ -118,10 +131,21 @@ enum Purpose {
     },
 }
 
+/// What a catch-up replay has shown so far (batches come in order).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Continuity {
+    Undecided,
+    /// The same engine: later batches are applied.
+    Same,
+    /// The engine restarted: everything kvedge had of it is stale.
+    Restarted,
+}
+
 #[derive(Debug, Clone)]
 struct Replaying {
-    /// The live message that asked, decided on after the replay.
-    pending: (u64, Vec<u8>),
+    /// The live message that asked, decided on after the replay (none for
+    /// a replay asked on connecting).
+    pending: Option<(u64, Vec<u8>)>,
     from: u64,
     purpose: Purpose,
 }
@@ -353,7 +377,38 @@ impl Feed {
 
     fn start_replay(&mut self, from: u64, seq: u64, payload: &[u8], purpose: Purpose) -> Live {
         self.replaying = Some(Replaying {
-            pending: (seq, payload.to_vec()),
+            pending: Some((seq, payload.to_vec())),
+            from,
+            purpose,
+        });
+        Live::Replay { from }
+    }
+
+    /// kvedge (re)connected to the engine's publisher, or started reading
+    /// it: asks the replay socket for what it may have missed.
+    pub fn handle_connected(&mut self) -> Live {
+        if self.replaying.is_some() || !self.can_replay {
+            return Live::Applied;
+        }
+        let (from, purpose) = match self.last {
+            None => (
+                0,
+                Purpose::Fill {
+                    startup: true,
+                    holed: false,
+                },
+            ),
+            Some(last) => (
+                last,
+                Purpose::CatchUp {
+                    last,
+                    digest: self.last_digest,
+                    found: Continuity::Undecided,
+                },
+            ),
+        };
+        self.replaying = Some(Replaying {
+            pending: None,
             from,
             purpose,
         });
@@ -376,8 +431,48 @@ impl Feed {
         let Some(r) = &mut self.replaying else { return };
         match &mut r.purpose {
             Purpose::Vouch { matched } => {
-                if seq == r.pending.0 && payload == r.pending.1.as_slice() {
+                if r.pending
+                    .as_ref()
+                    .is_some_and(|(s, p)| *s == seq && p.as_slice() == payload)
+                {
                     *matched = true;
+                }
+            }
+            Purpose::CatchUp {
+                last,
+                digest,
+                found,
+            } => {
+                if *found == Continuity::Undecided {
+                    if seq == *last {
+                        *found = if *digest == Some(xxh3_64(payload)) {
+                            Continuity::Same
+                        } else {
+                            Continuity::Restarted
+                        };
+                        return;
+                    }
+                    if seq < *last {
+                        return;
+                    }
+                    // Past the last number without it: the same engine,
+                    // whose buffer has moved on.
+                    *found = Continuity::Same;
+                }
+                if *found == Continuity::Same {
+                    let applied = self.last.unwrap_or(*last);
+                    if seq <= applied {
+                        return;
+                    }
+                    if seq > applied + 1 {
+                        self.lose(
+                            seq - applied - 1,
+                            "the engine's replay buffer no longer holds them",
+                            sink,
+                        );
+                    }
+                    self.apply(seq, payload, sink);
+                    self.counts.replayed += 1;
                 }
             }
             Purpose::Restart {
@@ -393,7 +488,7 @@ impl Feed {
                 }
             }
             Purpose::Fill { holed, .. } => {
-                if seq >= r.pending.0 {
+                if r.pending.as_ref().is_some_and(|(p, _)| seq >= *p) {
                     // The live stream has it (pending or later).
                     return;
                 }
@@ -423,7 +518,9 @@ impl Feed {
         let Some(r) = self.replaying.take() else {
             return Live::Applied;
         };
-        let (seq, payload) = r.pending;
+        let Some((seq, payload)) = r.pending else {
+            return self.caught_up(r.purpose, complete, sink);
+        };
         match r.purpose {
             Purpose::Vouch { matched: true } => {
                 if let Some(s) = &mut self.source {
@@ -481,6 +578,7 @@ impl Feed {
                 self.restart(last, seq, how, sink);
                 self.proceed(seq, &payload, sink)
             }
+            Purpose::CatchUp { .. } => Live::Applied,
             Purpose::Fill { startup, holed } => {
                 let covered = self.last.map_or(seq == 0, |last| last + 1 >= seq);
                 if !covered && !startup && !holed {
@@ -498,6 +596,35 @@ impl Feed {
                 Live::Applied
             }
         }
+    }
+
+    /// The end of a replay asked on connecting.
+    fn caught_up(&mut self, purpose: Purpose, complete: bool, sink: &mut impl Sink) -> Live {
+        let Purpose::CatchUp { last, found, .. } = purpose else {
+            // History at start: whatever came was applied.
+            return Live::Applied;
+        };
+        let restarted = match found {
+            Continuity::Restarted => true,
+            // Nothing at or after the last number: the buffer holds only
+            // a newer process's earlier batches.
+            Continuity::Undecided => complete,
+            Continuity::Same => false,
+        };
+        if !restarted {
+            return Live::Applied;
+        }
+        self.counts.restarts += 1;
+        self.log.push((
+            LogKind::Restart,
+            format!(
+                "the engine restarted while kvedge was not connected (its replay socket no longer holds batch {last}); its blocks were dropped and are rebuilt from its events"
+            ),
+        ));
+        self.drop_state(sink);
+        self.last = None;
+        self.last_digest = None;
+        self.handle_connected()
     }
 
     /// Whether a replay is under way.

@@ -290,6 +290,55 @@ fn a_new_publisher_is_vouched_for_by_the_replay_socket() {
 }
 
 #[test]
+fn connecting_again_catches_up_or_finds_a_restart() {
+    // At start, the history.
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    assert_eq!(feed.handle_connected(), Live::Replay { from: 0 });
+    feed.handle_replayed(0, &one_block(1, None), &mut out);
+    feed.handle_replayed(1, &one_block(2, Some(1)), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.translator().len(), 2);
+    assert_eq!(feed.last(), Some(1));
+    // Connected again: the buffer holds batch 1 as kvedge applied it,
+    // and two more that passed while the connection was down.
+    assert_eq!(feed.handle_connected(), Live::Replay { from: 1 });
+    feed.handle_replayed(1, &one_block(2, Some(1)), &mut out);
+    feed.handle_replayed(2, &one_block(3, Some(2)), &mut out);
+    feed.handle_replayed(3, &one_block(4, Some(3)), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.last(), Some(3));
+    assert_eq!(feed.translator().len(), 4);
+    assert_eq!(feed.counts().restarts, 0);
+    // Connected again after a restart: the buffer holds a different batch
+    // under number 3, so everything goes and the history is asked anew.
+    assert_eq!(feed.handle_connected(), Live::Replay { from: 3 });
+    feed.handle_replayed(3, &one_block(9, None), &mut out);
+    assert_eq!(
+        feed.handle_replay_end(true, &mut out),
+        Live::Replay { from: 0 }
+    );
+    assert_eq!(feed.counts().restarts, 1);
+    assert!(out.0.contains(&Out::Cleared));
+    feed.handle_replayed(0, &one_block(9, None), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.translator().len(), 1);
+    // A restart whose new process has not come as far: nothing at or
+    // after the last number.
+    assert_eq!(feed.handle_connected(), Live::Replay { from: 0 });
+    assert_eq!(
+        feed.handle_replay_end(true, &mut out),
+        Live::Replay { from: 0 }
+    );
+    assert_eq!(feed.counts().restarts, 2);
+    // No answer: nothing is concluded.
+    assert_eq!(feed.handle_replay_end(false, &mut out), Live::Applied);
+    assert_eq!(feed.counts().restarts, 2);
+    // Without a replay socket there is nothing to ask.
+    assert_eq!(Feed::new(4, 1000, false).handle_connected(), Live::Applied);
+}
+
+#[test]
 fn the_first_message_asks_for_history() {
     let mut feed = Feed::new(4, 1000, true);
     let mut out = Recorder::default();

@@ -427,6 +427,43 @@ fn hostile_feeds_hurt_no_one_else_and_reloads_add_and_remove_engines() {
     assert_eq!(overlap(&mut c, &tokens(0, 32)), 2);
 }
 
+#[test]
+fn reloads_keep_an_unchanged_engine_and_one_added_back_gets_its_history_at_once() {
+    let mut e = FakeEngine::spawn(&["--no-metrics"]);
+    let yaml = config(&e, "");
+    let d = start("engines-reload", &yaml);
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the engine's worker",
+    );
+    e.send(json!({"op": "stored", "hashes": [1, 2, 3], "parent": null, "tokens": tokens(0, 48)}));
+    wait_nudging(
+        &mut e,
+        || overlap(&mut c, &tokens(0, 48)) == 3,
+        "three blocks",
+    );
+    let reload = |c: &mut Conn, yaml: &str| {
+        std::fs::write(d.config(), yaml).unwrap();
+        let r = c.ask(json!({"op": "reload"}));
+        assert_eq!(r["ok"], true, "{r}");
+    };
+    // A reload that leaves the entry as it was (a comment added, lines
+    // moved) keeps the worker and its blocks.
+    reload(&mut c, &format!("# reloaded\n\n{yaml}"));
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(overlap(&mut c, &tokens(0, 48)), 3);
+    // Removed, then added back while the engine publishes nothing: its
+    // blocks come back from the replay socket, asked at once.
+    reload(&mut c, "daemon:\n  heartbeat_timeout_ms: 1500\n");
+    wait(|| worker(&mut c, 10).is_null(), "the removed engine gone");
+    reload(&mut c, &yaml);
+    wait(
+        || overlap(&mut c, &tokens(0, 48)) == 3,
+        "the blocks back without a new batch",
+    );
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
