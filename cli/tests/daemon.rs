@@ -498,6 +498,73 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
 }
 
 #[test]
+fn kvedge_publish_registers_again_when_the_daemon_restarts() {
+    let mut d = start("publish-again");
+    let events = d.dir.join("events.jsonl");
+    let tokens: Vec<u32> = (0..64).collect();
+    std::fs::write(
+        &events,
+        format!("{}\n", json!({"stored": {"tokens": tokens}})),
+    )
+    .unwrap();
+    let mut publish = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args([
+            "publish",
+            "--worker-id",
+            "5",
+            "--model",
+            "llama",
+            "--events",
+            events.to_str().unwrap(),
+            "--hold",
+            "60",
+            "--runtime-dir",
+            d.dir.to_str().unwrap(),
+        ])
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let q = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
+    let blocks =
+        |d: &Daemon| Conn::connect(&d.query()).ask(q.clone())["overlap_blocks"]["device"] == 4;
+    wait_for(|| blocks(&d), "the published blocks");
+    // The daemon goes away and a new one starts in the same place.
+    d.child.kill().unwrap();
+    d.child.wait().unwrap();
+    for sock in ["query.sock", "control.sock"] {
+        let _ = std::fs::remove_file(d.dir.join(sock));
+    }
+    d.child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .arg("run")
+        .arg("--config")
+        .arg(d.config())
+        .arg("--runtime-dir")
+        .arg(&d.dir)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let up = std::time::Instant::now();
+    while std::os::unix::net::UnixStream::connect(d.query()).is_err() {
+        assert!(
+            up.elapsed() < Duration::from_secs(10),
+            "daemon did not start"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    let start = std::time::Instant::now();
+    while !blocks(&d) {
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "kvedge publish did not register again"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    publish.kill().unwrap();
+    publish.wait().unwrap();
+}
+
+#[test]
 fn the_binary_protocol_answers_and_survives_bad_frames() {
     use kvedge_wire::{self as wire, Client as Wire, Status};
     let d = start("binary");

@@ -27,6 +27,10 @@
 #include <stdint.h>
 #include <stddef.h>
 
+// How long a client's call waits for the daemon unless
+// `kvedge_client_set_timeout_ms` says otherwise, in milliseconds.
+#define KVEDGE_DEFAULT_TIMEOUT_MS 10000
+
 // KV tiers.
 #define KVEDGE_TIER_DEVICE 0
 
@@ -356,8 +360,9 @@ void kvedge_publisher_close(struct kvedge_publisher *publisher);
 // `query_socket_path` is NUL-terminated; `out` is writable.
 kvedge_status kvedge_client_connect(const char *query_socket_path, struct kvedge_client **out);
 
-// Bounds how long each call waits for the daemon (0: forever, the
-// default). After a timeout the client must be closed and reconnected.
+// Bounds how long each call waits for the daemon:
+// [`KVEDGE_DEFAULT_TIMEOUT_MS`] from connect on, 0 for no bound. After a
+// timeout the client must be closed and reconnected.
 //
 // # Safety
 // `client` is a live handle used by this thread only.

@@ -50,6 +50,10 @@ pub const KVEDGE_ERR_REJECTED: kvedge_status = 5;
 pub const KVEDGE_ERR_CLOSED: kvedge_status = 6;
 /// No reply within the client's timeout; the client must be reconnected.
 pub const KVEDGE_ERR_TIMEOUT: kvedge_status = 7;
+
+/// How long a client's call waits for the daemon unless
+/// `kvedge_client_set_timeout_ms` says otherwise, in milliseconds.
+pub const KVEDGE_DEFAULT_TIMEOUT_MS: u32 = 10_000;
 /// Another I/O error.
 pub const KVEDGE_ERR_IO: kvedge_status = 8;
 /// The peer sent something this library does not understand.
@@ -938,7 +942,13 @@ pub unsafe extern "C" fn kvedge_client_connect(
         unsafe { *out = std::ptr::null_mut() };
         // SAFETY: caller contract.
         let socket = unsafe { path(query_socket_path, "query_socket_path")? };
-        let inner = Client::connect(socket).map_err(|e| io_error(e).at(socket))?;
+        let mut inner = Client::connect(socket).map_err(|e| io_error(e).at(socket))?;
+        // A daemon that stops answering must not hang its callers.
+        inner
+            .set_timeout(Some(Duration::from_millis(u64::from(
+                KVEDGE_DEFAULT_TIMEOUT_MS,
+            ))))
+            .map_err(io_error)?;
         // SAFETY: `out` is writable (checked above).
         unsafe {
             *out = Box::into_raw(Box::new(kvedge_client {
@@ -950,8 +960,9 @@ pub unsafe extern "C" fn kvedge_client_connect(
     })
 }
 
-/// Bounds how long each call waits for the daemon (0: forever, the
-/// default). After a timeout the client must be closed and reconnected.
+/// Bounds how long each call waits for the daemon:
+/// [`KVEDGE_DEFAULT_TIMEOUT_MS`] from connect on, 0 for no bound. After a
+/// timeout the client must be closed and reconnected.
 ///
 /// # Safety
 /// `client` is a live handle used by this thread only.

@@ -188,9 +188,13 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
     let mut engine = EngineModel::new(params);
     let start = Instant::now();
     let sim_now = |speed: f64| (start.elapsed().as_secs_f64() * 1e6 * speed) as u64;
-    let mut conns: Vec<Conn> = Vec::new();
-    // Request id -> (connection index, arrival in simulated µs).
-    let mut owners: HashMap<u64, (usize, u64)> = HashMap::new();
+    // Connections by a number of their own (never reused), so that one
+    // that closed can go, descriptor and all, while requests of others
+    // are in flight.
+    let mut conns: HashMap<u64, Conn> = HashMap::new();
+    let mut next_conn = 0u64;
+    // Request id -> (connection, arrival in simulated µs).
+    let mut owners: HashMap<u64, (u64, u64)> = HashMap::new();
     let mut out = Outputs::default();
     let mut next_step: Option<u64> = None;
     let mut last_beat = Instant::now();
@@ -200,12 +204,16 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
             match listener.accept() {
                 Ok((s, _)) => {
                     if s.set_nonblocking(true).is_ok() {
-                        conns.push(Conn {
-                            stream: s,
-                            buf: Vec::new(),
-                            out: Vec::new(),
-                            closed: false,
-                        });
+                        next_conn += 1;
+                        conns.insert(
+                            next_conn,
+                            Conn {
+                                stream: s,
+                                buf: Vec::new(),
+                                out: Vec::new(),
+                                closed: false,
+                            },
+                        );
                     }
                 }
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
@@ -214,7 +222,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         }
         let now = sim_now(args.speed);
         let mut submitted = false;
-        for (ci, c) in conns.iter_mut().enumerate() {
+        for (&ci, c) in conns.iter_mut() {
             read_available(c);
             while let Some(pos) = c.buf.iter().position(|&b| b == b'\n') {
                 let line: Vec<u8> = c.buf.drain(..=pos).collect();
@@ -291,16 +299,17 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
                 if matches!(c, Completion::Finished { .. }) {
                     owners.remove(&id);
                 }
-                if let Some(conn) = conns.get_mut(ci) {
+                if let Some(conn) = conns.get_mut(&ci) {
                     conn.out.extend_from_slice(format!("{line}\n").as_bytes());
                 }
             }
         }
-        for c in &mut conns {
+        for c in conns.values_mut() {
             flush(c);
         }
-        // Connections that hung up keep their index (requests in flight
-        // point at it) but stop being read.
+        // A connection that hung up goes (what its requests still say is
+        // dropped: no one is there to read it).
+        conns.retain(|_, c| !c.closed);
         // Resync requests: republish every block held, per tier.
         // Over ZeroMQ there is no resync and no heartbeat: the bridge
         // replays and probes.
@@ -453,11 +462,11 @@ fn flush(c: &mut Conn) {
     }
 }
 
-fn wait_readable(listener: &UnixListener, conns: &[Conn], timeout: Duration) {
+fn wait_readable(listener: &UnixListener, conns: &HashMap<u64, Conn>, timeout: Duration) {
     use rustix::event::{PollFd, PollFlags};
     let mut fds = Vec::with_capacity(1 + conns.len());
     fds.push(PollFd::new(listener, PollFlags::IN));
-    for c in conns.iter().filter(|c| !c.closed) {
+    for c in conns.values().filter(|c| !c.closed) {
         let flags = if c.out.is_empty() {
             PollFlags::IN
         } else {

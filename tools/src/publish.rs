@@ -1,8 +1,10 @@
 //! `kvedge publish`: a command-line engine. It registers over the control
 //! socket, publishes the KV events of a JSON-lines file through its ring,
 //! then holds the registration, answering resync requests from what it
-//! published, until stdin closes or the hold time passes. For trying
-//! policies by hand and for scripted tests.
+//! published, until stdin closes or the hold time passes; when the daemon
+//! closes the registration (it restarted, or dropped the engine), it
+//! registers again and publishes what it holds. For trying policies by
+//! hand and for scripted tests.
 
 use std::collections::BTreeSet;
 use std::io::BufRead;
@@ -107,6 +109,21 @@ fn tier(name: Option<&str>) -> Result<Tier, String> {
 /// What this engine holds, per tier, to answer a resync.
 #[derive(Default)]
 struct Held([BTreeSet<u64>; 3]);
+
+impl Held {
+    /// Publishes everything held, after a Cleared (a snapshot's body, or a
+    /// new registration's start).
+    fn republish(&self, p: &mut Publisher) -> Result<(), PublishError> {
+        p.publish_cleared(None)?;
+        for (t, set) in Tier::ALL.iter().zip(&self.0) {
+            let all: Vec<u64> = set.iter().copied().collect();
+            for chunk in all.chunks(64) {
+                p.publish_stored_hashes(*t, None, chunk)?;
+            }
+        }
+        Ok(())
+    }
+}
 
 /// Registers `hello` with the daemon of `runtime_dir` (or at the control
 /// socket `socket`) and returns the engine's publisher.
@@ -218,32 +235,47 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
             }
         }
     }
-    // Hold: answer resync requests; heartbeat once a second.
+    // Hold: answer resync requests; heartbeat once a second; register
+    // again whenever the daemon closes the registration.
     let start = Instant::now();
     let mut last_beat = Instant::now();
+    let done = || match args.hold {
+        Some(secs) => start.elapsed().as_secs_f64() >= secs,
+        None => stdin_closed(),
+    };
+    let mut registrations = 1u64;
     loop {
-        let done = match args.hold {
-            Some(secs) => start.elapsed().as_secs_f64() >= secs,
-            None => stdin_closed(),
-        };
-        if done {
+        if done() {
             return Ok(serde_json::json!({
                 "events": events,
                 "dropped_records": publisher.dropped(),
+                "registrations": registrations,
             }));
         }
-        publisher
-            .serve_resync(|p| {
-                p.publish_cleared(None)?;
-                for (t, set) in Tier::ALL.iter().zip(&held.0) {
-                    let all: Vec<u64> = set.iter().copied().collect();
-                    for chunk in all.chunks(64) {
-                        p.publish_stored_hashes(*t, None, chunk)?;
-                    }
+        if let Err(e) = publisher.serve_resync(|p| held.republish(p)) {
+            eprintln!(
+                "kvedge publish: the daemon closed the registration ({e}); registering again"
+            );
+            loop {
+                if done() {
+                    return Ok(serde_json::json!({
+                        "events": events,
+                        "dropped_records": publisher.dropped(),
+                        "registrations": registrations,
+                    }));
                 }
-                Ok(())
-            })
-            .map_err(|e| e.to_string())?;
+                match connect(&args.runtime_dir, args.socket.as_deref(), &hello) {
+                    Ok(p) => {
+                        publisher = p;
+                        break;
+                    }
+                    Err(_) => std::thread::sleep(Duration::from_secs(1)),
+                }
+            }
+            registrations += 1;
+            held.republish(&mut publisher).map_err(publish_err)?;
+            eprintln!("kvedge publish: registered again");
+        }
         if last_beat.elapsed() >= Duration::from_secs(1) {
             let _ = publisher.heartbeat(0);
             last_beat = Instant::now();
