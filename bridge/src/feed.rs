@@ -169,6 +169,10 @@ pub struct Feed {
     source: Option<Source>,
     disowned: Vec<u64>,
     replaying: Option<Replaying>,
+    /// The history asked at start was not given (the replay socket did
+    /// not answer, or not in time): the next batch is applied as it is
+    /// rather than asking again.
+    history_abandoned: bool,
     counts: FeedCounts,
     /// Lines for the log (restarts, losses, strangers), drained by the
     /// driver, which rate-limits each kind.
@@ -188,6 +192,7 @@ impl Feed {
             source: None,
             disowned: Vec::new(),
             replaying: None,
+            history_abandoned: false,
             counts: FeedCounts::default(),
             log: Vec::new(),
         }
@@ -320,7 +325,7 @@ impl Feed {
     /// A message from the vouched source.
     fn proceed(&mut self, seq: u64, payload: &[u8], sink: &mut impl Sink) -> Live {
         let Some(last) = self.last else {
-            if seq > 0 && self.can_replay {
+            if seq > 0 && self.can_replay && !std::mem::take(&mut self.history_abandoned) {
                 return self.start_replay(
                     0,
                     seq,
@@ -580,6 +585,12 @@ impl Feed {
             }
             Purpose::CatchUp { .. } => Live::Applied,
             Purpose::Fill { startup, holed } => {
+                if startup && !complete {
+                    // Not asked again for the next batch: this one is
+                    // applied as it is.
+                    self.abandon_history();
+                    self.history_abandoned = false;
+                }
                 let covered = self.last.map_or(seq == 0, |last| last + 1 >= seq);
                 if !covered && !startup && !holed {
                     let why = if complete {
@@ -598,10 +609,23 @@ impl Feed {
         }
     }
 
+    /// The history the replay socket was asked for did not come whole.
+    fn abandon_history(&mut self) {
+        self.history_abandoned = true;
+        self.counts.lost += 1;
+        self.log.push((
+            LogKind::Loss,
+            "the replay socket did not give the engine's history (no answer, or not within the deadline): blocks it stored before are learned from its later batches".to_owned(),
+        ));
+    }
+
     /// The end of a replay asked on connecting.
     fn caught_up(&mut self, purpose: Purpose, complete: bool, sink: &mut impl Sink) -> Live {
         let Purpose::CatchUp { last, found, .. } = purpose else {
             // History at start: whatever came was applied.
+            if !complete {
+                self.abandon_history();
+            }
             return Live::Applied;
         };
         let restarted = match found {

@@ -61,6 +61,7 @@ pub struct Snapshot {
 pub struct PickerStats {
     pub connections: u64,
     pub connections_refused: u64,
+    pub connections_evicted: u64,
     pub connections_idle_closed: u64,
     pub streams: u64,
     pub streams_refused: u64,
@@ -152,8 +153,13 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
     );
     r.register(
         "epp_connections_refused",
-        "Endpoint-picker connections closed as they came (epp.max_connections)",
+        "Endpoint-picker connections closed as they came, every open one having a stream (epp.max_connections)",
         counter(p.connections_refused),
+    );
+    r.register(
+        "epp_connections_evicted",
+        "Endpoint-picker connections with no stream open closed to make room for a new one (epp.max_connections)",
+        counter(p.connections_evicted),
     );
     r.register(
         "epp_connections_idle_closed",

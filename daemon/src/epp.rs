@@ -140,6 +140,7 @@ fn snapshot(s: &Stats) -> PickerStats {
     PickerStats {
         connections: n(&s.connections),
         connections_refused: n(&s.connections_refused),
+        connections_evicted: n(&s.connections_evicted),
         connections_idle_closed: n(&s.connections_idle_closed),
         streams: n(&s.streams),
         streams_refused: n(&s.streams_refused),

@@ -12,6 +12,7 @@
 //! back. What each bound refused is counted in [`Stats`].
 
 use std::collections::BTreeMap;
+use std::future::Future;
 use std::io;
 use std::net::SocketAddr;
 use std::pin::Pin;
@@ -44,10 +45,11 @@ use crate::tokenize::Models;
 /// The gRPC service name of ext_proc (for health checks).
 pub const EXT_PROC_SERVICE: &str = "envoy.service.ext_proc.v3.ExternalProcessor";
 
-/// How long a stream may wait between messages before its pick: Envoy
-/// sends the buffered body right after the headers, so a stream silent
-/// this long is abandoned (it is closed with `DEADLINE_EXCEEDED`). After
-/// the pick, the response may take as long as generation does.
+/// How long a stream's request (its headers to the end of its body) may
+/// take: Envoy sends a buffered body right after the headers, so a stream
+/// still without its whole body this long after it opened is abandoned
+/// (closed with `DEADLINE_EXCEEDED`), however it trickles. After the pick,
+/// the response may take as long as generation does.
 pub const REQUEST_PHASE_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
 /// Streams at once per gRPC connection.
 pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
@@ -68,8 +70,7 @@ pub struct Settings {
     pub max_streams: usize,
     /// Request body bytes buffered at once over all streams.
     pub max_buffered_body_bytes: usize,
-    /// A pick whose response has not ended after this has its reservation
-    /// released.
+    /// A picked stream silent this long has its reservation released.
     pub pick_timeout: Duration,
     pub tokenizer_threads: usize,
     pub tokenizer_queue: usize,
@@ -96,8 +97,11 @@ impl Default for Settings {
 pub struct Stats {
     /// gRPC connections open now.
     pub connections: AtomicU64,
-    /// Connections closed as they came, past `max_connections`.
+    /// Connections closed as they came, past `max_connections` with every
+    /// open connection busy.
     pub connections_refused: AtomicU64,
+    /// Idle connections closed to make room for a new one.
+    pub connections_evicted: AtomicU64,
     /// Connections closed for being idle (or silent from the start).
     pub connections_idle_closed: AtomicU64,
     /// ext_proc streams open now.
@@ -326,22 +330,27 @@ impl Picker {
         let mut held = BodyHeld {
             stats: Arc::clone(&self.stats),
             bytes: 0,
+            seen: 0,
         };
         // Whether the pick's reservation may still be released by the
         // pick timeout (once).
         let mut pick_timer = true;
+        let request_deadline = tokio::time::Instant::now() + REQUEST_PHASE_TIMEOUT;
         loop {
             let picked = ex.as_ref().is_some_and(Exchange::picked);
-            let (limit, phase) = if !picked {
-                (Some(REQUEST_PHASE_TIMEOUT), "request")
+            let (until, phase) = if !picked {
+                (Some(request_deadline), "request")
             } else if pick_timer {
-                (Some(self.settings.pick_timeout), "response")
+                (
+                    Some(tokio::time::Instant::now() + self.settings.pick_timeout),
+                    "response",
+                )
             } else {
                 (None, "")
             };
-            let next = match limit {
+            let next = match until {
                 None => inbound.message().await,
-                Some(limit) => match tokio::time::timeout(limit, inbound.message()).await {
+                Some(until) => match tokio::time::timeout_at(until, inbound.message()).await {
                     Ok(next) => next,
                     Err(_) if phase == "response" => {
                         // The response has not ended: give the reservation
@@ -356,7 +365,7 @@ impl Picker {
                     Err(_) => {
                         let _ = out
                             .send(Err(tonic::Status::deadline_exceeded(
-                                "no request body within 30 s of the headers",
+                                "the request was not whole within 30 s",
                             )))
                             .await;
                         break;
@@ -386,8 +395,15 @@ impl Picker {
             let mut step = match &msg.request {
                 Some(Msg::RequestHeaders(h)) => ex.handle_request_headers(h),
                 Some(Msg::RequestBody(b)) => {
-                    if self.reserve_body(b.body.len()) {
-                        held.bytes += b.body.len();
+                    // A body's first INLINE_PROMPT_BYTES need no budget
+                    // (they are bounded by max_streams), so small requests
+                    // pass while large ones hold it all.
+                    let seen = held.seen;
+                    held.seen += b.body.len();
+                    let charge = held.seen.saturating_sub(INLINE_PROMPT_BYTES)
+                        - seen.saturating_sub(INLINE_PROMPT_BYTES);
+                    if self.reserve_body(charge) {
+                        held.bytes += charge;
                         ex.handle_request_body(b, &self.limits)
                     } else {
                         self.stats.refused_body_budget.fetch_add(1, Relaxed);
@@ -456,7 +472,10 @@ impl Picker {
 /// its body or ends.
 struct BodyHeld {
     stats: Arc<Stats>,
+    /// Bytes taken from the budget.
     bytes: usize,
+    /// Bytes of the body so far.
+    seen: usize,
 }
 
 impl BodyHeld {
@@ -553,6 +572,9 @@ pub struct ConnInfo {
 /// [`FIRST_BYTES_TIMEOUT`].
 struct Guarded {
     io: TcpStream,
+    /// Fires when the accept loop needs this connection's place.
+    evict: oneshot::Receiver<()>,
+    evicted: bool,
     timer: Pin<Box<tokio::time::Sleep>>,
     idle_after: Duration,
     greeted: bool,
@@ -561,14 +583,22 @@ struct Guarded {
 }
 
 impl Guarded {
-    fn new(io: TcpStream, idle_after: Duration, stats: Arc<Stats>) -> Guarded {
+    fn new(
+        io: TcpStream,
+        idle_after: Duration,
+        streams: Arc<AtomicUsize>,
+        evict: oneshot::Receiver<()>,
+        stats: Arc<Stats>,
+    ) -> Guarded {
         stats.connections.fetch_add(1, Relaxed);
         Guarded {
             io,
+            evict,
+            evicted: false,
             timer: Box::pin(tokio::time::sleep(FIRST_BYTES_TIMEOUT)),
             idle_after,
             greeted: false,
-            streams: Arc::default(),
+            streams,
             stats,
         }
     }
@@ -615,6 +645,13 @@ impl AsyncRead for Guarded {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<io::Result<()>> {
         let this = self.get_mut();
+        if this.evicted || Pin::new(&mut this.evict).poll(cx).is_ready() {
+            this.evicted = true;
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to make room for a new connection",
+            )));
+        }
         let before = buf.filled().len();
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
@@ -667,8 +704,16 @@ impl tonic::transport::server::Connected for Guarded {
     }
 }
 
-/// Accepts connections up to the limit (closing the rest as they come)
-/// and hands them to the server.
+/// An accepted connection, as the accept loop keeps it (oldest first).
+struct Tracked {
+    streams: Arc<AtomicUsize>,
+    evict: oneshot::Sender<()>,
+}
+
+/// Accepts connections up to the limit and hands them to the server. At
+/// the limit, the oldest connection with no stream open makes room (a
+/// gateway reopens one it needs; a connection held open for nothing loses
+/// its place); only when every connection is busy is the newcomer closed.
 async fn accept(
     listener: tokio::net::TcpListener,
     tx: mpsc::Sender<io::Result<Guarded>>,
@@ -677,6 +722,7 @@ async fn accept(
 ) {
     let mut refused = RateLimit::default();
     let mut failed = RateLimit::default();
+    let mut open: std::collections::VecDeque<Tracked> = std::collections::VecDeque::new();
     loop {
         let (io, peer) = match listener.accept().await {
             Ok(x) => x,
@@ -689,21 +735,44 @@ async fn accept(
                 continue;
             }
         };
-        if stats.connections.load(Relaxed) >= settings.max_connections as u64 {
-            stats.connections_refused.fetch_add(1, Relaxed);
-            if let Some(n) = refused.allow(std::time::Instant::now()) {
-                tracing::warn!(
-                    "the endpoint picker refused a connection from {peer}: it has {} open (epp.max_connections){}",
-                    settings.max_connections,
-                    held_back(n)
-                );
+        open.retain(|t| !t.evict.is_closed());
+        if open.len() >= settings.max_connections {
+            match open.iter().position(|t| t.streams.load(Relaxed) == 0) {
+                Some(i) => {
+                    if let Some(t) = open.remove(i) {
+                        let _ = t.evict.send(());
+                    }
+                    stats.connections_evicted.fetch_add(1, Relaxed);
+                }
+                None => {
+                    stats.connections_refused.fetch_add(1, Relaxed);
+                    if let Some(n) = refused.allow(std::time::Instant::now()) {
+                        tracing::warn!(
+                            "the endpoint picker refused a connection from {peer}: its {} connections all have streams open (epp.max_connections){}",
+                            settings.max_connections,
+                            held_back(n)
+                        );
+                    }
+                    continue;
+                }
             }
-            continue;
         }
         // Without TCP_NODELAY a reply waits for the peer's delayed ACK
         // (40 ms on Linux) behind the one before it.
         let _ = io.set_nodelay(true);
-        let conn = Guarded::new(io, settings.idle_timeout, Arc::clone(&stats));
+        let streams = Arc::new(AtomicUsize::new(0));
+        let (evict, evicted) = oneshot::channel();
+        open.push_back(Tracked {
+            streams: Arc::clone(&streams),
+            evict,
+        });
+        let conn = Guarded::new(
+            io,
+            settings.idle_timeout,
+            streams,
+            evicted,
+            Arc::clone(&stats),
+        );
         if tx.send(Ok(conn)).await.is_err() {
             return;
         }

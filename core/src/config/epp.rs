@@ -31,7 +31,9 @@ pub struct EppSection {
     /// Largest prompt, in tokens (larger: 400).
     #[serde(default = "max_prompt_tokens")]
     pub max_prompt_tokens: usize,
-    /// gRPC connections at once; more are closed as they come.
+    /// gRPC connections at once. At the limit the oldest connection with
+    /// no stream open is closed to make room; when all have streams, the
+    /// newcomer is.
     #[serde(default = "max_connections")]
     pub max_connections: usize,
     /// A connection with no stream open and no bytes this long is
@@ -46,8 +48,8 @@ pub struct EppSection {
     /// would pass it gets a 503 at once.
     #[serde(default = "max_buffered_body_bytes")]
     pub max_buffered_body_bytes: usize,
-    /// A pick whose response has not ended after this long has its
-    /// reservation released (the stream goes on).
+    /// A picked stream silent this long (no response headers or body
+    /// chunk) has its reservation released; the stream goes on.
     #[serde(default = "pick_timeout_ms")]
     pub pick_timeout_ms: u64,
     /// Threads that tokenize prompts and render chat templates.

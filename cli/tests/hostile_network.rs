@@ -1,0 +1,1045 @@
+//! The network surfaces under attack: a real `kvedge run` with engines
+//! read over ZeroMQ and the endpoint picker on TCP, attacked over real
+//! loopback sockets the way a hostile or clumsy peer would, while a
+//! well-behaved engine (libzmq, through `fixtures/fake_vllm.py`) and
+//! well-behaved gateway requests keep using it.
+//!
+//! Each test states what must hold: the daemon stays up, its memory stays
+//! under a bound, strangers change no engine's view, the well-behaved
+//! requests' decisions stay fast (a bound far above their usual few
+//! milliseconds, far below the second-long stalls these attacks caused),
+//! and query.sock keeps answering. Every attack is bounded in time and
+//! count.
+
+mod common;
+
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
+use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use common::{Conn, Daemon, ask, start, wait_for};
+use kvedge_bridge::encode::{EventOut, Layout, write_batch};
+use kvedge_epp::testing::free_port;
+use kvedge_zmtp::codec::{self, SocketType};
+use serde_json::{Value, json};
+
+// ---------------------------------------------------------------- helpers
+
+/// The daemon's resident memory, in bytes.
+fn rss(d: &Daemon) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{}/status", d.child.id())).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next())
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb * 1024
+}
+
+/// The daemon's open file descriptors.
+fn fds(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// CPU time the process has used (user and system), in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command's closing parenthesis; utime and stime
+    // are the 14th and 15th of the whole line.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// The daemon runs and query.sock answers.
+fn alive(d: &mut Daemon) -> bool {
+    d.child.try_wait().unwrap().is_none()
+        && ask(&d.query(), json!({"op": "stats"}))["index_entries"].is_u64()
+}
+
+fn worker(c: &mut Conn, id: u64) -> Value {
+    let w = c.ask(json!({"op": "workers"}));
+    w["workers"]
+        .as_array()
+        .and_then(|rows| rows.iter().find(|r| r["worker_id"] == id).cloned())
+        .unwrap_or(Value::Null)
+}
+
+fn notice(row: &Value, code: &str) -> u64 {
+    row["notices"]
+        .as_array()
+        .and_then(|n| n.iter().find(|n| n["code"] == code))
+        .and_then(|n| n["count"].as_u64())
+        .unwrap_or(0)
+}
+
+fn tokens(from: u32, to: u32) -> Vec<u32> {
+    (from..to).collect()
+}
+
+fn overlap(c: &mut Conn, t: &[u32]) -> u64 {
+    let r = c.ask(json!({"op": "select", "model": "llama", "tokens": t, "dry_run": true}));
+    r["overlap_blocks"]["device"].as_u64().unwrap_or(0)
+}
+
+/// Waits up to 20 s for `cond`.
+fn wait(mut cond: impl FnMut() -> bool, what: &str) {
+    let start = Instant::now();
+    while !cond() {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// `fixtures/fake_vllm.py`: vLLM's publisher and replay socket on libzmq.
+struct FakeEngine {
+    child: Child,
+    stdin: ChildStdin,
+    stdout: BufReader<ChildStdout>,
+    ports: Value,
+}
+
+impl FakeEngine {
+    fn spawn(args: &[&str]) -> FakeEngine {
+        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/fake_vllm.py");
+        let mut child = Command::new("python3")
+            .arg(script)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .spawn()
+            .expect("python3 (with pyzmq, msgspec and prometheus_client) is needed");
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        stdout.read_line(&mut line).unwrap();
+        let ports: Value = serde_json::from_str(&line)
+            .unwrap_or_else(|_| panic!("the fake engine did not start: {line:?}"));
+        FakeEngine {
+            child,
+            stdin,
+            stdout,
+            ports,
+        }
+    }
+
+    fn port(&self, which: &str) -> u64 {
+        self.ports[which].as_u64().unwrap()
+    }
+
+    fn send(&mut self, cmd: Value) {
+        writeln!(self.stdin, "{cmd}").unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        assert_eq!(line.trim(), "ok", "fake engine answered {line:?} to {cmd}");
+    }
+
+    /// Publishes one block of `t` (16 tokens) as engine hash `h`.
+    fn store(&mut self, h: u64, t: &[u32]) {
+        self.send(json!({"op": "stored", "hashes": [h], "parent": null, "tokens": t}));
+    }
+}
+
+impl Drop for FakeEngine {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// A raw TCP peer from `from` that greeted as a PUB (what it sends next
+/// is up to the test).
+fn raw_pub(to: SocketAddr, from: Ipv4Addr) -> TcpStream {
+    let s = std::net::TcpStream::connect_timeout(&to, Duration::from_secs(5));
+    // Binding a source address needs a socket built by hand.
+    let s = if from == Ipv4Addr::LOCALHOST {
+        s.unwrap()
+    } else {
+        let sock =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        sock.bind(&SocketAddr::from((from, 0)).into()).unwrap();
+        sock.connect(&to.into()).unwrap();
+        sock.into()
+    };
+    let mut s = s;
+    let mut out = codec::greeting(false).to_vec();
+    codec::encode_ready(&mut out, SocketType::Pub, b"");
+    s.write_all(&out).unwrap();
+    s
+}
+
+/// A vLLM-format batch storing one block of `tokens` as engine hash `h`.
+fn batch(h: u64, t: &[u32]) -> Vec<u8> {
+    let hashes = [h];
+    let mut b = Vec::new();
+    write_batch(
+        &mut b,
+        1.0,
+        &[EventOut::Stored {
+            hashes: &hashes,
+            parent: None,
+            tokens: t,
+            block_size: 16,
+            medium: "GPU",
+        }],
+        Layout::Map,
+        Some(0),
+    );
+    b
+}
+
+/// Sends [topic, seq, payload] as a ZMTP message on a raw peer.
+fn send_batch(s: &mut TcpStream, seq: u64, payload: &[u8]) {
+    let mut out = Vec::new();
+    codec::encode_message(&mut out, &[&b"kv-events"[..], &seq.to_be_bytes(), payload]);
+    let _ = s.write_all(&out);
+}
+
+/// Whether the other end closed `s` within 10 s.
+fn closed(s: &mut TcpStream) -> bool {
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    let mut buf = [0u8; 4096];
+    loop {
+        match s.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return false,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => return false,
+            Err(_) => return true,
+        }
+    }
+}
+
+fn engine_entry(id: u64, events: &str, replay: &str, extra: &str) -> String {
+    format!(
+        "  - kind: vllm\n    model: llama\n    worker_id: {id}\n    block_size: 16\n    endpoint: http://127.0.0.1:8000\n    events: {events}\n    replay: {replay}\n    topic: kv-events\n{extra}"
+    )
+}
+
+// ------------------------------------------------------------ ZeroMQ side
+
+/// Frame headers declaring 200 GB, messages of endless frames, and a
+/// connected "engine" that does the same: each peer is cut off at the
+/// header, the daemon's memory does not follow what they declare or send,
+/// and a well-behaved engine's events keep flowing.
+#[test]
+fn zmq_peers_declaring_huge_frames_or_endless_messages_are_cut_off() {
+    let mut good = FakeEngine::spawn(&["--no-metrics"]);
+    // A hostile "engine" kvedge connects to: it greets, then declares a
+    // 200 GB frame, on every connection.
+    let hostile = TcpListener::bind("127.0.0.1:0").unwrap();
+    let hostile_port = hostile.local_addr().unwrap().port();
+    let served = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    {
+        let served = std::sync::Arc::clone(&served);
+        std::thread::spawn(move || {
+            for mut s in hostile.incoming().flatten() {
+                let mut out = codec::greeting(true).to_vec();
+                codec::encode_ready(&mut out, SocketType::Pub, b"");
+                out.push(0x02);
+                out.extend_from_slice(&200_000_000_000u64.to_be_bytes());
+                let _ = s.write_all(&out);
+                served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+    }
+    let bind_port = free_port(Ipv4Addr::LOCALHOST);
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nengines:\n{}{}{}",
+        engine_entry(
+            10,
+            &format!("tcp://127.0.0.1:{}", good.port("events")),
+            &format!("tcp://127.0.0.1:{}", good.port("replay")),
+            ""
+        ),
+        engine_entry(
+            11,
+            &format!("tcp://127.0.0.1:{bind_port}"),
+            "tcp://127.0.0.1:1",
+            "    events_bind: true\n"
+        ),
+        engine_entry(
+            12,
+            &format!("tcp://127.0.0.1:{hostile_port}"),
+            "tcp://127.0.0.1:1",
+            ""
+        ),
+    );
+    let mut d = start("hostile-zmq-frames", &yaml);
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the good engine",
+    );
+    wait(
+        || TcpStream::connect(("127.0.0.1", bind_port)).is_ok(),
+        "the bound events port",
+    );
+    let before = rss(&d);
+    let to = SocketAddr::from(([127, 0, 0, 1], bind_port));
+    // 20 peers declaring 200 GB frames, one after another.
+    for _ in 0..20 {
+        let mut s = raw_pub(to, Ipv4Addr::LOCALHOST);
+        let mut header = vec![0x02];
+        header.extend_from_slice(&200_000_000_000u64.to_be_bytes());
+        let _ = s.write_all(&header);
+        assert!(closed(&mut s), "a peer declaring 200 GB is cut off");
+    }
+    // A peer whose message never ends: MORE frames for as long as the
+    // daemon reads them (256 MiB at most, 10 s at most).
+    let mut endless = raw_pub(to, Ipv4Addr::LOCALHOST);
+    let frame: Vec<u8> = [0x03u8]
+        .into_iter()
+        .chain(65_536u64.to_be_bytes())
+        .chain(std::iter::repeat_n(0u8, 65_536))
+        .collect();
+    endless
+        .set_write_timeout(Some(Duration::from_secs(2)))
+        .unwrap();
+    let started = Instant::now();
+    let mut sent = 0usize;
+    while sent < 256 << 20 && started.elapsed() < Duration::from_secs(10) {
+        if endless.write_all(&frame).is_err() {
+            break;
+        }
+        sent += frame.len();
+    }
+    assert!(
+        sent < 256 << 20,
+        "the endless message was read on and on ({sent} bytes)"
+    );
+    // Meanwhile the good engine is served.
+    good.store(1, &tokens(0, 16));
+    let mut n = 2;
+    wait(
+        || {
+            if overlap(&mut c, &tokens(0, 16)) == 1 {
+                return true;
+            }
+            good.store(n, &tokens(1000 + n as u32 * 16, 1016 + n as u32 * 16));
+            n += 1;
+            false
+        },
+        "the good engine's block",
+    );
+    wait(
+        || notice(&worker(&mut c, 11), "events_refused") >= 21,
+        "the cut-off peers counted on the bound engine",
+    );
+    wait(
+        || served.load(std::sync::atomic::Ordering::Relaxed) >= 2,
+        "the hostile engine connected to (and cut off) again",
+    );
+    wait(
+        || notice(&worker(&mut c, 12), "events_refused") >= 1,
+        "the hostile engine's cut-off counted",
+    );
+    let after = rss(&d);
+    assert!(
+        after < before + (64 << 20),
+        "RSS grew from {before} to {after} bytes"
+    );
+    assert!(alive(&mut d));
+}
+
+/// With `events_bind`, a stranger cannot add blocks to the engine's view
+/// or wipe it: not while the engine is connected (one source at a time),
+/// not before it connects (the engine's replay socket disowns its
+/// batches), and not from an address the entry does not allow. A flood of
+/// connections is bounded and leaves the daemon idle.
+#[test]
+fn strangers_cannot_rewrite_an_engines_view_through_a_bound_port() {
+    let mut e = FakeEngine::spawn(&["--no-metrics"]);
+    let port = free_port(Ipv4Addr::LOCALHOST);
+    let strict_port = free_port(Ipv4Addr::LOCALHOST);
+    let replay = format!("tcp://127.0.0.1:{}", e.port("replay"));
+    // No spinning or warming between requests: the CPU measured below is
+    // then the bridge's alone.
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\n  spin_us: 0\n  warm_us: 0\nengines:\n{}{}",
+        engine_entry(
+            10,
+            &format!("tcp://127.0.0.1:{port}"),
+            &replay,
+            "    events_bind: true\n"
+        ),
+        engine_entry(
+            11,
+            &format!("tcp://127.0.0.1:{strict_port}"),
+            "tcp://127.0.0.1:1",
+            "    events_bind: true\n    events_allow: [127.0.0.1/32]\n"
+        ),
+    );
+    let mut d = start("hostile-zmq-strangers", &yaml);
+    let mut c = Conn::connect(&d.query());
+    wait(|| !worker(&mut c, 10).is_null(), "the worker");
+    for p in [port, strict_port] {
+        wait(
+            || TcpStream::connect(("127.0.0.1", p)).is_ok(),
+            "the bound events ports",
+        );
+    }
+    let to = SocketAddr::from(([127, 0, 0, 1], port));
+
+    // A stranger comes first, with an invented block under number 5: the
+    // engine's replay socket does not hold it, so it is not taken.
+    let invented = tokens(9000, 9016);
+    let mut early = raw_pub(to, Ipv4Addr::LOCALHOST);
+    send_batch(&mut early, 5, &batch(66, &invented));
+    wait(
+        || notice(&worker(&mut c, 10), "foreign_batches") >= 1,
+        "the early stranger disowned",
+    );
+    assert_eq!(overlap(&mut c, &invented), 0);
+
+    // The engine connects (as vLLM with a concrete endpoint does) and
+    // stores four blocks.
+    e.send(json!({"op": "connect", "endpoint": format!("tcp://127.0.0.1:{port}")}));
+    let prompt = tokens(0, 64);
+    let mut k = 0u32;
+    wait(
+        || {
+            if overlap(&mut c, &prompt) == 4 {
+                return true;
+            }
+            // Batches before the subscription arrive are lost; history
+            // comes from the replay socket once one is heard.
+            e.send(
+                json!({"op": "stored", "hashes": [1, 2, 3, 4], "parent": null, "tokens": prompt}),
+            );
+            k += 1;
+            std::thread::sleep(Duration::from_millis(50 * u64::from(k.min(10))));
+            false
+        },
+        "the engine's four blocks",
+    );
+    assert_eq!(overlap(&mut c, &prompt), 4);
+    let stats = || ask(&d.query(), json!({"op": "stats"}))["index_entries"].clone();
+    let entries = stats();
+
+    // While it is connected, a stranger sends the next numbers: an
+    // invented block, then a wipe (number 0, a cleared cache).
+    let mut stranger = raw_pub(to, Ipv4Addr::LOCALHOST);
+    for seq in 1000..1010 {
+        send_batch(&mut stranger, seq, &batch(77, &invented));
+    }
+    let mut wipe = Vec::new();
+    write_batch(&mut wipe, 1.0, &[], Layout::Map, Some(0));
+    send_batch(&mut stranger, 0, &wipe);
+    wait(
+        || notice(&worker(&mut c, 10), "foreign_batches") >= 12,
+        "the stranger's batches ignored",
+    );
+    assert_eq!(overlap(&mut c, &invented), 0, "no invented block routes");
+    assert_eq!(overlap(&mut c, &prompt), 4, "nothing wiped");
+    assert_eq!(stats(), entries);
+
+    // A strict entry takes no one but 127.0.0.1.
+    let mut other = raw_pub(
+        SocketAddr::from(([127, 0, 0, 1], strict_port)),
+        Ipv4Addr::new(127, 0, 0, 3),
+    );
+    assert!(closed(&mut other));
+    wait(
+        || notice(&worker(&mut c, 11), "events_refused") >= 1,
+        "the refused address counted",
+    );
+
+    // A flood of 1,000 connections: four are held, the rest closed at
+    // once; the daemon's descriptors stay few and, with the held ones
+    // idle, it does no more than it did before them.
+    let pid = d.child.id();
+    let ticks = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let quiet = cpu_ticks(pid) - ticks;
+    let mut held = Vec::new();
+    for _ in 0..1000 {
+        if let Ok(s) = TcpStream::connect(to) {
+            held.push(s);
+        }
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(fds(pid) < 200, "{} descriptors", fds(pid));
+    let ticks = cpu_ticks(pid);
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(pid) - ticks;
+    // 2 s is 200 ticks: at most a twentieth of a core more.
+    assert!(
+        used <= quiet + 10,
+        "{used} ticks of CPU in 2 s with idle peers held, {quiet} without"
+    );
+    drop(held);
+    // The engine is still heard.
+    e.store(5, &tokens(500, 516));
+    wait(
+        || overlap(&mut c, &tokens(500, 516)) == 1,
+        "the engine's next block",
+    );
+    assert!(alive(&mut d));
+}
+
+/// Restart storms and stalling replay sockets: the log stays quiet (one
+/// line a second per kind), and a replay that trickles is abandoned at its
+/// deadline with the engine resynced from its next live batch.
+#[test]
+fn restart_storms_are_rate_limited_and_a_stalled_replay_is_abandoned() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    // A publisher that restarts on every connection: it greets, says
+    // batch 0, and resets.
+    let storm = TcpListener::bind("127.0.0.1:0").unwrap();
+    let storm_port = storm.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut s in storm.incoming().flatten() {
+            let mut out = codec::greeting(true).to_vec();
+            codec::encode_ready(&mut out, SocketType::Pub, b"");
+            codec::encode_message(
+                &mut out,
+                &[
+                    &b"kv-events"[..],
+                    &0u64.to_be_bytes(),
+                    &batch(1, &tokens(0, 16)),
+                ],
+            );
+            let _ = s.write_all(&out);
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    });
+    // An engine (our own sockets) whose replay answers one message every
+    // 1.9 s.
+    let opts = kvedge_zmtp::Options::default();
+    let publisher = rt
+        .block_on(kvedge_zmtp::Pub::bind("tcp://127.0.0.1:0", &opts))
+        .unwrap();
+    let mut router = rt
+        .block_on(kvedge_zmtp::Router::bind("tcp://127.0.0.1:0", &opts))
+        .unwrap();
+    let replay = router.endpoint().to_string();
+    rt.spawn(async move {
+        while let Some(ask) = router.recv().await {
+            for seq in 0u64.. {
+                tokio::time::sleep(Duration::from_millis(1900)).await;
+                let frames = [
+                    ask[0].clone(),
+                    bytes::Bytes::new(),
+                    bytes::Bytes::copy_from_slice(&seq.to_be_bytes()),
+                    bytes::Bytes::from(batch(100 + seq, &tokens(0, 16))),
+                ];
+                if router.send(&frames).await.is_err() {
+                    break;
+                }
+                if seq > 20 {
+                    break;
+                }
+            }
+        }
+    });
+    let dir = common::temp_dir("hostile-zmq-storm");
+    let log = dir.join("stderr.log");
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nengines:\n{}{}",
+        engine_entry(
+            20,
+            &format!("tcp://127.0.0.1:{storm_port}"),
+            "tcp://127.0.0.1:1",
+            ""
+        ),
+        engine_entry(21, &publisher.endpoint().to_string(), &replay, ""),
+    );
+    std::fs::write(dir.join("kvedge.yaml"), &yaml).unwrap();
+    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .arg("run")
+        .arg("--config")
+        .arg(dir.join("kvedge.yaml"))
+        .arg("--runtime-dir")
+        .arg(&dir)
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut d = Daemon { child, dir };
+    wait(
+        || std::os::unix::net::UnixStream::connect(d.query()).is_ok(),
+        "the daemon",
+    );
+    let mut c = Conn::connect(&d.query());
+    // The stalled replay: the history asked at start trickles; the live
+    // batches wait behind it until its deadline (10 s).
+    rt.block_on(async {
+        while publisher.subscribers() == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    });
+    let started = Instant::now();
+    let block = tokens(700, 716);
+    let mut seq = 50u64;
+    wait(
+        || {
+            publisher.send(&[&b"kv-events"[..], &seq.to_be_bytes(), &batch(seq, &block)]);
+            seq += 1;
+            std::thread::sleep(Duration::from_millis(200));
+            overlap(&mut c, &block) == 1
+        },
+        "the live batch applied after the stalled replay",
+    );
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(20),
+        "the stalled replay held the engine for {took:?}"
+    );
+    // Meanwhile the storm went on for all that time: hundreds of
+    // restarts, a few lines of log.
+    let restarts = notice(&worker(&mut c, 20), "restarted");
+    assert!(restarts >= 20, "{restarts} restarts seen");
+    drop(c);
+    assert!(alive(&mut d));
+    let text = std::fs::read_to_string(&log).unwrap();
+    let went_back = text.matches("sequence went back").count();
+    let lines = text.lines().count();
+    let secs = took.as_secs() + 2;
+    assert!(
+        went_back as u64 <= secs + 2,
+        "{went_back} restart lines in {secs} s ({restarts} restarts)"
+    );
+    assert!(lines < 40 * secs as usize, "{lines} log lines in {secs} s");
+}
+
+// ------------------------------------------------------------- the picker
+
+/// A gRPC client of the picker (what Envoy is), without Envoy.
+mod grpc {
+    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
+    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
+    use envoy_types::pb::envoy::service::ext_proc::v3::{
+        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
+    };
+    use tokio::sync::mpsc;
+
+    pub type Client = ExternalProcessorClient<tonic::transport::Channel>;
+
+    pub async fn connect(port: u16) -> Client {
+        Client::connect(format!("http://127.0.0.1:{port}"))
+            .await
+            .unwrap()
+            .max_decoding_message_size(64 << 20)
+            .max_encoding_message_size(64 << 20)
+    }
+
+    pub fn headers(path: &str) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestHeaders(HttpHeaders {
+                headers: Some(HeaderMap {
+                    headers: vec![HeaderValue {
+                        key: ":path".into(),
+                        raw_value: path.as_bytes().to_vec(),
+                        ..Default::default()
+                    }],
+                }),
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    pub fn body(b: &[u8], end: bool) -> ProcessingRequest {
+        ProcessingRequest {
+            request: Some(Msg::RequestBody(HttpBody {
+                body: b.to_vec(),
+                end_of_stream: end,
+                ..Default::default()
+            })),
+            ..Default::default()
+        }
+    }
+
+    pub type Open = (
+        mpsc::Sender<ProcessingRequest>,
+        tonic::Streaming<ProcessingResponse>,
+    );
+
+    /// Opens a stream and sends its headers (answered at once).
+    pub async fn open(client: &mut Client) -> Result<Open, tonic::Status> {
+        let (tx, rx) = mpsc::channel(8);
+        let mut stream = client
+            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await?
+            .into_inner();
+        tx.send(headers("/v1/completions")).await.unwrap();
+        stream.message().await?;
+        Ok((tx, stream))
+    }
+
+    /// One buffered request on a new stream: the answer to its body (the
+    /// stream is kept by the caller when `keep`).
+    pub async fn pick(client: &mut Client, body: &[u8]) -> (ProcessingResponse, Open) {
+        let (tx, mut s) = open(client).await.unwrap();
+        tx.send(self::body(body, true)).await.unwrap();
+        let r = s.message().await.unwrap().unwrap();
+        (r, (tx, s))
+    }
+
+    /// The local reply's status, or 0 for another kind of response.
+    pub fn status(r: &ProcessingResponse) -> i32 {
+        match &r.response {
+            Some(Response::ImmediateResponse(i)) => i.status.as_ref().map_or(0, |s| s.code),
+            _ => 0,
+        }
+    }
+}
+
+fn train_tokenizer(path: &std::path::Path) {
+    let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
+    kvedge_epp::testing::train_tokenizer(&docs, 4000, path);
+}
+
+/// An engine registered over control.sock serving model `m`.
+fn register(d: &Daemon, worker: u64) -> kvedge_shm::Publisher {
+    let mut hello = common::hello(worker, "m");
+    hello.endpoint = format!("http://127.0.0.{}:8000", 1 + worker);
+    let (s, p) =
+        kvedge_shm::control::ProducerSession::connect(d.control(), &hello, Duration::from_secs(5))
+            .unwrap();
+    kvedge_shm::Publisher::new(Some(s), p)
+}
+
+fn completion(prompt: &Value) -> Vec<u8> {
+    json!({"model": "m", "prompt": prompt, "max_tokens": 4})
+        .to_string()
+        .into_bytes()
+}
+
+/// A prompt several megabytes long, tokenized on the pool, does not hold
+/// up a normal request's decision; bodies held unfinished share one
+/// budget; an approximate prompt is held to the token limit.
+#[test]
+fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
+    let dir = common::temp_dir("hostile-epp-prompt");
+    let tokenizer = dir.join("tokenizer.json");
+    train_tokenizer(&tokenizer);
+    let port = free_port(Ipv4Addr::LOCALHOST);
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{port}\n  max_body_bytes: 8388608\n  max_prompt_tokens: 2000000\n  max_buffered_body_bytes: 33554432\n  tokenize_timeout_ms: 30000\n  models:\n    - name: m\n      tokenizer: {}\n    - name: plain\n",
+        tokenizer.display()
+    );
+    let d = start("hostile-epp-prompt-d", &yaml);
+    let _engine = register(&d, 1);
+    let mut plain = common::hello(2, "plain");
+    plain.endpoint = "http://127.0.0.3:8000".into();
+    let (s, p) =
+        kvedge_shm::control::ProducerSession::connect(d.control(), &plain, Duration::from_secs(5))
+            .unwrap();
+    let _plain = kvedge_shm::Publisher::new(Some(s), p);
+    let before = rss(&d);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        // The huge prompt: 4 MB of words.
+        let words = "the quick brown fox jumps over the lazy dog and routes ";
+        let huge = words.repeat((4 << 20) / words.len());
+        let mut big_client = grpc::connect(port).await;
+        let big = tokio::spawn(async move {
+            let started = Instant::now();
+            let (r, _) = grpc::pick(&mut big_client, &completion(&json!(huge))).await;
+            (grpc::status(&r), started.elapsed())
+        });
+        // Normal requests on another connection while it is read.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let mut client = grpc::connect(port).await;
+        let mut times = Vec::new();
+        for i in 0..30 {
+            let prompt = json!(format!("a normal question number {i} about routing"));
+            let started = Instant::now();
+            let (r, _) = grpc::pick(&mut client, &completion(&prompt)).await;
+            times.push(started.elapsed());
+            assert_eq!(grpc::status(&r), 0, "a normal request is picked");
+        }
+        let (status, took) = big.await.unwrap();
+        times.sort();
+        let p99 = times[times.len() * 99 / 100];
+        eprintln!(
+            "huge prompt: {status} after {took:?}; normal decisions: p50 {:?}, p99 {p99:?}",
+            times[times.len() / 2]
+        );
+        // The huge prompt takes a second or more to tokenize; a normal
+        // decision waited that long behind it before.
+        assert!(
+            p99 < Duration::from_millis(250),
+            "a normal decision took {p99:?}"
+        );
+
+        // Without a tokenizer, a prompt over the token limit is refused
+        // rather than hashed and picked.
+        let (r, _) = grpc::pick(&mut client, &{
+            let text = "x".repeat(8_100_000);
+            json!({"model": "plain", "prompt": text})
+                .to_string()
+                .into_bytes()
+        })
+        .await;
+        assert_eq!(grpc::status(&r), 400);
+
+        // 100 streams each holding an unfinished 1 MiB body: the budget
+        // (32 MiB) refuses the rest at once.
+        let mut held = Vec::new();
+        let mut refused = 0;
+        let chunk = vec![b' '; 1 << 20];
+        for _ in 0..100 {
+            let (tx, mut s) = grpc::open(&mut client).await.unwrap();
+            tx.send(grpc::body(&chunk, false)).await.unwrap();
+            let r = s.message().await.unwrap().unwrap();
+            if grpc::status(&r) == 503 {
+                refused += 1;
+            }
+            held.push((tx, s));
+        }
+        assert!(refused >= 60, "only {refused} bodies refused");
+        // A normal request still goes through.
+        let (r, _) = grpc::pick(&mut client, &completion(&json!("still served"))).await;
+        assert_eq!(grpc::status(&r), 0);
+        drop(held);
+    });
+    let after = rss(&d);
+    // The huge prompt's tokens and text are transient; the held bodies
+    // are bounded by the budget.
+    assert!(
+        after < before + (400 << 20),
+        "RSS grew from {before} to {after} bytes"
+    );
+    assert!(ask(&d.query(), json!({"op": "stats"}))["index_entries"].is_u64());
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Streams held open after their pick give their reservations back; the
+/// streams a peer may hold are bounded; idle connections make room for new
+/// ones, so a flood of them does not lock out a gateway.
+#[test]
+fn held_streams_and_idle_connections_cannot_lock_out_the_gateway() {
+    let port = free_port(Ipv4Addr::LOCALHOST);
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\n  max_reservations: 100\nepp:\n  listen: 127.0.0.1:{port}\n  max_streams: 64\n  max_connections: 32\n  pick_timeout_ms: 1000\n  models:\n    - name: m\n"
+    );
+    let d = start("hostile-epp-streams", &yaml);
+    let _engine = register(&d, 1);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut hog = grpc::connect(port).await;
+        // 64 picks held open: reserved, then released by the pick timeout
+        // although their streams stay.
+        let mut held = Vec::new();
+        for i in 0..64u32 {
+            let (r, open) = grpc::pick(&mut hog, &completion(&json!([i, i + 1]))).await;
+            assert_eq!(grpc::status(&r), 0);
+            held.push(open);
+        }
+        // The 65th stream is refused.
+        assert!(grpc::open(&mut hog).await.is_err(), "past max_streams");
+        let reservations = || ask(&d.query(), json!({"op": "stats"}))["reservations"].clone();
+        assert_eq!(reservations(), 64);
+        let started = Instant::now();
+        while reservations() != 0 {
+            assert!(
+                started.elapsed() < Duration::from_secs(10),
+                "held picks keep their reservations"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(held);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+
+        // 500 idle connections, never a byte: the oldest make room.
+        let mut idle = Vec::new();
+        for _ in 0..500 {
+            if let Ok(s) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await {
+                idle.push(s);
+            }
+        }
+        // query.sock answers meanwhile, and a gateway's new connection is
+        // taken and served.
+        assert_eq!(ask(&d.query(), json!({"op": "stats"}))["reservations"], 0);
+        let mut gateway = grpc::connect(port).await;
+        let (r, _) = grpc::pick(&mut gateway, &completion(&json!([7, 8, 9]))).await;
+        assert_eq!(grpc::status(&r), 0, "the gateway is served");
+        drop(idle);
+    });
+    // What the bounds did is in the metrics (the picker reports once a
+    // second).
+    let metric = |name: &str| {
+        let m = ask(&d.query(), json!({"op": "metrics"}));
+        m["text"]
+            .as_str()
+            .unwrap_or_default()
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.rsplit(' ').next())
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    wait_for(
+        || metric("kvedge_epp_picks_expired_total") >= 64.0,
+        "the expired picks in the metrics",
+    );
+    assert!(metric("kvedge_epp_streams_refused_total") >= 1.0);
+    assert!(metric("kvedge_epp_connections_evicted_total") >= 1.0);
+}
+
+/// Model files that are not regular files, or are too big, are refused by
+/// `check-config` and by `run` before it creates a socket.
+#[test]
+fn model_files_that_are_not_regular_files_are_refused_before_any_socket() {
+    let dir = common::temp_dir("hostile-model-files");
+    let fifo = dir.join("fifo.json");
+    rustix::fs::mknodat(
+        rustix::fs::CWD,
+        &fifo,
+        rustix::fs::FileType::Fifo,
+        rustix::fs::Mode::from_raw_mode(0o600),
+        0,
+    )
+    .unwrap();
+    let sparse = dir.join("huge.json");
+    let f = std::fs::File::create(&sparse).unwrap();
+    f.set_len(2 << 30).unwrap();
+    for (path, expected) in [
+        ("/dev/zero".to_owned(), "is not a regular file"),
+        (fifo.display().to_string(), "is not a regular file"),
+        (sparse.display().to_string(), "more than the"),
+    ] {
+        let run_dir = dir.join("run");
+        let _ = std::fs::remove_dir_all(&run_dir);
+        std::fs::create_dir_all(&run_dir).unwrap();
+        let config = run_dir.join("kvedge.yaml");
+        std::fs::write(
+            &config,
+            format!(
+                "epp:\n  listen: 127.0.0.1:0\n  models:\n    - name: m\n      tokenizer: {path}\n"
+            ),
+        )
+        .unwrap();
+        let check = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+            .arg("check-config")
+            .arg(&config)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&check.stderr);
+        assert!(
+            !check.status.success() && err.contains(expected),
+            "{path}: {err}"
+        );
+        let started = Instant::now();
+        let run = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+            .arg("run")
+            .arg("--config")
+            .arg(&config)
+            .arg("--runtime-dir")
+            .arg(&run_dir)
+            .output()
+            .unwrap();
+        assert_eq!(run.status.code(), Some(1), "{path}");
+        assert!(started.elapsed() < Duration::from_secs(5), "{path}: hung");
+        for sock in ["query.sock", "control.sock"] {
+            assert!(!run_dir.join(sock).exists(), "{path}: {sock} was created");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+// ---------------------------------------------------------- the rest
+
+/// A metrics endpoint that redirects is not followed (kvedge would
+/// otherwise fetch any host it names), and the worker says why its load is
+/// unreadable.
+#[test]
+fn the_scraper_follows_no_redirect() {
+    let elsewhere = TcpListener::bind("127.0.0.1:0").unwrap();
+    let target = elsewhere.local_addr().unwrap();
+    elsewhere.set_nonblocking(true).unwrap();
+    let redirect = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = redirect.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut s in redirect.incoming().flatten() {
+            let mut buf = [0u8; 1024];
+            let _ = s.read(&mut buf);
+            let _ = write!(
+                s,
+                "HTTP/1.1 302 Found\r\nLocation: http://{target}/metrics\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    let yaml = format!(
+        "daemon:\n  heartbeat_timeout_ms: 600000\nengines:\n{}    metrics: http://127.0.0.1:{port}/metrics\n",
+        engine_entry(30, "tcp://127.0.0.1:1", "tcp://127.0.0.1:1", "")
+    );
+    let d = start("hostile-scrape-redirect", &yaml);
+    let mut c = Conn::connect(&d.query());
+    wait(
+        || notice(&worker(&mut c, 30), "load_unreadable") >= 2,
+        "the unreadable load",
+    );
+    assert!(
+        elsewhere.accept().is_err(),
+        "the redirect's target was fetched"
+    );
+}
+
+/// `kvedge mock-engine --http` keeps a bounded number of descriptors over
+/// hundreds of requests (it used to keep one per request).
+#[test]
+fn the_mock_engine_does_not_leak_a_descriptor_per_request() {
+    let d = start(
+        "hostile-mock-fds",
+        "daemon:\n  heartbeat_timeout_ms: 600000\n",
+    );
+    let http = free_port(Ipv4Addr::LOCALHOST);
+    let mut engine = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .arg("mock-engine")
+        .args(["--worker-id", "1", "--model", "m"])
+        .arg("--listen")
+        .arg(d.dir.join("engine.sock"))
+        .arg("--runtime-dir")
+        .arg(&d.dir)
+        .args(["--http", &format!("127.0.0.1:{http}")])
+        .args(["--speed", "50", "--block-size", "16"])
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait(
+        || TcpStream::connect(("127.0.0.1", http)).is_ok(),
+        "the mock engine's HTTP port",
+    );
+    let body = json!({"model": "m", "prompt": tokens(0, 64), "max_tokens": 2}).to_string();
+    for _ in 0..300 {
+        let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "POST /v1/completions HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        assert!(out.starts_with("HTTP/1.1 200"), "{out}");
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let open = fds(engine.id());
+    let _ = engine.kill();
+    let _ = engine.wait();
+    assert!(open < 64, "{open} descriptors after 300 requests");
+}
