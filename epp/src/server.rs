@@ -338,21 +338,21 @@ impl Picker {
         let request_deadline = tokio::time::Instant::now() + REQUEST_PHASE_TIMEOUT;
         loop {
             let picked = ex.as_ref().is_some_and(Exchange::picked);
-            let (until, phase) = if !picked {
-                (Some(request_deadline), "request")
+            // Until when the next message may take, and what its absence
+            // means: the request phase's end, or a silent picked stream.
+            let (until, silent_pick) = if !picked {
+                (Some(request_deadline), false)
             } else if pick_timer {
-                (
-                    Some(tokio::time::Instant::now() + self.settings.pick_timeout),
-                    "response",
-                )
+                let until = tokio::time::Instant::now() + self.settings.pick_timeout;
+                (Some(until), true)
             } else {
-                (None, "")
+                (None, false)
             };
             let next = match until {
                 None => inbound.message().await,
                 Some(until) => match tokio::time::timeout_at(until, inbound.message()).await {
                     Ok(next) => next,
-                    Err(_) if phase == "response" => {
+                    Err(_) if silent_pick => {
                         // The response has not ended: give the reservation
                         // back (the stream goes on, accounted no more).
                         pick_timer = false;
