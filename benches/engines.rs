@@ -4,7 +4,8 @@
 //!   decoded, re-hashed from their token ids and stored in the KV index, on
 //!   one core; and the same through a worker's ring as the daemon runs it
 //!   (the bridge's rkyv record, the ring, the consumer's validation);
-//! - publish-to-visible: a ZeroMQ PUB socket in this process sends one
+//! - publish-to-visible: a ZeroMQ publisher in this process (written by
+//!   hand on a blocking socket, as libzmq's I/O thread writes) sends one
 //!   batch to a running daemon's bridge; a spinning binary client selects
 //!   until the block shows, beside an engine's ring commit to visible in
 //!   the same run.
@@ -168,20 +169,8 @@ fn ingest(c: &mut Criterion) {
 fn publish_to_visible(c: &mut Criterion) {
     let dir = std::env::temp_dir().join(format!("kvedge-bench-engines-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
-    // A runtime thread of its own: the PUB socket accepts and serves its
-    // subscriber in the background while the bench spins on selects.
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
-        .enable_all()
-        .build()
-        .unwrap();
-    let publisher = rt
-        .block_on(kvedge_zmtp::Pub::bind(
-            "tcp://127.0.0.1:0",
-            &kvedge_zmtp::Options::default(),
-        ))
-        .unwrap();
-    let endpoint = publisher.endpoint().to_string();
+    let publisher = WirePub::bind();
+    let endpoint = publisher.endpoint.clone();
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 86400000\nengines:\n  - kind: vllm\n    model: llama\n    worker_id: 1\n    block_size: {BLOCK}\n    endpoint: http://engine-1\n    events: {endpoint}\n    topic: kv-events\n"
     );
@@ -303,6 +292,69 @@ fn publish_to_visible(c: &mut Criterion) {
     stop.store(true, Ordering::Relaxed);
     thread.join().unwrap();
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A ZeroMQ publisher written by hand on a blocking socket, as libzmq's
+/// I/O thread writes: its greeting and READY as a PUB, then each message
+/// as one write from the bench thread. The bytes on the wire are any
+/// publisher's, so what the bench measures is kvedge's side alone.
+struct WirePub {
+    current: Arc<std::sync::Mutex<Option<std::net::TcpStream>>>,
+    endpoint: String,
+}
+
+impl WirePub {
+    fn bind() -> WirePub {
+        use std::io::{Read, Write};
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+        let current: Arc<std::sync::Mutex<Option<std::net::TcpStream>>> = Arc::default();
+        let slot = Arc::clone(&current);
+        std::thread::spawn(move || {
+            // ZMTP 3.1, NULL; READY naming the socket type PUB.
+            let mut hello = vec![0xff, 0, 0, 0, 0, 0, 0, 0, 1, 0x7f, 3, 1];
+            hello.extend_from_slice(b"NULL");
+            hello.resize(64, 0);
+            hello.extend_from_slice(&[0x04, 25, 5]);
+            hello.extend_from_slice(b"READY");
+            hello.push(11);
+            hello.extend_from_slice(b"Socket-Type");
+            hello.extend_from_slice(&[0, 0, 0, 3]);
+            hello.extend_from_slice(b"PUB");
+            for s in listener.incoming().flatten() {
+                let mut s = s;
+                let _ = s.set_nodelay(true);
+                let _ = s.set_read_timeout(Some(Duration::from_secs(2)));
+                let mut theirs = [0u8; 64];
+                // A liveness probe closes at once: not a subscriber.
+                if s.write_all(&hello).is_err() || s.read_exact(&mut theirs).is_err() {
+                    continue;
+                }
+                *slot.lock().unwrap() = Some(s);
+            }
+        });
+        WirePub { current, endpoint }
+    }
+
+    /// Sends one message to the subscriber connected last (none: lost).
+    fn send(&self, frames: &[&[u8]]) {
+        use std::io::Write;
+        let mut out = Vec::with_capacity(frames.iter().map(|f| f.len() + 9).sum());
+        for (i, f) in frames.iter().enumerate() {
+            let more = u8::from(i + 1 < frames.len());
+            if f.len() > 255 {
+                out.push(more | 0x02);
+                out.extend_from_slice(&(f.len() as u64).to_be_bytes());
+            } else {
+                out.push(more);
+                out.push(f.len() as u8);
+            }
+            out.extend_from_slice(f);
+        }
+        if let Some(s) = self.current.lock().unwrap().as_mut() {
+            let _ = s.write_all(&out);
+        }
+    }
 }
 
 fn main() {

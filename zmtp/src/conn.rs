@@ -62,6 +62,9 @@ impl<S: AsyncRead + Unpin> Framed<S> {
 pub(crate) struct Conn {
     framed: Framed<Stream>,
     pub peer: Peer,
+    /// Answers (PONGs) not yet written: written before the next read, a
+    /// slice at a time, so that [`Conn::next`] stays cancel-safe.
+    pending: Vec<u8>,
 }
 
 impl Conn {
@@ -95,6 +98,7 @@ impl Conn {
                     identity: Bytes::new(),
                     minor,
                 },
+                pending: Vec::new(),
             };
             match conn.framed.next().await? {
                 Incoming::Command(Command::Ready {
@@ -129,14 +133,28 @@ impl Conn {
     }
 
     /// The next command or message after the handshake; a PING is
-    /// answered here, and a peer's ERROR ends the connection.
+    /// answered here, and a peer's ERROR ends the connection. Cancel-safe:
+    /// nothing read or owed is lost if the future is dropped.
     pub async fn next(&mut self) -> Result<Incoming, Error> {
         loop {
+            while !self.pending.is_empty() {
+                let write = self.framed.stream.write(&self.pending);
+                let n = match tokio::time::timeout(WRITE_TIMEOUT, write).await {
+                    Ok(n) => n?,
+                    Err(_) => return Err(Error::Timeout("a write")),
+                };
+                if n == 0 {
+                    return Err(Error::Closed);
+                }
+                self.pending.drain(..n);
+            }
             match self.framed.next().await? {
                 Incoming::Command(Command::Ping { context }) => {
-                    let mut out = Vec::with_capacity(32);
-                    codec::encode_pong(&mut out, &context);
-                    self.write(&out).await?;
+                    // A peer that only pings, never reading, is cut off
+                    // by the write timeout above, not by memory.
+                    if self.pending.len() < 4096 {
+                        codec::encode_pong(&mut self.pending, &context);
+                    }
                 }
                 Incoming::Command(Command::Error(e)) => {
                     return Err(ProtocolError::PeerError(e).into());

@@ -41,16 +41,58 @@ pub enum SubEvent {
 /// A SUB socket, connected to one publisher or bound for many.
 #[derive(Debug)]
 pub struct Sub {
-    rx: mpsc::Receiver<SubEvent>,
+    peers: Peers,
     stats: Arc<Stats>,
     endpoint: Endpoint,
-    /// Dropping the socket aborts its tasks (and so closes its peers).
-    _tasks: JoinSet<()>,
+}
+
+#[derive(Debug)]
+enum Peers {
+    /// A connecting socket reads its one peer itself, in [`Sub::recv`]:
+    /// no task and no queue between the socket and its reader.
+    One(Box<One>),
+    /// A bound socket's peers each have a task, feeding one queue.
+    Many {
+        rx: mpsc::Receiver<SubEvent>,
+        /// Dropping the socket aborts its tasks (and closes its peers).
+        _tasks: JoinSet<()>,
+    },
+}
+
+#[derive(Debug)]
+struct One {
+    conn: Conn,
+    topics: Arc<[Bytes]>,
+    idle: Option<Duration>,
+    /// Joined told; Left told.
+    joined: bool,
+    ended: bool,
 }
 
 fn topic_matches(topics: &[Bytes], frames: &[Bytes]) -> bool {
     let first = frames.first().map_or(&[][..], |f| &f[..]);
     topics.iter().any(|t| first.starts_with(t))
+}
+
+/// Subscription messages for `topics`.
+fn subscriptions(topics: &[Bytes]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for t in topics {
+        codec::encode_subscription(&mut out, t);
+    }
+    out
+}
+
+/// The next command or message from `conn`, or an error after `idle` of
+/// silence. Cancel-safe.
+async fn read(conn: &mut Conn, idle: Option<Duration>) -> Result<Incoming, Error> {
+    match idle {
+        Some(idle) => match tokio::time::timeout(idle, conn.next()).await {
+            Ok(n) => n,
+            Err(_) => Err(Error::Timeout("a silence")),
+        },
+        None => conn.next().await,
+    }
 }
 
 /// Serves one peer of a SUB socket until it leaves or the socket closes.
@@ -62,11 +104,7 @@ async fn read_peer(
     stats: Arc<Stats>,
     idle: Option<Duration>,
 ) {
-    let mut out = Vec::new();
-    for t in topics.iter() {
-        codec::encode_subscription(&mut out, t);
-    }
-    if let Err(error) = conn.write(&out).await {
+    if let Err(error) = conn.write(&subscriptions(&topics)).await {
         let _ = tx.send(SubEvent::Left { peer, error }).await;
         return;
     }
@@ -75,14 +113,7 @@ async fn read_peer(
         return;
     }
     let error = loop {
-        let next = match idle {
-            Some(idle) => match tokio::time::timeout(idle, conn.next()).await {
-                Ok(n) => n,
-                Err(_) => Err(Error::Timeout("a silence")),
-            },
-            None => conn.next().await,
-        };
-        match next {
+        match read(&mut conn, idle).await {
             Ok(Incoming::Message(frames)) => {
                 if topic_matches(&topics, &frames)
                     && tx.send(SubEvent::Message { peer, frames }).await.is_err()
@@ -111,24 +142,21 @@ impl Sub {
         topics: &[&[u8]],
         options: &Options,
     ) -> Result<Sub, Error> {
-        let (conn, endpoint) = peers::dial(endpoint, SocketType::Sub, options).await?;
-        let stats = Arc::new(Stats::default());
-        let (tx, rx) = mpsc::channel(options.queue.max(1));
+        let (mut conn, endpoint) = peers::dial(endpoint, SocketType::Sub, options).await?;
         let topics: Arc<[Bytes]> = topics.iter().map(|t| Bytes::copy_from_slice(t)).collect();
-        let mut tasks = JoinSet::new();
-        tasks.spawn(read_peer(
-            conn,
-            1,
-            topics,
-            tx,
-            Arc::clone(&stats),
-            options.idle_timeout,
-        ));
+        conn.write(&subscriptions(&topics)).await?;
+        let stats = Arc::new(Stats::default());
+        stats.peers.store(1, Relaxed);
         Ok(Sub {
-            rx,
+            peers: Peers::One(Box::new(One {
+                conn,
+                topics,
+                idle: options.idle_timeout,
+                joined: false,
+                ended: false,
+            })),
             stats,
             endpoint,
-            _tasks: tasks,
         })
     }
 
@@ -164,17 +192,41 @@ impl Sub {
         )
         .await?;
         Ok(Sub {
-            rx,
+            peers: Peers::Many { rx, _tasks: tasks },
             stats,
             endpoint,
-            _tasks: tasks,
         })
     }
 
     /// The next event; `None` once no peer can send any more (a
-    /// connecting socket whose connection ended).
+    /// connecting socket whose connection ended). Cancel-safe.
     pub async fn recv(&mut self) -> Option<SubEvent> {
-        self.rx.recv().await
+        let one = match &mut self.peers {
+            Peers::Many { rx, .. } => return rx.recv().await,
+            Peers::One(one) => one,
+        };
+        if one.ended {
+            return None;
+        }
+        if !std::mem::replace(&mut one.joined, true) {
+            let addr = one.conn.peer.addr;
+            return Some(SubEvent::Joined { peer: 1, addr });
+        }
+        let error = loop {
+            match read(&mut one.conn, one.idle).await {
+                Ok(Incoming::Message(frames)) if topic_matches(&one.topics, &frames) => {
+                    return Some(SubEvent::Message { peer: 1, frames });
+                }
+                Ok(_) => {}
+                Err(e) => break e,
+            }
+        };
+        if error.is_protocol() {
+            self.stats.broke_protocol.fetch_add(1, Relaxed);
+        }
+        self.stats.peers.store(0, Relaxed);
+        one.ended = true;
+        Some(SubEvent::Left { peer: 1, error })
     }
 
     /// The endpoint connected to, or bound (with its real port).
