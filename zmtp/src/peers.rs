@@ -47,12 +47,6 @@ impl Allow {
         }
     }
 
-    /// These ranges as well.
-    pub fn with(mut self, nets: impl IntoIterator<Item = IpNet>) -> Allow {
-        self.nets.extend(nets);
-        self
-    }
-
     /// Exactly these ranges.
     pub fn only(nets: impl IntoIterator<Item = IpNet>) -> Allow {
         Allow {

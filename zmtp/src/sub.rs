@@ -1,9 +1,10 @@
 //! The SUB socket that reads an engine's events, and the DEALER that asks
 //! its replay socket.
 //!
-//! A connecting [`Sub`] has one peer, the engine's PUB. A bound one takes
-//! peers that connect to it (engines started with a `tcp://host:port`
-//! endpoint connect rather than bind), each a task of its own: only from
+//! A connecting [`Sub`] has one peer, the engine's PUB, which it reads in
+//! [`Sub::recv`] itself. A bound one takes peers that connect to it
+//! (engines started with a `tcp://host:port` endpoint connect rather than
+//! bind), each on a task of its own feeding one queue: only from
 //! the addresses [`Allow`] permits, at most [`Options::max_peers`] at a
 //! time, each finishing its handshake within
 //! [`Options::handshake_timeout`]. Every message comes out tagged with the
