@@ -16,7 +16,7 @@ use std::net::{Ipv4Addr, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{Daemon, ask, start, wait_for};
+use common::{Daemon, ask, grpc, start, wait_for};
 use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
 use kvedge_shm::Publisher;
 use kvedge_shm::control::ProducerSession;
@@ -366,132 +366,6 @@ fn the_kubernetes_sample_configuration_is_one_kvedge_accepts() {
         String::from_utf8_lossy(&out.stderr)
     );
     let _ = std::fs::remove_dir_all(&dir);
-}
-
-/// A gRPC client of the picker, without Envoy.
-mod grpc {
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
-        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    };
-    use tokio::sync::mpsc;
-
-    pub type Client = ExternalProcessorClient<tonic::transport::Channel>;
-
-    pub fn headers(path: &str) -> ProcessingRequest {
-        ProcessingRequest {
-            request: Some(Msg::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![HeaderValue {
-                        key: ":path".into(),
-                        raw_value: path.as_bytes().to_vec(),
-                        ..Default::default()
-                    }],
-                }),
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
-    }
-
-    pub fn body(b: &[u8], end: bool) -> ProcessingRequest {
-        ProcessingRequest {
-            request: Some(Msg::RequestBody(HttpBody {
-                body: b.to_vec(),
-                end_of_stream: end,
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
-    }
-
-    /// Opens a stream; the sender feeds it, the stream answers.
-    pub async fn open(
-        client: &mut Client,
-    ) -> (
-        mpsc::Sender<ProcessingRequest>,
-        tonic::Streaming<ProcessingResponse>,
-    ) {
-        let (tx, rx) = mpsc::channel(8);
-        let stream = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        (tx, stream)
-    }
-
-    /// One buffered completion's exchange on a new stream (its headers
-    /// carrying `subset` as a gateway's hint when given): the answer to
-    /// its body. The stream closes when this returns, which releases any
-    /// reservation.
-    pub async fn pick(
-        client: &mut Client,
-        body: &[u8],
-        subset: Option<&[&str]>,
-    ) -> ProcessingResponse {
-        let (tx, mut s) = open(client).await;
-        let h = headers("/v1/completions");
-        let h = match subset {
-            Some(e) => with_subset(h, e),
-            None => h,
-        };
-        tx.send(h).await.unwrap();
-        s.message().await.unwrap().unwrap();
-        tx.send(self::body(body, true)).await.unwrap();
-        s.message().await.unwrap().unwrap()
-    }
-
-    /// `m` carrying a gateway's subset hint (as Envoy forwards the
-    /// `envoy.lb.subset_hint` filter metadata).
-    pub fn with_subset(mut m: ProcessingRequest, endpoints: &[&str]) -> ProcessingRequest {
-        use envoy_types::pb::envoy::config::core::v3::Metadata;
-        use envoy_types::pb::google::protobuf::{ListValue, Struct, Value, value::Kind};
-        let list = Value {
-            kind: Some(Kind::ListValue(ListValue {
-                values: endpoints
-                    .iter()
-                    .map(|e| Value {
-                        kind: Some(Kind::StringValue((*e).to_owned())),
-                    })
-                    .collect(),
-            })),
-        };
-        let hint = Struct {
-            fields: [("x-gateway-destination-endpoint-subset".to_owned(), list)].into(),
-        };
-        m.metadata_context = Some(Metadata {
-            filter_metadata: [("envoy.lb.subset_hint".to_owned(), hint)].into(),
-            ..Default::default()
-        });
-        m
-    }
-
-    /// The local reply's status, or 0 for another kind of response.
-    pub fn status(r: &ProcessingResponse) -> i32 {
-        match &r.response {
-            Some(Response::ImmediateResponse(i)) => i.status.as_ref().map_or(0, |s| s.code),
-            _ => 0,
-        }
-    }
-
-    /// The picked destination of a body response, if any.
-    pub fn destination(r: &ProcessingResponse) -> Option<String> {
-        let Some(Response::RequestBody(b)) = &r.response else {
-            return None;
-        };
-        let h = b
-            .response
-            .as_ref()?
-            .header_mutation
-            .as_ref()?
-            .set_headers
-            .first()?;
-        Some(String::from_utf8_lossy(&h.header.as_ref()?.raw_value).into_owned())
-    }
 }
 
 #[test]

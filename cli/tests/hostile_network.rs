@@ -13,12 +13,13 @@
 
 mod common;
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::io::{Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
-use std::process::{Child, ChildStdin, ChildStdout, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Conn, Daemon, ask, start, wait_for};
+use common::fake_engine::{FakeEngine, notice, overlap, tokens, wait, worker};
+use common::{Conn, Daemon, ask, grpc, start, wait_for};
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_epp::testing::free_port;
 use kvedge_zmtp::codec::{self, SocketType};
@@ -57,99 +58,6 @@ fn cpu_ticks(pid: u32) -> u64 {
 fn alive(d: &mut Daemon) -> bool {
     d.child.try_wait().unwrap().is_none()
         && ask(&d.query(), json!({"op": "stats"}))["index_entries"].is_u64()
-}
-
-fn worker(c: &mut Conn, id: u64) -> Value {
-    let w = c.ask(json!({"op": "workers"}));
-    w["workers"]
-        .as_array()
-        .and_then(|rows| rows.iter().find(|r| r["worker_id"] == id).cloned())
-        .unwrap_or(Value::Null)
-}
-
-fn notice(row: &Value, code: &str) -> u64 {
-    row["notices"]
-        .as_array()
-        .and_then(|n| n.iter().find(|n| n["code"] == code))
-        .and_then(|n| n["count"].as_u64())
-        .unwrap_or(0)
-}
-
-fn tokens(from: u32, to: u32) -> Vec<u32> {
-    (from..to).collect()
-}
-
-fn overlap(c: &mut Conn, t: &[u32]) -> u64 {
-    let r = c.ask(json!({"op": "select", "model": "llama", "tokens": t, "dry_run": true}));
-    r["overlap_blocks"]["device"].as_u64().unwrap_or(0)
-}
-
-/// Waits up to 20 s for `cond`.
-fn wait(mut cond: impl FnMut() -> bool, what: &str) {
-    let start = Instant::now();
-    while !cond() {
-        assert!(
-            start.elapsed() < Duration::from_secs(20),
-            "timed out waiting for {what}"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// `fixtures/fake_vllm.py`: vLLM's publisher and replay socket on libzmq.
-struct FakeEngine {
-    child: Child,
-    stdin: ChildStdin,
-    stdout: BufReader<ChildStdout>,
-    ports: Value,
-}
-
-impl FakeEngine {
-    fn spawn(args: &[&str]) -> FakeEngine {
-        let script = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/fake_vllm.py");
-        let mut child = Command::new("python3")
-            .arg(script)
-            .args(args)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .spawn()
-            .expect("python3 (with pyzmq, msgspec and prometheus_client) is needed");
-        let stdin = child.stdin.take().unwrap();
-        let mut stdout = BufReader::new(child.stdout.take().unwrap());
-        let mut line = String::new();
-        stdout.read_line(&mut line).unwrap();
-        let ports: Value = serde_json::from_str(&line)
-            .unwrap_or_else(|_| panic!("the fake engine did not start: {line:?}"));
-        FakeEngine {
-            child,
-            stdin,
-            stdout,
-            ports,
-        }
-    }
-
-    fn port(&self, which: &str) -> u64 {
-        self.ports[which].as_u64().unwrap()
-    }
-
-    fn send(&mut self, cmd: Value) {
-        writeln!(self.stdin, "{cmd}").unwrap();
-        let mut line = String::new();
-        self.stdout.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ok", "fake engine answered {line:?} to {cmd}");
-    }
-
-    /// Publishes one block of `t` (16 tokens) as engine hash `h`.
-    fn store(&mut self, h: u64, t: &[u32]) {
-        self.send(json!({"op": "stored", "hashes": [h], "parent": null, "tokens": t}));
-    }
-}
-
-impl Drop for FakeEngine {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
 }
 
 /// A raw TCP peer from `from` that greeted as a PUB (what it sends next
@@ -614,89 +522,6 @@ fn restart_storms_are_rate_limited_and_a_stalled_replay_is_abandoned() {
 
 // ------------------------------------------------------------- the picker
 
-/// A gRPC client of the picker (what Envoy is), without Envoy.
-mod grpc {
-    use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
-    use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
-    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-    use envoy_types::pb::envoy::service::ext_proc::v3::{
-        HttpBody, HttpHeaders, ProcessingRequest, ProcessingResponse,
-    };
-    use tokio::sync::mpsc;
-
-    pub type Client = ExternalProcessorClient<tonic::transport::Channel>;
-
-    pub async fn connect(port: u16) -> Client {
-        Client::connect(format!("http://127.0.0.1:{port}"))
-            .await
-            .unwrap()
-            .max_decoding_message_size(64 << 20)
-            .max_encoding_message_size(64 << 20)
-    }
-
-    pub fn headers(path: &str) -> ProcessingRequest {
-        ProcessingRequest {
-            request: Some(Msg::RequestHeaders(HttpHeaders {
-                headers: Some(HeaderMap {
-                    headers: vec![HeaderValue {
-                        key: ":path".into(),
-                        raw_value: path.as_bytes().to_vec(),
-                        ..Default::default()
-                    }],
-                }),
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
-    }
-
-    pub fn body(b: &[u8], end: bool) -> ProcessingRequest {
-        ProcessingRequest {
-            request: Some(Msg::RequestBody(HttpBody {
-                body: b.to_vec(),
-                end_of_stream: end,
-                ..Default::default()
-            })),
-            ..Default::default()
-        }
-    }
-
-    pub type Open = (
-        mpsc::Sender<ProcessingRequest>,
-        tonic::Streaming<ProcessingResponse>,
-    );
-
-    /// Opens a stream and sends its headers (answered at once).
-    pub async fn open(client: &mut Client) -> Result<Open, tonic::Status> {
-        let (tx, rx) = mpsc::channel(8);
-        let mut stream = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await?
-            .into_inner();
-        tx.send(headers("/v1/completions")).await.unwrap();
-        stream.message().await?;
-        Ok((tx, stream))
-    }
-
-    /// One buffered request on a new stream: the answer to its body (the
-    /// stream is kept by the caller when `keep`).
-    pub async fn pick(client: &mut Client, body: &[u8]) -> (ProcessingResponse, Open) {
-        let (tx, mut s) = open(client).await.unwrap();
-        tx.send(self::body(body, true)).await.unwrap();
-        let r = s.message().await.unwrap().unwrap();
-        (r, (tx, s))
-    }
-
-    /// The local reply's status, or 0 for another kind of response.
-    pub fn status(r: &ProcessingResponse) -> i32 {
-        match &r.response {
-            Some(Response::ImmediateResponse(i)) => i.status.as_ref().map_or(0, |s| s.code),
-            _ => 0,
-        }
-    }
-}
-
 /// The Envoy binary (`KVEDGE_ENVOY`); without it the Envoy parts of these
 /// tests do not run, unless `KVEDGE_REQUIRE_TOOLS` is set.
 fn envoy_binary() -> Option<String> {
@@ -771,7 +596,7 @@ fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
         let mut big_client = grpc::connect(port).await;
         let big = tokio::spawn(async move {
             let started = Instant::now();
-            let (r, _) = grpc::pick(&mut big_client, &completion(&json!(huge))).await;
+            let (r, _) = grpc::pick_held(&mut big_client, &completion(&json!(huge))).await;
             (grpc::status(&r), started.elapsed())
         });
         // Normal requests on another connection while it is read.
@@ -781,7 +606,7 @@ fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
         for i in 0..30 {
             let prompt = json!(format!("a normal question number {i} about routing"));
             let started = Instant::now();
-            let (r, _) = grpc::pick(&mut client, &completion(&prompt)).await;
+            let (r, _) = grpc::pick_held(&mut client, &completion(&prompt)).await;
             times.push(started.elapsed());
             assert_eq!(grpc::status(&r), 0, "a normal request is picked");
         }
@@ -801,7 +626,7 @@ fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
 
         // Without a tokenizer, a prompt over the token limit is refused
         // rather than hashed and picked.
-        let (r, _) = grpc::pick(&mut client, &{
+        let (r, _) = grpc::pick_held(&mut client, &{
             let text = "x".repeat(8_100_000);
             json!({"model": "plain", "prompt": text})
                 .to_string()
@@ -816,7 +641,7 @@ fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
         let mut refused = 0;
         let chunk = vec![b' '; 1 << 20];
         for _ in 0..100 {
-            let (tx, mut s) = grpc::open(&mut client).await.unwrap();
+            let (tx, mut s) = grpc::open_request(&mut client).await.unwrap();
             tx.send(grpc::body(&chunk, false)).await.unwrap();
             let r = s.message().await.unwrap().unwrap();
             if grpc::status(&r) == 503 {
@@ -826,7 +651,7 @@ fn a_huge_prompt_does_not_stall_other_requests_and_bodies_are_bounded() {
         }
         assert!(refused >= 60, "only {refused} bodies refused");
         // A normal request still goes through.
-        let (r, _) = grpc::pick(&mut client, &completion(&json!("still served"))).await;
+        let (r, _) = grpc::pick_held(&mut client, &completion(&json!("still served"))).await;
         assert_eq!(grpc::status(&r), 0);
         drop(held);
     });
@@ -867,12 +692,15 @@ fn held_streams_and_idle_connections_cannot_lock_out_the_gateway() {
         // although their streams stay.
         let mut held = Vec::new();
         for i in 0..64u32 {
-            let (r, open) = grpc::pick(&mut hog, &completion(&json!([i, i + 1]))).await;
+            let (r, open) = grpc::pick_held(&mut hog, &completion(&json!([i, i + 1]))).await;
             assert_eq!(grpc::status(&r), 0);
             held.push(open);
         }
         // The 65th stream is refused.
-        assert!(grpc::open(&mut hog).await.is_err(), "past max_streams");
+        assert!(
+            grpc::open_request(&mut hog).await.is_err(),
+            "past max_streams"
+        );
         let reservations = || ask(&d.query(), json!({"op": "stats"}))["reservations"].clone();
         assert_eq!(reservations(), 64);
         let started = Instant::now();
@@ -921,7 +749,7 @@ fn held_streams_and_idle_connections_cannot_lock_out_the_gateway() {
             let r = s.message().await.unwrap().unwrap();
             assert_eq!(grpc::status(&r), 431);
         }
-        let (r, _) = grpc::pick(&mut gateway, &completion(&json!([7, 8, 9]))).await;
+        let (r, _) = grpc::pick_held(&mut gateway, &completion(&json!([7, 8, 9]))).await;
         assert_eq!(grpc::status(&r), 0, "the gateway is served");
         idle
     });

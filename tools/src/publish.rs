@@ -244,34 +244,22 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
         None => stdin_closed(),
     };
     let mut registrations = 1u64;
-    loop {
-        if done() {
-            return Ok(serde_json::json!({
-                "events": events,
-                "dropped_records": publisher.dropped(),
-                "registrations": registrations,
-            }));
-        }
+    while !done() {
         if let Err(e) = publisher.serve_resync(|p| held.republish(p)) {
             eprintln!(
                 "kvedge publish: the daemon closed the registration ({e}); registering again"
             );
-            loop {
+            let again = loop {
                 if done() {
-                    return Ok(serde_json::json!({
-                        "events": events,
-                        "dropped_records": publisher.dropped(),
-                        "registrations": registrations,
-                    }));
+                    break None;
                 }
                 match connect(&args.runtime_dir, args.socket.as_deref(), &hello) {
-                    Ok(p) => {
-                        publisher = p;
-                        break;
-                    }
+                    Ok(p) => break Some(p),
                     Err(_) => std::thread::sleep(Duration::from_secs(1)),
                 }
-            }
+            };
+            let Some(p) = again else { break };
+            publisher = p;
             registrations += 1;
             held.republish(&mut publisher).map_err(publish_err)?;
             eprintln!("kvedge publish: registered again");
@@ -282,6 +270,11 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
         }
         std::thread::sleep(Duration::from_millis(10));
     }
+    Ok(serde_json::json!({
+        "events": events,
+        "dropped_records": publisher.dropped(),
+        "registrations": registrations,
+    }))
 }
 
 /// True once stdin reached end of file (a closed pipe or terminal).

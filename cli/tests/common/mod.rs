@@ -4,6 +4,9 @@
 
 #![allow(dead_code)] // each test file uses a subset
 
+pub mod fake_engine;
+pub mod grpc;
+
 use std::borrow::Borrow;
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
