@@ -8,6 +8,8 @@
 //! their own `kvedge` binary whose `main` registers their policy catalog
 //! next to the shipped policies and hands the registry over.
 
+#![forbid(unsafe_code)]
+
 use std::path::PathBuf;
 use std::process::ExitCode;
 
