@@ -21,6 +21,7 @@ mod client;
 pub mod config;
 mod counters;
 mod engine;
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod index;
 pub mod latency;

@@ -21,6 +21,7 @@ pub mod body;
 pub mod picker;
 pub mod pool;
 pub mod server;
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod tokenize;
 

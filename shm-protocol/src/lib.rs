@@ -22,7 +22,7 @@ pub mod activation;
 pub mod channel;
 pub mod control;
 pub mod error;
-#[doc(hidden)]
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod hash;
 pub mod layout;
@@ -32,7 +32,7 @@ pub mod publisher;
 pub mod ratelimit;
 pub mod ring;
 pub mod segment;
-#[doc(hidden)]
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use error::{ControlError, DecodeError, RingError, SegmentError};

@@ -55,6 +55,7 @@
 pub mod binary;
 mod client;
 pub mod framing;
+#[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 #[cfg(feature = "json")]
 pub mod json;
