@@ -23,7 +23,7 @@ use criterion::{Criterion, Throughput};
 use kvedge_bridge::decode::Decoder;
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_bridge::translate::{Sink, Translator};
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_core::index::{KvIndex, Slot};
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};

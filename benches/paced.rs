@@ -44,7 +44,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_core::latency::Histogram;
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
@@ -446,9 +446,9 @@ fn main() {
             })
             .unwrap_or(vec![default])
     };
-    let spins = list("--spin", kvedge_core::config::DEFAULT_SPIN_US);
+    let spins = list("--spin", kvedge_config::DEFAULT_SPIN_US);
     let engines = list("--engines", 1)[0];
-    let warms = list("--warm", kvedge_core::config::DEFAULT_WARM_US);
+    let warms = list("--warm", kvedge_config::DEFAULT_WARM_US);
     // `--held N`: the first engine also holds N blocks of other prompts
     // (an index the size of a full cache, not a few thousand blocks).
     let held = list("--held", 0)[0];

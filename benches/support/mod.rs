@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use kvedge_core::config::{EngineRank, EngineSpec};
+use kvedge_config::{EngineRank, EngineSpec};
 use kvedge_shm::Publisher;
 use kvedge_shm::messages::control::{Hello, Label};
 use kvedge_shm::messages::{StoredBlock, Tier, notice};

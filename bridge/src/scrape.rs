@@ -5,7 +5,7 @@
 //! a multi-rank engine takes the samples whose `engine` label is its rank
 //! (samples without the label apply to every rank).
 
-use kvedge_core::config::EngineKind;
+use kvedge_config::EngineKind;
 
 /// What one scrape said about one rank.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use common::{engine, temp_dir, wait_for};
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;

@@ -16,10 +16,10 @@ use kvedge_wire::{
 };
 
 use crate::client::ClientId;
-use crate::config::Config;
 use crate::counters::EVENT_KINDS;
 use crate::router::{RouterError, SelectRequest, SelectResult};
 use crate::routing::Core;
+use kvedge_config::Config;
 
 /// A granted query channel: the driver creates both rings with this
 /// capacity and attach epoch.
@@ -35,7 +35,7 @@ pub enum ReloadError {
     #[error("this daemon has no configuration file to reload")]
     NoConfigFile,
     #[error(transparent)]
-    Invalid(#[from] crate::config::ConfigError),
+    Invalid(#[from] kvedge_config::ConfigError),
 }
 
 /// A selection error's status.

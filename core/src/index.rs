@@ -58,7 +58,7 @@ use crate::chunk_queue::ChunkQueue;
 use crate::mask_table::{Bucket, MaskTable, Set, mask_in};
 
 /// Most worker slots one index tracks.
-pub const MAX_WORKERS: usize = 64;
+pub use kvedge_config::MAX_WORKERS;
 
 /// Hash tables per tier (a power of two, at most 64: a worker's shards
 /// are one mask).

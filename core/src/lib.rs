@@ -18,11 +18,8 @@
 mod answer;
 mod chunk_queue;
 mod client;
-pub mod config;
 mod counters;
 mod engine;
-#[cfg(any(test, feature = "fuzzing"))]
-pub mod fuzzing;
 pub mod index;
 pub mod latency;
 pub mod load;

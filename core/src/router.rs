@@ -265,7 +265,7 @@ impl Router {
 
     /// The router a configuration describes: its policies, index capacity,
     /// reservation TTL, session affinity, worker limit and rules.
-    pub fn from_config(config: &crate::config::Config) -> Self {
+    pub fn from_config(config: &kvedge_config::Config) -> Self {
         let mut router = Router::new(
             config.plugins.clone(),
             config.daemon.index_capacity,
@@ -323,7 +323,7 @@ impl Router {
     /// session affinity settings updated. The index, load table,
     /// reservations, session bindings and registered workers are kept.
     /// `index_capacity` and `max_workers` take effect at restart.
-    pub fn reconfigure(&mut self, config: &crate::config::Config) {
+    pub fn reconfigure(&mut self, config: &kvedge_config::Config) {
         self.plugins = config.plugins.clone();
         self.policies.clear();
         self.ttft = config.ttft;

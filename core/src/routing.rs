@@ -21,13 +21,13 @@ use kvedge_shm::ring::Record;
 use kvedge_shm::{EventRef, decode};
 
 use crate::client::{Client, ClientId};
-use crate::config::Config;
 use crate::counters::{Counters, event_kind};
 use crate::engine::{Engine, EngineId, EngineState};
 use crate::router::{RegisterError, Router, SelectRequest, WorkerInfo};
 use crate::table::Table;
 use crate::warm::Warmth;
 use crate::warn::{Warn, Warnings};
+use kvedge_config::Config;
 
 /// Engine connections waiting for their Hello at once, at most; the
 /// oldest one yields to a new one.

@@ -10,7 +10,7 @@
 
 use std::time::{Duration, Instant};
 
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_core::{
     ClientId, Core, EngineId, EngineState, MAX_PENDING_PER_UID, MAX_PENDING_REGISTRATIONS, Output,
     REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, RegistrationError, ReloadError,

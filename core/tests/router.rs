@@ -438,7 +438,7 @@ fn rules_choose_between_local_workers_and_providers() {
 /// A router whose aggregated workers are selected by one instance of
 /// `type_name` from `registry`.
 fn router_of(registry: &kvedge_policies::RouterPluginRegistry, type_name: &str) -> Router {
-    let config = kvedge_core::config::Config::load(
+    let config = kvedge_config::Config::load(
         "test",
         &format!(
             "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: {type_name}\n"

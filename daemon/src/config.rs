@@ -4,7 +4,7 @@
 
 use std::path::Path;
 
-use kvedge_core::config::{Config, ConfigError, QueryIo, source};
+use kvedge_config::{Config, ConfigError, QueryIo, source};
 use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
 
 /// Reads, parses and validates the file at `path` for this daemon.

@@ -8,8 +8,8 @@ use std::sync::{Arc, Mutex};
 
 use std::time::Duration;
 
+use kvedge_config::EppSection;
 use kvedge_core::ClientId;
-use kvedge_core::config::EppSection;
 use kvedge_core::metrics::PickerStats;
 use kvedge_epp::{Backend, Limits, ModelSpec, Models, Picker, Settings, Stats};
 use kvedge_shm::control::PeerCred;
@@ -231,7 +231,7 @@ pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<std::net::SocketAddr> 
 mod tests {
     #[test]
     fn the_configuration_checks_model_files_against_the_readers_limits() {
-        use kvedge_core::config::epp as config;
+        use kvedge_config::epp as config;
         assert_eq!(
             config::MAX_TOKENIZER_BYTES,
             kvedge_epp::tokenize::MAX_TOKENIZER_BYTES

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::sync::mpsc;
 use std::time::Instant;
 
-use kvedge_core::config::{Config, ConfigError};
+use kvedge_config::{Config, ConfigError};
 use kvedge_core::{ClientId, Core, ReloadError};
 use kvedge_wire::framing::Mode;
 use kvedge_wire::{Reply, Status};

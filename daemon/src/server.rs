@@ -13,7 +13,7 @@ use std::os::fd::AsFd;
 use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_core::{Core, Output, ReloadError};
 use kvedge_shm::Consumer;
 
@@ -115,7 +115,7 @@ impl Server {
                 .map(|_| ());
         }
         self.reloads.begin(Waiter::Signal).map_err(|(e, _)| {
-            ReloadError::Invalid(kvedge_core::config::ConfigError {
+            ReloadError::Invalid(kvedge_config::ConfigError {
                 file: String::new(),
                 message: format!("the reload could not start: {e}"),
             })

@@ -11,7 +11,7 @@ use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
 use tracing::{error, info, warn};
 
 use crate::server::{RuntimeDir, Server};
-use kvedge_core::config::{LogFormat, LogSection};
+use kvedge_config::{LogFormat, LogSection};
 
 /// Installs the process's log subscriber: `log.format`, and `KVEDGE_LOG`
 /// (a tracing filter) over `log.level`. Logs go to stderr (the journal
@@ -38,7 +38,7 @@ pub fn init_logging(log: &LogSection) {
 /// Moves query.sock to the io_uring listener, or leaves it on epoll (with a
 /// warning) where io_uring is refused.
 #[cfg(feature = "io-uring")]
-fn start_uring(server: &mut Server, limits: &kvedge_core::config::DaemonSection) {
+fn start_uring(server: &mut Server, limits: &kvedge_config::DaemonSection) {
     match server.take_query_listener() {
         Ok(Some((listener, jobs))) => {
             match crate::uring::start(listener, jobs, limits.max_frame_bytes) {
@@ -57,7 +57,7 @@ fn start_uring(server: &mut Server, limits: &kvedge_core::config::DaemonSection)
 }
 
 #[cfg(not(feature = "io-uring"))]
-fn start_uring(_: &mut Server, _: &kvedge_core::config::DaemonSection) {
+fn start_uring(_: &mut Server, _: &kvedge_config::DaemonSection) {
     // Refused by the config loader; nothing to do.
 }
 
@@ -65,7 +65,7 @@ fn start_uring(_: &mut Server, _: &kvedge_core::config::DaemonSection) {
 /// running one its new list.
 fn start_bridge(
     settings: &kvedge_bridge::Settings,
-    engines: Vec<kvedge_core::config::EngineSpec>,
+    engines: Vec<kvedge_config::EngineSpec>,
     running: Option<kvedge_bridge::Bridge>,
 ) -> Option<kvedge_bridge::Bridge> {
     match running {
@@ -90,86 +90,101 @@ fn start_bridge(
     }
 }
 
-/// Runs the daemon until SIGTERM or SIGINT; returns the exit code.
-pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
-    let overrides = SelectionOverrides::default().with_env_fallback();
-    let config = match crate::config::load(config_path, &registry, &overrides) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("kvedge: {e}");
-            return 1;
-        }
-    };
+/// What the drivers around the core take from the configuration, split
+/// off before the core takes the rest.
+struct Drivers {
+    metrics_listen: Option<String>,
+    query_io: kvedge_config::QueryIo,
+    limits: kvedge_config::DaemonSection,
+    engines: Vec<kvedge_config::EngineSpec>,
+    /// The picker with its models loaded.
+    picker: Option<crate::epp::Loaded>,
+}
+
+/// Step 1: the configuration, loaded and validated, and everything the
+/// drivers read from disk (the picker's models): nothing is bound yet, so
+/// a daemon that cannot serve never listens.
+fn load(
+    path: &Path,
+    registry: &RouterPluginRegistry,
+    overrides: &SelectionOverrides,
+) -> Result<(kvedge_config::Config, Drivers), String> {
+    let config = crate::config::load(path, registry, overrides).map_err(|e| e.to_string())?;
     init_logging(&config.log);
-    let metrics_listen = config.metrics.listen.clone();
-    let query_io = config.daemon.query_io;
-    let limits = config.daemon.clone();
-    let engines = config.engines.clone();
-    // The picker's models are loaded before any socket is bound: a daemon
-    // that cannot serve does not listen.
-    let epp = match config.epp.as_ref().map(crate::epp::load).transpose() {
-        Ok(e) => e,
-        Err(e) => {
-            error!("epp: {e}");
-            return 1;
-        }
+    let picker = config
+        .epp
+        .as_ref()
+        .map(crate::epp::load)
+        .transpose()
+        .map_err(|e| format!("epp: {e}"))?;
+    let drivers = Drivers {
+        metrics_listen: config.metrics.listen.clone(),
+        query_io: config.daemon.query_io,
+        limits: config.daemon.clone(),
+        engines: config.engines.clone(),
+        picker,
     };
-    let passed = match kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok()) {
-        Ok(fds) => fds,
-        Err(e) => {
-            error!("{e}");
-            return 1;
-        }
-    };
-    let dir = RuntimeDir { dir: runtime_dir };
-    // Sockets systemd passed are systemd's to remove.
-    let bound_here = passed.is_empty();
-    let server = if bound_here {
-        Server::bind(config, &dir)
-            .map_err(|e| format!("cannot listen in {}: {e}", dir.dir.display()))
-    } else {
-        crate::listen::activated_listeners(passed)
-            .map_err(|e| e.to_string())
-            .and_then(|(c, q)| {
-                Server::from_listeners(config, c, q).map_err(|e| format!("passed sockets: {e}"))
-            })
-    };
-    let mut server = match server {
-        Ok(s) => s,
-        Err(e) => {
-            error!("{e}");
-            return 1;
-        }
-    };
+    Ok((config, drivers))
+}
+
+/// Step 2: the routing core on its sockets, bound in `dir` or passed by
+/// systemd; whether they were bound here (and so are ours to remove).
+fn build(config: kvedge_config::Config, dir: &RuntimeDir) -> Result<(Server, bool), String> {
+    let passed = kvedge_shm::activation::take_listen_fds(|k| std::env::var(k).ok())
+        .map_err(|e| e.to_string())?;
+    if passed.is_empty() {
+        let server = Server::bind(config, dir)
+            .map_err(|e| format!("cannot listen in {}: {e}", dir.dir.display()))?;
+        return Ok((server, true));
+    }
+    let (control, query) = crate::listen::activated_listeners(passed).map_err(|e| e.to_string())?;
+    let server = Server::from_listeners(config, control, query)
+        .map_err(|e| format!("passed sockets: {e}"))?;
+    Ok((server, false))
+}
+
+/// Step 3: the drivers around the core: the metrics listener, the io_uring
+/// query listener, the endpoint picker, the engine bridge, and the
+/// reloader (which hands the bridge each reloaded `engines:` section).
+/// Returns the metrics page the loop refreshes, if one is served.
+fn start(
+    server: &mut Server,
+    dir: &RuntimeDir,
+    drivers: Drivers,
+    path: &Path,
+    registry: RouterPluginRegistry,
+    overrides: SelectionOverrides,
+) -> Result<Option<Arc<std::sync::Mutex<String>>>, String> {
+    let Drivers {
+        metrics_listen,
+        query_io,
+        limits,
+        engines,
+        picker,
+    } = drivers;
     // The optional HTTP metrics listener serves a rendering the loop
     // refreshes every second.
-    let metrics_text = Arc::new(std::sync::Mutex::new(String::new()));
-    if let Some(addr) = &metrics_listen {
-        if let Err(e) = crate::metrics_http::serve_http(addr, Arc::clone(&metrics_text)) {
-            error!("metrics.listen {addr}: {e}");
-            return 1;
+    let metrics_text = match &metrics_listen {
+        Some(addr) => {
+            let text = Arc::new(std::sync::Mutex::new(String::new()));
+            crate::metrics_http::serve_http(addr, Arc::clone(&text))
+                .map_err(|e| format!("metrics.listen {addr}: {e}"))?;
+            info!("metrics on http://{addr}/metrics");
+            Some(text)
         }
-        info!("metrics on http://{addr}/metrics");
-    }
-    let mut last_metrics = std::time::Instant::now()
-        .checked_sub(std::time::Duration::from_secs(2))
-        .unwrap_or_else(std::time::Instant::now);
-    if query_io == kvedge_core::config::QueryIo::IoUring {
-        start_uring(&mut server, &limits);
+        None => None,
+    };
+    if query_io == kvedge_config::QueryIo::IoUring {
+        start_uring(server, &limits);
     }
     // The gateway endpoint picker, on its own thread, feeds the loop
     // through the jobs channel.
-    if let Some(loaded) = epp {
-        match server
+    if let Some(loaded) = picker {
+        let addr = server
             .job_sender()
             .and_then(|tx| crate::epp::start(loaded, tx))
-        {
-            Ok(addr) => info!("{}", kvedge_epp::server::describe(addr)),
-            Err(e) => {
-                error!("epp: {e}");
-                return 1;
-            }
-        }
+            .map_err(|e| format!("epp: {e}"))?;
+        info!("{}", kvedge_epp::server::describe(addr));
     }
     // Engines read over ZeroMQ and Prometheus register through the
     // bridge's own thread like any other engine.
@@ -179,12 +194,46 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         index_capacity: limits.index_capacity,
     };
     let mut bridge = start_bridge(&settings, engines, None);
-    let path = config_path.to_owned();
+    let path = path.to_owned();
     server.set_reloader(Box::new(move || {
         let config = crate::config::load(&path, &registry, &overrides)?;
         bridge = start_bridge(&settings, config.engines.clone(), bridge.take());
         Ok(config)
     }));
+    Ok(metrics_text)
+}
+
+/// Runs the daemon until SIGTERM or SIGINT; returns the exit code. One
+/// path: load and validate, build the core on its sockets, start the
+/// drivers, serve.
+pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
+    let overrides = SelectionOverrides::default().with_env_fallback();
+    let (config, drivers) = match load(config_path, &registry, &overrides) {
+        Ok(loaded) => loaded,
+        Err(e) => {
+            // Logging may not be set up yet: say it on stderr as well.
+            eprintln!("kvedge: {e}");
+            return 1;
+        }
+    };
+    let dir = RuntimeDir { dir: runtime_dir };
+    let (mut server, bound_here) = match build(config, &dir) {
+        Ok(built) => built,
+        Err(e) => {
+            error!("{e}");
+            return 1;
+        }
+    };
+    let metrics_text = match start(&mut server, &dir, drivers, config_path, registry, overrides) {
+        Ok(m) => m,
+        Err(e) => {
+            error!("{e}");
+            return 1;
+        }
+    };
+    let mut last_metrics = std::time::Instant::now()
+        .checked_sub(std::time::Duration::from_secs(2))
+        .unwrap_or_else(std::time::Instant::now);
     let stop = Arc::new(AtomicBool::new(false));
     let reload = Arc::new(AtomicBool::new(false));
     for (signal, flag) in [
@@ -216,9 +265,11 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
             let _ = s.reload();
         }
         heartbeat.tick(|| s.core().status());
-        if metrics_listen.is_some() && last_metrics.elapsed() >= std::time::Duration::from_secs(1) {
+        if let Some(page) = &metrics_text
+            && last_metrics.elapsed() >= std::time::Duration::from_secs(1)
+        {
             let text = kvedge_core::metrics::render(&s.core().metrics());
-            if let Ok(mut m) = metrics_text.lock() {
+            if let Ok(mut m) = page.lock() {
                 *m = text;
             }
             last_metrics = std::time::Instant::now();

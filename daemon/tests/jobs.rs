@@ -10,8 +10,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
+use kvedge_config::Config;
 use kvedge_core::ClientId;
-use kvedge_core::config::Config;
 use kvedge_daemon::jobs::{Job, JobSender};
 use kvedge_daemon::server::{RuntimeDir, Server};
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};

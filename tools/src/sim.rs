@@ -19,7 +19,7 @@ use kvedge_sim::engine::{Completion, EngineModel, EngineParams, EngineRequest, K
 use kvedge_sim::report::{LoadIntegral, Outcome, Summary, summarise};
 use kvedge_sim::workload::TraceRequest;
 
-use kvedge_core::config::{Config, ConfigError};
+use kvedge_config::{Config, ConfigError};
 use kvedge_core::index::Slot;
 use kvedge_core::load::LoadReport;
 use kvedge_core::router::{Router, SelectRequest, WorkerInfo};

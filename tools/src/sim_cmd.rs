@@ -13,7 +13,7 @@ use kvedge_sim::workload::{
 use serde::Serialize;
 
 use crate::sim::{PRESETS, Run, Setup, preset_config, run};
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 
 /// Engine model parameters, shared by `sim`, `mock-engine` and `demo`.
 #[derive(Debug, Clone, clap::Args)]

@@ -12,7 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvedge::{KVEDGE_ROLE_AGGREGATED, kvedge_hello, kvedge_select_request};
-use kvedge_core::config::Config;
+use kvedge_config::Config;
 use kvedge_daemon::server::{RuntimeDir, Server};
 
 /// A daemon running in a thread; stopped (its sockets closed) on `stop` or

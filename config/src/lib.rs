@@ -1,5 +1,5 @@
-//! The daemon's configuration file: one loader for `kvedge run` and
-//! `kvedge check-config`. Sections: `daemon` (limits), `router` (the default
+//! The daemon's configuration file: one loader for `kvedge run`, reloads
+//! and `kvedge check-config`. Sections: `daemon` (limits), `router` (the default
 //! cost policy's settings), `session_affinity`, `worker_selection`, and the
 //! rule language's `policy`, `providers`, `classifiers` and `ttft`, the
 //! engines read over ZeroMQ (`engines`), and the daemon's `log` and
@@ -16,11 +16,15 @@ use kvedge_policies::{
 };
 use serde::Deserialize;
 
-use crate::index::MAX_WORKERS;
-
 mod engines;
 pub mod epp;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod source;
+
+/// Workers one daemon routes to at most: the KV index keeps which workers
+/// hold a block as a 64-bit mask.
+pub const MAX_WORKERS: usize = 64;
 pub use engines::{EngineKind, EngineRank, EngineSpec};
 pub use epp::{EppModel, EppSection};
 

@@ -4,7 +4,7 @@
 //! values out of range, deep nesting and aliases. Every input must end in
 //! a configuration or an error, never a panic.
 
-use kvedge_core::fuzzing::load_hostile_config;
+use kvedge_config::fuzzing::load_hostile_config;
 use proptest::prelude::*;
 
 /// Pieces of configurations, good and bad, for the loader to meet in any

@@ -25,7 +25,7 @@
 
 use serde::Deserialize;
 
-use crate::index::MAX_WORKERS;
+use crate::MAX_WORKERS;
 
 /// Which engine publishes (their metric names differ; their events do not).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Deserialize)]

@@ -7,7 +7,7 @@
 
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 
-use crate::config::{Config, source};
+use crate::{Config, source};
 
 /// Loads `bytes` as the daemon would: bounded and UTF-8-checked text, then
 /// parsed and validated. `Ok` with the number of rules, or the error text.

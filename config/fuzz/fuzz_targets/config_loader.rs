@@ -2,5 +2,5 @@
 //! YAML parser, every section's validation) with arbitrary files.
 #![no_main]
 libfuzzer_sys::fuzz_target!(|data: &[u8]| {
-    let _ = kvedge_core::fuzzing::load_hostile_config(data);
+    let _ = kvedge_config::fuzzing::load_hostile_config(data);
 });
