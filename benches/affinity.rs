@@ -65,9 +65,13 @@ fn select_in(c: &mut Client, q: &Select<'_>) -> Duration {
 fn through_the_daemon(c: &mut Criterion) {
     const CAPACITY: usize = kvedge_policies::affinity::MAX_SESSIONS;
     let dir = tempfile::tempdir().unwrap();
-    let daemon = support::Running::start(dir.path(), "daemon:\n  heartbeat_timeout_ms: 600000\n");
-    let _engine = daemon.engine(1, "http://engine-1", &[]);
-    let mut client = Client::connect(daemon.runtime.dir.join("query.sock")).unwrap();
+    let daemon = kvedge_testkit::Bound::at(
+        dir.path().join("run"),
+        kvedge_testkit::config("daemon:\n  heartbeat_timeout_ms: 600000\n"),
+    )
+    .run();
+    let _engine = support::engine(&daemon.control(), 1, "http://engine-1", &[]);
+    let mut client = Client::connect(daemon.query()).unwrap();
     client.attach_rings().unwrap().unwrap();
     let hashes: Vec<u64> = (1..=128).collect();
     let ids = ids(2 * CAPACITY);

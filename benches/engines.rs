@@ -14,21 +14,16 @@
 
 #![forbid(unsafe_code)]
 
-use std::path::PathBuf;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
 use kvedge_bridge::decode::Decoder;
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_bridge::translate::{Sink, Translator};
-use kvedge_config::Config;
 use kvedge_core::index::{KvIndex, Slot};
-use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{EventRef, Role, StoredBlock, Tier};
+use kvedge_shm::messages::{EventRef, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher};
 
@@ -167,28 +162,15 @@ fn ingest(c: &mut Criterion) {
 }
 
 fn publish_to_visible(c: &mut Criterion) {
-    let dir = std::env::temp_dir().join(format!("kvedge-bench-engines-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     let publisher = WirePub::bind();
     let endpoint = publisher.endpoint.clone();
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 86400000\nengines:\n  - kind: vllm\n    model: llama\n    worker_id: 1\n    block_size: {BLOCK}\n    endpoint: http://engine-1\n    events: {endpoint}\n    topic: kv-events\n"
     );
-    let config = Config::load(
-        "bench",
-        &yaml,
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
+    let config = kvedge_testkit::config(&yaml);
     let engines = config.engines.clone();
-    let rd = RuntimeDir {
-        dir: PathBuf::from(&dir),
-    };
-    let mut server = Server::bind(config, &rd).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let thread = std::thread::spawn(move || server.run(|| stop2.load(Ordering::Relaxed)).unwrap());
+    let daemon = kvedge_testkit::Bound::at(kvedge_testkit::temp_dir("bench-engines"), config).run();
+    let rd = &daemon.runtime;
     let bridge = kvedge_bridge::Bridge::start(
         kvedge_bridge::Settings {
             control_socket: rd.control(),
@@ -200,18 +182,12 @@ fn publish_to_visible(c: &mut Criterion) {
     .unwrap();
     // A ring engine beside it, for the comparison in the same run.
     let hello = Hello {
-        worker_id: 2,
-        dp_rank: 0,
-        model: "llama".into(),
-        role: Role::Aggregated,
         block_size: BLOCK,
         kv_blocks: [1 << 20, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: "http://engine-2".into(),
-        ring_capacity: 0,
+        ..Hello::new(2, "llama")
     };
-    let mut ring_engine = Publisher::connect(rd.control(), &hello, Duration::from_secs(5)).unwrap();
+    let mut ring_engine = kvedge_testkit::register(rd.control(), &hello);
     let mut client = kvedge_wire::Client::connect(rd.query()).unwrap();
     client.set_spinning(true).unwrap();
 
@@ -289,9 +265,7 @@ fn publish_to_visible(c: &mut Criterion) {
     });
     g.finish();
     drop(bridge);
-    stop.store(true, Ordering::Relaxed);
-    thread.join().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    daemon.stop();
 }
 
 /// A ZeroMQ publisher written by hand on a blocking socket, as libzmq's

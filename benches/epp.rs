@@ -26,10 +26,13 @@ use kvedge_epp::{ModelSpec, Models};
 
 const TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
 
-fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
-    v.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    (us(v[v.len() / 2]), us(v[v.len() * 99 / 100]))
+/// p50 and p99 in microseconds.
+fn percentiles(v: Vec<Duration>) -> (f64, f64) {
+    let p = kvedge_testkit::Percentiles::of(v);
+    (
+        kvedge_testkit::Percentiles::us(p.p50()),
+        kvedge_testkit::Percentiles::us(p.p99()),
+    )
 }
 
 fn main() {
@@ -105,8 +108,8 @@ fn main() {
         tokenizer_path.display(),
         template_path.display()
     );
-    let daemon = support::Running::start(&dir, &yaml);
-    let engine = daemon.engine(1, "http://127.0.0.2:8000", &tokens);
+    let daemon = kvedge_testkit::Bound::at(dir.join("run"), kvedge_testkit::config(&yaml)).run();
+    let engine = support::engine(&daemon.control(), 1, "http://127.0.0.2:8000", &tokens);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()

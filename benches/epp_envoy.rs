@@ -69,10 +69,13 @@ fn round_robin_config(engines: &[HttpEngine]) -> String {
     )
 }
 
-fn percentiles(mut v: Vec<Duration>) -> (f64, f64) {
-    v.sort();
-    let us = |d: Duration| d.as_secs_f64() * 1e6;
-    (us(v[v.len() / 2]), us(v[v.len() * 99 / 100]))
+/// p50 and p99 in microseconds.
+fn percentiles(v: Vec<Duration>) -> (f64, f64) {
+    let p = kvedge_testkit::Percentiles::of(v);
+    (
+        kvedge_testkit::Percentiles::us(p.p50()),
+        kvedge_testkit::Percentiles::us(p.p99()),
+    )
 }
 
 fn main() {
@@ -92,7 +95,7 @@ fn main() {
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  models:\n    - name: m\n"
     );
-    let daemon = support::Running::start(&dir, &yaml);
+    let daemon = kvedge_testkit::Bound::at(dir.join("run"), kvedge_testkit::config(&yaml)).run();
 
     let engines: Vec<HttpEngine> = (2..6)
         .map(|k| HttpEngine::start(Ipv4Addr::new(127, 0, 0, k)))
@@ -102,7 +105,7 @@ fn main() {
         .enumerate()
         .map(|(i, e)| {
             let prefix: Vec<u32> = (0..512).map(|t| (i as u32 + 1) * 100_000 + t).collect();
-            daemon.engine(i as u64 + 1, &e.endpoint(), &prefix)
+            support::engine(&daemon.control(), i as u64 + 1, &e.endpoint(), &prefix)
         })
         .collect();
     let picker = Envoy::start(&envoy_bin, &dir, epp_port, false);

@@ -44,12 +44,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use kvedge_config::Config;
 use kvedge_core::latency::Histogram;
-use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
-use kvedge_shm::Publisher;
-use kvedge_shm::control::ProducerSession;
+use kvedge_daemon::server::Server;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Load, Role, Tier};
 use kvedge_wire::{Client, Ids, Select};
@@ -91,16 +87,17 @@ fn wait_until(t: Instant) {
     }
 }
 
-fn percentiles(mut v: Vec<Duration>) -> (Duration, Duration) {
-    v.sort();
-    (v[v.len() / 2], v[v.len() * 99 / 100])
+fn percentiles(v: Vec<Duration>) -> (Duration, Duration) {
+    let p = kvedge_testkit::Percentiles::of(v);
+    (p.p50(), p.p99())
 }
 
 struct Daemon {
-    dir: PathBuf,
+    /// Dropped last: the engines stop before the daemon does.
+    running: Option<kvedge_testkit::Running>,
+    /// Stops the engines' threads.
     stop: Arc<AtomicBool>,
     latency: Arc<LatencyTap>,
-    thread: Option<std::thread::JoinHandle<()>>,
     engines: Vec<std::thread::JoinHandle<()>>,
 }
 
@@ -116,53 +113,30 @@ impl Daemon {
         flood: bool,
         held: u64,
     ) -> (Daemon, Vec<u64>) {
-        let dir = std::env::temp_dir().join(format!("kvedge-paced-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        let config = Config::load(
-            "bench",
+        let stop = Arc::new(AtomicBool::new(false));
+        let latency = Arc::new(LatencyTap::default());
+        let tap = Arc::clone(&latency);
+        let running = kvedge_testkit::Bound::new(
+            &format!("paced-{name}"),
             &format!(
                 "daemon:\n  heartbeat_timeout_ms: 600000\n  spin_us: {spin_us}\n  warm_us: {warm_us}\n"
             ),
-            &router_plugin_registry(),
-            &SelectionOverrides::default(),
         )
-        .unwrap();
-        let rd = RuntimeDir { dir: dir.clone() };
-        let mut server = Server::bind(config, &rd).unwrap();
-        let stop = Arc::new(AtomicBool::new(false));
-        let latency = Arc::new(LatencyTap::default());
-        let (s, tap) = (Arc::clone(&stop), Arc::clone(&latency));
-        let thread = std::thread::spawn(move || {
-            server
-                .run_with(|server| {
-                    tap.serve(server);
-                    s.load(Ordering::Relaxed)
-                })
-                .unwrap()
+        .run_with(move |server| {
+            tap.serve(server);
+            false
         });
+        let control = running.control();
         let tokens: Vec<u32> = (0..2048).collect();
         let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
         let engines = (1..=engines.max(1))
             .map(|id| {
                 let hello = Hello {
-                    worker_id: id,
-                    dp_rank: 0,
-                    model: "llama".into(),
-                    role: Role::Aggregated,
-                    block_size: 16,
                     kv_blocks: [1 << 20, 0, 0],
-                    labels: vec![],
-                    taints: vec![],
                     endpoint: format!("http://engine-{id}"),
-                    ring_capacity: 0,
+                    ..Hello::new(id, "llama")
                 };
-                let (session, ring) = ProducerSession::connect(
-                    dir.join("control.sock"),
-                    &hello,
-                    Duration::from_secs(5),
-                )
-                .unwrap();
-                let mut p = Publisher::new(Some(session), ring);
+                let mut p = kvedge_testkit::register(&control, &hello);
                 if id == 1 {
                     // Blocks of other prompts first, paced so the ring
                     // never fills (a drop would start a resync).
@@ -207,14 +181,17 @@ impl Daemon {
             .collect();
         (
             Daemon {
-                dir,
+                running: Some(running),
                 stop,
                 latency,
-                thread: Some(thread),
                 engines,
             },
             hashes,
         )
+    }
+
+    fn query(&self) -> PathBuf {
+        self.running.as_ref().expect("running").query()
     }
 
     /// The router core's select latency histogram so far, copied by the
@@ -253,10 +230,7 @@ impl Drop for Daemon {
         for t in self.engines.drain(..) {
             let _ = t.join();
         }
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        self.running.take();
     }
 }
 
@@ -302,7 +276,7 @@ fn selects(
     } = client;
     let name = if rings { "rings" } else { "socket" };
     let (d, hashes) = Daemon::start(name, spin_us, warm_us, engines, flood, held);
-    let mut c = Client::connect(d.dir.join("query.sock")).unwrap();
+    let mut c = Client::connect(d.query()).unwrap();
     c.set_spinning(spinning).unwrap();
     if rings {
         c.attach_rings().unwrap().unwrap();

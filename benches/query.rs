@@ -10,36 +10,22 @@
 
 use std::io::{BufRead, BufReader, ErrorKind, Read, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use kvedge_config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;
-use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::Tier;
 use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
 
-fn engine(dir: &std::path::Path, id: u64) -> Publisher {
+fn engine(control: &std::path::Path, id: u64) -> Publisher {
     let hello = Hello {
-        worker_id: id,
-        dp_rank: 0,
-        model: "llama".into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1 << 20, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: format!("http://engine-{id}"),
-        ring_capacity: 0,
+        ..Hello::new(id, "llama")
     };
-    let (s, p) =
-        ProducerSession::connect(dir.join("control.sock"), &hello, Duration::from_secs(5)).unwrap();
-    Publisher::new(Some(s), p)
+    kvedge_testkit::register(control, &hello)
 }
 
 /// Sends a line and reads the reply, spinning on a non-blocking socket.
@@ -107,27 +93,15 @@ fn in_parallel(iters: u64, clients: usize, client: &(impl Fn() + Sync)) -> Durat
 
 fn main() {
     let mut c = Criterion::default().configure_from_args();
-    let dir = std::env::temp_dir().join(format!("kvedge-bench-query-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
     // The bench's engines send no heartbeats: keep them available.
-    let config = Config::load(
-        "bench",
-        "daemon:\n  heartbeat_timeout_ms: 86400000\n",
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
-    let rd = RuntimeDir {
-        dir: PathBuf::from(&dir),
-    };
-    let mut server = Server::bind(config, &rd).unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let stop2 = Arc::clone(&stop);
-    let thread = std::thread::spawn(move || server.run(|| stop2.load(Ordering::Relaxed)).unwrap());
+    let daemon =
+        kvedge_testkit::Bound::new("bench-query", "daemon:\n  heartbeat_timeout_ms: 86400000\n")
+            .run();
+    let rd = &daemon.runtime;
 
     // 8 engines, each caching a different 2,048-token prompt.
     let seed = kvedge_shm::hash::block_seed(None, None);
-    let mut engines: Vec<Publisher> = (0..8).map(|i| engine(&dir, i)).collect();
+    let mut engines: Vec<Publisher> = (0..8).map(|i| engine(&rd.control(), i)).collect();
     for (i, e) in engines.iter_mut().enumerate() {
         let tokens: Vec<u32> = (0..2048).map(|t| i as u32 * 100_000 + t).collect();
         e.publish_stored_tokens(Tier::Device, None, &tokens, 16, seed)
@@ -367,9 +341,7 @@ fn main() {
         echo.join().unwrap();
     }
     g.finish();
-    stop.store(true, Ordering::Relaxed);
     drop(engines);
-    thread.join().unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
+    daemon.stop();
     c.final_summary();
 }

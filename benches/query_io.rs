@@ -8,74 +8,38 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::net::UnixStream;
-use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
-use kvedge_config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 
 struct Node {
-    dir: PathBuf,
-    stop: Arc<AtomicBool>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    /// The engine goes before the daemon.
     _engine: kvedge_shm::Publisher,
-}
-
-impl Drop for Node {
-    fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+    daemon: kvedge_testkit::Running,
 }
 
 fn node(name: &str, uring: bool) -> Node {
-    let dir = std::env::temp_dir().join(format!("kvedge-bench-io-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = Config::load(
-        "bench.yaml",
+    let mut bound = kvedge_testkit::Bound::new(
+        &format!("bench-io-{name}"),
         "daemon:\n  heartbeat_timeout_ms: 600000\n",
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
-    let limits = config.daemon.clone();
-    let mut server = Server::bind(config, &RuntimeDir { dir: dir.clone() }).unwrap();
+    );
     if uring {
-        let (listener, jobs) = server.take_query_listener().unwrap().unwrap();
-        if let Err((_, e)) = kvedge_daemon::uring::start(listener, jobs, limits.max_frame_bytes) {
+        let (listener, jobs) = bound.server.take_query_listener().unwrap().unwrap();
+        let max_frame_bytes = bound.server.core().config().daemon.max_frame_bytes;
+        if let Err((_, e)) = kvedge_daemon::uring::start(listener, jobs, max_frame_bytes) {
             panic!("io_uring is not available here: {e}");
         }
     }
-    let stop = Arc::new(AtomicBool::new(false));
-    let thread = {
-        let stop = stop.clone();
-        std::thread::spawn(move || server.run(|| stop.load(Ordering::Relaxed)).unwrap())
-    };
+    let daemon = bound.run();
     let hello = kvedge_shm::messages::control::Hello {
-        worker_id: 1,
-        dp_rank: 0,
-        model: "llama".into(),
-        role: kvedge_shm::messages::Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1 << 20, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: "http://engine-1".into(),
-        ring_capacity: 0,
+        ..kvedge_shm::messages::control::Hello::new(1, "llama")
     };
-    let engine = kvedge_tools::publish::connect(&dir, None, &hello).unwrap();
+    let engine = kvedge_testkit::register(daemon.control(), &hello);
     Node {
-        dir,
-        stop,
-        thread: Some(thread),
         _engine: engine,
+        daemon,
     }
 }
 
@@ -91,7 +55,7 @@ fn main() {
     let mut g = c.benchmark_group("query_io");
     for round in 1..=2 {
         for (name, n) in [("epoll", &epoll), ("io_uring", &uring)] {
-            let mut s = UnixStream::connect(n.dir.join("query.sock")).unwrap();
+            let mut s = UnixStream::connect(n.daemon.query()).unwrap();
             let mut r = BufReader::new(s.try_clone().unwrap());
             let mut reply = String::new();
             g.bench_function(format!("json_select_blocking/{name}/{round}"), |b| {
@@ -101,7 +65,7 @@ fn main() {
                     r.read_line(&mut reply).unwrap();
                 })
             });
-            let mut w = kvedge_wire::Client::connect(n.dir.join("query.sock")).unwrap();
+            let mut w = kvedge_wire::Client::connect(n.daemon.query()).unwrap();
             g.bench_function(format!("binary_select_blocking/{name}/{round}"), |b| {
                 b.iter(|| {
                     w.select_hashes("llama", kvedge_wire::Role::Aggregated, &hashes, 2048, true)
@@ -113,7 +77,7 @@ fn main() {
     }
     g.throughput(Throughput::Elements(16 * 100));
     for (name, n) in [("epoll", &epoll), ("io_uring", &uring)] {
-        let path = n.dir.join("query.sock");
+        let path = n.daemon.query();
         g.bench_function(format!("binary_select_16_clients_x100/{name}"), |b| {
             b.iter_custom(|iters| {
                 let mut total = Duration::ZERO;

@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 use criterion::{Criterion, Throughput, criterion_group};
 use kvedge_shm::control::accept_registration;
 use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{EventRef, Role, StoredBlock, Tier};
+use kvedge_shm::messages::{EventRef, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher, Push};
 
@@ -165,18 +165,7 @@ fn cross_process(c: &mut Criterion) {
 /// The child side of `cross_process`: publish Stored(16) as fast as possible
 /// until the parent closes the control connection.
 fn child(path: &str) {
-    let hello = Hello {
-        worker_id: 1,
-        dp_rank: 0,
-        model: "bench".into(),
-        role: Role::Aggregated,
-        block_size: 16,
-        kv_blocks: [0; 3],
-        labels: vec![],
-        taints: vec![],
-        endpoint: String::new(),
-        ring_capacity: 0,
-    };
+    let hello = Hello::new(1, "bench");
     let mut publisher = Publisher::connect(path, &hello, Duration::from_secs(10)).unwrap();
     let blocks = blocks16();
     loop {

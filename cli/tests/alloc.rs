@@ -12,9 +12,6 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use common::{engine, temp_dir, wait_for};
-use kvedge_config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
 use kvedge_shm::Publisher;
 use kvedge_shm::messages::{Load, Tier};
 use kvedge_wire::{Client, Ids, Role, Select};
@@ -57,15 +54,10 @@ fn the_predicted_ttft_policy_and_its_learning_allocate_nothing_either() {
 /// while an engine publishes: nothing allocated once warm.
 fn serves_without_allocating(name: &str, yaml: &str) {
     let dir = temp_dir(name);
-    let config = Config::load(
-        name,
-        yaml,
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
-    let rd = RuntimeDir { dir: dir.clone() };
-    let mut server = Server::bind(config, &rd).unwrap();
+    let kvedge_testkit::Bound {
+        mut server,
+        runtime: rd,
+    } = kvedge_testkit::Bound::at(dir.clone(), kvedge_testkit::config(yaml));
     // 0: warming up, 1: measuring, 2: stop.
     let phase = Arc::new(AtomicU8::new(0));
     let loop_phase = Arc::clone(&phase);

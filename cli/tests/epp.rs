@@ -20,22 +20,15 @@ use common::{Daemon, ask, envoy_binary, grpc, start, wait_for};
 use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
 use kvedge_shm::Publisher;
 use kvedge_shm::control::ProducerSession;
+use kvedge_shm::messages::Tier;
 use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
 use serde_json::json;
 
 fn register(d: &Daemon, worker: u64, endpoint: &str) -> Publisher {
     let hello = Hello {
-        worker_id: worker,
-        dp_rank: 0,
-        model: "m".into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [4096, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: endpoint.to_owned(),
-        ring_capacity: 0,
+        ..Hello::new(worker, "m")
     };
     let (s, p) = ProducerSession::connect(d.control(), &hello, Duration::from_secs(5)).unwrap();
     Publisher::new(Some(s), p)

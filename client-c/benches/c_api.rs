@@ -74,16 +74,8 @@ fn main() {
     };
     // The Rust publisher, registered as a second engine, for the ratio.
     let rust_hello = kvedge_shm::messages::control::Hello {
-        worker_id: 2,
-        dp_rank: 0,
-        model: "llama".into(),
-        role: kvedge_shm::messages::Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1 << 20, 0, 0],
-        labels: vec![],
-        taints: vec![],
-        endpoint: String::new(),
-        ring_capacity: 0,
+        ..kvedge_shm::messages::control::Hello::new(2, "llama")
     };
     let mut rust_pub = kvedge_tools::publish::connect(&dir, None, &rust_hello).unwrap();
     let mut publish_rust = || {

@@ -52,16 +52,9 @@ fn no_peer() -> std::io::Result<PeerCred> {
 
 fn hello(worker_id: u64) -> Hello {
     Hello {
-        worker_id,
-        dp_rank: 0,
-        model: "m".into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1024, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: format!("http://engine-{worker_id}"),
-        ring_capacity: 0,
+        ..Hello::new(worker_id, "m")
     }
 }
 

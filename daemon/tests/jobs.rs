@@ -5,18 +5,12 @@
 //! real control socket), and the core's idle timeout reaches it through
 //! the closer it gave.
 
-use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use kvedge_config::Config;
 use kvedge_core::ClientId;
 use kvedge_daemon::jobs::{Job, JobSender};
-use kvedge_daemon::server::{RuntimeDir, Server};
-use kvedge_policies::{SelectionOverrides, router_plugin_registry};
-use kvedge_shm::Publisher;
-use kvedge_shm::control::{PeerCred, ProducerSession};
+use kvedge_shm::control::PeerCred;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Role, Tier};
 use kvedge_wire::framing::Mode;
@@ -62,38 +56,19 @@ fn ask_json(jobs: &JobSender, client: ClientId, line: &str) -> serde_json::Value
 
 #[test]
 fn a_driver_on_another_thread_is_served_through_jobs() {
-    let dir = std::env::temp_dir().join(format!("kvedge-jobs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    let config = Config::load(
-        "jobs.yaml",
+    let mut bound = kvedge_testkit::Bound::new(
+        "jobs",
         "daemon:\n  idle_timeout_ms: 300\n  heartbeat_timeout_ms: 600000\n",
-        &router_plugin_registry(),
-        &SelectionOverrides::default(),
-    )
-    .unwrap();
-    let rd = RuntimeDir { dir: dir.clone() };
-    let mut server = Server::bind(config, &rd).unwrap();
-    let jobs = server.job_sender().unwrap();
-    let stop = Arc::new(AtomicBool::new(false));
-    let loop_stop = Arc::clone(&stop);
-    let routing = std::thread::spawn(move || {
-        server.run(|| loop_stop.load(Ordering::Relaxed)).unwrap();
-    });
+    );
+    let jobs = bound.server.job_sender().unwrap();
+    let daemon = bound.run();
 
     let hello = Hello {
-        worker_id: 5,
-        dp_rank: 0,
-        model: "m".into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1024, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: "http://engine-5".into(),
-        ring_capacity: 0,
+        ..Hello::new(5, "m")
     };
-    let (session, producer) = ProducerSession::connect(rd.control(), &hello, PATIENCE).unwrap();
-    let mut engine = Publisher::new(Some(session), producer);
+    let mut engine = kvedge_testkit::register(daemon.control(), &hello);
     engine
         .publish_stored_hashes(Tier::Device, None, &[1, 2, 3])
         .unwrap();
@@ -136,8 +111,6 @@ fn a_driver_on_another_thread_is_served_through_jobs() {
     );
     assert!(jobs.send(Job::Disconnect { client: other }));
 
-    stop.store(true, Ordering::Relaxed);
-    routing.join().unwrap();
+    daemon.stop();
     drop(engine);
-    let _ = std::fs::remove_dir_all(&dir);
 }

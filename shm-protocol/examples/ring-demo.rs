@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use kvedge_shm::control::{accept_registration, connection_closed, send_resync};
 use kvedge_shm::messages::control::{Hello, ResyncRequest};
-use kvedge_shm::messages::{EventRef, Load, Role, Tier};
+use kvedge_shm::messages::{EventRef, Load, Tier};
 use kvedge_shm::{Publisher, hash};
 
 const ENGINES: u64 = 2;
@@ -22,16 +22,9 @@ const RUN: Duration = Duration::from_secs(3);
 
 fn engine(socket: &str, worker_id: u64) {
     let hello = Hello {
-        worker_id,
-        dp_rank: 0,
-        model: "demo-8b".into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [32_768, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: format!("http://127.0.0.1:{}", 8000 + worker_id),
-        ring_capacity: 0,
+        ..Hello::new(worker_id, "demo-8b")
     };
     let mut p = Publisher::connect(socket, &hello, Duration::from_secs(5)).expect("register");
     let start = Instant::now();

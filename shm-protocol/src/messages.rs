@@ -398,6 +398,28 @@ pub mod control {
         pub ring_capacity: u64,
     }
 
+    impl Hello {
+        /// Worker `worker_id` (data-parallel rank 0) serving `model`:
+        /// aggregated, 16-token blocks, no cache size reported, no labels
+        /// or taints, no endpoint, the daemon's ring size. Set the rest
+        /// with struct update syntax:
+        /// `Hello { endpoint: url, ..Hello::new(7, "llama") }`.
+        pub fn new(worker_id: u64, model: impl Into<String>) -> Hello {
+            Hello {
+                worker_id,
+                dp_rank: 0,
+                model: model.into(),
+                role: Role::Aggregated,
+                block_size: 16,
+                kv_blocks: [0; 3],
+                labels: Vec::new(),
+                taints: Vec::new(),
+                endpoint: String::new(),
+                ring_capacity: 0,
+            }
+        }
+    }
+
     /// The daemon accepted the registration; the ring memfd and its wake
     /// eventfd ride along as SCM_RIGHTS.
     #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]

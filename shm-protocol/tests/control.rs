@@ -9,21 +9,13 @@ use std::time::Duration;
 
 use kvedge_shm::ControlError;
 use kvedge_shm::control::{ProducerSession, accept_registration, read_hello, send_reject};
-use kvedge_shm::messages::Role;
 use kvedge_shm::messages::control::{Hello, reject};
 
 fn hello() -> Hello {
     Hello {
-        worker_id: 7,
-        dp_rank: 0,
-        model: "m".into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [64, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: "http://engine".into(),
-        ring_capacity: 0,
+        ..Hello::new(7, "m")
     }
 }
 

@@ -62,15 +62,8 @@ pub fn stress_payload_ok(seq: u64, payload: &[u8]) -> bool {
 /// A Hello for test engines.
 pub fn test_hello(worker_id: u64) -> Hello {
     Hello {
-        worker_id,
-        dp_rank: 0,
-        model: "test-model".into(),
-        role: kvedge_shm::messages::Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1024, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: "unix:///tmp/none".into(),
-        ring_capacity: 0,
+        ..Hello::new(worker_id, "test-model")
     }
 }

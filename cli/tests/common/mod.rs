@@ -14,17 +14,13 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::messages::Role;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::{ControlError, Publisher};
 use serde_json::Value;
 
 /// A fresh, empty directory for one test.
 pub fn temp_dir(name: &str) -> PathBuf {
-    let d = std::env::temp_dir().join(format!("kvedge-t-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    std::fs::create_dir_all(&d).unwrap();
-    d
+    kvedge_testkit::temp_dir(&format!("t-{name}"))
 }
 
 /// A `kvedge run` child; its runtime directory (sockets) and config are in
@@ -160,16 +156,9 @@ pub fn ask(path: &Path, v: impl Borrow<Value>) -> Value {
 
 pub fn hello(id: u64, model: &str) -> Hello {
     Hello {
-        worker_id: id,
-        dp_rank: 0,
-        model: model.into(),
-        role: Role::Aggregated,
-        block_size: 16,
         kv_blocks: [1024, 0, 0],
-        labels: vec![],
-        taints: vec![],
         endpoint: format!("http://engine-{id}"),
-        ring_capacity: 0,
+        ..Hello::new(id, model)
     }
 }
 
@@ -184,7 +173,7 @@ pub fn try_engine(control: &Path, id: u64, model: &str) -> Result<Publisher, Con
 }
 
 pub fn engine(control: &Path, id: u64, model: &str) -> Publisher {
-    try_engine(control, id, model).unwrap()
+    kvedge_testkit::register(control, &hello(id, model))
 }
 
 /// Waits (up to 5 s) for `cond`; returns how long it took.

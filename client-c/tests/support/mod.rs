@@ -12,8 +12,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use kvedge::{KVEDGE_ROLE_AGGREGATED, kvedge_hello, kvedge_select_request};
-use kvedge_config::Config;
-use kvedge_daemon::server::{RuntimeDir, Server};
 
 /// A daemon running in a thread; stopped (its sockets closed) on `stop` or
 /// drop.
@@ -30,14 +28,8 @@ impl Daemon {
     pub fn start(name: &str, yaml: &str) -> Daemon {
         let dir = std::env::temp_dir().join(format!("kvedge-c-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&dir);
-        let config = Config::load(
-            "test.yaml",
-            yaml,
-            &kvedge_policies::router_plugin_registry(),
-            &Default::default(),
-        )
-        .unwrap();
-        let mut server = Server::bind(config, &RuntimeDir { dir: dir.clone() }).unwrap();
+        let mut server =
+            kvedge_testkit::Bound::at(dir.clone(), kvedge_testkit::config(yaml)).server;
         let (pause, paused, quit) = (
             Arc::new(AtomicBool::new(false)),
             Arc::new(AtomicBool::new(false)),
