@@ -28,6 +28,7 @@ use std::time::{Duration, Instant};
 use bytes::Bytes;
 use kvedge_config::{EngineRank, EngineSpec};
 use kvedge_shm::Publisher;
+use kvedge_shm::session::{Action, Session};
 use kvedge_shm::messages::control::{Hello, Label};
 use kvedge_shm::messages::{StoredBlock, Tier, notice};
 use kvedge_shm::ratelimit::{RateLimit, held_back};
@@ -300,29 +301,45 @@ fn hello(rank: &EngineRank) -> Hello {
     }
 }
 
-/// Registers the rank with the daemon, retrying every second.
-async fn register(rank: &EngineRank, settings: &Settings) -> Publisher {
+/// Registers the rank with the daemon when its session says so (at once,
+/// then backing off from 100 ms to 5 s); the first failure is logged.
+async fn register(rank: &EngineRank, settings: &Settings, session: &mut Session) -> Publisher {
     let mut logged = false;
     loop {
-        let control = settings.control_socket.clone();
-        let h = hello(rank);
-        let done = tokio::task::spawn_blocking(move || {
-            Publisher::connect(&control, &h, Duration::from_secs(5))
-        })
-        .await;
-        match done {
-            Ok(Ok(p)) => return p,
-            Ok(Err(e)) if !logged => {
-                warn!(
-                    worker = rank.worker_id,
-                    dp_rank = rank.dp_rank,
-                    "cannot register with the daemon ({e}); retrying"
-                );
-                logged = true;
+        if let Some(Action::Register) = session.poll_action(Instant::now()) {
+            let control = settings.control_socket.clone();
+            let h = hello(rank);
+            let done = tokio::task::spawn_blocking(move || {
+                Publisher::connect(&control, &h, kvedge_shm::session::REGISTER_TIMEOUT)
+            })
+            .await;
+            match done {
+                Ok(Ok(p)) => {
+                    let interval = p
+                        .session()
+                        .map_or(1000, |s| s.welcome().heartbeat_interval_ms);
+                    session.handle_registered(Instant::now(), interval);
+                    return p;
+                }
+                Ok(Err(e)) => {
+                    if !std::mem::replace(&mut logged, true) {
+                        warn!(
+                            worker = rank.worker_id,
+                            dp_rank = rank.dp_rank,
+                            "cannot register with the daemon ({e}); retrying"
+                        );
+                    }
+                    session.handle_register_failed(Instant::now());
+                }
+                Err(_) => session.handle_register_failed(Instant::now()),
             }
-            _ => {}
         }
-        tokio::time::sleep(Duration::from_secs(1)).await;
+        let wait = session
+            .poll_timeout()
+            .map_or(Duration::from_millis(100), |t| {
+                t.saturating_duration_since(Instant::now())
+            });
+        tokio::time::sleep(wait).await;
     }
 }
 
@@ -533,7 +550,8 @@ struct Logs {
 
 /// One rank, for as long as it is configured.
 async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::Receiver<Scraped>) {
-    let mut publisher = register(&rank, &settings).await;
+    let mut session = Session::new(Instant::now());
+    let mut publisher = register(&rank, &settings, &mut session).await;
     info!(
         worker = rank.worker_id,
         dp_rank = rank.dp_rank,
@@ -685,9 +703,7 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
             }
             _ = tick.tick() => {
                 let now = Instant::now();
-                if liveness.alive(now, timeout) {
-                    let _ = publisher.heartbeat(monotonic_ns(start));
-                } else if liveness.goes_silent(now, timeout) {
+                if liveness.goes_silent(now, timeout) {
                     let message = format!("no events, metrics or connection from the engine for {timeout:?}: its blocks were dropped and it is out of routing until it is heard again");
                     warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
                     feed.forget(&mut Ring(&mut publisher));
@@ -712,16 +728,33 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                 }
                 reported.refused_now = reported.refused_before + sub.as_ref().map_or(0, refusals);
                 flush_notices(&rank, &mut feed, &mut publisher, &mut reported, &mut logs, now);
-                // A resync the daemon asked for (after our ring overflowed).
-                let served = publisher.serve_resync(|p| {
-                    feed.translator().republish(&mut Ring(p));
-                    Ok(())
-                });
-                if served.is_err() {
-                    // The daemon closed our registration: register again.
-                    warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "the daemon closed the engine's registration; registering again");
-                    publisher = register(&rank, &settings).await;
-                    feed.forget(&mut Ring(&mut publisher));
+                // The session with the daemon: a resync it asks for (after
+                // our ring overflowed), or a registration it closed.
+                match publisher.poll() {
+                    Ok(Some(req)) => session.handle_resync_requested(req.snapshot_id),
+                    Ok(None) => {}
+                    Err(_) => {
+                        warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "the daemon closed the engine's registration; registering again");
+                        session.handle_closed(now);
+                        publisher = register(&rank, &settings, &mut session).await;
+                    }
+                }
+                while let Some(action) = session.poll_action(Instant::now()) {
+                    match action {
+                        // Heartbeats only while the engine shows life.
+                        Action::Heartbeat if liveness.alive(now, timeout) => {
+                            let _ = publisher.heartbeat(monotonic_ns(start));
+                        }
+                        Action::Heartbeat | Action::Register => {}
+                        Action::Resync { snapshot_id } => {
+                            let _ = publisher.begin_snapshot(snapshot_id);
+                            feed.translator().republish(&mut Ring(&mut publisher));
+                            let _ = publisher.end_snapshot();
+                        }
+                        // Registered again: the daemon knows none of the
+                        // engine's blocks; tell it every one still known.
+                        Action::Republish => feed.translator().republish(&mut Ring(&mut publisher)),
+                    }
                 }
             }
         }

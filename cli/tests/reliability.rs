@@ -240,7 +240,7 @@ fn a_mock_engine_registers_again_after_the_daemon_restarts() {
     let _ = engine.kill();
     let out = engine.wait_with_output().unwrap();
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("reconnecting"), "{err}");
+    assert!(err.contains("registered again"), "{err}");
     // `old` removes the directory on drop.
     drop(old);
 }

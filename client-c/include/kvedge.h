@@ -57,6 +57,11 @@
 // `kvedge_publisher_poll` flag: a resync snapshot was published.
 #define KVEDGE_POLL_RESYNC_SERVED 2
 
+// `kvedge_publisher_poll` flag: the daemon had gone away and the engine
+// registered again (its blocks republished through the callback, or at
+// the next poll that gives one).
+#define KVEDGE_POLL_REGISTERED_AGAIN 4
+
 // Bytes of `kvedge_select_result::endpoint`, NUL included.
 #define KVEDGE_ENDPOINT_MAX 256
 
@@ -322,15 +327,20 @@ kvedge_status kvedge_publish_cleared(struct kvedge_publisher *publisher, int32_t
 kvedge_status kvedge_publish_load(struct kvedge_publisher *publisher,
                                   const struct kvedge_load *load);
 
-// Call every 100 ms or so from the publishing thread: sends the heartbeat
-// when due and serves the daemon's resync requests. With `resync`, a
-// pending request is served at once: the snapshot is opened, `resync` is
-// called to republish every block, and the snapshot is closed (flag
+// Call every 100 ms or so from the publishing thread: it runs the
+// engine's session with the daemon. It sends the heartbeat when due and
+// serves the daemon's resync requests: with `resync`, a pending request
+// is served at once (the snapshot is opened, `resync` is called to
+// republish every block, the snapshot is closed: flag
 // `KVEDGE_POLL_RESYNC_SERVED`); if `resync` returns an error the snapshot
 // stays open and incomplete, and that error is returned. Without it,
 // `KVEDGE_POLL_RESYNC_PENDING` is set and the request is kept for a later
-// poll. `flags` (may be NULL) receives those bits. Returns
-// `KVEDGE_ERR_CLOSED` once the daemon is gone.
+// poll. When the daemon has gone away (it restarted) the call returns
+// `KVEDGE_ERR_CLOSED`, and later calls register again (after 100 ms,
+// backing off to 5 s; an attempt blocks up to 5 s); once registered,
+// `resync` is called to republish every block (without a snapshot: the
+// new registration knows nothing) and `KVEDGE_POLL_REGISTERED_AGAIN` is
+// set. `flags` (may be NULL) receives those bits.
 //
 // # Safety
 // `publisher` is a live handle used by this thread only; `flags` is NULL

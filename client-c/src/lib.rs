@@ -22,12 +22,13 @@ use std::cell::RefCell;
 use std::ffi::{CStr, OsStr, c_char, c_void};
 use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use kvedge_shm::control::ProducerSession;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Load, Role, Tier};
+use kvedge_shm::session::{Action, REGISTER_TIMEOUT, Session, SessionState};
 use kvedge_shm::{ControlError, PublishError, Publisher};
 use kvedge_wire::{Client, Ids, Pairs, Select, Status, Strs};
 
@@ -89,6 +90,10 @@ pub const KVEDGE_ROLE_ENCODE: u32 = 3;
 pub const KVEDGE_POLL_RESYNC_PENDING: u32 = 1;
 /// `kvedge_publisher_poll` flag: a resync snapshot was published.
 pub const KVEDGE_POLL_RESYNC_SERVED: u32 = 2;
+/// `kvedge_publisher_poll` flag: the daemon had gone away and the engine
+/// registered again (its blocks republished through the callback, or at
+/// the next poll that gives one).
+pub const KVEDGE_POLL_REGISTERED_AGAIN: u32 = 4;
 
 /// Bytes of `kvedge_select_result::endpoint`, NUL included.
 pub const KVEDGE_ENDPOINT_MAX: usize = 256;
@@ -425,11 +430,17 @@ pub struct kvedge_load {
 
 /// An engine's registration and ring. Opaque.
 pub struct kvedge_publisher {
+    /// The registration's publisher (after the daemon went away, the old
+    /// one until a registration again replaces it).
     inner: Publisher,
-    heartbeat_every: Duration,
-    last_beat: Instant,
-    /// A resync the engine was told about but has not served yet.
-    pending_snapshot: Option<u64>,
+    /// The session with the daemon: heartbeats, resyncs, registering
+    /// again.
+    session: Session,
+    control: PathBuf,
+    hello: Hello,
+    /// Registered again, and the blocks not yet republished (no callback
+    /// was given).
+    republish_pending: bool,
     started: Instant,
 }
 
@@ -437,7 +448,7 @@ impl std::fmt::Debug for kvedge_publisher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("kvedge_publisher")
             .field("dropped", &self.inner.dropped())
-            .field("pending_snapshot", &self.pending_snapshot)
+            .field("session", &self.session.state())
             .finish_non_exhaustive()
     }
 }
@@ -543,15 +554,17 @@ pub unsafe extern "C" fn kvedge_publisher_open(
             endpoint: endpoint.unwrap_or("").to_owned(),
             ring_capacity: h.ring_capacity,
         };
-        let (session, producer) = ProducerSession::connect(socket, &hello, Duration::from_secs(5))
+        let (session, producer) = ProducerSession::connect(socket, &hello, REGISTER_TIMEOUT)
             .map_err(|e| control_error(e).at(socket))?;
-        let every = session.welcome().heartbeat_interval_ms.max(1);
+        let interval = session.welcome().heartbeat_interval_ms;
+        let now = Instant::now();
         let p = Box::new(kvedge_publisher {
             inner: Publisher::new(Some(session), producer),
-            heartbeat_every: Duration::from_millis(u64::from(every)),
-            last_beat: Instant::now(),
-            pending_snapshot: None,
-            started: Instant::now(),
+            session: Session::registered(now, interval),
+            control: socket.to_owned(),
+            hello,
+            republish_pending: false,
+            started: now,
         });
         // SAFETY: `out` is writable (checked above).
         unsafe { *out = Box::into_raw(p) };
@@ -714,15 +727,20 @@ pub unsafe extern "C" fn kvedge_publish_load(
     })
 }
 
-/// Call every 100 ms or so from the publishing thread: sends the heartbeat
-/// when due and serves the daemon's resync requests. With `resync`, a
-/// pending request is served at once: the snapshot is opened, `resync` is
-/// called to republish every block, and the snapshot is closed (flag
+/// Call every 100 ms or so from the publishing thread: it runs the
+/// engine's session with the daemon. It sends the heartbeat when due and
+/// serves the daemon's resync requests: with `resync`, a pending request
+/// is served at once (the snapshot is opened, `resync` is called to
+/// republish every block, the snapshot is closed: flag
 /// `KVEDGE_POLL_RESYNC_SERVED`); if `resync` returns an error the snapshot
 /// stays open and incomplete, and that error is returned. Without it,
 /// `KVEDGE_POLL_RESYNC_PENDING` is set and the request is kept for a later
-/// poll. `flags` (may be NULL) receives those bits. Returns
-/// `KVEDGE_ERR_CLOSED` once the daemon is gone.
+/// poll. When the daemon has gone away (it restarted) the call returns
+/// `KVEDGE_ERR_CLOSED`, and later calls register again (after 100 ms,
+/// backing off to 5 s; an attempt blocks up to 5 s); once registered,
+/// `resync` is called to republish every block (without a snapshot: the
+/// new registration knows nothing) and `KVEDGE_POLL_REGISTERED_AGAIN` is
+/// set. `flags` (may be NULL) receives those bits.
 ///
 /// # Safety
 /// `publisher` is a live handle used by this thread only; `flags` is NULL
@@ -736,49 +754,83 @@ pub unsafe extern "C" fn kvedge_publisher_poll(
 ) -> kvedge_status {
     guard(|| {
         let mut bits = 0u32;
-        let snapshot = {
+        let now = Instant::now();
+        // What the callback is to be called for, once no Rust reference
+        // to the handle is held: a snapshot (its id), or a republish.
+        let mut callback: Option<Option<u64>> = None;
+        {
             // SAFETY: caller contract; this borrow ends before the callback.
             let p = unsafe { handle(publisher, "publisher")? };
-            if p.last_beat.elapsed() >= p.heartbeat_every {
-                let now = p.started.elapsed().as_nanos() as u64;
-                p.inner.heartbeat(now).map_err(publish_error)?;
-                p.last_beat = Instant::now();
-            }
-            if p.pending_snapshot.is_none() {
-                p.pending_snapshot = p
-                    .inner
-                    .poll()
-                    .map_err(control_error)?
-                    .map(|r| r.snapshot_id);
-            }
-            match (p.pending_snapshot, resync) {
-                (None, _) => None,
-                (Some(_), None) => {
-                    bits |= KVEDGE_POLL_RESYNC_PENDING;
-                    None
-                }
-                (Some(id), Some(cb)) => {
-                    p.pending_snapshot = None;
-                    p.inner.begin_snapshot(id).map_err(publish_error)?;
-                    Some(cb)
+            if p.session.state() == SessionState::Registered {
+                match p.inner.poll() {
+                    Ok(Some(req)) => p.session.handle_resync_requested(req.snapshot_id),
+                    Ok(None) => {}
+                    Err(ControlError::Closed) => p.session.handle_closed(now),
+                    Err(e) => return Err(control_error(e)),
                 }
             }
-        };
-        if let Some(cb) = snapshot {
+            while let Some(action) = p.session.poll_action(now) {
+                match action {
+                    Action::Register => {
+                        match Publisher::connect(&p.control, &p.hello, REGISTER_TIMEOUT) {
+                            Ok(new) => {
+                                let interval = new
+                                    .session()
+                                    .map_or(1000, |s| s.welcome().heartbeat_interval_ms);
+                                p.inner = new;
+                                p.session.handle_registered(now, interval);
+                                bits |= KVEDGE_POLL_REGISTERED_AGAIN;
+                            }
+                            Err(_) => p.session.handle_register_failed(now),
+                        }
+                    }
+                    Action::Republish => p.republish_pending = true,
+                    Action::Resync { snapshot_id } if resync.is_some() && callback.is_none() => {
+                        p.inner.begin_snapshot(snapshot_id).map_err(publish_error)?;
+                        callback = Some(Some(snapshot_id));
+                    }
+                    Action::Resync { snapshot_id } => {
+                        // Kept for a poll with a callback.
+                        p.session.handle_resync_requested(snapshot_id);
+                        bits |= KVEDGE_POLL_RESYNC_PENDING;
+                        break;
+                    }
+                    Action::Heartbeat => {
+                        let ts = p.started.elapsed().as_nanos() as u64;
+                        p.inner.heartbeat(ts).map_err(publish_error)?;
+                    }
+                }
+            }
+            if p.republish_pending && resync.is_some() && callback.is_none() {
+                p.republish_pending = false;
+                callback = Some(None);
+            }
+        }
+        if let (Some(snapshot), Some(cb)) = (callback, resync) {
             // SAFETY: the C callback gets the same live handle; no Rust
             // reference to it is held across the call.
             let rc = unsafe { cb(publisher, user) };
             if rc != KVEDGE_OK {
                 return Err(Error::new(rc, format!("the resync callback returned {rc}")));
             }
-            // SAFETY: caller contract (the callback did not close it).
-            let p = unsafe { handle(publisher, "publisher")? };
-            p.inner.end_snapshot().map_err(publish_error)?;
-            bits |= KVEDGE_POLL_RESYNC_SERVED;
+            if snapshot.is_some() {
+                // SAFETY: caller contract (the callback did not close it).
+                let p = unsafe { handle(publisher, "publisher")? };
+                p.inner.end_snapshot().map_err(publish_error)?;
+                bits |= KVEDGE_POLL_RESYNC_SERVED;
+            }
         }
         if !flags.is_null() {
             // SAFETY: non-null and writable (caller).
             unsafe { *flags = bits };
+        }
+        // SAFETY: caller contract.
+        let p = unsafe { handle(publisher, "publisher")? };
+        if p.session.state() != SessionState::Registered {
+            return Err(Error::new(
+                KVEDGE_ERR_CLOSED,
+                "the daemon is gone; later polls register again",
+            ));
         }
         Ok(())
     })

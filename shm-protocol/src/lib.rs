@@ -6,7 +6,9 @@
 //! [`messages`], created by the daemon as a sealed memfd ([`segment`]) and
 //! passed over the [`control`] socket. The producer never blocks and never
 //! allocates after warm-up ([`publisher`]); the consumer treats every byte in
-//! shared memory as hostile. Block identity comes from one [`hash`]
+//! shared memory as hostile. An engine's [`session`] with the daemon
+//! (registering, heartbeats, resyncs, registering again after the daemon
+//! restarts) is one state machine every engine driver runs. Block identity comes from one [`hash`]
 //! implementation shared by engines, daemon, CLI and C library. Frontends
 //! that want select round trips without the kernel in the path attach a
 //! query [`channel`]: the same rings, one each way.
@@ -32,10 +34,12 @@ pub mod publisher;
 pub mod ratelimit;
 pub mod ring;
 pub mod segment;
+pub mod session;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
 pub use error::{ControlError, DecodeError, RingError, SegmentError};
 pub use messages::{Event, EventRef, Tier, decode};
 pub use publisher::{PublishError, Publisher};
+pub use session::{Link, Session};
 pub use ring::{Consumer, Producer, Push, PushError, Record};

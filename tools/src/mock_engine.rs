@@ -27,7 +27,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::Publisher;
+use kvedge_shm::{Link, Publisher};
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Role, Tier};
 use kvedge_sim::engine::{Completion, EngineModel, EngineRequest, KvEvent, Outputs};
@@ -179,11 +179,16 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
             args.worker_id,
             Arc::clone(&blocks),
         )?),
-        None => Feed::Ring(crate::publish::connect(
-            &args.runtime_dir,
-            args.socket.as_deref(),
-            &hello,
-        )?),
+        None => {
+            let control = args
+                .socket
+                .clone()
+                .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
+            Feed::Ring(
+                Link::connect(&control, hello.clone())
+                    .map_err(|e| format!("{}: {e}", control.display()))?,
+            )
+        }
     };
     let mut engine = EngineModel::new(params);
     let start = Instant::now();
@@ -197,7 +202,6 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
     let mut owners: HashMap<u64, (u64, u64)> = HashMap::new();
     let mut out = Outputs::default();
     let mut next_step: Option<u64> = None;
-    let mut last_beat = Instant::now();
     while !stop.load(Ordering::Relaxed) {
         // New connections and request lines.
         loop {
@@ -261,7 +265,14 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
             out.clear();
             next_step = engine.advance(now, &mut out);
             match &mut feed {
-                Feed::Ring(p) => publish(p, &out)?,
+                Feed::Ring(link) => {
+                    // While the daemon is away the events go nowhere:
+                    // registering again publishes what is held.
+                    if let Some(p) = link.publisher() {
+                        publish(p, &out)?;
+                        link.sent(Instant::now());
+                    }
+                }
                 Feed::Vllm(v) => {
                     v.publish(&out.events)?;
                     if let Some(l) = out.loads.last() {
@@ -313,7 +324,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         // Resync requests: republish every block held, per tier.
         // Over ZeroMQ there is no resync and no heartbeat: the bridge
         // replays and probes.
-        let Feed::Ring(publisher) = &mut feed else {
+        let Feed::Ring(link) = &mut feed else {
             let wait_us = match next_step {
                 Some(t) => ((t.saturating_sub(sim_now(args.speed))) as f64 / args.speed) as u64,
                 None => 50_000,
@@ -322,29 +333,18 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
             wait_readable(&listener, &conns, Duration::from_micros(wait_us));
             continue;
         };
-        let served = publisher.serve_resync(|p| {
+        // The session: heartbeats, resync snapshots, and, when the daemon
+        // went away (a restart, a crash), registering again once it is
+        // back and telling it every block held.
+        let tick = link.tick(Instant::now(), |p| {
             p.publish_cleared(None)?;
             republish(p, &engine)
         });
-        if let Err(e) = served {
-            // The daemon went away (a restart, a crash): register again
-            // once it is back, and tell it every block held.
-            eprintln!("kvedge mock-engine: the daemon went away ({e}); reconnecting");
-            match reconnect(&args, &hello, &stop) {
-                Some(mut p) => {
-                    let _ = p.serve_resync(|_| Ok(()));
-                    republish(&mut p, &engine).map_err(|e| format!("publish: {e}"))?;
-                    eprintln!("kvedge mock-engine: registered again");
-                    feed = Feed::Ring(p);
-                }
-                None => return Ok(()),
-            }
-            continue;
+        if tick.closed {
+            eprintln!("kvedge mock-engine: the daemon went away; registering again");
         }
-        if last_beat.elapsed() >= Duration::from_millis(500) {
-            // A failed heartbeat shows as a closed connection next turn.
-            let _ = publisher.heartbeat(sim_now(args.speed) * 1000);
-            last_beat = Instant::now();
+        if tick.registered {
+            eprintln!("kvedge mock-engine: registered again");
         }
         // Sleep until the next step is due or a socket has something.
         let wait_us = match next_step {
@@ -355,24 +355,6 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         wait_readable(&listener, &conns, Duration::from_micros(wait_us));
     }
     Ok(())
-}
-
-/// Registers again until the daemon answers or the engine is stopped
-/// (then `None`), every half second.
-fn reconnect(args: &MockEngineArgs, hello: &Hello, stop: &AtomicBool) -> Option<Publisher> {
-    let mut last_error = String::new();
-    while !stop.load(Ordering::Relaxed) {
-        match crate::publish::connect(&args.runtime_dir, args.socket.as_deref(), hello) {
-            Ok(p) => return Some(p),
-            Err(e) if e != last_error => {
-                eprintln!("kvedge mock-engine: {e}; retrying");
-                last_error = e;
-            }
-            Err(_) => {}
-        }
-        std::thread::sleep(Duration::from_millis(500));
-    }
-    None
 }
 
 /// Publishes every block the engine holds (after registering again, the
@@ -390,8 +372,8 @@ fn republish(p: &mut Publisher, engine: &EngineModel) -> Result<(), kvedge_shm::
 
 /// Where the engine's events go.
 enum Feed {
-    /// kvedge's own ring, registered over control.sock.
-    Ring(Publisher),
+    /// kvedge's own ring, registered over control.sock and kept so.
+    Ring(Link),
     /// vLLM's ZeroMQ publisher and metrics (`--vllm-events`).
     Vllm(crate::vllm_feed::VllmFeed),
 }

@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 use kvedge_shm::control::ProducerSession;
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Load, Role, Tier};
-use kvedge_shm::{PublishError, Publisher};
+use kvedge_shm::{Link, PublishError, Publisher};
 use serde::Deserialize;
 
 /// The command's arguments.
@@ -164,7 +164,13 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
         endpoint: args.endpoint,
         ring_capacity: 0,
     };
-    let mut publisher = connect(&args.runtime_dir, args.socket.as_deref(), &hello)?;
+    let control = args
+        .socket
+        .clone()
+        .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
+    let mut link = Link::connect(&control, hello.clone())
+        .map_err(|e| format!("{}: {e}", control.display()))?;
+    let publisher = link.publisher().expect("registered by connect");
     let mut held = Held::default();
     let mut events = 0u64;
     let publish_err = |e: PublishError| e.to_string();
@@ -235,45 +241,28 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
             }
         }
     }
-    // Hold: answer resync requests; heartbeat once a second; register
-    // again whenever the daemon closes the registration.
+    // Hold: the session answers resync requests, heartbeats, and
+    // registers again (publishing what is held) whenever the daemon
+    // closes the registration.
     let start = Instant::now();
-    let mut last_beat = Instant::now();
     let done = || match args.hold {
         Some(secs) => start.elapsed().as_secs_f64() >= secs,
         None => stdin_closed(),
     };
-    let mut registrations = 1u64;
     while !done() {
-        if let Err(e) = publisher.serve_resync(|p| held.republish(p)) {
-            eprintln!(
-                "kvedge publish: the daemon closed the registration ({e}); registering again"
-            );
-            let again = loop {
-                if done() {
-                    break None;
-                }
-                match connect(&args.runtime_dir, args.socket.as_deref(), &hello) {
-                    Ok(p) => break Some(p),
-                    Err(_) => std::thread::sleep(Duration::from_secs(1)),
-                }
-            };
-            let Some(p) = again else { break };
-            publisher = p;
-            registrations += 1;
-            held.republish(&mut publisher).map_err(publish_err)?;
-            eprintln!("kvedge publish: registered again");
+        let tick = link.tick(Instant::now(), |p| held.republish(p));
+        if tick.closed {
+            eprintln!("kvedge publish: the daemon closed the registration; registering again");
         }
-        if last_beat.elapsed() >= Duration::from_secs(1) {
-            let _ = publisher.heartbeat(0);
-            last_beat = Instant::now();
+        if tick.registered {
+            eprintln!("kvedge publish: registered again");
         }
         std::thread::sleep(Duration::from_millis(10));
     }
     Ok(serde_json::json!({
         "events": events,
-        "dropped_records": publisher.dropped(),
-        "registrations": registrations,
+        "dropped_records": link.publisher().map_or(0, |p| p.dropped()),
+        "registrations": link.session().registrations(),
     }))
 }
 
