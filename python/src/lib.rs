@@ -13,11 +13,12 @@
 
 use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Load, Tier};
 use kvedge_shm::ring::Push;
+use kvedge_shm::session::{Action, REGISTER_TIMEOUT, Session, SessionState};
 use kvedge_wire::{Ids, Pairs, Role, Select, Status, Strs};
 use pyo3::create_exception;
 use pyo3::exceptions::{PyException, PyValueError};
@@ -482,8 +483,31 @@ fn hash_blocks(
 /// and publishes its KV events and load through its ring.
 #[pyclass(module = "kvedge._kvedge", name = "Publisher")]
 pub struct Publisher {
-    inner: Mutex<kvedge_shm::Publisher>,
+    inner: Mutex<Engine>,
     block_size: u32,
+}
+
+/// A registration and the session that keeps it (`kvedge_shm::session`,
+/// the state machine every kvedge engine driver runs).
+struct Engine {
+    publisher: kvedge_shm::Publisher,
+    session: Session,
+    control: PathBuf,
+    hello: Hello,
+    started: Instant,
+}
+
+impl std::ops::Deref for Engine {
+    type Target = kvedge_shm::Publisher;
+    fn deref(&self) -> &kvedge_shm::Publisher {
+        &self.publisher
+    }
+}
+
+impl std::ops::DerefMut for Engine {
+    fn deref_mut(&mut self) -> &mut kvedge_shm::Publisher {
+        &mut self.publisher
+    }
 }
 
 fn pushed(py: Python<'_>, r: Result<Push, kvedge_shm::PublishError>) -> PyResult<bool> {
@@ -542,8 +566,18 @@ impl Publisher {
                 let _ = err.value(py).setattr("code", py.None());
                 err
             })?;
+        let interval = p
+            .session()
+            .map_or(1000, |s| s.welcome().heartbeat_interval_ms);
+        let now = Instant::now();
         Ok(Publisher {
-            inner: Mutex::new(p),
+            inner: Mutex::new(Engine {
+                publisher: p,
+                session: Session::registered(now, interval),
+                control: control_socket,
+                hello,
+                started: now,
+            }),
             block_size,
         })
     }
@@ -663,6 +697,60 @@ impl Publisher {
         let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         let r = p.end_snapshot();
         pushed(py, r)
+    }
+
+    /// Runs the engine's session with the daemon; call it every 100 ms or
+    /// so. It sends heartbeats when due and, when the daemon went away (a
+    /// restart), registers again (after 100 ms, backing off to 5 s). It
+    /// returns what the engine must do now, or None: ("resync", id): call
+    /// `begin_snapshot(id)`, `stored(...)` for every block held, then
+    /// `end_snapshot()`; ("republish", None): registered again, call
+    /// `stored(...)` for every block held (the new registration knows
+    /// none). `registered` says whether the daemon is there.
+    fn tick(&self, py: Python<'_>) -> Option<(&'static str, Option<u64>)> {
+        let mut e = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        if e.session.state() == SessionState::Registered {
+            match e.publisher.poll() {
+                Ok(Some(req)) => e.session.handle_resync_requested(req.snapshot_id),
+                Ok(None) => {}
+                Err(_) => e.session.handle_closed(now),
+            }
+        }
+        while let Some(action) = e.session.poll_action(now) {
+            match action {
+                Action::Register => {
+                    let (control, hello) = (e.control.clone(), e.hello.clone());
+                    let connected = py.detach(|| {
+                        kvedge_shm::Publisher::connect(&control, &hello, REGISTER_TIMEOUT)
+                    });
+                    match connected {
+                        Ok(p) => {
+                            let interval = p
+                                .session()
+                                .map_or(1000, |s| s.welcome().heartbeat_interval_ms);
+                            e.publisher = p;
+                            e.session.handle_registered(now, interval);
+                        }
+                        Err(_) => e.session.handle_register_failed(now),
+                    }
+                }
+                Action::Heartbeat => {
+                    let ts = e.started.elapsed().as_nanos() as u64;
+                    let _ = e.publisher.heartbeat(ts);
+                }
+                Action::Resync { snapshot_id } => return Some(("resync", Some(snapshot_id))),
+                Action::Republish => return Some(("republish", None)),
+            }
+        }
+        None
+    }
+
+    /// Whether the engine is registered with a daemon now.
+    #[getter]
+    fn registered(&self) -> bool {
+        let e = self.inner.lock().unwrap_or_else(|e| e.into_inner());
+        e.session.state() == SessionState::Registered
     }
 
     /// Records dropped because the ring was full.

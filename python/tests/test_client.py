@@ -236,3 +236,29 @@ def test_a_rules_provider_pick_names_the_provider(tmp_path: pathlib.Path) -> Non
         del local
     finally:
         d.stop()
+
+
+def test_a_ticking_engine_registers_again_after_the_daemon_restarts(tmp_path: pathlib.Path) -> None:
+    rt = tmp_path / "rt"
+    yaml = "daemon:\n  heartbeat_timeout_ms: 600000\n"
+    first = start_daemon(rt, yaml)
+    p = engine(first, 7)
+    assert p.stored(tokens=TOKENS)
+    assert p.tick() is None and p.registered
+    first.stop()
+    # The daemon is gone: the session says so, and nothing is due.
+    wait_for(lambda: p.tick() is None and not p.registered, "the closed session")
+    second = start_daemon(rt, yaml)
+    try:
+        # Ticking registers again (backing off meanwhile), then asks for
+        # every block held, once.
+        actions = []
+        wait_for(lambda: actions.append(p.tick()) or p.registered, "a registration again", timeout=10)
+        assert ("republish", None) in actions
+        assert p.stored(tokens=TOKENS)
+        assert p.tick() is None
+        with kvedge.Client(rt) as c:
+            wait_for(lambda: c.select("m", tokens=TOKENS, dry_run=True).device_blocks == 16, "the republished blocks")
+            assert c.select("m", tokens=TOKENS, dry_run=True).worker_id == 7
+    finally:
+        second.stop()
