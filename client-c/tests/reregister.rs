@@ -44,7 +44,11 @@ fn overlap(query: &CString, model: &CString) -> u32 {
     let rc = unsafe { kvedge_select(c, &req, &mut res) };
     // SAFETY: the handle from connect, closed once.
     unsafe { kvedge_client_close(c) };
-    if rc == KVEDGE_OK { res.overlap_device } else { 0 }
+    if rc == KVEDGE_OK {
+        res.overlap_device
+    } else {
+        0
+    }
 }
 
 #[test]
@@ -103,7 +107,10 @@ fn a_polling_engine_registers_again_after_the_daemon_restarts() {
         );
         std::thread::sleep(Duration::from_millis(10));
     }
-    assert_eq!(flags & KVEDGE_POLL_REGISTERED_AGAIN, KVEDGE_POLL_REGISTERED_AGAIN);
+    assert_eq!(
+        flags & KVEDGE_POLL_REGISTERED_AGAIN,
+        KVEDGE_POLL_REGISTERED_AGAIN
+    );
     assert_eq!(calls, 1, "republished once");
     let start = Instant::now();
     while overlap(&second.query(), &model) != 3 {

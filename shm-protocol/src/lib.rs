@@ -41,5 +41,5 @@ pub mod testing;
 pub use error::{ControlError, DecodeError, RingError, SegmentError};
 pub use messages::{Event, EventRef, Tier, decode};
 pub use publisher::{PublishError, Publisher};
-pub use session::{Link, Session};
 pub use ring::{Consumer, Producer, Push, PushError, Record};
+pub use session::{Link, Session};

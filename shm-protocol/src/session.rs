@@ -285,8 +285,9 @@ impl Link {
                 Action::Register => {
                     match Publisher::connect(&self.control, &self.hello, REGISTER_TIMEOUT) {
                         Ok(p) => {
-                            let interval =
-                                p.session().map_or(1000, |s| s.welcome().heartbeat_interval_ms);
+                            let interval = p
+                                .session()
+                                .map_or(1000, |s| s.welcome().heartbeat_interval_ms);
                             self.publisher = Some(p);
                             self.session.handle_registered(now, interval);
                             self.last_error = None;
@@ -360,7 +361,11 @@ mod tests {
         s.handle_registered(now, 1000);
         assert_eq!(s.state(), SessionState::Registered);
         assert_eq!(s.registrations(), 1);
-        assert_eq!(drain(&mut s, now), [], "nothing to republish the first time");
+        assert_eq!(
+            drain(&mut s, now),
+            [],
+            "nothing to republish the first time"
+        );
     }
 
     #[test]

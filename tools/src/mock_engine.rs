@@ -27,9 +27,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::{Link, Publisher};
 use kvedge_shm::messages::control::Hello;
 use kvedge_shm::messages::{Role, Tier};
+use kvedge_shm::{Link, Publisher};
 use kvedge_sim::engine::{Completion, EngineModel, EngineRequest, KvEvent, Outputs};
 use serde::Deserialize;
 use serde_json::json;
@@ -170,7 +170,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         )?;
     }
     let mut feed = match &args.vllm_events {
-        Some(events) => Feed::Vllm(crate::vllm_feed::VllmFeed::bind(
+        Some(events) => Feed::Vllm(Box::new(crate::vllm_feed::VllmFeed::bind(
             events,
             args.vllm_replay.as_deref(),
             args.vllm_metrics.as_deref(),
@@ -178,16 +178,16 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
             u64::from(params.device_blocks),
             args.worker_id,
             Arc::clone(&blocks),
-        )?),
+        )?)),
         None => {
             let control = args
                 .socket
                 .clone()
                 .unwrap_or_else(|| args.runtime_dir.join("control.sock"));
-            Feed::Ring(
+            Feed::Ring(Box::new(
                 Link::connect(&control, hello.clone())
                     .map_err(|e| format!("{}: {e}", control.display()))?,
-            )
+            ))
         }
     };
     let mut engine = EngineModel::new(params);
@@ -373,9 +373,9 @@ fn republish(p: &mut Publisher, engine: &EngineModel) -> Result<(), kvedge_shm::
 /// Where the engine's events go.
 enum Feed {
     /// kvedge's own ring, registered over control.sock and kept so.
-    Ring(Link),
+    Ring(Box<Link>),
     /// vLLM's ZeroMQ publisher and metrics (`--vllm-events`).
-    Vllm(crate::vllm_feed::VllmFeed),
+    Vllm(Box<crate::vllm_feed::VllmFeed>),
 }
 
 fn publish(p: &mut Publisher, out: &Outputs) -> Result<(), String> {
