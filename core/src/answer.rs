@@ -16,9 +16,9 @@ use kvedge_wire::{
 };
 
 use crate::client::ClientId;
+use crate::core::Core;
 use crate::counters::EVENT_KINDS;
 use crate::router::{RouterError, SelectRequest, SelectResult};
-use crate::routing::Core;
 use kvedge_config::Config;
 
 /// A granted query channel: the driver creates both rings with this

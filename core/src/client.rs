@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use kvedge_shm::control::PeerCred;
 use kvedge_wire::{ErrorReply, Status};
 
-use crate::routing::Core;
+use crate::core::Core;
 use crate::warn::Warn;
 
 /// A handle on one query connection, given by the core when it admits the

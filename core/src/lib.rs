@@ -18,6 +18,7 @@
 mod answer;
 mod chunk_queue;
 mod client;
+mod core;
 mod counters;
 mod engine;
 pub mod index;
@@ -26,15 +27,14 @@ pub mod load;
 mod mask_table;
 pub mod metrics;
 pub mod router;
-mod routing;
 mod table;
 mod warm;
 mod warn;
 
-pub use answer::{ReloadError, RingsGrant};
-pub use client::{ClientDrop, ClientId};
-pub use engine::{EngineId, EngineState};
-pub use routing::{
+pub use crate::core::{
     Core, HEARTBEAT_INTERVAL_MS, MAX_PENDING_PER_UID, MAX_PENDING_REGISTRATIONS, Output,
     REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, RegistrationError,
 };
+pub use answer::{ReloadError, RingsGrant};
+pub use client::{ClientDrop, ClientId};
+pub use engine::{EngineId, EngineState};

@@ -199,15 +199,8 @@ pub struct Router {
     next_request_id: u64,
     /// Registrations allowed at once (at most `MAX_WORKERS`).
     max_workers: usize,
-    last: Explain,
     rules: Option<RuleEngine>,
     rule_policy: Option<std::sync::Arc<RulePolicy>>,
-    /// The TTFT predictor (the `ttft:` section), and per slot the prefill
-    /// speed learned from completed prefills.
-    ttft: TtftPredictor,
-    speed: [PrefillSpeedLearner; MAX_WORKERS],
-    /// The mean of the learned speeds (for workers that learned none).
-    peer_speed: Option<f64>,
     /// Workers whose view of their cache is incomplete (a resync snapshot
     /// is arriving): routable, but their view counts as empty.
     syncing: u64,
@@ -215,15 +208,35 @@ pub struct Router {
     /// what each candidate stands for (a worker slot or a provider index).
     rule_buf: Vec<RuleCandidate<'static>>,
     rule_targets: Vec<Result<Slot, usize>>,
-    /// Compute every candidate's cost on the next selections (explain).
-    explain_costs: bool,
+    /// What the TTFT predictions need.
+    prefill: Prefill,
+    /// What the last selection saw, for `explain`.
+    explained: Explained,
+}
+
+/// The TTFT predictor (the `ttft:` section), and per slot the prefill
+/// speed learned from completed prefills.
+#[derive(Debug)]
+struct Prefill {
+    ttft: TtftPredictor,
+    speed: [PrefillSpeedLearner; MAX_WORKERS],
+    /// The mean of the learned speeds (for workers that learned none).
+    peer_speed: Option<f64>,
+}
+
+/// What the last selection saw, kept for `explain`.
+#[derive(Debug)]
+struct Explained {
+    last: Explain,
+    /// Compute every candidate's cost on the next selections.
+    costs_on: bool,
     cost_buf: Vec<f64>,
     /// Per slot: the total cost under the partition's policy at the last
     /// explained selection (NaN: filtered out or not computed).
-    last_costs: [f64; MAX_WORKERS],
+    costs: [f64; MAX_WORKERS],
     /// Per slot: the TTFT prediction at the last explained selection, made
     /// before the chosen worker was reserved.
-    last_ttft: [TtftTerms; MAX_WORKERS],
+    ttft: [TtftTerms; MAX_WORKERS],
 }
 
 impl Router {
@@ -247,19 +260,23 @@ impl Router {
             overlap: Overlap::default(),
             next_request_id: 1,
             max_workers: MAX_WORKERS,
-            last: Explain::default(),
             rules: None,
             rule_policy: None,
-            ttft: TtftPredictor::default(),
-            speed: [PrefillSpeedLearner::default(); MAX_WORKERS],
-            peer_speed: None,
+            prefill: Prefill {
+                ttft: TtftPredictor::default(),
+                speed: [PrefillSpeedLearner::default(); MAX_WORKERS],
+                peer_speed: None,
+            },
             syncing: 0,
             rule_buf: Vec::new(),
             rule_targets: Vec::new(),
-            explain_costs: false,
-            cost_buf: Vec::with_capacity(MAX_WORKERS),
-            last_costs: [f64::NAN; MAX_WORKERS],
-            last_ttft: [TtftTerms::default(); MAX_WORKERS],
+            explained: Explained {
+                last: Explain::default(),
+                costs_on: false,
+                cost_buf: Vec::with_capacity(MAX_WORKERS),
+                costs: [f64::NAN; MAX_WORKERS],
+                ttft: [TtftTerms::default(); MAX_WORKERS],
+            },
         }
     }
 
@@ -277,7 +294,7 @@ impl Router {
             ),
         );
         router.set_max_workers(config.daemon.max_workers);
-        router.ttft = config.ttft;
+        router.prefill.ttft = config.ttft;
         if let Some(rules) = config.rules.clone() {
             router.set_rules(rules);
         }
@@ -286,20 +303,20 @@ impl Router {
 
     /// How the last selection went.
     pub fn last_explain(&self) -> Explain {
-        self.last
+        self.explained.last
     }
 
     /// Computes every candidate's total cost on the selections that follow
     /// (for `explain`; off by default, it costs a second scoring pass).
     pub fn set_explain_costs(&mut self, on: bool) {
-        self.explain_costs = on;
+        self.explained.costs_on = on;
     }
 
     /// The cost of `slot` under its partition's worker-selection policy at
     /// the last selection made with explain costs on (`None`: not a
     /// candidate, filtered out, or chosen by the rule language).
     pub fn last_cost(&self, slot: Slot) -> Option<f64> {
-        let c = self.last_costs[slot.index()];
+        let c = self.explained.costs[slot.index()];
         (!c.is_nan()).then_some(c)
     }
 
@@ -326,7 +343,7 @@ impl Router {
     pub fn reconfigure(&mut self, config: &kvedge_config::Config) {
         self.plugins = config.plugins.clone();
         self.policies.clear();
-        self.ttft = config.ttft;
+        self.prefill.ttft = config.ttft;
         match config.rules.clone() {
             Some(rules) => self.set_rules(rules),
             None => {
@@ -395,7 +412,7 @@ impl Router {
         self.index.remove_worker(slot);
         self.approx.remove_worker(slot);
         self.load.remove_worker(slot);
-        self.speed[free] = PrefillSpeedLearner::default();
+        self.prefill.speed[free] = PrefillSpeedLearner::default();
         self.update_peer_speed();
         self.syncing &= !(1u64 << free);
         self.workers[free] = Some(info);
@@ -408,7 +425,7 @@ impl Router {
     pub fn unregister(&mut self, slot: Slot) -> Option<WorkerInfo> {
         let info = self.workers[slot.index()].take()?;
         self.registered &= !(1u64 << slot.index());
-        self.speed[slot.index()] = PrefillSpeedLearner::default();
+        self.prefill.speed[slot.index()] = PrefillSpeedLearner::default();
         self.update_peer_speed();
         self.syncing &= !(1u64 << slot.index());
         self.index.remove_worker(slot);
@@ -523,14 +540,14 @@ impl Router {
             && now_ms > t.reserved_ms
         {
             let seconds = (now_ms - t.reserved_ms) as f64 / 1000.0;
-            self.speed[t.slot.index()].observe(t.work_tokens, seconds);
+            self.prefill.speed[t.slot.index()].observe(t.work_tokens, seconds);
             self.update_peer_speed();
         }
         Ok(())
     }
 
     fn update_peer_speed(&mut self) {
-        self.peer_speed = PrefillSpeedLearner::pooled(&self.speed);
+        self.prefill.peer_speed = PrefillSpeedLearner::pooled(&self.prefill.speed);
     }
 
     /// The request finished: it leaves the worker's projected load.
@@ -548,21 +565,22 @@ impl Router {
     /// The prefill speed learned for `slot`, tokens per second.
     pub fn learned_speed(&self, slot: Slot) -> Option<f64> {
         let anchor = self
+            .prefill
             .peer_speed
-            .unwrap_or(self.ttft.prefill_tokens_per_second);
-        self.speed[slot.index()].tokens_per_second(anchor)
+            .unwrap_or(self.prefill.ttft.prefill_tokens_per_second);
+        self.prefill.speed[slot.index()].tokens_per_second(anchor)
     }
 
     /// The TTFT prediction for `slot` at the last selection made with
     /// explain costs on, as it stood before the chosen worker was reserved.
     pub fn last_ttft(&self, slot: Slot) -> TtftTerms {
-        self.last_ttft[slot.index()]
+        self.explained.ttft[slot.index()]
     }
 
     /// With explain costs on, notes every worker's TTFT prediction for the
     /// request being decided (before its reservation changes one of them).
     fn explain_ttft(&mut self, prompt_tokens: u32) {
-        if self.explain_costs {
+        if self.explained.costs_on {
             self.record_ttft(prompt_tokens);
         }
     }
@@ -573,13 +591,13 @@ impl Router {
     #[inline(never)]
     fn record_ttft(&mut self, prompt_tokens: u32) {
         Predicting {
-            ttft: &self.ttft,
+            ttft: &self.prefill.ttft,
             load: &self.load,
-            speed: &self.speed,
-            peer_speed: self.peer_speed,
+            speed: &self.prefill.speed,
+            peer_speed: self.prefill.peer_speed,
         }
         .all_into(
-            &mut self.last_ttft,
+            &mut self.explained.ttft,
             registered(self.registered, &self.workers),
             &self.overlap,
             prompt_tokens,
@@ -596,10 +614,10 @@ impl Router {
 
     fn predicting(&self) -> Predicting<'_> {
         Predicting {
-            ttft: &self.ttft,
+            ttft: &self.prefill.ttft,
             load: &self.load,
-            speed: &self.speed,
-            peer_speed: self.peer_speed,
+            speed: &self.prefill.speed,
+            peer_speed: self.prefill.peer_speed,
         }
     }
 
@@ -640,8 +658,8 @@ impl Router {
         purpose: Purpose,
     ) -> Result<Option<SelectResult>, RouterError> {
         let warm = purpose == Purpose::Warm;
-        if self.explain_costs && !warm {
-            self.last_costs = [f64::NAN; MAX_WORKERS];
+        if self.explained.costs_on && !warm {
+            self.explained.costs = [f64::NAN; MAX_WORKERS];
         }
         // Candidates: available workers of this model and role.
         let mut mask = 0u64;
@@ -721,10 +739,10 @@ impl Router {
             ];
             let predicted_ttft_s = predict_ttft.then(|| {
                 Predicting {
-                    ttft: &self.ttft,
+                    ttft: &self.prefill.ttft,
                     load: &self.load,
-                    speed: &self.speed,
-                    peer_speed: self.peer_speed,
+                    speed: &self.prefill.speed,
+                    peer_speed: self.prefill.peer_speed,
                 }
                 .terms(slot, w.block_size, req.prompt_tokens, overlap)
                 .total_s()
@@ -777,21 +795,21 @@ impl Router {
         if ctx.pinned_worker().is_none() && self.rules.is_some() {
             return self.select_by_rules(req, request_id, block_size).map(Some);
         }
-        self.last = Explain {
+        self.explained.last = Explain {
             candidates: self.rows.len(),
             ..Explain::default()
         };
-        if self.explain_costs
+        if self.explained.costs_on
             && policy
-                .costs_into(&ctx, &self.table, &mut self.cost_buf)
+                .costs_into(&ctx, &self.table, &mut self.explained.cost_buf)
                 .is_ok()
         {
-            for (&slot, &c) in self.rows.iter().zip(&self.cost_buf) {
-                self.last_costs[slot.index()] = c;
+            for (&slot, &c) in self.rows.iter().zip(&self.explained.cost_buf) {
+                self.explained.costs[slot.index()] = c;
             }
         }
         let selection = policy.select(&ctx, &self.table)?;
-        self.last.survivors = selection.candidates;
+        self.explained.last.survivors = selection.candidates;
         let slot = self.rows[selection.row];
         self.explain_ttft(req.prompt_tokens);
         let overlap_blocks = self.commit(req, request_id, slot)?;
@@ -853,12 +871,13 @@ impl Router {
             c.device_overlap_blocks = Some(self.overlap.get(slot, Tier::Device));
             c.host_overlap_blocks = Some(self.overlap.get(slot, Tier::Host));
             c.disk_overlap_blocks = Some(self.overlap.get(slot, Tier::Disk));
-            c.prefill_tokens_per_second = self.speed[i]
+            c.prefill_tokens_per_second = self.prefill.speed[i]
                 .tokens_per_second(
-                    self.peer_speed
-                        .unwrap_or(self.ttft.prefill_tokens_per_second),
+                    self.prefill
+                        .peer_speed
+                        .unwrap_or(self.prefill.ttft.prefill_tokens_per_second),
                 )
-                .or(self.peer_speed);
+                .or(self.prefill.peer_speed);
             targets.push(Ok(slot));
             candidates.push(c);
         }
@@ -884,7 +903,7 @@ impl Router {
         };
         let engine = self.rules.as_mut().expect("checked by the caller");
         let decision = engine.decide(&rule_request, &candidates);
-        self.last = Explain {
+        self.explained.last = Explain {
             candidates: candidates.len(),
             survivors: decision.after_exclude,
             rule: decision.rule,

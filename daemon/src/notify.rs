@@ -33,17 +33,17 @@ pub fn stopping() {
     send(&[NotifyState::Stopping, NotifyState::Status("stopping")]);
 }
 
-/// Status lines and watchdog pings, at most as often as needed.
+/// systemd's watchdog pings and status lines, at most as often as needed.
 #[derive(Debug)]
-pub struct Heartbeat {
+pub struct Watchdog {
     watchdog: Option<Duration>,
     last_ping: Instant,
     last_status: Instant,
 }
 
-impl Default for Heartbeat {
+impl Default for Watchdog {
     fn default() -> Self {
-        Heartbeat {
+        Watchdog {
             // Ping at half the interval systemd expects.
             watchdog: sd_notify::watchdog_enabled().map(|d| d / 2),
             last_ping: Instant::now(),
@@ -52,7 +52,7 @@ impl Default for Heartbeat {
     }
 }
 
-impl Heartbeat {
+impl Watchdog {
     /// Call from the routing loop: pings the watchdog when due and sends
     /// `status()` every few seconds.
     pub fn tick(&mut self, status: impl FnOnce() -> String) {

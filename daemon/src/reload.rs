@@ -46,8 +46,9 @@ enum Command {
     Retire(Box<Config>),
 }
 
-/// The reload thread, once started.
-struct Worker {
+/// The reload thread, once started: what it is sent, what it answers,
+/// and the eventfd it wakes the loop with.
+struct ReloadThread {
     tx: mpsc::Sender<Command>,
     rx: mpsc::Receiver<Result<Config, ConfigError>>,
     wake: Arc<OwnedFd>,
@@ -57,7 +58,7 @@ struct Worker {
 pub(crate) struct Reloads {
     /// Until the thread starts.
     reloader: Option<Reloader>,
-    worker: Option<Worker>,
+    thread: Option<ReloadThread>,
     in_flight: bool,
     /// Asked again while a load ran: the file may have changed since.
     again: bool,
@@ -83,7 +84,7 @@ impl Reloads {
     pub fn new() -> Reloads {
         Reloads {
             reloader: None,
-            worker: None,
+            thread: None,
             in_flight: false,
             again: false,
             waiters: Vec::new(),
@@ -93,26 +94,26 @@ impl Reloads {
     /// Sets how the configuration is loaded again.
     pub fn set_reloader(&mut self, reloader: Reloader) {
         self.reloader = Some(reloader);
-        self.worker = None;
+        self.thread = None;
     }
 
     /// Whether a reloader is set (else a reload is refused at once).
     pub fn configured(&self) -> bool {
-        self.reloader.is_some() || self.worker.is_some()
+        self.reloader.is_some() || self.thread.is_some()
     }
 
     /// The eventfd the reload thread signals when a load is done (to end
     /// a sleep), once the thread runs.
     pub fn wake_fd(&self) -> Option<BorrowedFd<'_>> {
-        self.worker.as_ref().map(|w| w.wake.as_fd())
+        self.thread.as_ref().map(|w| w.wake.as_fd())
     }
 
     /// Starts a reload for `waiter` (or joins the one running); gives the
     /// waiter back if the reload thread cannot start.
     pub fn begin(&mut self, waiter: Waiter) -> Result<(), (io::Error, Waiter)> {
-        if self.worker.is_none() {
+        if self.thread.is_none() {
             match self.start() {
-                Ok(worker) => self.worker = Some(worker),
+                Ok(worker) => self.thread = Some(worker),
                 Err(e) => return Err((e, waiter)),
             }
         }
@@ -126,7 +127,7 @@ impl Reloads {
     }
 
     /// Starts the reload thread with the reloader.
-    fn start(&mut self) -> io::Result<Worker> {
+    fn start(&mut self) -> io::Result<ReloadThread> {
         let Some(mut reloader) = self.reloader.take() else {
             return Err(io::Error::other("no configuration file to reload"));
         };
@@ -155,11 +156,11 @@ impl Reloads {
                     }
                 }
             })?;
-        Ok(Worker { tx, rx, wake })
+        Ok(ReloadThread { tx, rx, wake })
     }
 
     fn send_load(&mut self) {
-        if let Some(w) = &self.worker {
+        if let Some(w) = &self.thread {
             crate::notify::reloading();
             self.in_flight = w.tx.send(Command::Load).is_ok();
         }
@@ -171,7 +172,7 @@ impl Reloads {
         if !self.in_flight {
             return Vec::new();
         }
-        let Some(w) = &self.worker else {
+        let Some(w) = &self.thread else {
             return Vec::new();
         };
         let loaded = match w.rx.try_recv() {

@@ -252,7 +252,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
         "listening"
     );
     crate::notify::ready(&server.core().status());
-    let mut heartbeat = crate::notify::Heartbeat::default();
+    let mut watchdog = crate::notify::Watchdog::default();
     let result = server.run_with(|s| {
         if stop.load(Ordering::Relaxed) {
             info!("stopping: answering what clients already sent");
@@ -264,7 +264,7 @@ pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegis
             // An invalid configuration was logged; the old one serves on.
             let _ = s.reload();
         }
-        heartbeat.tick(|| s.core().status());
+        watchdog.tick(|| s.core().status());
         if let Some(page) = &metrics_text
             && last_metrics.elapsed() >= std::time::Duration::from_secs(1)
         {

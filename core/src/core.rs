@@ -110,6 +110,25 @@ pub(crate) struct Scratch {
 }
 
 /// All routing state, without I/O (see the module documentation).
+///
+/// Its public surface, by what it is for:
+///
+/// - **inputs**, what happened: [`Core::handle_engine_connected`],
+///   [`Core::handle_hello`], [`Core::handle_registration_failed`],
+///   [`Core::handle_engine_record`], [`Core::handle_engine_drained`],
+///   [`Core::handle_engine_broken`], [`Core::handle_engine_closed`] (engines);
+///   [`Core::handle_client_connected`], [`Core::handle_client_active`],
+///   [`Core::handle_client_dropped`], [`Core::handle_client_closed`]
+///   (clients); [`Core::handle_request`], [`Core::handle_undecodable`],
+///   [`Core::handle_attach_rings`], [`Core::handle_rings_detached`]
+///   (requests); [`Core::handle_reload`], [`Core::handle_timeout`],
+///   [`Core::handle_picker_stats`], [`Core::note_select_time`] (the rest);
+/// - **outputs**, what to do: [`Core::poll_output`],
+///   [`Core::poll_timeout`], [`Core::take_retired_config`];
+/// - **queries**, what it holds: [`Core::config`], [`Core::router`],
+///   [`Core::engine_state`], [`Core::engines`], [`Core::clients`],
+///   [`Core::query_channels`], [`Core::worker_rows`], [`Core::stats`],
+///   [`Core::metrics`], [`Core::status`].
 #[derive(Debug)]
 pub struct Core {
     pub(crate) router: Router,
