@@ -90,14 +90,14 @@ enum Command {
     /// Registers as an engine and publishes KV events written as JSON lines,
     /// then holds the registration (answering resync requests) until stdin
     /// closes or `--hold` seconds pass.
-    Publish(kvedge_tools::publish::PublishArgs),
+    Publish(kvedge_mock::publish::PublishArgs),
     /// Replays a workload (a Mooncake trace or the synthetic generator)
     /// through the real router and engine models in virtual time, and
     /// prints a table per policy.
     Sim(kvedge_tools::sim_cmd::SimArgs),
     /// A simulated engine (the model of `kvedge sim`) as a real process:
     /// registers, publishes through its ring, serves requests on --listen.
-    MockEngine(kvedge_tools::mock_engine::MockEngineArgs),
+    MockEngine(kvedge_mock::mock_engine::MockEngineArgs),
     /// The daemon, mock engines and a load generator on this machine, with
     /// a bundled configuration; prints the routing table at the end.
     Demo(kvedge_tools::demo::DemoArgs),
@@ -427,7 +427,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         }
         Command::Publish(args) => {
             let json = args.json;
-            match kvedge_tools::publish::run(args) {
+            match kvedge_mock::publish::run(args) {
                 Ok(summary) => {
                     if json {
                         outln!("{summary}");
@@ -460,7 +460,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 ExitCode::from(1)
             }
         },
-        Command::MockEngine(args) => match kvedge_tools::mock_engine::run(args) {
+        Command::MockEngine(args) => match kvedge_mock::mock_engine::run(args) {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("kvedge mock-engine: {e}");

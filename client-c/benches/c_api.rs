@@ -77,7 +77,7 @@ fn main() {
         kv_blocks: [1 << 20, 0, 0],
         ..kvedge_shm::messages::control::Hello::new(2, "llama")
     };
-    let mut rust_pub = kvedge_tools::publish::connect(&dir, None, &rust_hello).unwrap();
+    let mut rust_pub = kvedge_mock::publish::connect(&dir, None, &rust_hello).unwrap();
     let mut publish_rust = || {
         black_box(
             rust_pub

@@ -20,6 +20,7 @@ fn package(short: &str) -> Option<&'static str> {
         "zmtp" => "kvedge-zmtp",
         "epp" => "kvedge-epp",
         "tools" => "kvedge-tools",
+        "mock" => "kvedge-mock",
         "cli" => "kvedge-cli",
         "sim" => "kvedge-sim",
         "testkit" => "kvedge-testkit",

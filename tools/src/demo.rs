@@ -457,7 +457,7 @@ pub fn run(args: &DemoArgs) -> Result<String, String> {
         if vllm {
             tokens.clear();
             for &h in &r.hashes {
-                tokens.extend(crate::vllm_feed::block_tokens(h, params.block_size));
+                tokens.extend(kvedge_mock::vllm_feed::block_tokens(h, params.block_size));
             }
         }
         let ids = if vllm {

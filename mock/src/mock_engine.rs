@@ -34,7 +34,7 @@ use kvedge_sim::engine::{Completion, EngineModel, EngineRequest, KvEvent, Output
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::sim_cmd::EngineArgs;
+use crate::EngineArgs;
 
 /// The command's arguments.
 #[derive(Debug, Clone, clap::Args)]
