@@ -1,6 +1,6 @@
 /*
  * kvedge.h: the C interface of kvedge (libkvedge.so, libkvedge.a).
- * Generated from client-c/src/lib.rs by cbindgen; do not edit.
+ * Generated from the kvedge-c crate (client-c/src) by cbindgen; do not edit.
  *
  * Errors: fallible functions return a kvedge_status, KVEDGE_OK (0) on
  * success. kvedge_strerror(code) describes a code; kvedge_last_error_message()
@@ -26,6 +26,12 @@
 
 #include <stdint.h>
 #include <stddef.h>
+
+// Most tags in a `kvedge_select_request`.
+#define KVEDGE_MAX_TAGS 32
+
+// Most headers in a `kvedge_select_request`.
+#define KVEDGE_MAX_HEADERS 32
 
 // How long a client's call waits for the daemon unless
 // `kvedge_client_set_timeout_ms` says otherwise, in milliseconds.
@@ -71,12 +77,6 @@
 
 #define KVEDGE_VERSION_PATCH 0
 
-// Most tags in a `kvedge_select_request`.
-#define KVEDGE_MAX_TAGS 32
-
-// Most headers in a `kvedge_select_request`.
-#define KVEDGE_MAX_HEADERS 32
-
 // A connection to the daemon's `query.sock`. Opaque.
 typedef struct kvedge_client kvedge_client;
 
@@ -85,45 +85,6 @@ typedef struct kvedge_publisher kvedge_publisher;
 
 // Result of every fallible function: `KVEDGE_OK` (0) or an error code.
 typedef int32_t kvedge_status;
-
-// What an engine (one data-parallel rank) says when it registers.
-typedef struct kvedge_hello {
-  uint64_t worker_id;
-  uint32_t dp_rank;
-  // `KVEDGE_ROLE_*`.
-  uint32_t role;
-  // The served model (required, UTF-8).
-  const char *model;
-  // Where frontends send requests for this worker (URL or socket path;
-  // NULL for none).
-  const char *endpoint;
-  // Tokens per KV block (required, > 0).
-  uint32_t block_size;
-  uint32_t reserved;
-  // Total KV blocks per tier.
-  uint64_t kv_blocks_device;
-  uint64_t kv_blocks_host;
-  uint64_t kv_blocks_disk;
-  // Ring size in bytes to ask for (0: the daemon's default).
-  uint64_t ring_capacity;
-} kvedge_hello;
-
-// An engine's load, reported after its scheduler steps.
-typedef struct kvedge_load {
-  uint32_t active_requests;
-  uint32_t waiting_requests;
-  uint64_t active_prefill_tokens;
-  uint64_t active_decode_blocks;
-  uint64_t kv_used_blocks;
-  uint64_t kv_total_blocks;
-  // CLOCK_MONOTONIC nanoseconds when measured (0 if unknown).
-  uint64_t timestamp_ns;
-} kvedge_load;
-
-// Resync callback: republish every block the engine holds (with
-// `kvedge_publish_stored` on the publisher it is given), return 0 on
-// success. It must not close the publisher.
-typedef kvedge_status (*kvedge_resync_fn)(struct kvedge_publisher *publisher, void *user);
 
 // A select. Give the prompt as sequence hashes or as token ids (exactly
 // one of the two non-empty).
@@ -176,6 +137,45 @@ typedef struct kvedge_select_result {
   // NUL-terminated.
   char endpoint[KVEDGE_ENDPOINT_MAX];
 } kvedge_select_result;
+
+// What an engine (one data-parallel rank) says when it registers.
+typedef struct kvedge_hello {
+  uint64_t worker_id;
+  uint32_t dp_rank;
+  // `KVEDGE_ROLE_*`.
+  uint32_t role;
+  // The served model (required, UTF-8).
+  const char *model;
+  // Where frontends send requests for this worker (URL or socket path;
+  // NULL for none).
+  const char *endpoint;
+  // Tokens per KV block (required, > 0).
+  uint32_t block_size;
+  uint32_t reserved;
+  // Total KV blocks per tier.
+  uint64_t kv_blocks_device;
+  uint64_t kv_blocks_host;
+  uint64_t kv_blocks_disk;
+  // Ring size in bytes to ask for (0: the daemon's default).
+  uint64_t ring_capacity;
+} kvedge_hello;
+
+// An engine's load, reported after its scheduler steps.
+typedef struct kvedge_load {
+  uint32_t active_requests;
+  uint32_t waiting_requests;
+  uint64_t active_prefill_tokens;
+  uint64_t active_decode_blocks;
+  uint64_t kv_used_blocks;
+  uint64_t kv_total_blocks;
+  // CLOCK_MONOTONIC nanoseconds when measured (0 if unknown).
+  uint64_t timestamp_ns;
+} kvedge_load;
+
+// Resync callback: republish every block the engine holds (with
+// `kvedge_publish_stored` on the publisher it is given), return 0 on
+// success. It must not close the publisher.
+typedef kvedge_status (*kvedge_resync_fn)(struct kvedge_publisher *publisher, void *user);
 
 // Success.
 #define KVEDGE_OK 0
@@ -243,6 +243,80 @@ size_t kvedge_last_error_message(char *buf, size_t len);
 
 // A static description of a status code (never NULL).
 const char *kvedge_strerror(kvedge_status code);
+
+// Connects to the daemon's query socket. On success `*out` is the client;
+// close it with `kvedge_client_close`.
+//
+// # Safety
+// `query_socket_path` is NUL-terminated; `out` is writable.
+kvedge_status kvedge_client_connect(const char *query_socket_path, struct kvedge_client **out);
+
+// Bounds how long each call waits for the daemon:
+// [`KVEDGE_DEFAULT_TIMEOUT_MS`] from connect on, 0 for no bound. After a
+// timeout the client must be closed and reconnected.
+//
+// # Safety
+// `client` is a live handle used by this thread only.
+kvedge_status kvedge_client_set_timeout_ms(struct kvedge_client *client, uint32_t timeout_ms);
+
+// Moves this client's requests onto a query channel: a request ring and a
+// reply ring in shared memory, created by the daemon. A select then costs
+// no system call while the daemon is busy (a 128-hash select took about
+// 1 µs, against about 9 µs for a blocking socket client, on our test VM).
+// While waiting for a reply the calling thread polls for up to 50 µs,
+// then sleeps. It holds its CPU while it polls, except when its request
+// woke the sleeping daemon or the daemon runs on the same CPU: then it
+// yields the CPU between checks, so that the daemon can answer. Requests too
+// large for the ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves
+// the client working over the socket. Calling it again is a no-op.
+//
+// # Safety
+// `client` is a live handle used by this thread only.
+kvedge_status kvedge_client_attach_rings(struct kvedge_client *client);
+
+// Asks the daemon which worker should serve `request`; fills `result`.
+// Unless `dry_run`, the worker is reserved until `kvedge_finish` (or the
+// daemon's reservation TTL).
+//
+// # Safety
+// `client` is a live handle used by this thread only; `request` points to
+// a `kvedge_select_request` whose pointers follow its field comments;
+// `result` is writable.
+kvedge_status kvedge_select(struct kvedge_client *client,
+                            const struct kvedge_select_request *request,
+                            struct kvedge_select_result *result);
+
+// The name of the off-cluster provider the last successful
+// `kvedge_select` on `client` chose (when its `is_provider` was non-zero),
+// as the rules' `providers:` section names it. Copies it NUL-terminated
+// into `buf`, truncated to `len - 1` bytes, and returns its full length.
+// The name is empty (0, and `buf` an empty string) when that select chose
+// a worker, when none succeeded yet, or when `client` is NULL. A failed
+// select leaves the name as it was.
+//
+// # Safety
+// `client` is NULL or a live handle used by this thread only; `buf` is
+// NULL or points to `len` writable bytes.
+size_t kvedge_selected_provider(const struct kvedge_client *client, char *buf, size_t len);
+
+// The request's prefill finished (its prompt tokens leave the worker's
+// projected load).
+//
+// # Safety
+// `client` is a live handle used by this thread only.
+kvedge_status kvedge_prefill_done(struct kvedge_client *client, uint64_t request_id);
+
+// The request finished (it leaves the worker's projected load).
+//
+// # Safety
+// `client` is a live handle used by this thread only.
+kvedge_status kvedge_finish(struct kvedge_client *client, uint64_t request_id);
+
+// Closes the connection and frees the client. NULL is a no-op.
+//
+// # Safety
+// `client` is NULL or a live handle, not used again afterwards.
+void kvedge_client_close(struct kvedge_client *client);
 
 // Sequence hashes of the full blocks of `tokens` (a partial last block is
 // not hashed), identical to `kvedge hash` and to what the daemon computes
@@ -362,80 +436,6 @@ uint64_t kvedge_publisher_dropped(const struct kvedge_publisher *publisher);
 // # Safety
 // `publisher` is NULL or a live handle, not used again afterwards.
 void kvedge_publisher_close(struct kvedge_publisher *publisher);
-
-// Connects to the daemon's query socket. On success `*out` is the client;
-// close it with `kvedge_client_close`.
-//
-// # Safety
-// `query_socket_path` is NUL-terminated; `out` is writable.
-kvedge_status kvedge_client_connect(const char *query_socket_path, struct kvedge_client **out);
-
-// Bounds how long each call waits for the daemon:
-// [`KVEDGE_DEFAULT_TIMEOUT_MS`] from connect on, 0 for no bound. After a
-// timeout the client must be closed and reconnected.
-//
-// # Safety
-// `client` is a live handle used by this thread only.
-kvedge_status kvedge_client_set_timeout_ms(struct kvedge_client *client, uint32_t timeout_ms);
-
-// Moves this client's requests onto a query channel: a request ring and a
-// reply ring in shared memory, created by the daemon. A select then costs
-// no system call while the daemon is busy (a 128-hash select took about
-// 1 µs, against about 9 µs for a blocking socket client, on our test VM).
-// While waiting for a reply the calling thread polls for up to 50 µs,
-// then sleeps. It holds its CPU while it polls, except when its request
-// woke the sleeping daemon or the daemon runs on the same CPU: then it
-// yields the CPU between checks, so that the daemon can answer. Requests too
-// large for the ring still use the socket. `KVEDGE_ERR_UNAVAILABLE` leaves
-// the client working over the socket. Calling it again is a no-op.
-//
-// # Safety
-// `client` is a live handle used by this thread only.
-kvedge_status kvedge_client_attach_rings(struct kvedge_client *client);
-
-// Asks the daemon which worker should serve `request`; fills `result`.
-// Unless `dry_run`, the worker is reserved until `kvedge_finish` (or the
-// daemon's reservation TTL).
-//
-// # Safety
-// `client` is a live handle used by this thread only; `request` points to
-// a `kvedge_select_request` whose pointers follow its field comments;
-// `result` is writable.
-kvedge_status kvedge_select(struct kvedge_client *client,
-                            const struct kvedge_select_request *request,
-                            struct kvedge_select_result *result);
-
-// The name of the off-cluster provider the last successful
-// `kvedge_select` on `client` chose (when its `is_provider` was non-zero),
-// as the rules' `providers:` section names it. Copies it NUL-terminated
-// into `buf`, truncated to `len - 1` bytes, and returns its full length.
-// The name is empty (0, and `buf` an empty string) when that select chose
-// a worker, when none succeeded yet, or when `client` is NULL. A failed
-// select leaves the name as it was.
-//
-// # Safety
-// `client` is NULL or a live handle used by this thread only; `buf` is
-// NULL or points to `len` writable bytes.
-size_t kvedge_selected_provider(const struct kvedge_client *client, char *buf, size_t len);
-
-// The request's prefill finished (its prompt tokens leave the worker's
-// projected load).
-//
-// # Safety
-// `client` is a live handle used by this thread only.
-kvedge_status kvedge_prefill_done(struct kvedge_client *client, uint64_t request_id);
-
-// The request finished (it leaves the worker's projected load).
-//
-// # Safety
-// `client` is a live handle used by this thread only.
-kvedge_status kvedge_finish(struct kvedge_client *client, uint64_t request_id);
-
-// Closes the connection and frees the client. NULL is a no-op.
-//
-// # Safety
-// `client` is NULL or a live handle, not used again afterwards.
-void kvedge_client_close(struct kvedge_client *client);
 
 #ifdef __cplusplus
 }  // extern "C"
