@@ -58,7 +58,9 @@ class KvedgeRoutingStrategy(CustomRoutingStrategyBase):
             return self.tokenize("".join(f"<|{m.get('role', '')}|>{m.get('content', '')}" for m in messages))
         return self.tokenize(str(input or ""))
 
-    async def async_get_available_deployment(
+    # LiteLLM's base class declares these as returning None, while its
+    # Router uses the deployment a custom strategy returns.
+    async def async_get_available_deployment(  # type: ignore[override]
         self,
         model: str,
         messages: Optional[List[Dict[str, str]]] = None,
@@ -78,5 +80,12 @@ class KvedgeRoutingStrategy(CustomRoutingStrategyBase):
             f"kvedge chose {choice.endpoint}, which no deployment of {model!r} has as its api_base"
         )
 
-    def get_available_deployment(self, *args: Any, **kwargs: Any) -> Dict[str, Any]:
+    def get_available_deployment(
+        self,
+        model: str,
+        messages: Optional[List[Dict[str, str]]] = None,
+        input: Any = None,
+        specific_deployment: Optional[bool] = False,
+        request_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
         raise NotImplementedError("use the Router's async calls (acompletion)")

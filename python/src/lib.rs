@@ -3,8 +3,9 @@
 //! `query.sock`, or over a query channel once attached), block hashing
 //! (`kvedge_shm::hash`) and the engine publisher (`kvedge_shm::Publisher`).
 //! Every call that waits on the daemon or hashes a prompt releases the GIL.
-//! The pure-Python half (`kvedge/__init__.py`) adds the JSON-only requests
-//! (`explain`, `workers`, `stats`) and the asyncio client.
+//! The pure-Python half (`python/kvedge/`) adds the JSON-only requests
+//! (`explain`, `workers`, `stats`) and the asyncio client, and declares the
+//! exceptions (`kvedge.errors`) this module raises.
 //!
 //! No hand-written `unsafe`: the only unsafe code is what PyO3's macros
 //! generate for the export itself.
@@ -20,74 +21,36 @@ use kvedge_shm::messages::{Load, Tier};
 use kvedge_shm::ring::Push;
 use kvedge_shm::session::{Action, REGISTER_TIMEOUT, Session, SessionState};
 use kvedge_wire::{Ids, Pairs, Role, Select, Status, Strs};
-use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyValueError};
+use pyo3::call::PyCallArgs;
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::sync::PyOnceLock;
 
-create_exception!(
-    _kvedge,
-    KvedgeError,
-    PyException,
-    "Base of every kvedge error. `status` is the daemon's status name and `code` its number (both None when the daemon was not reached)."
-);
-create_exception!(
-    _kvedge,
-    DaemonUnavailable,
-    KvedgeError,
-    "The daemon could not be reached or went away (connection refused, closed, timed out)."
-);
-create_exception!(
-    _kvedge,
-    BadRequest,
-    KvedgeError,
-    "The daemon refused the request as malformed."
-);
-create_exception!(
-    _kvedge,
-    NoWorker,
-    KvedgeError,
-    "No available worker serves the request's model and role."
-);
-create_exception!(
-    _kvedge,
-    Rejected,
-    KvedgeError,
-    "A rule found no candidate and rejects the request, or no rule matches it."
-);
-create_exception!(
-    _kvedge,
-    UnknownRequest,
-    KvedgeError,
-    "prefill_done or finish for a request id the daemon does not hold."
-);
-create_exception!(
-    _kvedge,
-    TooManyRequests,
-    KvedgeError,
-    "The daemon holds its maximum of selected, unfinished requests."
-);
-create_exception!(
-    _kvedge,
-    Refused,
-    KvedgeError,
-    "The daemon refused the connection or the request's shape (permissions, connection limit, frame size, protocol version)."
-);
+/// `kvedge.errors`, where the package's exceptions are declared (once, in
+/// Python, so the native and the JSON paths raise the same classes).
+fn errors(py: Python<'_>) -> PyResult<&Bound<'_, PyModule>> {
+    static ERRORS: PyOnceLock<Py<PyModule>> = PyOnceLock::new();
+    ERRORS
+        .get_or_try_init(py, || Ok(py.import("kvedge.errors")?.unbind()))
+        .map(|m| m.bind(py))
+}
+
+/// Calls `kvedge.errors.<factory>(args...)` and makes its result the error.
+fn raised<'py>(py: Python<'py>, factory: &str, args: impl PyCallArgs<'py>) -> PyErr {
+    match errors(py).and_then(|m| m.getattr(factory)?.call1(args)) {
+        Ok(exception) => PyErr::from_value(exception),
+        Err(e) => e,
+    }
+}
 
 /// The exception for a daemon's error status, with `status` and `code`.
 fn status_error(py: Python<'_>, status: Status, message: &str) -> PyErr {
-    let message = message.to_owned();
-    let err = match status {
-        Status::BadRequest => BadRequest::new_err(message),
-        Status::NoWorker => NoWorker::new_err(message),
-        Status::Rejected | Status::NoRule => Rejected::new_err(message),
-        Status::UnknownRequest => UnknownRequest::new_err(message),
-        Status::TooManyRequests => TooManyRequests::new_err(message),
-        _ => Refused::new_err(message),
-    };
-    let value = err.value(py);
-    let _ = value.setattr("status", status.name());
-    let _ = value.setattr("code", status.code());
-    err
+    raised(py, "status_error", (status.name(), message))
+}
+
+/// The exception for a daemon that could not be reached or went away.
+fn unavailable(py: Python<'_>, message: String) -> PyErr {
+    raised(py, "unavailable", (message,))
 }
 
 /// The exception for an I/O failure talking to the daemon.
@@ -95,11 +58,14 @@ fn io_error(py: Python<'_>, e: std::io::Error) -> PyErr {
     if e.kind() == std::io::ErrorKind::InvalidInput {
         return PyValueError::new_err(e.to_string());
     }
-    let err = DaemonUnavailable::new_err(format!("kvedge daemon: {e}"));
-    let value = err.value(py);
-    let _ = value.setattr("status", py.None());
-    let _ = value.setattr("code", py.None());
-    err
+    unavailable(py, format!("kvedge daemon: {e}"))
+}
+
+/// The protocol's code for the status named `name` (None for an unknown
+/// name): the one status table, read by `kvedge.errors`.
+#[pyfunction]
+fn status_code(name: &str) -> Option<u16> {
+    Status::from_name(name).map(Status::code)
 }
 
 fn role(name: &str) -> PyResult<Role> {
@@ -238,7 +204,10 @@ impl NativeClient {
 impl NativeClient {
     /// Connects to `query_socket` (a daemon's `query.sock`).
     #[new]
-    #[pyo3(signature = (query_socket, timeout=Some(10.0)))]
+    #[pyo3(
+        signature = (query_socket, timeout=Some(10.0)),
+        text_signature = "(query_socket, timeout=10.0)"
+    )]
     fn new(py: Python<'_>, query_socket: PathBuf, timeout: Option<f64>) -> PyResult<Self> {
         let timeout = self::timeout(timeout)?;
         let client = py
@@ -297,7 +266,7 @@ impl NativeClient {
         let mut guard = self.lock();
         let client = guard
             .as_mut()
-            .ok_or_else(|| DaemonUnavailable::new_err("the client is closed"))?;
+            .ok_or_else(|| unavailable(py, "the client is closed".into()))?;
         let outcome = py.detach(|| {
             let ids = match (&tokens, &hashes) {
                 (Some(t), None) => Ids::tokens(t),
@@ -365,7 +334,7 @@ impl NativeClient {
         let mut guard = self.lock();
         let client = guard
             .as_mut()
-            .ok_or_else(|| DaemonUnavailable::new_err("the client is closed"))?;
+            .ok_or_else(|| unavailable(py, "the client is closed".into()))?;
         match py.detach(|| client.attach_rings()) {
             Ok(Ok(())) => Ok(true),
             Ok(Err((Status::RingsUnavailable, _))) => Ok(false),
@@ -391,7 +360,7 @@ impl NativeClient {
         let mut guard = self.lock();
         let client = guard
             .as_mut()
-            .ok_or_else(|| DaemonUnavailable::new_err("the client is closed"))?;
+            .ok_or_else(|| unavailable(py, "the client is closed".into()))?;
         let outcome = py.detach(|| {
             if prefill {
                 client.prefill_done(request_id)
@@ -514,12 +483,7 @@ fn pushed(py: Python<'_>, r: Result<Push, kvedge_shm::PublishError>) -> PyResult
     match r {
         Ok(Push::Committed { .. }) => Ok(true),
         Ok(Push::Dropped { .. }) => Ok(false),
-        Err(e) => {
-            let err = KvedgeError::new_err(format!("publish: {e}"));
-            let _ = err.value(py).setattr("status", py.None());
-            let _ = err.value(py).setattr("code", py.None());
-            Err(err)
-        }
+        Err(e) => Err(raised(py, "KvedgeError", (format!("publish: {e}"),))),
     }
 }
 
@@ -528,7 +492,10 @@ impl Publisher {
     /// Registers worker (`worker_id`, `dp_rank`) serving `model` with the
     /// daemon at `control_socket`.
     #[new]
-    #[pyo3(signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0))]
+    #[pyo3(
+        signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0),
+        text_signature = "(control_socket, worker_id, model, *, dp_rank=0, role='aggregated', block_size=16, kv_blocks=(0, 0, 0), endpoint='', timeout=5.0)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -560,12 +527,7 @@ impl Publisher {
         };
         let p = py
             .detach(|| kvedge_shm::Publisher::connect(&control_socket, &hello, timeout))
-            .map_err(|e| {
-                let err = DaemonUnavailable::new_err(format!("registration: {e}"));
-                let _ = err.value(py).setattr("status", py.None());
-                let _ = err.value(py).setattr("code", py.None());
-                err
-            })?;
+            .map_err(|e| unavailable(py, format!("registration: {e}")))?;
         let interval = p
             .session()
             .map_or(1000, |s| s.welcome().heartbeat_interval_ms);
@@ -678,12 +640,7 @@ impl Publisher {
         let mut p = self.inner.lock().unwrap_or_else(|e| e.into_inner());
         match p.poll() {
             Ok(r) => Ok(r.map(|r| r.snapshot_id)),
-            Err(e) => {
-                let err = DaemonUnavailable::new_err(format!("control connection: {e}"));
-                let _ = err.value(py).setattr("status", py.None());
-                let _ = err.value(py).setattr("code", py.None());
-                Err(err)
-            }
+            Err(e) => Err(unavailable(py, format!("control connection: {e}"))),
         }
     }
 
@@ -765,20 +722,12 @@ impl Publisher {
 
 #[pymodule]
 fn _kvedge(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
     m.add_class::<NativeClient>()?;
     m.add_class::<Selection>()?;
     m.add_class::<Publisher>()?;
     m.add_function(wrap_pyfunction!(hash_blocks, m)?)?;
     m.add_function(wrap_pyfunction!(block_hashes, m)?)?;
     m.add_class::<BlockHashes>()?;
-    m.add("KvedgeError", py.get_type::<KvedgeError>())?;
-    m.add("DaemonUnavailable", py.get_type::<DaemonUnavailable>())?;
-    m.add("BadRequest", py.get_type::<BadRequest>())?;
-    m.add("NoWorker", py.get_type::<NoWorker>())?;
-    m.add("Rejected", py.get_type::<Rejected>())?;
-    m.add("UnknownRequest", py.get_type::<UnknownRequest>())?;
-    m.add("TooManyRequests", py.get_type::<TooManyRequests>())?;
-    m.add("Refused", py.get_type::<Refused>())?;
+    m.add_function(wrap_pyfunction!(status_code, m)?)?;
     Ok(())
 }

@@ -67,6 +67,19 @@ def test_reservations_prefill_done_finish_and_their_errors(daemon: Daemon) -> No
         with pytest.raises(kvedge.NoWorker) as e:
             c.select("no-such-model", tokens=TOKENS, explain=True)
         assert (e.value.status, e.value.code) == ("no_worker", 2)
+        assert type(e.value) is kvedge.errors.NoWorker
+
+
+def test_error_statuses_map_to_one_hierarchy() -> None:
+    # The codes come from the protocol's table in the native module; the
+    # classes are declared once in kvedge.errors.
+    too_large = kvedge.errors.status_error("frame_too_large", "too large")
+    assert type(too_large) is kvedge.Refused
+    assert (too_large.status, too_large.code, str(too_large)) == ("frame_too_large", 6, "too large")
+    assert type(kvedge.errors.status_error("no_rule", "m")) is kvedge.Rejected
+    odd = kvedge.errors.status_error("from_a_newer_daemon", "m")
+    assert type(odd) is kvedge.Refused and odd.code is None
+    assert kvedge.errors.unavailable("gone").status is None
 
 
 def test_explain_names_the_policy_and_every_candidate(daemon: Daemon) -> None:

@@ -9,8 +9,8 @@ request, and publish an engine's KV-cache events to it.
 - ``Publisher``: an engine's registration and its stored / removed /
   cleared / load events.
 
-Errors are ``KvedgeError`` subclasses with the daemon's ``status`` name and
-``code`` (None when the daemon was not reached).
+Errors are ``KvedgeError`` subclasses (``kvedge.errors``) with the daemon's
+``status`` name and ``code`` (None when the daemon was not reached).
 """
 
 from __future__ import annotations
@@ -20,23 +20,27 @@ import json
 import os
 import socket
 import threading
-from typing import Any, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
 
 from ._kvedge import (
-    BadRequest,
     BlockHashes,
-    DaemonUnavailable,
-    KvedgeError,
     NativeClient,
-    NoWorker,
     Publisher,
-    Refused,
-    Rejected,
     Selection,
-    TooManyRequests,
-    UnknownRequest,
     block_hashes,
     hash_blocks,
+)
+from .errors import (
+    BadRequest,
+    DaemonUnavailable,
+    KvedgeError,
+    NoWorker,
+    Refused,
+    Rejected,
+    TooManyRequests,
+    UnknownRequest,
+    status_error,
+    unavailable,
 )
 
 __all__ = [
@@ -59,47 +63,7 @@ __all__ = [
 
 DEFAULT_RUNTIME_DIR = "/run/kvedge"
 
-# The protocol's status names and codes (the JSON protocol sends the name,
-# the binary one the code); the tests check they match the native client's.
-_STATUS_CODES = {
-    "bad_request": 1,
-    "no_worker": 2,
-    "rejected": 3,
-    "no_rule": 4,
-    "unknown_request": 5,
-    "frame_too_large": 6,
-    "unsupported_version": 7,
-    "unknown_op": 8,
-    "too_many_requests": 9,
-    "rings_unavailable": 10,
-    "too_many_connections": 11,
-    "not_permitted": 12,
-    "reload_failed": 13,
-}
-
-_STATUS_ERRORS = {
-    "bad_request": BadRequest,
-    "no_worker": NoWorker,
-    "rejected": Rejected,
-    "no_rule": Rejected,
-    "unknown_request": UnknownRequest,
-    "too_many_requests": TooManyRequests,
-}
-
-
-def _status_error(status: str, message: str) -> KvedgeError:
-    err = _STATUS_ERRORS.get(status, Refused)(message)
-    err.status = status
-    err.code = _STATUS_CODES.get(status)
-    return err
-
-
-def _unavailable(message: str) -> DaemonUnavailable:
-    err = DaemonUnavailable(f"kvedge daemon: {message}")
-    err.status = None
-    err.code = None
-    return err
-
+_T = TypeVar("_T")
 
 class _JsonConnection:
     """One JSON-lines connection to ``query.sock`` (for what the binary
@@ -112,7 +76,7 @@ class _JsonConnection:
             self._sock.connect(path)
         except OSError as e:
             self._sock.close()
-            raise _unavailable(f"{path}: {e}") from None
+            raise unavailable(f"{path}: {e}") from None
         self._reader = self._sock.makefile("rb")
 
     def ask(self, request: Mapping[str, Any]) -> Dict[str, Any]:
@@ -121,32 +85,20 @@ class _JsonConnection:
             self._sock.sendall(line)
             reply = self._reader.readline()
         except OSError as e:
-            raise _unavailable(str(e)) from None
+            raise unavailable(str(e)) from None
         if not reply:
-            raise _unavailable("the daemon closed the connection")
+            raise unavailable("the daemon closed the connection")
         answer = json.loads(reply)
+        if not isinstance(answer, dict):
+            raise unavailable("the daemon's answer is not a JSON object")
         error = answer.get("error")
         if isinstance(error, dict):
-            raise _status_error(str(error.get("code")), str(error.get("message")))
+            raise status_error(str(error.get("code")), str(error.get("message")))
         return answer
 
     def close(self) -> None:
         self._reader.close()
         self._sock.close()
-
-
-_SELECT_ARGS = {
-    "tokens",
-    "hashes",
-    "prompt_tokens",
-    "tenant",
-    "tags",
-    "headers",
-    "session",
-    "role",
-    "priority",
-    "dry_run",
-}
 
 
 def _selection_from_json(answer: Mapping[str, Any]) -> Selection:
@@ -201,43 +153,53 @@ class Client:
         self,
         model: str,
         *,
+        tokens: Optional[Sequence[int]] = None,
+        hashes: Union[Sequence[int], BlockHashes, None] = None,
+        prompt_tokens: Optional[int] = None,
+        tenant: Optional[str] = None,
+        tags: Optional[Sequence[str]] = None,
+        headers: Optional[Mapping[str, str]] = None,
+        session: Optional[str] = None,
+        role: str = "aggregated",
+        priority: int = 0,
+        dry_run: bool = False,
         explain: bool = False,
         text: Optional[str] = None,
-        **kwargs: Any,
     ) -> Selection:
-        """Chooses a worker: ``select(model, *, tokens=None, hashes=None,
-        prompt_tokens=None, tenant=None, tags=None, headers=None,
-        session=None, role="aggregated", priority=0, dry_run=False,
-        explain=False, text=None)``. Exactly one of ``tokens`` and
-        ``hashes`` (a list of ints, or a ``BlockHashes`` from
+        """Chooses a worker for a request for ``model``. Exactly one of
+        ``tokens`` and ``hashes`` (a list of ints, or a ``BlockHashes`` from
         ``block_hashes``, which is read without conversion). With
         ``explain`` or ``text`` the request goes over the JSON protocol and
         the answer also names the policy and the rule."""
         if not explain and text is None:
-            headers = kwargs.get("headers")
-            if headers is not None and not isinstance(headers, list):
-                kwargs["headers"] = list(headers.items())
-            return self._native.select(model, **kwargs)
-        unknown = set(kwargs) - _SELECT_ARGS
-        if unknown:
-            raise TypeError(f"select() got unexpected keyword arguments {sorted(unknown)}")
-        tokens, hashes = kwargs.get("tokens"), kwargs.get("hashes")
+            return self._native.select(
+                model,
+                tokens=tokens,
+                hashes=hashes,
+                prompt_tokens=prompt_tokens,
+                tenant=tenant,
+                tags=tags,
+                headers=list(headers.items()) if headers is not None else None,
+                session=session,
+                role=role,
+                priority=priority,
+                dry_run=dry_run,
+            )
         if (tokens is None) == (hashes is None):
             raise ValueError("give exactly one of tokens and hashes")
-        request: Dict[str, Any] = {"op": "select", "model": model, "role": kwargs.get("role", "aggregated")}
+        request: Dict[str, Any] = {"op": "select", "model": model, "role": role}
         if tokens is not None:
             request["tokens"] = list(tokens)
-        else:
-            request["hashes"] = list(hashes)
-        headers = kwargs.get("headers")
+        elif hashes is not None:
+            request["hashes"] = hashes.to_list() if isinstance(hashes, BlockHashes) else list(hashes)
         optional = {
-            "prompt_tokens": kwargs.get("prompt_tokens"),
-            "tenant": kwargs.get("tenant"),
-            "tags": list(kwargs["tags"]) if kwargs.get("tags") else None,
+            "prompt_tokens": prompt_tokens,
+            "tenant": tenant,
+            "tags": list(tags) if tags else None,
             "headers": dict(headers) if headers else None,
-            "session": kwargs.get("session"),
-            "priority": kwargs.get("priority") or None,
-            "dry_run": kwargs.get("dry_run") or None,
+            "session": session,
+            "priority": priority or None,
+            "dry_run": dry_run or None,
             "explain": explain or None,
             "text": text,
         }
@@ -315,16 +277,16 @@ class AsyncClient:
             c.attach_rings()
         return c
 
-    async def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+    async def _call(self, call: Callable[[Client], _T]) -> _T:
         if self._closed:
-            raise _unavailable("the client is closed")
+            raise unavailable("the client is closed")
         loop = asyncio.get_running_loop()
         async with self._slots:
 
-            def run() -> Any:
+            def run() -> _T:
                 c = self._client()
                 try:
-                    result = getattr(c, method)(*args, **kwargs)
+                    result = call(c)
                 except DaemonUnavailable:
                     c.close()
                     raise
@@ -336,20 +298,53 @@ class AsyncClient:
 
             return await loop.run_in_executor(None, run)
 
-    async def select(self, model: str, **kwargs: Any) -> Selection:
-        return await self._call("select", model, **kwargs)
+    async def select(
+        self,
+        model: str,
+        *,
+        tokens: Optional[Sequence[int]] = None,
+        hashes: Union[Sequence[int], BlockHashes, None] = None,
+        prompt_tokens: Optional[int] = None,
+        tenant: Optional[str] = None,
+        tags: Optional[Sequence[str]] = None,
+        headers: Optional[Mapping[str, str]] = None,
+        session: Optional[str] = None,
+        role: str = "aggregated",
+        priority: int = 0,
+        dry_run: bool = False,
+        explain: bool = False,
+        text: Optional[str] = None,
+    ) -> Selection:
+        """Client.select, as a coroutine."""
+        return await self._call(
+            lambda c: c.select(
+                model,
+                tokens=tokens,
+                hashes=hashes,
+                prompt_tokens=prompt_tokens,
+                tenant=tenant,
+                tags=tags,
+                headers=headers,
+                session=session,
+                role=role,
+                priority=priority,
+                dry_run=dry_run,
+                explain=explain,
+                text=text,
+            )
+        )
 
     async def prefill_done(self, request_id: int) -> None:
-        await self._call("prefill_done", request_id)
+        await self._call(lambda c: c.prefill_done(request_id))
 
     async def finish(self, request_id: int) -> None:
-        await self._call("finish", request_id)
+        await self._call(lambda c: c.finish(request_id))
 
     async def workers(self) -> List[Dict[str, Any]]:
-        return await self._call("workers")
+        return await self._call(lambda c: c.workers())
 
     async def stats(self) -> Dict[str, Any]:
-        return await self._call("stats")
+        return await self._call(lambda c: c.stats())
 
     async def close(self) -> None:
         self._closed = True

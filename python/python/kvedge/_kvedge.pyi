@@ -1,20 +1,22 @@
-"""Type stubs of the native module (see kvedge/__init__.py)."""
+"""Type stubs of the native module ``kvedge._kvedge``; ``stubtest`` checks
+them against the built module."""
 
 from os import PathLike
-from typing import Any, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Sequence, Tuple, Union, final
 
-class KvedgeError(Exception):
-    status: Optional[str]
-    code: Optional[int]
+from typing_extensions import Self
 
-class DaemonUnavailable(KvedgeError): ...
-class BadRequest(KvedgeError): ...
-class NoWorker(KvedgeError): ...
-class Rejected(KvedgeError): ...
-class UnknownRequest(KvedgeError): ...
-class TooManyRequests(KvedgeError): ...
-class Refused(KvedgeError): ...
+__all__ = [
+    "BlockHashes",
+    "NativeClient",
+    "Publisher",
+    "Selection",
+    "block_hashes",
+    "hash_blocks",
+    "status_code",
+]
 
+@final
 class Selection:
     worker_id: Optional[int]
     dp_rank: Optional[int]
@@ -30,8 +32,8 @@ class Selection:
     explain: Optional[dict[str, Any]]
     @property
     def overlap_blocks(self) -> Tuple[int, int, int]: ...
-    def __init__(
-        self,
+    def __new__(
+        cls,
         *,
         worker_id: Optional[int],
         dp_rank: Optional[int],
@@ -45,17 +47,19 @@ class Selection:
         rule: Optional[str] = None,
         request_id: int = 0,
         explain: Optional[dict[str, Any]] = None,
-    ) -> None: ...
+    ) -> Self: ...
 
+@final
 class BlockHashes:
     """A prompt's block hashes held natively (read by select without conversion)."""
-    def __init__(self, hashes: Sequence[int]) -> None: ...
+    def __new__(cls, hashes: Sequence[int]) -> Self: ...
     def __len__(self) -> int: ...
-    def __getitem__(self, index: int) -> int: ...
+    def __getitem__(self, index: int, /) -> int: ...
     def to_list(self) -> list[int]: ...
 
+@final
 class NativeClient:
-    def __init__(self, query_socket: Union[str, PathLike[str]], timeout: Optional[float] = 10.0) -> None: ...
+    def __new__(cls, query_socket: Union[str, PathLike[str]], timeout: Optional[float] = 10.0) -> Self: ...
     def select(
         self,
         model: str,
@@ -78,9 +82,10 @@ class NativeClient:
     def rings_attached(self) -> bool: ...
     def close(self) -> None: ...
 
+@final
 class Publisher:
-    def __init__(
-        self,
+    def __new__(
+        cls,
         control_socket: Union[str, PathLike[str]],
         worker_id: int,
         model: str,
@@ -91,7 +96,7 @@ class Publisher:
         kv_blocks: Tuple[int, int, int] = (0, 0, 0),
         endpoint: str = "",
         timeout: float = 5.0,
-    ) -> None: ...
+    ) -> Self: ...
     def stored(
         self,
         *,
@@ -132,3 +137,5 @@ def hash_blocks(
 def block_hashes(
     tokens: Sequence[int], block_size: int, lora: Optional[str] = None, namespace: Optional[str] = None
 ) -> BlockHashes: ...
+
+def status_code(name: str) -> Optional[int]: ...
