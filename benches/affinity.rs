@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use criterion::{BenchmarkId, Criterion};
 use kvedge_policies::{AffinityMode, SessionAffinityTable, WorkerWithDpRank};
-use kvedge_shm::messages::Role;
+use kvedge_schema::messages::Role;
 use kvedge_wire::{Client, Ids, Select};
 
 const CAPACITIES: [usize; 2] = [1_024, 65_536];

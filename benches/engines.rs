@@ -22,8 +22,8 @@ use kvedge_bridge::decode::Decoder;
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_bridge::translate::{Sink, Translator};
 use kvedge_core::index::{KvIndex, Slot};
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{EventRef, StoredBlock, Tier};
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{EventRef, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher};
 
@@ -80,7 +80,7 @@ impl Sink for RingSink<'_> {
             .poll()
             .unwrap()
             .expect("the record just pushed");
-        if let EventRef::Stored(s) = kvedge_shm::decode(record.kind, record.payload).unwrap() {
+        if let EventRef::Stored(s) = kvedge_schema::decode(record.kind, record.payload).unwrap() {
             self.scratch.clear();
             self.scratch
                 .extend(s.blocks.iter().map(|b| b.sequence_hash.to_native()));
@@ -213,7 +213,7 @@ fn publish_to_visible(c: &mut Criterion) {
         k += 1;
         let tokens: Vec<u32> = (k * 16..k * 16 + 16).collect();
         send(&tokens, &mut seq);
-        let hash = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None)[0];
+        let hash = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None)[0];
         let t = Instant::now();
         while t.elapsed() < Duration::from_millis(200) {
             if visible(&mut client, hash) {
@@ -238,7 +238,7 @@ fn publish_to_visible(c: &mut Criterion) {
             for _ in 0..iters {
                 k += 1;
                 let tokens: Vec<u32> = (k * 16..k * 16 + 16).collect();
-                let hash = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None)[0];
+                let hash = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None)[0];
                 let t = Instant::now();
                 send(&tokens, &mut seq);
                 while !visible(&mut client, hash) {}

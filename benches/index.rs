@@ -31,7 +31,7 @@ use std::time::Duration;
 
 use criterion::{Criterion, Throughput};
 use kvedge_core::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 
 use floor::mix;
 

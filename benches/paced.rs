@@ -46,8 +46,8 @@ use std::time::{Duration, Instant};
 
 use kvedge_core::latency::Histogram;
 use kvedge_daemon::server::Server;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Load, Role, Tier};
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{Load, Role, Tier};
 use kvedge_wire::{Client, Ids, Select};
 
 /// How requests are spaced.
@@ -128,7 +128,7 @@ impl Daemon {
         });
         let control = running.control();
         let tokens: Vec<u32> = (0..2048).collect();
-        let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+        let hashes = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None);
         let engines = (1..=engines.max(1))
             .map(|id| {
                 let hello = Hello {

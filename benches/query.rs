@@ -15,9 +15,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput};
+use kvedge_schema::messages::Tier;
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Publisher;
-use kvedge_shm::messages::Tier;
-use kvedge_shm::messages::control::Hello;
 
 fn engine(control: &std::path::Path, id: u64) -> Publisher {
     let hello = Hello {
@@ -100,7 +100,7 @@ fn main() {
     let rd = &daemon.runtime;
 
     // 8 engines, each caching a different 2,048-token prompt.
-    let seed = kvedge_shm::hash::block_seed(None, None);
+    let seed = kvedge_schema::hash::block_seed(None, None);
     let mut engines: Vec<Publisher> = (0..8).map(|i| engine(&rd.control(), i)).collect();
     for (i, e) in engines.iter_mut().enumerate() {
         let tokens: Vec<u32> = (0..2048).map(|t| i as u32 * 100_000 + t).collect();
@@ -133,7 +133,7 @@ fn main() {
     g.bench_function("select_2048_tokens_round_trip_spinning_client", |b| {
         b.iter(|| ask_spinning(&mut spinning, line.as_bytes(), &mut buf))
     });
-    let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None);
     let hash_line = format!(
         "{}\n",
         serde_json::json!({"op": "select", "model": "llama", "hashes": hashes, "prompt_tokens": 2048, "dry_run": true})

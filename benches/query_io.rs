@@ -31,10 +31,10 @@ fn node(name: &str, uring: bool) -> Node {
         }
     }
     let daemon = bound.run();
-    let hello = kvedge_shm::messages::control::Hello {
+    let hello = kvedge_schema::messages::control::Hello {
         kv_blocks: [1 << 20, 0, 0],
         endpoint: "http://engine-1".into(),
-        ..kvedge_shm::messages::control::Hello::new(1, "llama")
+        ..kvedge_schema::messages::control::Hello::new(1, "llama")
     };
     let engine = kvedge_testkit::register(daemon.control(), &hello);
     Node {

@@ -16,9 +16,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, Throughput, criterion_group};
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{EventRef, StoredBlock, Tier};
 use kvedge_shm::control::accept_registration;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{EventRef, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher, Push};
 
@@ -45,7 +45,7 @@ fn local_pair(capacity: u64) -> (Publisher, Consumer) {
 
 fn consume_one(consumer: &mut Consumer) -> Option<usize> {
     let r = consumer.poll().unwrap()?;
-    match kvedge_shm::decode(r.kind, r.payload).unwrap() {
+    match kvedge_schema::decode(r.kind, r.payload).unwrap() {
         EventRef::Stored(s) => Some(s.blocks.len()),
         _ => Some(0),
     }
@@ -220,10 +220,10 @@ fn hashing(c: &mut Criterion) {
     g.throughput(Throughput::Bytes(2048 * 4));
     g.bench_function("hash_blocks_2048_tokens_bs16", |b| {
         b.iter(|| {
-            kvedge_shm::hash::hash_blocks_into(
+            kvedge_schema::hash::hash_blocks_into(
                 black_box(&tokens),
                 16,
-                kvedge_shm::hash::SEED,
+                kvedge_schema::hash::SEED,
                 None,
                 &mut out,
             )

@@ -42,7 +42,7 @@ use std::time::{Duration, Instant};
 use criterion::Criterion;
 use kvedge_core::router::{Router, SelectRequest, WorkerInfo};
 use kvedge_policies::{WorkerType, WorkerWithDpRank};
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 
 /// Written before and after each select of `--footprint`.
 static MARK: AtomicU64 = AtomicU64::new(0);
@@ -55,7 +55,7 @@ const WORKERS: u64 = 4;
 fn router() -> (Box<Router>, Vec<u64>) {
     let mut router = Box::new(Router::with_defaults());
     let tokens: Vec<u32> = (0..2048).collect();
-    let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None);
     for id in 1..=WORKERS {
         let slot = router
             .register(WorkerInfo {
@@ -72,7 +72,7 @@ fn router() -> (Box<Router>, Vec<u64>) {
         } else {
             // Other prompts, so that the index is not the prompt alone.
             let other: Vec<u32> = (0..2048).map(|t| t + id as u32 * 100_000).collect();
-            let theirs = kvedge_shm::hash::sequence_hashes(&other, 16, None, None);
+            let theirs = kvedge_schema::hash::sequence_hashes(&other, 16, None, None);
             router.apply_stored(slot, Tier::Device, &theirs);
         }
     }

@@ -3,9 +3,9 @@
 
 use std::path::Path;
 
+use kvedge_schema::messages::Tier;
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Publisher;
-use kvedge_shm::messages::Tier;
-use kvedge_shm::messages::control::Hello;
 
 /// Registers worker `id` of model `m` at `endpoint` with the daemon whose
 /// control socket is `control`, holding the full blocks of `tokens` on its
@@ -19,7 +19,7 @@ pub fn engine(control: &Path, id: u64, endpoint: &str, tokens: &[u32]) -> Publis
     let mut p = kvedge_testkit::register(control, &hello);
     let full = &tokens[..tokens.len() / 16 * 16];
     if !full.is_empty() {
-        let hashes = kvedge_shm::hash::sequence_hashes(full, 16, None, None);
+        let hashes = kvedge_schema::hash::sequence_hashes(full, 16, None, None);
         p.publish_stored_hashes(Tier::Device, None, &hashes)
             .unwrap();
     }

@@ -27,9 +27,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use kvedge_config::{EngineRank, EngineSpec};
+use kvedge_schema::messages::control::{Hello, Label};
+use kvedge_schema::messages::{StoredBlock, Tier, notice};
 use kvedge_shm::Publisher;
-use kvedge_shm::messages::control::{Hello, Label};
-use kvedge_shm::messages::{StoredBlock, Tier, notice};
 use kvedge_shm::ratelimit::{RateLimit, held_back};
 use kvedge_shm::session::{Action, Session};
 use kvedge_zmtp::{Allow, Dealer, Limits, Options, Sub, SubEvent};
@@ -264,7 +264,7 @@ struct Ring<'a>(&'a mut Publisher);
 
 impl Sink for Ring<'_> {
     fn stored(&mut self, tier: Tier, blocks: &[StoredBlock], seed: u64) {
-        let salt = (seed != kvedge_shm::hash::SEED).then_some(seed);
+        let salt = (seed != kvedge_schema::hash::SEED).then_some(seed);
         for chunk in blocks.chunks(256) {
             // A full ring drops the record; the daemon sees the gap and
             // asks for a snapshot, which `republish` answers.

@@ -33,7 +33,7 @@
 //!   Failing that, the first message after kvedge starts asks for a replay
 //!   from 0.
 
-use kvedge_shm::messages::notice;
+use kvedge_schema::messages::notice;
 use xxhash_rust::xxh3::xxh3_64;
 
 use crate::decode::Decoder;

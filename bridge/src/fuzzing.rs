@@ -4,7 +4,7 @@
 //! per event, and the translator must index no more blocks than its
 //! capacity, whatever the bytes claim.
 
-use kvedge_shm::messages::{StoredBlock, Tier};
+use kvedge_schema::messages::{StoredBlock, Tier};
 
 use crate::decode::Decoder;
 use crate::translate::{Sink, Translator};

@@ -146,11 +146,11 @@ pub fn read(kind: EngineKind, text: &str, rank: u32) -> Reading {
 
 /// kvedge's load record from a reading: device blocks in use out of the
 /// engine's total when it says it (vLLM), else usage on a scale of 10,000.
-pub fn load(reading: &Reading, timestamp_ns: u64) -> kvedge_shm::messages::Load {
+pub fn load(reading: &Reading, timestamp_ns: u64) -> kvedge_schema::messages::Load {
     let total = reading.total_blocks.unwrap_or(10_000);
     let usage = reading.usage.unwrap_or(0.0).clamp(0.0, 1.0);
     let count = |v: Option<f64>| v.unwrap_or(0.0).clamp(0.0, f64::from(u32::MAX)).round() as u32;
-    kvedge_shm::messages::Load {
+    kvedge_schema::messages::Load {
         active_requests: count(reading.running),
         waiting_requests: count(reading.waiting),
         active_prefill_tokens: 0,

@@ -13,8 +13,8 @@
 
 use std::collections::HashMap;
 
-use kvedge_shm::hash;
-use kvedge_shm::messages::{StoredBlock, Tier, notice};
+use kvedge_schema::hash;
+use kvedge_schema::messages::{StoredBlock, Tier, notice};
 
 use crate::decode::{Event, Extra, Removed, Stored};
 

@@ -7,7 +7,7 @@ use common::{Out, Recorder, batch, raw_batch, removed, stored};
 use kvedge_bridge::decode::Decoder;
 use kvedge_bridge::feed::{Feed, Live, Sender};
 use kvedge_bridge::translate::Translator;
-use kvedge_shm::messages::notice;
+use kvedge_schema::messages::notice;
 use proptest::prelude::*;
 
 /// The engine's own publisher, dialled by kvedge.

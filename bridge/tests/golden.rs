@@ -6,8 +6,8 @@ mod common;
 use common::{Out, Recorder, golden};
 use kvedge_bridge::decode::{Decoder, Event};
 use kvedge_bridge::translate::Translator;
-use kvedge_shm::hash::{SEED, block_seed, sequence_hashes};
-use kvedge_shm::messages::{Tier, notice};
+use kvedge_schema::hash::{SEED, block_seed, sequence_hashes};
+use kvedge_schema::messages::{Tier, notice};
 
 const BIG: u64 = u64::MAX - 4;
 

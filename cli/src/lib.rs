@@ -410,7 +410,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                     return ExitCode::from(2);
                 }
             };
-            let hashes = kvedge_shm::hash::sequence_hashes(
+            let hashes = kvedge_schema::hash::sequence_hashes(
                 &tokens,
                 block_size,
                 lora.as_deref(),

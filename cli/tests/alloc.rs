@@ -12,8 +12,8 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use std::time::Duration;
 
 use common::{engine, temp_dir, wait_for};
+use kvedge_schema::messages::{Load, Tier};
 use kvedge_shm::Publisher;
-use kvedge_shm::messages::{Load, Tier};
 use kvedge_wire::{Client, Ids, Role, Select};
 
 /// One round of traffic: the engine re-publishes 16 of its blocks and a
@@ -76,7 +76,7 @@ fn serves_without_allocating(name: &str, yaml: &str) {
 
     let mut e = engine(&rd.control(), 1, "m");
     let tokens: Vec<u32> = (0..2048).collect();
-    let blocks = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+    let blocks = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None);
     e.publish_stored_hashes(Tier::Device, None, &blocks)
         .unwrap();
     let mut socket = Client::connect(rd.query()).unwrap();

@@ -21,7 +21,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 use serde_json::json;
 
 /// Blocks the bursting engine stores, one record each.

@@ -17,7 +17,7 @@ fn kvedge(args: &[&str]) -> (i32, String, String) {
 #[test]
 fn hash_prints_the_sequence_hashes_of_full_blocks() {
     let tokens: Vec<u32> = (0..40).collect();
-    let expected: Vec<String> = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None)
+    let expected: Vec<String> = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None)
         .iter()
         .map(u64::to_string)
         .collect();

@@ -8,8 +8,8 @@ use std::process::{Command, Stdio};
 use std::time::Duration;
 
 use common::{Conn, Daemon, start as start_with, wait_for};
+use kvedge_schema::messages::Tier;
 use kvedge_shm::Publisher;
-use kvedge_shm::messages::Tier;
 use serde_json::{Value, json};
 
 /// A daemon with the test defaults. Test engines send no heartbeats: a
@@ -32,7 +32,7 @@ fn prompt(prefix: u32, len: u32) -> Vec<u32> {
 #[test]
 fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     let d = start("main");
-    let seed = kvedge_shm::hash::block_seed(None, None);
+    let seed = kvedge_schema::hash::block_seed(None, None);
     let mut a = engine(&d, 1);
     let mut b = engine(&d, 2);
     a.publish_stored_tokens(Tier::Device, None, &prompt(1, 512), 16, seed)
@@ -119,7 +119,7 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
 #[test]
 fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
     let d = start("garbage");
-    let seed = kvedge_shm::hash::block_seed(None, None);
+    let seed = kvedge_schema::hash::block_seed(None, None);
     let mut a = engine(&d, 1);
     a.publish_stored_tokens(Tier::Device, None, &prompt(1, 64), 16, seed)
         .unwrap();
@@ -152,7 +152,7 @@ fn garbage_gets_error_replies_and_everyone_else_keeps_working() {
     // 64 clients doing 10,000 selects each (binary protocol), while garbage
     // keeps arriving on other connections: every select gets its answer.
     let dir = d.dir.clone();
-    let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 64), 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&prompt(1, 64), 16, None, None);
     let threads: Vec<_> = (0..64)
         .map(|_| {
             let path = dir.join("query.sock");
@@ -325,7 +325,7 @@ fn rules_from_the_config_answer_with_the_rule_and_provider() {
         "daemon:\n  heartbeat_timeout_ms: 600000\npolicy:\n  rules:\n    - name: to-cloud\n      matches: [{ tenant: burst }, { header.x-team: research }, { priority: { greaterThan: 5 } }]\n      route:\n        consider: [{ providers: {} }]\n        select: [{ type: Provider }]\n    - name: local\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: cloud, models: [llama], endpoint: 'https://cloud.example' }\n",
     );
     let mut a = engine(&d, 1);
-    a.publish_load(&kvedge_shm::messages::Load::default())
+    a.publish_load(&kvedge_schema::messages::Load::default())
         .unwrap();
     let mut c = Conn::connect(&d.query());
     let local = json!({"op": "select", "model": "llama", "tokens": [1, 2, 3], "dry_run": true});
@@ -550,7 +550,7 @@ fn the_binary_protocol_answers_and_survives_bad_frames() {
     use kvedge_wire::{self as wire, Client as Wire, Status};
     let d = start("binary");
     let mut a = engine(&d, 1);
-    let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
     a.publish_stored_hashes(Tier::Device, None, &hashes)
         .unwrap();
     let mut w = Wire::connect(d.dir.join("query.sock")).unwrap();
@@ -706,7 +706,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
         "daemon:\n  heartbeat_timeout_ms: 600000\n  max_query_rings: 2\n  query_ring_capacity: 4096\n",
     );
     let mut a = engine(&d, 1);
-    let hashes = kvedge_shm::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&prompt(1, 256), 16, None, None);
     a.publish_stored_hashes(Tier::Device, None, &hashes)
         .unwrap();
     let mut socket = Wire::connect(d.query()).unwrap();
@@ -756,7 +756,7 @@ fn query_channels_answer_like_the_socket_and_survive_bad_records() {
     );
     // A request larger than a quarter of the 4 KiB ring goes over the
     // socket, transparently.
-    let long = kvedge_shm::hash::sequence_hashes(&prompt(1, 16 * 200), 16, None, None);
+    let long = kvedge_schema::hash::sequence_hashes(&prompt(1, 16 * 200), 16, None, None);
     let r = ring
         .select_hashes(
             "llama",

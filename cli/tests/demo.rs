@@ -176,7 +176,7 @@ fn soft_pin_walkthrough_with_two_mock_engines_goes_a_b_b() {
         })
         .collect();
     let tokens: Vec<u32> = (0..256).collect();
-    let hashes = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None);
     let select = |q: &mut Conn| -> (u64, u64) {
         let r = q.ask(json!({"op": "select", "model": "m", "hashes": hashes,
             "prompt_tokens": 256, "session": "conversation-1"}));

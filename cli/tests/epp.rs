@@ -18,10 +18,10 @@ use std::time::Duration;
 
 use common::{Daemon, ask, envoy_binary, grpc, start, wait_for};
 use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
+use kvedge_schema::messages::Tier;
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Publisher;
 use kvedge_shm::control::ProducerSession;
-use kvedge_shm::messages::Tier;
-use kvedge_shm::messages::control::Hello;
 use serde_json::json;
 
 fn register(d: &Daemon, worker: u64, endpoint: &str) -> Publisher {
@@ -37,7 +37,7 @@ fn register(d: &Daemon, worker: u64, endpoint: &str) -> Publisher {
 /// Engine `p` holds the full blocks of `tokens` on its device.
 fn hold(p: &mut Publisher, tokens: &[u32]) {
     let full = &tokens[..tokens.len() / 16 * 16];
-    let hashes = kvedge_shm::hash::sequence_hashes(full, 16, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(full, 16, None, None);
     p.publish_stored_hashes(Tier::Device, None, &hashes)
         .unwrap();
 }

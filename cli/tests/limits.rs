@@ -13,7 +13,7 @@ use std::os::unix::net::UnixStream;
 use std::time::{Duration, Instant};
 
 use common::{Conn, engine, start, try_engine};
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 use serde_json::json;
 
 #[test]

@@ -11,7 +11,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use common::*;
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 use serde_json::json;
 
 fn kvedge() -> Command {

@@ -337,7 +337,7 @@ fn prometheus_metrics_over_the_socket_and_http() {
     );
     let run = d.dir.clone();
     let mut e = engine(&d.control(), 6, "m");
-    e.publish_stored_hashes(kvedge_shm::Tier::Device, None, &[1, 2, 3])
+    e.publish_stored_hashes(kvedge_schema::Tier::Device, None, &[1, 2, 3])
         .unwrap();
     let q = run.join("query.sock");
     let deadline = Instant::now() + Duration::from_secs(5);

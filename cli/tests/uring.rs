@@ -11,7 +11,7 @@ mod common;
 use std::io::Read;
 
 use common::{Conn, engine, start, wait_for};
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 use serde_json::json;
 
 #[test]

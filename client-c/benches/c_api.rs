@@ -73,15 +73,15 @@ fn main() {
         black_box(rc);
     };
     // The Rust publisher, registered as a second engine, for the ratio.
-    let rust_hello = kvedge_shm::messages::control::Hello {
+    let rust_hello = kvedge_schema::messages::control::Hello {
         kv_blocks: [1 << 20, 0, 0],
-        ..kvedge_shm::messages::control::Hello::new(2, "llama")
+        ..kvedge_schema::messages::control::Hello::new(2, "llama")
     };
     let mut rust_pub = kvedge_mock::publish::connect(&dir, None, &rust_hello).unwrap();
     let mut publish_rust = || {
         black_box(
             rust_pub
-                .publish_stored_hashes(kvedge_shm::Tier::Device, None, &hashes)
+                .publish_stored_hashes(kvedge_schema::Tier::Device, None, &hashes)
                 .unwrap(),
         );
     };

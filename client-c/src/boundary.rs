@@ -10,7 +10,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::path::Path;
 
-use kvedge_shm::messages::{Role, Tier};
+use kvedge_schema::messages::{Role, Tier};
 
 use crate::status::*;
 

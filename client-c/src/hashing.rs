@@ -44,7 +44,7 @@ pub unsafe extern "C" fn kvedge_hash_blocks(
                 optional_text(namespace_, "namespace_")?,
             )
         };
-        let needed = kvedge_shm::hash::full_blocks(tokens.len(), block_size as usize);
+        let needed = kvedge_schema::hash::full_blocks(tokens.len(), block_size as usize);
         // SAFETY: `out_len` is non-null and writable (caller).
         unsafe { *out_len = needed };
         if needed > out_cap {
@@ -61,8 +61,8 @@ pub unsafe extern "C" fn kvedge_hash_blocks(
         }
         // SAFETY: `out` has `out_cap >= needed` writable elements (caller).
         let out = unsafe { std::slice::from_raw_parts_mut(out, needed) };
-        let seed = kvedge_shm::hash::block_seed(lora, ns);
-        kvedge_shm::hash::sequence_hashes_into(tokens, block_size as usize, seed, None, out);
+        let seed = kvedge_schema::hash::block_seed(lora, ns);
+        kvedge_schema::hash::sequence_hashes_into(tokens, block_size as usize, seed, None, out);
         Ok(())
     })
 }

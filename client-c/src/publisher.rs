@@ -6,9 +6,9 @@ use std::ffi::{c_char, c_void};
 use std::path::PathBuf;
 use std::time::Instant;
 
+use kvedge_schema::messages::Load;
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::control::ProducerSession;
-use kvedge_shm::messages::Load;
-use kvedge_shm::messages::control::Hello;
 use kvedge_shm::session::{Action, REGISTER_TIMEOUT, Session, SessionState};
 use kvedge_shm::{ControlError, PublishError, Publisher};
 
@@ -247,7 +247,7 @@ pub unsafe extern "C" fn kvedge_publish_stored_tokens(
                 parent,
                 tokens,
                 block_size as usize,
-                kvedge_shm::hash::SEED,
+                kvedge_schema::hash::SEED,
             )
             .map(drop)
             .map_err(publish_error)

@@ -96,12 +96,12 @@ fn compile(name: &str, extra: &[&str], tag: &str) -> PathBuf {
 
 fn expected_hashes() -> Vec<String> {
     let tokens: Vec<u32> = (0..40).collect();
-    let mut v: Vec<String> = kvedge_shm::hash::sequence_hashes(&tokens, 16, None, None)
+    let mut v: Vec<String> = kvedge_schema::hash::sequence_hashes(&tokens, 16, None, None)
         .iter()
         .map(u64::to_string)
         .collect();
     v.extend(
-        kvedge_shm::hash::sequence_hashes(&tokens, 16, Some("a"), None)
+        kvedge_schema::hash::sequence_hashes(&tokens, 16, Some("a"), None)
             .iter()
             .map(u64::to_string),
     );

@@ -126,7 +126,7 @@ pub struct EngineRank {
     pub model: String,
     pub worker_id: u64,
     pub dp_rank: u32,
-    pub role: kvedge_shm::messages::Role,
+    pub role: kvedge_schema::messages::Role,
     pub block_size: u32,
     pub endpoint: String,
     /// This rank's publisher (port offset by the rank for tcp).
@@ -236,7 +236,7 @@ impl EngineSpec {
             ));
         }
         if let Some(r) = &self.role
-            && kvedge_shm::messages::Role::parse(r).is_none()
+            && kvedge_schema::messages::Role::parse(r).is_none()
         {
             return Some(format!(
                 "`role: {r}` is not aggregated, prefill, decode or encode"
@@ -323,8 +323,8 @@ impl EngineSpec {
         let role = self
             .role
             .as_deref()
-            .and_then(kvedge_shm::messages::Role::parse)
-            .unwrap_or(kvedge_shm::messages::Role::Aggregated);
+            .and_then(kvedge_schema::messages::Role::parse)
+            .unwrap_or(kvedge_schema::messages::Role::Aggregated);
         (0..self.dp_ranks).map(move |rank| EngineRank {
             kind: self.kind,
             model: self.model.clone(),

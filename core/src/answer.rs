@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use kvedge_policies::rules::TagBuf;
 use kvedge_policies::{AgentHeaders, InputTrigger, SessionContext, WorkerType};
-use kvedge_shm::hash::{block_seed, full_blocks, sequence_hashes_into};
-use kvedge_shm::messages::Tier;
+use kvedge_schema::hash::{block_seed, full_blocks, sequence_hashes_into};
+use kvedge_schema::messages::Tier;
 use kvedge_wire::{
     ErrorReply, ExplainedWorker, Explanation, Ids, MAX_TAGS, Reply, Request, Select, Selected,
     Stats, Status, Words, WorkerNotice, WorkerRow,
@@ -428,7 +428,7 @@ impl Core {
                             e.notices
                                 .iter()
                                 .map(|(code, count, message)| WorkerNotice {
-                                    code: kvedge_shm::messages::notice::name(*code),
+                                    code: kvedge_schema::messages::notice::name(*code),
                                     count: *count,
                                     message: message.clone(),
                                 })

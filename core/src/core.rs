@@ -14,11 +14,11 @@ use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
 use kvedge_policies::{WorkerType, WorkerWithDpRank};
+use kvedge_schema::messages::control::{ResyncRequest, Welcome, reject};
+use kvedge_schema::messages::kind;
+use kvedge_schema::{EventRef, decode};
 use kvedge_shm::control::PeerCred;
-use kvedge_shm::messages::control::{ResyncRequest, Welcome, reject};
-use kvedge_shm::messages::kind;
 use kvedge_shm::ring::Record;
-use kvedge_shm::{EventRef, decode};
 
 use crate::client::{Client, ClientId};
 use crate::counters::{Counters, event_kind};
@@ -292,7 +292,7 @@ impl Core {
         &mut self,
         now: Instant,
         id: EngineId,
-        hello: &kvedge_shm::messages::control::Hello,
+        hello: &kvedge_schema::messages::control::Hello,
         peer: impl FnOnce() -> std::io::Result<PeerCred>,
     ) -> Result<Welcome, RegistrationError> {
         let result = self.register(now, id, hello, peer);
@@ -312,7 +312,7 @@ impl Core {
         &mut self,
         now: Instant,
         id: EngineId,
-        hello: &kvedge_shm::messages::control::Hello,
+        hello: &kvedge_schema::messages::control::Hello,
         peer: impl FnOnce() -> std::io::Result<PeerCred>,
     ) -> Result<Welcome, RegistrationError> {
         match self.engines.get(id.index, id.generation) {
@@ -447,7 +447,7 @@ impl Core {
                 EventRef::Notice(n) => {
                     let code = n.code.to_native();
                     e.notice(code, n.count.to_native(), &n.message);
-                    if code == kvedge_shm::messages::notice::SILENT {
+                    if code == kvedge_schema::messages::notice::SILENT {
                         // The producer says its engine went silent (a
                         // bridge that stopped hearing from it): out of
                         // routing now, not a heartbeat timeout later.

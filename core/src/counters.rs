@@ -2,7 +2,7 @@
 //! (nothing here allocates after warm-up or locks), copied out by `stats`
 //! and by a metrics scrape.
 
-use kvedge_shm::EventRef;
+use kvedge_schema::EventRef;
 
 use crate::latency::Histogram;
 

@@ -52,7 +52,7 @@
 use std::collections::HashSet;
 use std::hash::BuildHasher;
 
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 
 use crate::chunk_queue::ChunkQueue;
 use crate::mask_table::{Bucket, MaskTable, Set, mask_in};

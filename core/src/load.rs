@@ -59,8 +59,8 @@ pub struct PrefillTiming {
     pub work_tokens: f64,
 }
 
-impl From<&kvedge_shm::messages::Load> for LoadReport {
-    fn from(l: &kvedge_shm::messages::Load) -> Self {
+impl From<&kvedge_schema::messages::Load> for LoadReport {
+    fn from(l: &kvedge_schema::messages::Load) -> Self {
         LoadReport {
             active_requests: l.active_requests,
             waiting_requests: l.waiting_requests,

@@ -18,7 +18,7 @@ use kvedge_policies::{
     WorkerSelectionPolicy, WorkerSelectionPolicyError, WorkerType, WorkerWithDpRank,
     affinity::SessionIdError,
 };
-use kvedge_shm::messages::{EventRef, Tier};
+use kvedge_schema::messages::{EventRef, Tier};
 
 use crate::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
 use crate::load::{LoadError, LoadReport, LoadTable};

@@ -16,12 +16,12 @@ use kvedge_core::{
     REGISTRATION_DEADLINE, RESYNC_ANSWER_DEADLINE, RegistrationError, ReloadError,
 };
 use kvedge_policies::{SelectionOverrides, router_plugin_registry};
-use kvedge_shm::control::PeerCred;
-use kvedge_shm::messages::control::{Hello, reject};
-use kvedge_shm::messages::{
+use kvedge_schema::messages::control::{Hello, reject};
+use kvedge_schema::messages::{
     Event, Heartbeat, KvCleared, KvStored, Notice, Role, SnapshotBegin, SnapshotEnd, StoredBlock,
     Tier, notice,
 };
+use kvedge_shm::control::PeerCred;
 use kvedge_shm::ring::Record;
 use kvedge_wire::{Ids, Reply, Request, Select, Status};
 
@@ -694,7 +694,7 @@ fn an_engines_notices_reach_workers_and_are_bounded() {
     let mut h = Harness::new("{}");
     let e = h.engine(1);
     let notice = |code: u16, count: u64, message: &str| {
-        Event::Notice(kvedge_shm::messages::Notice {
+        Event::Notice(kvedge_schema::messages::Notice {
             code,
             count,
             message: message.into(),

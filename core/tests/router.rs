@@ -12,8 +12,8 @@ use kvedge_policies::plugins::worker_selection::{
     WorkerSelectionPolicy, WorkerSelectionPolicyError, WorkerSelectionPolicyFactory,
 };
 use kvedge_policies::{InputTrigger, SessionContext, WorkerType, WorkerWithDpRank};
-use kvedge_shm::hash::sequence_hashes;
-use kvedge_shm::messages::{Load, Tier};
+use kvedge_schema::hash::sequence_hashes;
+use kvedge_schema::messages::{Load, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher};
 
@@ -47,7 +47,7 @@ fn engine(router: &mut Router, id: u64) -> Engine {
 /// The daemon's ingest step: drain the ring into the router.
 fn ingest(router: &mut Router, e: &mut Engine) {
     while let Some(r) = e.consumer.poll().unwrap() {
-        let event = kvedge_shm::decode(r.kind, r.payload).unwrap();
+        let event = kvedge_schema::decode(r.kind, r.payload).unwrap();
         router.apply(e.slot, &event);
     }
 }
@@ -65,7 +65,7 @@ fn selection_follows_the_published_prefixes_and_finish_restores_the_report() {
     let mut router = Router::with_defaults();
     let mut a = engine(&mut router, 1);
     let mut b = engine(&mut router, 2);
-    let seed = kvedge_shm::hash::block_seed(None, None);
+    let seed = kvedge_schema::hash::block_seed(None, None);
     // Engine A caches prefix 1 (32 blocks); engine B prefix 2.
     a.publisher
         .publish_stored_tokens(Tier::Device, None, &prompt(1, 512), 16, seed)

@@ -12,11 +12,11 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::time::Instant;
 
 use kvedge_core::{Core, EngineId, RegistrationError};
+use kvedge_schema::messages::control::ResyncRequest;
 use kvedge_shm::control::{
     FrameReady, connection_closed, frame_ready, peer_credentials, read_hello, send_reject,
     send_resync, send_welcome,
 };
-use kvedge_shm::messages::control::ResyncRequest;
 use kvedge_shm::{Consumer, ControlError, SegmentError};
 
 use crate::poller::Poller;

@@ -10,9 +10,9 @@ use std::time::{Duration, Instant};
 
 use kvedge_core::ClientId;
 use kvedge_daemon::jobs::{Job, JobSender};
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{Role, Tier};
 use kvedge_shm::control::PeerCred;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
 use kvedge_wire::framing::Mode;
 use kvedge_wire::{Ids, Request, Select, binary};
 

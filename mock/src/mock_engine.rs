@@ -27,8 +27,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Role, Tier};
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{Role, Tier};
 use kvedge_shm::{Link, Publisher};
 use kvedge_sim::engine::{Completion, EngineModel, EngineRequest, KvEvent, Outputs};
 use serde::Deserialize;

@@ -324,7 +324,7 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
             n.clamp(1, u64::from(MAX_MAX_TOKENS)) as u32
         });
     let bs = front.block_size as usize;
-    let hashes = kvedge_shm::hash::sequence_hashes(&tokens, bs, None, None);
+    let hashes = kvedge_schema::hash::sequence_hashes(&tokens, bs, None, None);
     if let Ok(mut b) = front.blocks.lock() {
         b.remember(&hashes, &tokens, bs);
     }

@@ -11,9 +11,9 @@ use std::io::BufRead;
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{Load, Role, Tier};
 use kvedge_shm::control::ProducerSession;
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Load, Role, Tier};
 use kvedge_shm::{Link, PublishError, Publisher};
 use serde::Deserialize;
 
@@ -186,7 +186,7 @@ pub fn run(args: PublishArgs) -> Result<serde_json::Value, String> {
             Line::Stored(s) => {
                 let t = tier(s.tier.as_deref()).map_err(at)?;
                 let hashes = match (s.tokens, s.hashes) {
-                    (Some(tokens), None) => kvedge_shm::hash::sequence_hashes(
+                    (Some(tokens), None) => kvedge_schema::hash::sequence_hashes(
                         &tokens,
                         hello.block_size as usize,
                         None,

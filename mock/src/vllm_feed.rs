@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
-use kvedge_shm::messages::{Load, Tier};
+use kvedge_schema::messages::{Load, Tier};
 use kvedge_sim::engine::KvEvent;
 use kvedge_zmtp::{Allow, Options, Pub, Router};
 

@@ -1,7 +1,7 @@
 //! `kvedge._kvedge`: the native half of the `kvedge` Python package. It
 //! wraps the Rust binary-protocol client (`kvedge_wire::Client`: over
 //! `query.sock`, or over a query channel once attached), block hashing
-//! (`kvedge_shm::hash`) and the engine publisher (`kvedge_shm::Publisher`).
+//! (`kvedge_schema::hash`) and the engine publisher (`kvedge_shm::Publisher`).
 //! Every call that waits on the daemon or hashes a prompt releases the GIL.
 //! The pure-Python half (`python/kvedge/`) adds the JSON-only requests
 //! (`explain`, `workers`, `stats`) and the asyncio client, and declares the
@@ -16,8 +16,8 @@ use std::path::PathBuf;
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::messages::control::Hello;
-use kvedge_shm::messages::{Load, Tier};
+use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::{Load, Tier};
 use kvedge_shm::ring::Push;
 use kvedge_shm::session::{Action, REGISTER_TIMEOUT, Session, SessionState};
 use kvedge_wire::{Ids, Pairs, Role, Select, Status, Strs};
@@ -445,7 +445,7 @@ fn hash_blocks(
     if block_size == 0 {
         return Err(PyValueError::new_err("block_size must be positive"));
     }
-    Ok(py.detach(|| kvedge_shm::hash::sequence_hashes(&tokens, block_size, lora, namespace)))
+    Ok(py.detach(|| kvedge_schema::hash::sequence_hashes(&tokens, block_size, lora, namespace)))
 }
 
 /// An engine's publisher: registers with the daemon over `control.sock`
@@ -567,7 +567,7 @@ impl Publisher {
         let r = match (hashes, tokens) {
             (Some(h), None) => py.detach(|| p.publish_stored_hashes(tier, parent, &h)),
             (None, Some(t)) => {
-                let seed = kvedge_shm::hash::block_seed(lora, namespace);
+                let seed = kvedge_schema::hash::block_seed(lora, namespace);
                 py.detach(|| p.publish_stored_tokens(tier, parent, &t, block_size, seed))
             }
             _ => {

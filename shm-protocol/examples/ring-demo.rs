@@ -12,10 +12,11 @@ use std::os::unix::net::UnixListener;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
+use kvedge_schema::hash;
+use kvedge_schema::messages::control::{Hello, ResyncRequest};
+use kvedge_schema::messages::{EventRef, Load, Tier};
+use kvedge_shm::Publisher;
 use kvedge_shm::control::{accept_registration, connection_closed, send_resync};
-use kvedge_shm::messages::control::{Hello, ResyncRequest};
-use kvedge_shm::messages::{EventRef, Load, Tier};
-use kvedge_shm::{Publisher, hash};
 
 const ENGINES: u64 = 2;
 const RUN: Duration = Duration::from_secs(3);
@@ -121,7 +122,7 @@ fn main() {
                     send_resync(stream, &req).unwrap();
                     *resyncs += 1;
                 }
-                match kvedge_shm::decode(r.kind, r.payload) {
+                match kvedge_schema::decode(r.kind, r.payload) {
                     Ok(EventRef::Stored(s)) => {
                         blocks.extend(s.blocks.iter().map(|b| b.sequence_hash.to_native()))
                     }

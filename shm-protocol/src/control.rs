@@ -14,9 +14,8 @@ use std::os::unix::net::UnixStream;
 use std::path::Path;
 use std::time::Duration;
 
-use rkyv::api::low::LowSerializer;
 use rkyv::rancor;
-use rkyv::ser::allocator::{Arena, ArenaHandle};
+use rkyv::ser::allocator::Arena;
 use rkyv::util::AlignedVec;
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, SendAncillaryBuffer,
@@ -24,29 +23,16 @@ use rustix::net::{
 };
 
 use crate::error::ControlError;
-use crate::messages::control::{self, Hello, Reject, ResyncRequest, Welcome};
 use crate::ring::{Consumer, Producer};
 use crate::segment::Segment;
+use kvedge_schema::messages::control::{self, Hello, Reject, ResyncRequest, Welcome};
+use kvedge_schema::messages::{Ser, encode};
 
 /// Control protocol version carried in every frame.
 pub const CONTROL_VERSION: u16 = 1;
 /// Largest control frame payload either side accepts.
 pub const MAX_CONTROL_FRAME: u32 = 64 * 1024;
 const FRAME_HEADER: usize = 8;
-
-/// Serializer strategy used for every archive this crate writes.
-pub type Ser<'a> = LowSerializer<&'a mut AlignedVec, ArenaHandle<'a>, rancor::Error>;
-
-/// Serializes `value` into `buf` (cleared first) using `arena` as scratch.
-/// Allocates nothing once `buf` and `arena` have grown to the largest value.
-pub fn encode<T>(value: &T, buf: &mut AlignedVec, arena: &mut Arena) -> Result<(), rancor::Error>
-where
-    T: for<'a> rkyv::Serialize<Ser<'a>>,
-{
-    buf.clear();
-    rkyv::api::low::to_bytes_in_with_alloc::<_, _, rancor::Error>(value, buf, arena.acquire())?;
-    Ok(())
-}
 
 /// One received control frame.
 #[derive(Debug)]
@@ -351,7 +337,7 @@ impl ProducerSession {
     /// A daemon flooded with silent connections from this engine's uid
     /// closes the oldest waiting ones, which may be this one if the engine
     /// was descheduled between its connect and its Hello; it is told
-    /// [`reject::DISPLACED`](crate::messages::control::reject::DISPLACED)
+    /// [`reject::DISPLACED`](kvedge_schema::messages::control::reject::DISPLACED)
     /// or finds the connection closed. Both are retried, with a short
     /// backoff, until `timeout` has passed since the first attempt; every
     /// other outcome is returned at once.

@@ -1,5 +1,5 @@
 //! Typed errors of the shared-memory contract: one enum per layer (segment,
-//! ring, record decoding, control handshake), so callers can tell a hostile
+//! ring, control handshake; record decoding's is the schema's), so callers can tell a hostile
 //! producer from a transient condition without parsing strings.
 
 use std::io;
@@ -69,16 +69,6 @@ pub enum RingError {
     SequenceRegression { expected: u64, found: u64 },
 }
 
-/// One record could not be decoded; the ring stays usable and the record is
-/// skipped.
-#[derive(Debug, thiserror::Error)]
-pub enum DecodeError {
-    #[error("unknown record type {0}")]
-    UnknownType(u16),
-    #[error("record type {kind} failed validation: {message}")]
-    Invalid { kind: u16, message: String },
-}
-
 /// Errors of the control-socket handshake and framing.
 #[derive(Debug, thiserror::Error)]
 pub enum ControlError {
@@ -104,12 +94,12 @@ pub enum ControlError {
 
 impl ControlError {
     /// The daemon closed a registration before reading its Hello (told
-    /// [`DISPLACED`](crate::messages::control::reject::DISPLACED), or the
+    /// [`DISPLACED`](kvedge_schema::messages::control::reject::DISPLACED), or the
     /// connection found closed or reset): connecting again may succeed.
     pub fn is_displaced(&self) -> bool {
         match self {
             ControlError::Rejected { code, .. } => {
-                *code == crate::messages::control::reject::DISPLACED
+                *code == kvedge_schema::messages::control::reject::DISPLACED
             }
             ControlError::Closed => true,
             ControlError::Io(e) => matches!(

@@ -69,7 +69,7 @@ pub fn consume_hostile_bytes(input: &[u8]) -> Outcome {
         match consumer.poll() {
             Ok(Some(r)) => {
                 out.records += 1;
-                if crate::messages::decode(r.kind, r.payload).is_ok() {
+                if kvedge_schema::messages::decode(r.kind, r.payload).is_ok() {
                     out.decoded += 1;
                 }
             }

@@ -141,7 +141,7 @@ const fn mix(hash: u64, value: u64) -> u64 {
 /// header offsets, the record framing, and rkyv's format features (endianness,
 /// alignment of primitives, the width of relative pointers and lengths), each
 /// observed from the compiled rkyv rather than assumed. The archived sizes of
-/// the message types are folded in by [`crate::messages::SCHEMA_FINGERPRINT`].
+/// the message types are folded in by [`kvedge_schema::messages::SCHEMA_FINGERPRINT`].
 pub const fn layout_hash() -> u64 {
     let mut h = fnv1a(0xcbf2_9ce4_8422_2325, b"kvedge-ring");
     h = mix(h, HEADER_SIZE as u64);
@@ -164,7 +164,7 @@ pub const fn layout_hash() -> u64 {
     // rkyv's `little_endian` feature and `rkyv_format_is_the_pinned_one`
     // asserts the compiled byte order.
     h = fnv1a(h, b"rkyv-le");
-    h = mix(h, crate::messages::SCHEMA_FINGERPRINT);
+    h = mix(h, kvedge_schema::messages::SCHEMA_FINGERPRINT);
     h
 }
 

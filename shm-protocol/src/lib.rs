@@ -2,14 +2,13 @@
 //! daemon.
 //!
 //! Engines hand KV-cache block events and load to the daemon through a
-//! single-producer single-consumer shared-memory [`ring`] of rkyv
-//! [`messages`], created by the daemon as a sealed memfd ([`segment`]) and
+//! single-producer single-consumer shared-memory [`ring`] of the rkyv
+//! messages of `kvedge-schema`, created by the daemon as a sealed memfd ([`segment`]) and
 //! passed over the [`control`] socket. The producer never blocks and never
 //! allocates after warm-up ([`publisher`]); the consumer treats every byte in
 //! shared memory as hostile. An engine's [`session`] with the daemon
 //! (registering, heartbeats, resyncs, registering again after the daemon
-//! restarts) is one state machine every engine driver runs. Block identity comes from one [`hash`]
-//! implementation shared by engines, daemon, CLI and C library. Frontends
+//! restarts) is one state machine every engine driver runs. Frontends
 //! that want select round trips without the kernel in the path attach a
 //! query [`channel`]: the same rings, one each way.
 //!
@@ -26,9 +25,7 @@ pub mod control;
 pub mod error;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
-pub mod hash;
 pub mod layout;
-pub mod messages;
 pub mod prefetch;
 pub mod publisher;
 pub mod ratelimit;
@@ -38,8 +35,7 @@ pub mod session;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 
-pub use error::{ControlError, DecodeError, RingError, SegmentError};
-pub use messages::{Event, EventRef, Tier, decode};
+pub use error::{ControlError, RingError, SegmentError};
 pub use publisher::{PublishError, Publisher};
 pub use ring::{Consumer, Producer, Push, PushError, Record};
 pub use session::{Link, Session};

@@ -10,15 +10,16 @@ use rkyv::rancor;
 use rkyv::ser::allocator::Arena;
 use rkyv::util::AlignedVec;
 
-use crate::control::{ProducerSession, Ser, encode};
+use crate::control::ProducerSession;
 use crate::error::ControlError;
-use crate::hash;
-use crate::messages::control::{Hello, ResyncRequest};
-use crate::messages::{
+use crate::ring::{Producer, Push, PushError};
+use kvedge_schema::hash;
+use kvedge_schema::messages::control::{Hello, ResyncRequest};
+use kvedge_schema::messages::{
     Heartbeat, KvCleared, KvRemoved, KvStored, Load, Notice, SnapshotBegin, SnapshotEnd,
     StoredBlock, Tier, kind,
 };
-use crate::ring::{Producer, Push, PushError};
+use kvedge_schema::messages::{Ser, encode};
 
 /// How long a snapshot's record waits for room in a full ring before it
 /// is dropped. A snapshot larger than the ring streams through it at the
@@ -253,7 +254,7 @@ impl Publisher {
         self.push(kind::LOAD, load)
     }
 
-    /// A notice about this engine's feed (see [`crate::messages::notice`]):
+    /// A notice about this engine's feed (see [`kvedge_schema::messages::notice`]):
     /// `code` has happened `count` times so far.
     pub fn publish_notice(
         &mut self,

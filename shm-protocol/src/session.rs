@@ -25,8 +25,8 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use crate::error::ControlError;
-use crate::messages::control::Hello;
 use crate::publisher::{PublishError, Publisher};
+use kvedge_schema::messages::control::Hello;
 
 /// The wait after a registration that failed or a session the daemon
 /// closed.

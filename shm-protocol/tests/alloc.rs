@@ -4,7 +4,7 @@
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use kvedge_shm::messages::{EventRef, Load, StoredBlock, Tier};
+use kvedge_schema::messages::{EventRef, Load, StoredBlock, Tier};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::{Consumer, Producer, Publisher};
 
@@ -47,7 +47,7 @@ fn round(
         .publish_stored_hashes(Tier::Host, None, &[1, 2, 3])
         .unwrap();
     publisher
-        .publish_stored_tokens(Tier::Device, None, tokens, 16, kvedge_shm::hash::SEED)
+        .publish_stored_tokens(Tier::Device, None, tokens, 16, kvedge_schema::hash::SEED)
         .unwrap();
     publisher
         .publish_removed(Tier::Device, &[1, 2, 3, 4])
@@ -58,7 +58,7 @@ fn round(
     publisher.begin_snapshot(1).unwrap();
     publisher.end_snapshot().unwrap();
     while let Some(r) = consumer.poll().unwrap() {
-        match kvedge_shm::decode(r.kind, r.payload).unwrap() {
+        match kvedge_schema::decode(r.kind, r.payload).unwrap() {
             EventRef::Stored(s) => seen += s.blocks.len() as u64,
             _ => seen += 1,
         }

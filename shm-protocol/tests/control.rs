@@ -7,9 +7,9 @@ use std::path::PathBuf;
 use std::thread;
 use std::time::Duration;
 
+use kvedge_schema::messages::control::{Hello, reject};
 use kvedge_shm::ControlError;
 use kvedge_shm::control::{ProducerSession, accept_registration, read_hello, send_reject};
-use kvedge_shm::messages::control::{Hello, reject};
 
 fn hello() -> Hello {
     Hello {

@@ -5,11 +5,12 @@
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
+use kvedge_schema::DecodeError;
+use kvedge_schema::messages::{EventRef, Load, StoredBlock, Tier, kind};
 use kvedge_shm::layout::{HEADER_SIZE, PADDING_TYPE, RecordHeader};
-use kvedge_shm::messages::{EventRef, Load, StoredBlock, Tier, kind};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::testing::{FAULT_ALLOWANCE, minor_faults};
-use kvedge_shm::{Consumer, DecodeError, Producer, Publisher, Push, PushError, RingError};
+use kvedge_shm::{Consumer, Producer, Publisher, Push, PushError, RingError};
 use proptest::prelude::*;
 
 fn pair(capacity: u64) -> (Producer, Consumer) {
@@ -198,7 +199,7 @@ fn publisher_messages_decode_to_what_was_sent() {
     publisher.heartbeat(456).unwrap();
     publisher
         .publish_notice(
-            kvedge_shm::messages::notice::BLOCK_SIZE_MISMATCH,
+            kvedge_schema::messages::notice::BLOCK_SIZE_MISMATCH,
             3,
             "use 32",
         )
@@ -210,14 +211,14 @@ fn publisher_messages_decode_to_what_was_sent() {
             None,
             &(0..40).collect::<Vec<u32>>(),
             16,
-            kvedge_shm::hash::SEED,
+            kvedge_schema::hash::SEED,
         )
         .unwrap();
     publisher.end_snapshot().unwrap();
 
     let mut seen = Vec::new();
     while let Some(r) = c.poll().unwrap() {
-        match kvedge_shm::decode(r.kind, r.payload).unwrap() {
+        match kvedge_schema::decode(r.kind, r.payload).unwrap() {
             EventRef::Stored(s) => {
                 let hashes: Vec<u64> = s
                     .blocks
@@ -235,7 +236,7 @@ fn publisher_messages_decode_to_what_was_sent() {
                     assert_eq!(hashes, (1000..1016).collect::<Vec<u64>>());
                     assert_eq!(s.blocks[3].local_hash, 2003);
                 } else {
-                    let want = kvedge_shm::hash::sequence_hashes(
+                    let want = kvedge_schema::hash::sequence_hashes(
                         &(0..40).collect::<Vec<u32>>(),
                         16,
                         None,
@@ -290,16 +291,16 @@ fn bad_payloads_are_per_record_errors() {
     p.try_push(kind::LOAD, 0, &[]).unwrap();
     let r = c.poll().unwrap().unwrap();
     assert!(matches!(
-        kvedge_shm::decode(r.kind, r.payload),
+        kvedge_schema::decode(r.kind, r.payload),
         Err(DecodeError::Invalid { kind: 1, .. })
     ));
     let r = c.poll().unwrap().unwrap();
     assert!(matches!(
-        kvedge_shm::decode(r.kind, r.payload),
+        kvedge_schema::decode(r.kind, r.payload),
         Err(DecodeError::UnknownType(999))
     ));
     let r = c.poll().unwrap().unwrap();
-    assert!(kvedge_shm::decode(r.kind, r.payload).is_err());
+    assert!(kvedge_schema::decode(r.kind, r.payload).is_err());
     assert!(c.poll().unwrap().is_none());
 }
 
@@ -602,7 +603,7 @@ proptest! {
             polls += 1;
             prop_assert!(polls <= 4096 / 16 + 2, "consumer made no progress");
             match c.poll() {
-                Ok(Some(r)) => { let _ = kvedge_shm::decode(r.kind, r.payload); }
+                Ok(Some(r)) => { let _ = kvedge_schema::decode(r.kind, r.payload); }
                 Ok(None) => break,
                 Err(e) => {
                     prop_assert_eq!(c.poll().unwrap_err(), e);
@@ -618,7 +619,7 @@ proptest! {
     fn decode_never_panics(kind in 0u16..10, words in proptest::collection::vec(any::<u128>(), 0..32), len_cut in 0usize..16) {
         let bytes: &[u8] = bytemuck::cast_slice(&words);
         let n = bytes.len().saturating_sub(len_cut);
-        let _ = kvedge_shm::decode(kind, &bytes[..n]);
+        let _ = kvedge_schema::decode(kind, &bytes[..n]);
     }
 }
 

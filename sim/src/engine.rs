@@ -20,7 +20,7 @@
 
 use std::collections::{HashMap, VecDeque};
 
-use kvedge_shm::messages::{Load, Tier};
+use kvedge_schema::messages::{Load, Tier};
 
 /// The engine's hardware and scheduler, as parameters.
 ///

@@ -123,7 +123,7 @@ pub fn read_mooncake(
             mooncake_block_tokens(id, &mut tokens);
         }
         tokens.truncate(l.input_length as usize);
-        let hashes = kvedge_shm::hash::sequence_hashes(&tokens, block_size, None, None);
+        let hashes = kvedge_schema::hash::sequence_hashes(&tokens, block_size, None, None);
         out.push(TraceRequest {
             arrival_us: (l.timestamp * 1000.0 * time_scale).round() as u64,
             tokens,
@@ -270,7 +270,7 @@ pub fn synthetic(p: &SyntheticParams) -> Vec<TraceRequest> {
         let new = rng.range(if tool { p.tool_tokens } else { p.user_tokens });
         rng.tokens(new, &mut tokens);
         let output_tokens = rng.range(p.output_tokens);
-        let hashes = kvedge_shm::hash::sequence_hashes(&tokens, p.block_size, None, None);
+        let hashes = kvedge_schema::hash::sequence_hashes(&tokens, p.block_size, None, None);
         out.push(TraceRequest {
             arrival_us: (t * 1e6) as u64,
             tokens: tokens.clone(),

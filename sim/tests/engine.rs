@@ -1,7 +1,7 @@
 //! The engine model against hand-computed cases: step arithmetic and TTFT,
 //! prefix hits, eviction order, the host tier, and what gets published.
 
-use kvedge_shm::messages::Tier;
+use kvedge_schema::messages::Tier;
 use kvedge_sim::engine::{
     Completion, EngineModel, EngineParams, EngineRequest, KvEvent, Outputs, SubmitError,
 };
@@ -25,7 +25,7 @@ fn params(device_blocks: u32, host_blocks: u32) -> EngineParams {
 fn req(id: u64, tokens: &[u32], output: u32) -> EngineRequest {
     EngineRequest {
         id,
-        hashes: kvedge_shm::hash::sequence_hashes(tokens, 4, None, None),
+        hashes: kvedge_schema::hash::sequence_hashes(tokens, 4, None, None),
         prompt_tokens: tokens.len() as u32,
         output_tokens: output,
     }
@@ -144,7 +144,7 @@ fn eviction_takes_the_least_recently_used_block_tail_first() {
     let mut cached: Vec<u64> = e.device_hashes().collect();
     cached.sort_unstable();
     let mut expect = vec![ha[0]];
-    expect.extend(kvedge_shm::hash::sequence_hashes(&c, 4, None, None));
+    expect.extend(kvedge_schema::hash::sequence_hashes(&c, 4, None, None));
     expect.sort_unstable();
     assert_eq!(cached, expect);
     // A's prompt again: a0 still hits (4 cached tokens), a1 does not.

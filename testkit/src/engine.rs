@@ -4,9 +4,9 @@
 use std::path::Path;
 use std::time::Duration;
 
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Publisher;
 use kvedge_shm::control::ProducerSession;
-use kvedge_shm::messages::control::Hello;
 
 /// Registers `hello` at `control` (waiting up to 5 s) and returns the
 /// engine's publisher.

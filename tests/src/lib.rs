@@ -7,9 +7,9 @@
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;
 
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Consumer;
 use kvedge_shm::control::accept_registration;
-use kvedge_shm::messages::control::Hello;
 
 /// A listening control socket in a private temporary directory.
 #[derive(Debug)]

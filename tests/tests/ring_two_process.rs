@@ -134,10 +134,11 @@ fn sigkilled_producer_leaves_only_whole_records_then_a_clean_end() {
 fn overflow_gap_resync_restores_the_exact_block_set() {
     use std::collections::BTreeSet;
 
+    use kvedge_schema::hash;
+    use kvedge_schema::messages::control::ResyncRequest;
+    use kvedge_schema::messages::{EventRef, Tier};
+    use kvedge_shm::Publisher;
     use kvedge_shm::control::send_resync;
-    use kvedge_shm::messages::control::ResyncRequest;
-    use kvedge_shm::messages::{EventRef, Tier};
-    use kvedge_shm::{Publisher, hash};
 
     let control = ControlListener::bind();
     let path = control.path.clone();
@@ -226,7 +227,7 @@ fn overflow_gap_resync_restores_the_exact_block_set() {
             .unwrap();
             requested = true;
         }
-        match kvedge_shm::decode(r.kind, r.payload).unwrap() {
+        match kvedge_schema::decode(r.kind, r.payload).unwrap() {
             EventRef::SnapshotBegin(b) => {
                 assert_eq!(b.snapshot_id, 1);
                 in_snapshot = true;

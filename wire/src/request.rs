@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-pub use kvedge_shm::messages::Role;
+pub use kvedge_schema::messages::Role;
 
 /// One request to a daemon.
 #[derive(Clone, Copy, Debug)]

@@ -4,7 +4,7 @@
 
 use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_bridge::translate::Sink;
-use kvedge_shm::messages::{StoredBlock, Tier};
+use kvedge_schema::messages::{StoredBlock, Tier};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Out {

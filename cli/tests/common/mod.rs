@@ -14,7 +14,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvedge_shm::messages::control::Hello;
+use kvedge_schema::messages::control::Hello;
 use kvedge_shm::{ControlError, Publisher};
 use serde_json::Value;
 

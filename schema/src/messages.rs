@@ -6,9 +6,35 @@
 //! Decoding never deserializes into owned values: the daemon reads the
 //! archived view in place, so consuming a record allocates nothing.
 
+use rkyv::api::low::LowSerializer;
+use rkyv::rancor;
+use rkyv::ser::allocator::{Arena, ArenaHandle};
+use rkyv::util::AlignedVec;
 use rkyv::{Archive, Deserialize, Serialize};
 
-use crate::error::DecodeError;
+/// One record could not be decoded; the ring stays usable and the record is
+/// skipped.
+#[derive(Debug, thiserror::Error)]
+pub enum DecodeError {
+    #[error("unknown record type {0}")]
+    UnknownType(u16),
+    #[error("record type {kind} failed validation: {message}")]
+    Invalid { kind: u16, message: String },
+}
+
+/// Serializer strategy used for every archive kvedge writes.
+pub type Ser<'a> = LowSerializer<&'a mut AlignedVec, ArenaHandle<'a>, rancor::Error>;
+
+/// Serializes `value` into `buf` (cleared first) using `arena` as scratch.
+/// Allocates nothing once `buf` and `arena` have grown to the largest value.
+pub fn encode<T>(value: &T, buf: &mut AlignedVec, arena: &mut Arena) -> Result<(), rancor::Error>
+where
+    T: for<'a> rkyv::Serialize<Ser<'a>>,
+{
+    buf.clear();
+    rkyv::api::low::to_bytes_in_with_alloc::<_, _, rancor::Error>(value, buf, arena.acquire())?;
+    Ok(())
+}
 
 /// KV cache tier of a block.
 #[derive(Archive, Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -301,18 +327,18 @@ impl Event {
     /// This event's archive, as a ring record's payload carries it (an
     /// allocating convenience for tests and tools; the publisher encodes
     /// into retained buffers).
-    pub fn to_payload(&self) -> rkyv::util::AlignedVec {
-        let mut buf = rkyv::util::AlignedVec::new();
-        let mut arena = rkyv::ser::allocator::Arena::new();
+    pub fn to_payload(&self) -> AlignedVec {
+        let mut buf = AlignedVec::new();
+        let mut arena = Arena::new();
         let encoded = match self {
-            Event::Stored(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::Removed(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::Cleared(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::Load(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::Heartbeat(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::SnapshotBegin(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::SnapshotEnd(v) => crate::control::encode(v, &mut buf, &mut arena),
-            Event::Notice(v) => crate::control::encode(v, &mut buf, &mut arena),
+            Event::Stored(v) => encode(v, &mut buf, &mut arena),
+            Event::Removed(v) => encode(v, &mut buf, &mut arena),
+            Event::Cleared(v) => encode(v, &mut buf, &mut arena),
+            Event::Load(v) => encode(v, &mut buf, &mut arena),
+            Event::Heartbeat(v) => encode(v, &mut buf, &mut arena),
+            Event::SnapshotBegin(v) => encode(v, &mut buf, &mut arena),
+            Event::SnapshotEnd(v) => encode(v, &mut buf, &mut arena),
+            Event::Notice(v) => encode(v, &mut buf, &mut arena),
         };
         encoded.expect("serializing into a vector cannot fail");
         buf
