@@ -56,10 +56,8 @@ pub const MAX_REPLY_BYTES: usize = 1 << 20;
 /// client's CPU (the daemon publishes its CPU in the request ring's
 /// header). An awake daemon elsewhere is not yielded to: with other
 /// threads wanting the CPU a yield hands it to them, and a busy daemon's
-/// replies then came later (BENCHMARKS.md, "A query-channel client that
-/// yields to the loop it woke", "A socket client that checks before it
-/// sleeps" and "A query-channel client that yields to a loop on its
-/// CPU").
+/// replies then came later (the paced bench's A/B runs of each choice are
+/// in BENCHMARKS.md's history).
 const SPIN: Duration = Duration::from_micros(50);
 
 /// Checks of the reply ring between two looks at whether the awake daemon
