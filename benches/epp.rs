@@ -23,17 +23,9 @@ use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response
 use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
 use kvedge_epp::body::Prompt;
 use kvedge_epp::{ModelSpec, Models};
+use kvedge_testkit::Percentiles;
 
 const TEMPLATE: &str = "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}";
-
-/// p50 and p99 in microseconds.
-fn percentiles(v: Vec<Duration>) -> (f64, f64) {
-    let p = kvedge_testkit::Percentiles::of(v);
-    (
-        kvedge_testkit::Percentiles::us(p.p50()),
-        kvedge_testkit::Percentiles::us(p.p99()),
-    )
-}
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
@@ -132,9 +124,9 @@ fn main() {
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
 
-    let (a50, a99) = percentiles(alone);
-    let (g50, g99) = percentiles(through_grpc);
-    let (i50, i99) = percentiles(with_ids);
+    let (a50, a99) = Percentiles::of(alone).p50_p99_us();
+    let (g50, g99) = Percentiles::of(through_grpc).p50_p99_us();
+    let (i50, i99) = Percentiles::of(with_ids).p50_p99_us();
     println!(
         "a chat request of {} tokens ({} bytes of body), {n} decisions each:",
         tokens.len(),

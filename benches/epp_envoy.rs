@@ -18,9 +18,10 @@
 mod support;
 
 use std::net::Ipv4Addr;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
+use kvedge_testkit::Percentiles;
 
 fn round_robin_config(engines: &[HttpEngine]) -> String {
     let endpoints: String = engines
@@ -66,15 +67,6 @@ fn round_robin_config(engines: &[HttpEngine]) -> String {
         endpoints:
           - lb_endpoints:
 {endpoints}"#
-    )
-}
-
-/// p50 and p99 in microseconds.
-fn percentiles(v: Vec<Duration>) -> (f64, f64) {
-    let p = kvedge_testkit::Percentiles::of(v);
-    (
-        kvedge_testkit::Percentiles::us(p.p50()),
-        kvedge_testkit::Percentiles::us(p.p99()),
     )
 }
 
@@ -160,8 +152,8 @@ fn main() {
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
 
-    let (a50, a99) = percentiles(a);
-    let (b50, b99) = percentiles(b);
+    let (a50, a99) = Percentiles::of(a).p50_p99_us();
+    let (b50, b99) = Percentiles::of(b).p50_p99_us();
     println!("{sequential} requests each, in turn; then 64 clients x {per_client} requests:");
     println!("| through Envoy | p50 | p99 | requests/s, 64 clients |");
     println!("|---|---|---|---|");

@@ -48,6 +48,7 @@ use kvedge_core::latency::Histogram;
 use kvedge_daemon::server::Server;
 use kvedge_schema::messages::control::Hello;
 use kvedge_schema::messages::{Load, Role, Tier};
+use kvedge_testkit::Percentiles;
 use kvedge_wire::{Client, Ids, Select};
 
 /// How requests are spaced.
@@ -85,11 +86,6 @@ fn wait_until(t: Instant) {
     if t > now {
         std::thread::sleep(t - now);
     }
-}
-
-fn percentiles(v: Vec<Duration>) -> (Duration, Duration) {
-    let p = kvedge_testkit::Percentiles::of(v);
-    (p.p50(), p.p99())
 }
 
 struct Daemon {
@@ -315,7 +311,7 @@ fn selects(
         wait_until(pace.due(start, i));
         samples.push(select(&mut c, i as usize));
     }
-    let (p50, p99) = percentiles(samples);
+    let (p50, p99) = Percentiles::of(samples).p50_p99();
     let core = d.core_latency().since(&before);
     assert_eq!(
         core.count(),
@@ -389,7 +385,10 @@ fn echo(pace: Pace, n: u32, floor_lines: usize) -> ((Duration, Duration), (Durat
     let mut floor = peer.join().unwrap();
     // The timed requests' floors, not the warm-up's.
     let timed = floor.split_off(floor.len() - n as usize);
-    (percentiles(samples), percentiles(timed))
+    (
+        Percentiles::of(samples).p50_p99(),
+        Percentiles::of(timed).p50_p99(),
+    )
 }
 
 fn main() {

@@ -29,6 +29,16 @@ impl Percentiles {
         self.at(0.99)
     }
 
+    /// p50 and p99.
+    pub fn p50_p99(&self) -> (Duration, Duration) {
+        (self.p50(), self.p99())
+    }
+
+    /// p50 and p99 in microseconds, as the benches' tables print them.
+    pub fn p50_p99_us(&self) -> (f64, f64) {
+        (Self::us(self.p50()), Self::us(self.p99()))
+    }
+
     /// A duration in microseconds.
     pub fn us(d: Duration) -> f64 {
         d.as_secs_f64() * 1e6
@@ -46,5 +56,6 @@ mod tests {
         assert_eq!(p.p99(), Duration::from_micros(100));
         assert_eq!(p.at(0.0), Duration::from_micros(1));
         assert_eq!(Percentiles::us(Duration::from_micros(3)), 3.0);
+        assert_eq!(p.p50_p99_us(), (51.0, 100.0));
     }
 }
