@@ -394,6 +394,18 @@ mod tests {
     }
 
     #[test]
+    fn a_late_poll_sends_one_heartbeat_not_a_burst() {
+        let t = Instant::now();
+        let mut s = Session::registered(t, 1000);
+        // The engine's loop stalled for 5 s, ten beats' worth: one
+        // heartbeat now, the next half an interval after it.
+        let late = t + Duration::from_secs(5);
+        assert_eq!(drain(&mut s, late), [Action::Heartbeat]);
+        assert_eq!(s.poll_timeout(), Some(late + Duration::from_millis(500)));
+        assert_eq!(s.state(), SessionState::Registered);
+    }
+
+    #[test]
     fn a_resync_request_is_served_once() {
         let t = Instant::now();
         let mut s = Session::registered(t, 1000);
