@@ -8,6 +8,8 @@
 //! columnar loop's (`plain_columnar_loop`), for scale: the cost formula
 //! and an argmin written plainly, without the pipeline or its checks.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{HashMap, HashSet};
 use std::hint::black_box;
 use std::time::{Duration, Instant};

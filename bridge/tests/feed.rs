@@ -1,6 +1,8 @@
 //! The feed's state machine in isolation: sequence numbers, gaps, replays
 //! and restarts, and input built to hurt it.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::{Out, Recorder, batch, raw_batch, removed, stored};

@@ -1,6 +1,8 @@
 //! Payloads encoded by msgspec with the engines' own structure definitions
 //! (`testdata/engines/make_golden.py`), decoded and translated here.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::{Out, Recorder, golden};

@@ -5,6 +5,8 @@
 //! release: one over the binary socket protocol, one over a query channel.
 //! JSON lines build serde values per request and are outside this claim.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::sync::Arc;

@@ -11,6 +11,8 @@
 //! must hold exactly what the engines hold. Bounded in time and count,
 //! local sockets only.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::io::{ErrorKind, Read, Write};

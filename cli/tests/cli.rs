@@ -1,5 +1,7 @@
 //! The `kvedge` binary's offline tools, run as real processes.
 
+#![forbid(unsafe_code)]
+
 use std::process::Command;
 
 fn kvedge(args: &[&str]) -> (i32, String, String) {

@@ -1,6 +1,8 @@
 //! `kvedge run` as a real process: engines register over the control socket
 //! and publish through their rings, frontends ask over the query socket.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::io::{BufRead, Write};

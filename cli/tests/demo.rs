@@ -2,6 +2,8 @@
 //! (every request answered, dispatched and finished; nothing left behind)
 //! and the soft-pin walkthrough (docs/policies.md) with two mock engines.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::os::unix::net::UnixStream;

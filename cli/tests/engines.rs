@@ -3,6 +3,8 @@
 //! pyzmq, msgspec and prometheus_client, following vLLM's publisher on the
 //! wire), checked through selects and `workers` over the query socket.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::time::Duration;

@@ -9,6 +9,8 @@
 //! tests say so and pass without running, unless `KVEDGE_REQUIRE_TOOLS` is
 //! set (as in CI), when they fail.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::io::{Read, Write};

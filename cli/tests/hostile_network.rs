@@ -11,6 +11,8 @@
 //! and query.sock keeps answering. Every attack is bounded in time and
 //! count.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::io::{Read, Write};

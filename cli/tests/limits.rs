@@ -6,6 +6,8 @@
 //! unavailable and recovers when it resumes; a worker cannot register under
 //! a live worker's identity; reservations are bounded.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::io::BufRead;

@@ -4,6 +4,8 @@
 //! line against a stopped daemon, a closed stdout and a refused uid, a
 //! mock engine that outlives its daemon, and a hung engine replaced.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::os::unix::fs::PermissionsExt;

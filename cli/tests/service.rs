@@ -3,6 +3,8 @@
 //! socket activation with `systemd-socket-activate`, SIGHUP reloads, SIGTERM
 //! drains and exits 0.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::io::Write;

@@ -2,6 +2,8 @@
 //! that use the cache beat the ones that ignore it on a shared-prefix
 //! workload; bad arguments fail with a message.
 
+#![forbid(unsafe_code)]
+
 use std::process::Command;
 
 use serde_json::Value;

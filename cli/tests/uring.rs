@@ -4,6 +4,7 @@
 //! only its connection. Where the kernel refuses io_uring, the daemon logs
 //! the fallback and serves the same on epoll, so the test holds either way.
 
+#![forbid(unsafe_code)]
 #![cfg(feature = "io-uring")]
 
 mod common;

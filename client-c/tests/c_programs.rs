@@ -6,6 +6,8 @@
 //! resync, then use after the daemon died). The same programs run under
 //! AddressSanitizer and under valgrind's memcheck.
 
+#![forbid(unsafe_code)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};

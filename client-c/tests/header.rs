@@ -1,5 +1,7 @@
 //! The checked-in header is what the pinned cbindgen makes of the source.
 
+#![forbid(unsafe_code)]
+
 #[test]
 fn header_is_fresh() {
     let dir = env!("CARGO_MANIFEST_DIR");

@@ -4,6 +4,8 @@
 //! values out of range, deep nesting and aliases. Every input must end in
 //! a configuration or an error, never a panic.
 
+#![forbid(unsafe_code)]
+
 use kvedge_config::fuzzing::load_hostile_config;
 use proptest::prelude::*;
 

@@ -5,6 +5,7 @@
 //! heartbeat loss, a broken ring, idle clients, reservations, limits,
 //! reload.
 
+#![forbid(unsafe_code)]
 // The harness starts its virtual clock with one real `Instant::now()`.
 #![allow(clippy::disallowed_methods)]
 

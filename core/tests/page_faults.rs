@@ -1,6 +1,8 @@
 //! The state a select writes takes no page fault: its memory was written
 //! when it was allocated, not left for the select path's first writes.
 
+#![forbid(unsafe_code)]
+
 use kvedge_core::index::Slot;
 use kvedge_core::load::LoadTable;
 use kvedge_shm::testing::{FAULT_ALLOWANCE, minor_faults};

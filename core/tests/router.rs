@@ -2,6 +2,8 @@
 //! shared-memory protocol, the router applies what the consumer reads, and
 //! selections follow the index and the load accounting.
 
+#![forbid(unsafe_code)]
+
 use kvedge_core::index::Slot;
 use kvedge_core::router::{RegisterError, Router, RouterError, SelectRequest, WorkerInfo};
 use std::sync::Arc;

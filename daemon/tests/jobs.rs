@@ -5,6 +5,8 @@
 //! real control socket), and the core's idle timeout reaches it through
 //! the closer it gave.
 
+#![forbid(unsafe_code)]
+
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 

@@ -1,6 +1,8 @@
 //! Session affinity (hard and soft, TTL, bounds, failure keeps the binding)
 //! and the request classifier.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::borrow::Cow;

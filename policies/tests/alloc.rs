@@ -2,6 +2,8 @@
 //! (with and without filters that remove rows, at temperature 0 and above),
 //! and so do the session-affinity lookups and binds around it.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::*;

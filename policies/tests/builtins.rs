@@ -1,6 +1,8 @@
 //! One focused test per decision of each shipped policy, through the same
 //! YAML -> registry -> factory path an operator uses.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::*;

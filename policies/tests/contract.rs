@@ -3,6 +3,8 @@
 //! signal grants, missing inputs, the exact-target path, and indifference to
 //! candidate order.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::sync::{Arc, Mutex};

@@ -2,6 +2,8 @@
 //! returns a valid row or a typed error, never a panic; and the cost of the
 //! default policy's choice does not depend on row order.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use common::*;

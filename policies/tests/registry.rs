@@ -1,6 +1,8 @@
 //! Registration (one test per shipped type name), YAML errors with their
 //! messages checked, the override order, and resolution per role.
 
+#![forbid(unsafe_code)]
+
 mod common;
 
 use std::sync::Arc;

@@ -2,6 +2,8 @@
 //! its message, predicate forms and absence, FallThrough chains, tie breaks
 //! with a fixed seed, and zero allocations per decision.
 
+#![forbid(unsafe_code)]
+
 use kvedge_policies::rules::{Outcome, RuleCandidate, RuleEngine, RuleRequest, TagBuf, load};
 use kvedge_policies::{AgentHeaders, WorkerWithDpRank};
 

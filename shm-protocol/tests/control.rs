@@ -2,6 +2,8 @@
 //! daemon on a real Unix socket: which refusals it retries and which it
 //! reports at once.
 
+#![forbid(unsafe_code)]
+
 use std::os::unix::net::UnixListener;
 use std::path::PathBuf;
 use std::thread;

@@ -1,6 +1,8 @@
 //! The engine model against hand-computed cases: step arithmetic and TTFT,
 //! prefix hits, eviction order, the host tier, and what gets published.
 
+#![forbid(unsafe_code)]
+
 use kvedge_schema::messages::Tier;
 use kvedge_sim::engine::{
     Completion, EngineModel, EngineParams, EngineRequest, KvEvent, Outputs, SubmitError,

@@ -2,6 +2,8 @@
 //! errors with line numbers), the synthetic generator's determinism and
 //! shape, and the oracle bound.
 
+#![forbid(unsafe_code)]
+
 use kvedge_sim::workload::{
     Arrivals, MOONCAKE_BLOCK, SyntheticParams, TraceError, mooncake_block_tokens, oracle_hit_rate,
     read_mooncake, synthetic,

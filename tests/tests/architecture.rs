@@ -3,6 +3,8 @@
 //! document cannot drift from the crate graph, and no dependency can run
 //! back up it unnoticed.
 
+#![forbid(unsafe_code)]
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;
 use std::process::Command;

@@ -4,6 +4,8 @@
 //! The decoder answers with a request that round-trips or an error reply,
 //! never a panic.
 
+#![forbid(unsafe_code)]
+
 use kvedge_wire::fuzzing::{Decoded, decode_hostile_request};
 use kvedge_wire::{Ids, Request, Role, Select, binary};
 use proptest::prelude::*;

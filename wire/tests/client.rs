@@ -2,6 +2,8 @@
 //! a real Unix socket, with the peer in control of when it reads and
 //! answers: how the client waits for a reply, and how it gives up.
 
+#![forbid(unsafe_code)]
+
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::PathBuf;

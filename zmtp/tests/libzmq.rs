@@ -3,6 +3,8 @@
 //! bound SUB, a ROUTER answering a DEALER, and the other way round for
 //! the mock engine's sockets. Needs python3 with pyzmq.
 
+#![forbid(unsafe_code)]
+
 use std::io::{BufRead, BufReader, Write};
 use std::process::{Child, ChildStdout, Command, Stdio};
 use std::time::Duration;

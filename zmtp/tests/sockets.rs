@@ -2,6 +2,8 @@
 //! and with hand-written hostile peers that break every cap, hold
 //! connections open without a word, or come from addresses not allowed.
 
+#![forbid(unsafe_code)]
+
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering::Relaxed;
 use std::time::Duration;
