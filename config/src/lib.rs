@@ -9,6 +9,8 @@
 //! its logger accepts, whether this build has io_uring) is checked by the
 //! daemon's own loader on top of this one.
 
+#![forbid(unsafe_code)]
+
 use kvedge_policies::rules::{RulePolicy, load_with};
 use kvedge_policies::{
     AffinityMode, RouterConfig, RouterPluginRegistry, RouterPlugins, SelectionOverrides,

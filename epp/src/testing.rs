@@ -15,13 +15,25 @@ use serde_json::{Value, json};
 /// The shipped Envoy configuration for the picker.
 pub const SHIPPED_CONFIG: &str = include_str!("../../deploy/envoy/envoy.yaml");
 
-/// A port free on `ip` just now.
+/// A port free on `ip` just now, taken from below Linux's ephemeral range
+/// (32768-60999): a port the kernel handed out for `:0` can be handed out
+/// again as the source port of any outgoing connection before the caller
+/// binds it, which makes a test's listener fail at random under load.
 pub fn free_port(ip: Ipv4Addr) -> u16 {
-    TcpListener::bind((ip, 0))
-        .expect("a free port")
-        .local_addr()
-        .expect("its address")
-        .port()
+    use std::sync::atomic::AtomicU32;
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(2_654_435_761)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+    for _ in 0..1_000 {
+        let n = NEXT.fetch_add(1, Ordering::Relaxed);
+        let port = 20_000 + (seed.wrapping_add(n.wrapping_mul(7_919)) % 12_000) as u16;
+        if TcpListener::bind((ip, port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on {ip} between 20000 and 32000");
 }
 
 /// An OpenAI-compatible engine: answers `/v1/completions` and

@@ -140,3 +140,30 @@ fn architecture_states_the_crate_graph() {
         );
     }
 }
+
+/// `unsafe` lives only where memory is shared or exported: every other
+/// crate root (library or binary) forbids it.
+#[test]
+fn only_the_shared_memory_and_exported_crates_may_use_unsafe() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+    let allowed = ["shm-protocol", "client-c", "python"];
+    let mut checked = 0;
+    for entry in std::fs::read_dir(&root).unwrap() {
+        let dir = entry.unwrap().path();
+        let name = dir.file_name().unwrap().to_string_lossy().into_owned();
+        if !dir.join("Cargo.toml").is_file() || allowed.contains(&name.as_str()) {
+            continue;
+        }
+        for file in ["src/lib.rs", "src/main.rs"] {
+            let Ok(text) = std::fs::read_to_string(dir.join(file)) else {
+                continue;
+            };
+            checked += 1;
+            assert!(
+                text.contains("#![forbid(unsafe_code)]"),
+                "{name}/{file} does not forbid unsafe code"
+            );
+        }
+    }
+    assert!(checked >= 12, "only {checked} crate roots found");
+}

@@ -63,18 +63,23 @@ impl Daemon {
 }
 
 /// Starts `kvedge run` with `yaml` and waits for its query socket.
+/// The daemon's log goes to `daemon.log` in its directory, and is printed
+/// if it does not start (or with `KVEDGE_TEST_LOG=1`, to stderr as it runs).
 pub fn start(name: &str, yaml: &str) -> Daemon {
-    // KVEDGE_TEST_LOG=1 shows the daemons' logs when a test fails.
-    let stderr = match std::env::var_os("KVEDGE_TEST_LOG") {
-        Some(_) => Stdio::inherit(),
-        None => Stdio::null(),
-    };
-    start_logging(name, yaml, stderr)
+    if std::env::var_os("KVEDGE_TEST_LOG").is_some() {
+        return start_logging(name, yaml, Stdio::inherit());
+    }
+    let dir = temp_dir(name);
+    let log = std::fs::File::create(dir.join("daemon.log")).unwrap();
+    start_in(dir, yaml, log.into())
 }
 
 /// [`start`], with the daemon's log going to `stderr`.
 pub fn start_logging(name: &str, yaml: &str, stderr: impl Into<Stdio>) -> Daemon {
-    let dir = temp_dir(name);
+    start_in(temp_dir(name), yaml, stderr.into())
+}
+
+fn start_in(dir: PathBuf, yaml: &str, stderr: Stdio) -> Daemon {
     std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
         .arg("run")
@@ -85,10 +90,18 @@ pub fn start_logging(name: &str, yaml: &str, stderr: impl Into<Stdio>) -> Daemon
         .stderr(stderr)
         .spawn()
         .unwrap();
-    let d = Daemon { child, dir };
-    let deadline = Instant::now() + Duration::from_secs(10);
+    let mut d = Daemon { child, dir };
+    // Generous: CI machines have two cores and run tests side by side.
+    let deadline = Instant::now() + Duration::from_secs(30);
     while UnixStream::connect(d.query()).is_err() {
-        assert!(Instant::now() < deadline, "daemon did not start");
+        let exited = d.child.try_wait().unwrap();
+        if exited.is_some() || Instant::now() >= deadline {
+            let log = std::fs::read_to_string(d.dir.join("daemon.log")).unwrap_or_default();
+            panic!(
+                "daemon did not start ({}); its log:\n{log}",
+                exited.map_or("no query socket after 30 s".into(), |s| s.to_string())
+            );
+        }
         std::thread::sleep(Duration::from_millis(10));
     }
     d
