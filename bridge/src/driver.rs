@@ -23,6 +23,7 @@ use std::collections::HashMap;
 use std::io;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -33,7 +34,7 @@ use kvedge_shm::Publisher;
 use kvedge_shm::ratelimit::{RateLimit, held_back};
 use kvedge_shm::session::{Action, Session};
 use kvedge_zmtp::{Allow, Dealer, Limits, Options, Sub, SubEvent};
-use tokio::sync::{mpsc, watch};
+use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
 use tracing::{debug, error, info, warn};
 
@@ -171,13 +172,20 @@ async fn run_engine(spec: EngineSpec, settings: Arc<Settings>) {
     loop {
         let mut tasks = JoinSet::new();
         let mut senders = Vec::new();
+        let events = Arc::new(Activity::default());
         for rank in spec.ranks() {
             let (tx, rx) = watch::channel(Scraped::Nothing);
             senders.push(tx);
-            tasks.spawn(run_rank(rank, Arc::clone(&settings), rx));
+            tasks.spawn(run_rank(
+                rank,
+                Arc::clone(&settings),
+                rx,
+                Arc::clone(&events),
+            ));
         }
         if let Some(url) = spec.metrics.clone() {
-            tasks.spawn(run_scraper(spec.clone(), url, senders));
+            let pace = ScrapePace::new(&spec, settings.heartbeat_timeout);
+            tasks.spawn(run_scraper(spec.clone(), url, senders, pace, events));
         }
         match tasks.join_next().await {
             Some(Err(e)) if e.is_panic() => {
@@ -196,8 +204,93 @@ async fn run_engine(spec: EngineSpec, settings: Arc<Settings>) {
     }
 }
 
-/// Reads the engine's metrics every interval and hands each rank its part.
-async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scraped>>) {
+/// How often an engine's metrics are read: every `scrape_interval_ms`
+/// while its load moves or it publishes KV events; while neither, the
+/// interval doubles after each read up to `scrape_idle_interval_ms` (and
+/// a third of the heartbeat timeout, so that the reads alone keep an idle
+/// engine alive). An idle node then costs a few reads a second, not ten
+/// per engine. Time is passed in.
+#[derive(Debug)]
+struct ScrapePace {
+    busy: Duration,
+    idle: Duration,
+    now: Duration,
+    last: Option<Vec<Reading>>,
+}
+
+impl ScrapePace {
+    fn new(spec: &EngineSpec, heartbeat_timeout: Duration) -> Self {
+        let busy = Duration::from_millis(spec.scrape_interval_ms);
+        let idle = Duration::from_millis(spec.scrape_idle_interval_ms())
+            .min(heartbeat_timeout / 3)
+            .max(busy);
+        ScrapePace {
+            busy,
+            idle,
+            now: busy,
+            last: None,
+        }
+    }
+
+    /// A read gave `readings` (none: it failed); `events` says whether
+    /// the engine published since the last read. Returns the wait until
+    /// the next read.
+    fn read(&mut self, readings: Option<Vec<Reading>>, events: bool) -> Duration {
+        let unchanged = readings.is_some() && readings == self.last;
+        self.now = if unchanged && !events {
+            (self.now * 2).min(self.idle)
+        } else {
+            self.busy
+        };
+        self.last = readings;
+        self.now
+    }
+
+    /// The engine published: the next read is due one busy interval after
+    /// the last (`since` ago), at once if that passed.
+    fn woken(&mut self, since: Duration) -> Duration {
+        self.now = self.busy;
+        self.busy.saturating_sub(since)
+    }
+
+    fn slowed(&self) -> bool {
+        self.now > self.busy
+    }
+}
+
+/// Whether an engine published KV events since its metrics were last
+/// read: set by its ranks, taken by its scraper.
+#[derive(Debug, Default)]
+struct Activity {
+    published: AtomicBool,
+    wake: Notify,
+}
+
+impl Activity {
+    /// A rank heard the engine publish.
+    fn published(&self) {
+        if !self.published.swap(true, Ordering::Relaxed) {
+            // Wakes a scraper that waits at the idle pace; one that does
+            // not wait finds the flag at its next read. (Ranks and scraper
+            // share one thread: no wake-up falls between the two.)
+            self.wake.notify_waiters();
+        }
+    }
+
+    fn take(&self) -> bool {
+        self.published.swap(false, Ordering::Relaxed)
+    }
+}
+
+/// Reads the engine's metrics at its pace ([`ScrapePace`]) and hands each
+/// rank its part.
+async fn run_scraper(
+    spec: EngineSpec,
+    url: String,
+    ranks: Vec<watch::Sender<Scraped>>,
+    mut pace: ScrapePace,
+    events: Arc<Activity>,
+) {
     let interval = Duration::from_millis(spec.scrape_interval_ms);
     // No redirects: a metrics endpoint that sends kvedge elsewhere is
     // misconfigured, and following it would let it point kvedge at any
@@ -214,10 +307,8 @@ async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scr
             return std::future::pending().await;
         }
     };
-    let mut tick = tokio::time::interval(interval);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        tick.tick().await;
+        let started = tokio::time::Instant::now();
         let text = match client.get(&url).send().await {
             Ok(r) if r.status().is_success() => read_page(r).await,
             Ok(r) if r.status().is_redirection() => Err(format!(
@@ -227,10 +318,12 @@ async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scr
             Ok(r) => Err(format!("HTTP {}", r.status())),
             Err(e) => Err(e.to_string()),
         };
+        let mut readings = Vec::with_capacity(ranks.len());
         for (rank, tx) in ranks.iter().enumerate() {
             let scraped = match &text {
                 Ok(t) => {
                     let reading = scrape::read(spec.kind, t, rank as u32);
+                    readings.push(reading);
                     if reading.found() {
                         Scraped::Read(reading)
                     } else {
@@ -243,6 +336,19 @@ async fn run_scraper(spec: EngineSpec, url: String, ranks: Vec<watch::Sender<Scr
                 Err(e) => Scraped::Failed(format!("{url}: {e}")),
             };
             let _ = tx.send(scraped);
+        }
+        let wait = pace.read(text.is_ok().then_some(readings), events.take());
+        let next = started + wait;
+        if pace.slowed() {
+            tokio::select! {
+                _ = tokio::time::sleep_until(next) => {}
+                _ = events.wake.notified() => {
+                    let wait = pace.woken(started.elapsed());
+                    tokio::time::sleep(wait).await;
+                }
+            }
+        } else {
+            tokio::time::sleep_until(next).await;
         }
     }
 }
@@ -549,7 +655,12 @@ struct Logs {
 }
 
 /// One rank, for as long as it is configured.
-async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::Receiver<Scraped>) {
+async fn run_rank(
+    rank: EngineRank,
+    settings: Arc<Settings>,
+    mut loads: watch::Receiver<Scraped>,
+    events: Arc<Activity>,
+) {
     let mut session = Session::new(Instant::now());
     let mut publisher = register(&rank, &settings, &mut session).await;
     info!(
@@ -642,6 +753,9 @@ async fn run_rank(rank: EngineRank, settings: Arc<Settings>, mut loads: watch::R
                                 if step != Live::Ignored {
                                     last_message = Instant::now();
                                     liveness.hear(&rank);
+                                    // The engine works: its load is read at
+                                    // the busy pace.
+                                    events.published();
                                 }
                             }
                             Err(why) => feed.handle_malformed(from, &why),
@@ -876,6 +990,61 @@ fn flush_notices(
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    fn pace(interval_ms: u64, idle_ms: Option<u64>, heartbeat: Duration) -> ScrapePace {
+        let spec: EngineSpec = serde_yaml::from_str(&format!(
+            "kind: vllm\nmodel: m\nworker_id: 1\nblock_size: 16\nendpoint: http://e\n\
+             events: tcp://127.0.0.1:5557\nmetrics: http://e/metrics\n\
+             scrape_interval_ms: {interval_ms}\n{}",
+            idle_ms.map_or(String::new(), |i| format!("scrape_idle_interval_ms: {i}\n"))
+        ))
+        .unwrap();
+        ScrapePace::new(&spec, heartbeat)
+    }
+
+    fn reading(running: f64) -> Option<Vec<Reading>> {
+        Some(vec![Reading {
+            running: Some(running),
+            ..Reading::default()
+        }])
+    }
+
+    #[test]
+    fn an_idle_engine_is_read_less_often_and_a_busy_one_at_once_again() {
+        let ms = Duration::from_millis;
+        let mut p = pace(100, None, Duration::from_secs(10));
+        // The first read has nothing to compare with.
+        assert_eq!(p.read(reading(0.0), false), ms(100));
+        let idle: Vec<Duration> = (0..6).map(|_| p.read(reading(0.0), false)).collect();
+        assert_eq!(idle, [200, 400, 800, 1000, 1000, 1000].map(ms));
+        assert!(p.slowed());
+        // Its load moved: the busy pace at once.
+        assert_eq!(p.read(reading(2.0), false), ms(100));
+        assert!(!p.slowed());
+        assert_eq!(p.read(reading(2.0), false), ms(200));
+        // Events while the load figures stand still: busy.
+        assert_eq!(p.read(reading(2.0), true), ms(100));
+        // An event while slowed: the next read one busy interval after the
+        // last, or at once.
+        p.read(reading(2.0), false);
+        assert_eq!(p.woken(ms(30)), ms(70));
+        assert_eq!(p.woken(ms(500)), Duration::ZERO);
+        assert!(!p.slowed());
+        // A failed read is retried at the busy pace.
+        assert_eq!(p.read(None, false), ms(100));
+        assert_eq!(p.read(None, false), ms(100));
+    }
+
+    #[test]
+    fn the_idle_pace_is_bounded_by_its_setting_and_the_heartbeat_timeout() {
+        let ms = Duration::from_millis;
+        let settle =
+            |mut p: ScrapePace| (0..20).map(|_| p.read(reading(0.0), false)).last().unwrap();
+        assert_eq!(settle(pace(100, Some(300), ms(10_000))), ms(300));
+        assert_eq!(settle(pace(100, None, ms(1_500))), ms(500));
+        assert_eq!(settle(pace(100, Some(100), ms(10_000))), ms(100), "off");
+        assert_eq!(settle(pace(2_000, None, ms(60_000))), ms(2_000));
+    }
 
     /// Serves one HTTP response with a `len`-byte body; returns its URL.
     fn serve_once(len: usize) -> String {

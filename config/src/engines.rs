@@ -94,6 +94,13 @@ pub struct EngineSpec {
     /// How often the metrics are read, ms.
     #[serde(default = "scrape_interval")]
     pub scrape_interval_ms: u64,
+    /// While the engine is idle (its load figures unchanged and no KV
+    /// events), the interval doubles after each read up to this, ms; any
+    /// change or event brings it back to `scrape_interval_ms`. Equal to
+    /// `scrape_interval_ms`: always read at that pace. By default 1000, or
+    /// `scrape_interval_ms` if that is longer.
+    #[serde(default)]
+    pub scrape_idle_interval_ms: Option<u64>,
     /// 1-based line of the entry in the file, when known.
     #[serde(skip)]
     pub line: Option<usize>,
@@ -221,6 +228,13 @@ fn offset(endpoint: &str, rank: u32) -> String {
 }
 
 impl EngineSpec {
+    /// The longest interval between two reads of an idle engine's
+    /// metrics (`scrape_idle_interval_ms`, defaulted).
+    pub fn scrape_idle_interval_ms(&self) -> u64 {
+        self.scrape_idle_interval_ms
+            .unwrap_or(self.scrape_interval_ms.max(1000))
+    }
+
     /// What is wrong with this entry, if anything.
     fn problem(&self) -> Option<String> {
         if self.model.is_empty() {
@@ -270,6 +284,14 @@ impl EngineSpec {
         }
         if self.scrape_interval_ms < 10 {
             return Some("`scrape_interval_ms` must be at least 10".into());
+        }
+        if let Some(idle) = self.scrape_idle_interval_ms
+            && !(self.scrape_interval_ms..=60_000).contains(&idle)
+        {
+            return Some(format!(
+                "`scrape_idle_interval_ms` must be between `scrape_interval_ms` ({}) and 60000, got {idle}",
+                self.scrape_interval_ms
+            ));
         }
         if !(1..=1024).contains(&self.events_max_peers) {
             return Some(format!(
@@ -524,6 +546,10 @@ mod tests {
             ),
             ("block_size: 0\n", "`block_size` must be positive"),
             ("scrape_interval_ms: 1\n", "at least 10"),
+            (
+                "scrape_idle_interval_ms: 50\n",
+                "`scrape_idle_interval_ms` must be between `scrape_interval_ms` (100) and 60000, got 50",
+            ),
         ];
         for (change, expected) in cases {
             // The base entry without the keys the case changes.
