@@ -3,7 +3,12 @@
 //! then picked by the routing core, over a real gRPC ext_proc stream (the
 //! request headers, the buffered body, the pick) against an in-process
 //! daemon with one engine holding the conversation's blocks. Beside it,
-//! the template and tokenizer alone.
+//! the template and tokenizer alone. Each chat is measured twice: as a new
+//! conversation every time (its first message differs), and as the next
+//! turn of a conversation whose earlier turns the picker saw (the same
+//! history, a new question at the end), which its tokenization prefix
+//! cache serves. The tokenizer has the template's role markers as special
+//! tokens, as real models do.
 //!
 //! Not criterion: the figures wanted are p50 and p99 per decision, so each
 //! decision is timed on the monotonic clock and the samples sorted.
@@ -35,7 +40,12 @@ fn main() {
     std::fs::create_dir_all(dir.join("run")).unwrap();
     let tokenizer_path = dir.join("tokenizer.json");
     let docs = std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
-    kvedge_epp::testing::train_tokenizer(docs, 8000, &tokenizer_path);
+    let mut trained = kvedge_epp::testing::train_tokenizer(docs, 8000, &tokenizer_path);
+    trained.add_special_tokens(&[
+        tokenizers::AddedToken::from("<|user|>", true),
+        tokenizers::AddedToken::from("<|assistant|>", true),
+    ]);
+    trained.save(&tokenizer_path, false).unwrap();
     let template_path = dir.join("chat.jinja");
     std::fs::write(&template_path, TEMPLATE).unwrap();
     let tokenizer = tokenizers::Tokenizer::from_file(&tokenizer_path).unwrap();
@@ -59,35 +69,62 @@ fn main() {
         chars = chars * 9 / 10;
     }
     let content = text[..text.floor_char_boundary(chars)].to_owned();
-    let tokens = tokenizer
-        .encode_fast(format!("<|user|>{content}\n<|assistant|>"), false)
-        .unwrap()
-        .get_ids()
-        .to_vec();
-    let body = serde_json::json!({"model": "m", "stream": true,
-        "messages": [{"role": "user", "content": content}]})
-    .to_string()
-    .into_bytes();
+    // Request i: a new conversation (its first message says which), or
+    // the next turn after the same history (a new question at the end).
+    let (half, _) = content.split_at(content.floor_char_boundary(content.len() / 2));
+    let rest = &content[half.len()..];
+    let messages = |i: usize, seen: bool| -> Vec<serde_json::Value> {
+        let first = if seen {
+            half.to_owned()
+        } else {
+            format!("Conversation {i}. {half}")
+        };
+        vec![
+            serde_json::json!({"role": "user", "content": first}),
+            serde_json::json!({"role": "assistant", "content": rest}),
+            serde_json::json!({"role": "user", "content": format!("And question {i}?")}),
+        ]
+    };
+    let body = |i: usize, seen: bool| -> Vec<u8> {
+        serde_json::json!({"model": "m", "stream": true, "messages": messages(i, seen)})
+            .to_string()
+            .into_bytes()
+    };
 
     // The template and tokenizer alone.
-    let models = Models::load(&[ModelSpec {
+    let spec = ModelSpec {
         name: "m".into(),
         tokenizer: Some(tokenizer_path.clone()),
         chat_template: Some(template_path.clone()),
         bos_token: String::new(),
         eos_token: String::new(),
-    }])
-    .unwrap();
-    let messages = Prompt::Messages(vec![
-        serde_json::json!({"role": "user", "content": content}),
-    ]);
-    let mut alone = Vec::with_capacity(n);
-    for _ in 0..n {
-        let t = Instant::now();
-        let ids = models.tokens("m", &messages, 1 << 20).unwrap();
-        alone.push(t.elapsed());
-        std::hint::black_box(ids);
-    }
+    };
+    let alone = |cache_bytes: usize, seen: bool| {
+        let models = Models::load_with(std::slice::from_ref(&spec), cache_bytes).unwrap();
+        let mut samples = Vec::with_capacity(n);
+        for i in 0..n + 100 {
+            let prompt = Prompt::Messages(messages(i, seen));
+            let t = Instant::now();
+            let ids = models.tokens("m", &prompt, 1 << 20).unwrap();
+            if i >= 100 {
+                samples.push(t.elapsed());
+            }
+            std::hint::black_box(ids);
+        }
+        samples
+    };
+    // The seen conversation's ids: what the engine holds, and the body of
+    // the token-id row.
+    let tokens = match Models::load_with(std::slice::from_ref(&spec), 0)
+        .unwrap()
+        .tokens("m", &Prompt::Messages(messages(0, true)), 1 << 20)
+        .unwrap()
+    {
+        kvedge_epp::tokenize::Tokens::Ids(ids) => ids,
+        kvedge_epp::tokenize::Tokens::Text(_) => panic!("not tokenized"),
+    };
+    let alone_new = alone(0, false);
+    let alone_seen = alone(32 << 20, true);
 
     // The daemon with its picker, and an engine holding the blocks.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -112,35 +149,52 @@ fn main() {
     let ids_body = serde_json::json!({"model": "m", "stream": true, "prompt": tokens})
         .to_string()
         .into_bytes();
-    let (through_grpc, with_ids) = rt.block_on(async {
+    let (chat_new, chat_seen, with_ids) = rt.block_on(async {
         let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
             .await
             .unwrap();
-        let chat = decisions(&mut client, "/v1/chat/completions", &body, n).await;
-        let ids = decisions(&mut client, "/v1/completions", &ids_body, n).await;
-        (chat, ids)
+        let new = decisions(&mut client, "/v1/chat/completions", |i| body(i, false), n).await;
+        let seen = decisions(&mut client, "/v1/chat/completions", |i| body(i, true), n).await;
+        let ids = decisions(&mut client, "/v1/completions", |_| ids_body.clone(), n).await;
+        (new, seen, ids)
     });
     drop(engine);
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
 
-    let (a50, a99) = Percentiles::of(alone).p50_p99_us();
-    let (g50, g99) = Percentiles::of(through_grpc).p50_p99_us();
-    let (i50, i99) = Percentiles::of(with_ids).p50_p99_us();
+    let chat_tokens = tokens.len();
+    let row = |what: &str, samples: Vec<Duration>| {
+        let (p50, p99) = Percentiles::of(samples).p50_p99_us();
+        println!("| {what} | {p50:.1} µs | {p99:.1} µs |");
+    };
     println!(
-        "a chat request of {} tokens ({} bytes of body), {n} decisions each:",
-        tokens.len(),
-        body.len()
+        "a chat request of {chat_tokens} tokens ({} bytes of body), {n} decisions each:",
+        body(0, true).len()
     );
     println!("| what | p50 | p99 |");
     println!("|---|---|---|");
-    println!("| template and tokenizer alone | {a50:.1} µs | {a99:.1} µs |");
-    println!(
-        "| the picker's decision over ext_proc (headers, body, pick) | {g50:.1} µs | {g99:.1} µs |"
+    row(
+        "template and tokenizer alone, a new conversation",
+        alone_new,
     );
-    println!(
-        "| the same decision, the prompt sent as token ids (no template or tokenizer; {} bytes of body) | {i50:.1} µs | {i99:.1} µs |",
-        ids_body.len()
+    row(
+        "template and tokenizer alone, earlier turns seen (prefix cache)",
+        alone_seen,
+    );
+    row(
+        "the picker's decision over ext_proc (headers, body, pick), a new conversation",
+        chat_new,
+    );
+    row(
+        "the picker's decision over ext_proc, earlier turns seen",
+        chat_seen,
+    );
+    row(
+        &format!(
+            "the same decision, the prompt sent as token ids (no template or tokenizer; {} bytes of body)",
+            ids_body.len()
+        ),
+        with_ids,
     );
 }
 
@@ -150,7 +204,7 @@ fn main() {
 async fn decisions(
     client: &mut ExternalProcessorClient<tonic::transport::Channel>,
     path: &str,
-    body: &[u8],
+    body: impl Fn(usize) -> Vec<u8>,
     n: usize,
 ) -> Vec<Duration> {
     let headers = HttpHeaders {
@@ -165,6 +219,7 @@ async fn decisions(
     };
     let mut samples = Vec::with_capacity(n);
     for i in 0..n + 100 {
+        let body = body(i);
         let t = Instant::now();
         let (tx, rx) = tokio::sync::mpsc::channel(2);
         tx.send(ProcessingRequest {
@@ -175,7 +230,7 @@ async fn decisions(
         .unwrap();
         tx.send(ProcessingRequest {
             request: Some(Msg::RequestBody(HttpBody {
-                body: body.to_vec(),
+                body,
                 end_of_stream: true,
                 ..Default::default()
             })),

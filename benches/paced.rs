@@ -434,12 +434,14 @@ fn main() {
         held,
     };
     // About 2 s per row and at least 1,000 samples, so that a p99 is the
-    // tenth slowest (hence 10 s at 100/s); --quick halves both.
+    // tenth slowest (hence 10 s at 100/s; 10/s, 30 s, has a p99 of three
+    // samples); --quick halves both (at least 200 samples).
     let paces = [
         (Pace::Hot, 20_000),
         (Pace::Rate(10_000), 20_000),
         (Pace::Rate(1_000), 2_000),
         (Pace::Rate(100), 1_000),
+        (Pace::Rate(10), 300),
         (
             Pace::Burst {
                 n: 16,

@@ -73,6 +73,11 @@ pub struct EppSection {
     /// prompts route on load alone).
     #[serde(default = "approximate_chunk_bytes")]
     pub approximate_chunk_bytes: usize,
+    /// Per model with a tokenizer and a chat template: bytes of rendered
+    /// conversations and their token ids kept, so that the next turn of
+    /// a chat tokenizes only what is new (0: off).
+    #[serde(default = "prefix_cache_bytes")]
+    pub prefix_cache_bytes: usize,
     /// The models served, each with its tokenizer and chat template.
     pub models: Vec<EppModel>,
 }
@@ -157,6 +162,14 @@ fn approximate_chunk_bytes() -> usize {
     64
 }
 
+/// 32 MiB: a few thousand conversations of a few thousand tokens each.
+fn prefix_cache_bytes() -> usize {
+    32 << 20
+}
+
+/// The most `epp.prefix_cache_bytes` may be set to (4 GiB).
+pub const MAX_PREFIX_CACHE_BYTES: usize = 4 << 30;
+
 /// The first unusable value: (key, message).
 pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
     if e.listen.parse::<std::net::SocketAddr>().is_err() {
@@ -231,6 +244,15 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
             format!(
                 "epp.approximate_chunk_bytes must be 0 (off) or between 16 and 65536, got {}",
                 e.approximate_chunk_bytes
+            ),
+        ));
+    }
+    if e.prefix_cache_bytes > MAX_PREFIX_CACHE_BYTES {
+        return Some((
+            "prefix_cache_bytes",
+            format!(
+                "epp.prefix_cache_bytes must be at most {MAX_PREFIX_CACHE_BYTES}, got {}",
+                e.prefix_cache_bytes
             ),
         ));
     }

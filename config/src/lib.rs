@@ -91,17 +91,20 @@ pub struct DaemonSection {
     /// two); a request or reply larger than a quarter of it uses the
     /// socket.
     pub query_ring_capacity: u64,
-    /// How long the routing loop keeps polling after its last activity
-    /// before it sleeps, in microseconds (0: sleep at once). Spinning
-    /// spares the next request the wake-up from sleep, at the price of a
-    /// core busy for that long after each burst.
+    /// How long the routing loop keeps polling after a burst of work
+    /// before it sleeps, in microseconds, while bursts come closer
+    /// together than that (0: always sleep at once). Spinning spares the
+    /// next request the wake-up from sleep, at the price of a core busy
+    /// for that long after each burst.
     pub spin_us: u64,
-    /// While selects keep coming, how often the idle routing loop warms
-    /// the select path (its code and data back in the CPU's caches), in
-    /// microseconds: when this long passed without a select (0: never).
+    /// While selects keep coming, the shortest interval between two
+    /// warm-ups of the select path (its code and data back in the CPU's
+    /// caches), in microseconds (0: never warm). The warm-ups close in on
+    /// the time the next select is expected.
     pub warm_us: u64,
-    /// How long after the last select the loop keeps warming, in
-    /// milliseconds.
+    /// The longest the loop keeps warming after the last select, in
+    /// milliseconds (it stops sooner, after four mean gaps between
+    /// selects).
     pub warm_for_ms: u64,
 }
 

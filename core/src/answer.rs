@@ -294,8 +294,16 @@ impl Core {
         let result = self.router.select(&req);
         self.router.set_explain_costs(false);
         if result.is_ok() {
-            self.warmth
-                .selected(now, s.model, role, prompt_tokens, &hashes, s.approximate);
+            let lasting = Duration::from_millis(self.config.daemon.warm_for_ms);
+            self.warmth.selected(
+                now,
+                lasting,
+                s.model,
+                role,
+                prompt_tokens,
+                &hashes,
+                s.approximate,
+            );
             if let Some(at) = self.warm_next() {
                 self.due(at);
             }
@@ -508,6 +516,7 @@ impl Core {
                 .map(|&d| (d.as_str(), c.dropped_clients[d as usize]))
                 .collect(),
             picker: c.picker.clone(),
+            routing_loop: c.routing_loop,
         }
     }
 
@@ -515,6 +524,12 @@ impl Core {
     /// once a second), for the metrics.
     pub fn handle_picker_stats(&mut self, stats: crate::metrics::PickerStats) {
         self.counters.picker = Some(stats);
+    }
+
+    /// The routing loop reports how it waits (each tick), for the
+    /// metrics.
+    pub fn handle_loop_stats(&mut self, stats: crate::metrics::LoopStats) {
+        self.counters.routing_loop = stats;
     }
 
     /// One line for `systemctl status`.

@@ -36,6 +36,8 @@ pub(crate) fn event_kind(e: &EventRef<'_>) -> usize {
 pub(crate) struct Counters {
     /// The endpoint picker's bounds, as its driver last reported them.
     pub picker: Option<crate::metrics::PickerStats>,
+    /// How the routing loop waits, as its driver last reported it.
+    pub routing_loop: crate::metrics::LoopStats,
     pub selects: u64,
     /// Error replies, of any request.
     pub errors: u64,

@@ -26,6 +26,7 @@ pub mod latency;
 pub mod load;
 mod mask_table;
 pub mod metrics;
+pub mod pacing;
 pub mod router;
 mod table;
 mod warm;

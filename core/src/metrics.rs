@@ -53,6 +53,24 @@ pub struct Snapshot {
     /// The endpoint picker's connections, streams and refusals, when it
     /// runs.
     pub picker: Option<PickerStats>,
+    /// Whether the routing loop spins between bursts of work.
+    pub routing_loop: LoopStats,
+}
+
+/// How the routing loop waits between bursts of work, as its driver
+/// reports it (see `daemon.spin_us` in docs/operations.md).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct LoopStats {
+    /// It spins (yielding) after a burst, as bursts come closer together
+    /// than `daemon.spin_us`; otherwise it sleeps at once.
+    pub spinning: bool,
+    /// Bursts of work: turns with something to do after one without.
+    pub bursts: u64,
+    /// Sleeps in epoll.
+    pub sleeps: u64,
+    /// The mean idle gap before a burst (from the last work to the next),
+    /// in microseconds (each gap counted as at most four spins).
+    pub mean_burst_gap_us: u64,
 }
 
 /// What the endpoint picker's bounds did, as its driver reports it
@@ -72,6 +90,14 @@ pub struct PickerStats {
     pub prompts_inline: u64,
     pub prompts_pooled: u64,
     pub picks_expired: u64,
+    /// Chats that started with a conversation the prefix cache held.
+    pub prefix_hits: u64,
+    pub prefix_misses: u64,
+    /// Tokens taken from the prefix cache, and tokenized.
+    pub prefix_tokens_reused: u64,
+    pub prefix_tokens_encoded: u64,
+    /// Bytes the prefix caches hold.
+    pub prefix_bytes: u64,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -144,7 +170,31 @@ fn gauge(v: u64) -> Gauge {
 /// Reads one gauge of a worker row.
 type WorkerValue = fn(&WorkerRow) -> u64;
 
-/// Renders `s` as OpenMetrics text.
+/// How the routing loop waits.
+fn render_loop(r: &mut Registry, l: &LoopStats) {
+    r.register(
+        "loop_spinning",
+        "1 while the routing loop spins after a burst of work (bursts come closer together than daemon.spin_us), 0 while it sleeps at once",
+        gauge(u64::from(l.spinning)),
+    );
+    r.register(
+        "loop_bursts",
+        "Bursts of work of the routing loop",
+        counter(l.bursts),
+    );
+    r.register(
+        "loop_sleeps",
+        "Sleeps of the routing loop in epoll",
+        counter(l.sleeps),
+    );
+    r.register(
+        "loop_burst_gap_microseconds",
+        "Mean idle gap between the routing loop's bursts of work, from the last work of one to the first of the next (each gap counted as at most four daemon.spin_us)",
+        gauge(l.mean_burst_gap_us),
+    );
+}
+
+/// The endpoint picker's bounds.
 fn render_picker(r: &mut Registry, p: &PickerStats) {
     r.register(
         "epp_connections",
@@ -216,8 +266,34 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
         "Picks whose reservation was released because their response did not end within epp.pick_timeout_ms",
         counter(p.picks_expired),
     );
+    r.register(
+        "epp_prefix_cache_hits",
+        "Chat prompts whose conversation so far the picker's prefix cache held (only the rest was tokenized)",
+        counter(p.prefix_hits),
+    );
+    r.register(
+        "epp_prefix_cache_misses",
+        "Chat prompts tokenized whole (a new conversation, an edited earlier turn, or evicted)",
+        counter(p.prefix_misses),
+    );
+    r.register(
+        "epp_prefix_cache_tokens_reused",
+        "Tokens of chat prompts taken from the prefix cache",
+        counter(p.prefix_tokens_reused),
+    );
+    r.register(
+        "epp_prefix_cache_tokens_encoded",
+        "Tokens of chat prompts the tokenizer computed",
+        counter(p.prefix_tokens_encoded),
+    );
+    r.register(
+        "epp_prefix_cache_bytes",
+        "Bytes the picker's prefix caches hold (epp.prefix_cache_bytes per model)",
+        gauge(p.prefix_bytes),
+    );
 }
 
+/// Renders `s` as OpenMetrics text.
 pub fn render(s: &Snapshot) -> String {
     let mut r = Registry::with_prefix("kvedge");
     let selections = Family::<SelectionLabels, Counter>::default();
@@ -422,6 +498,7 @@ pub fn render(s: &Snapshot) -> String {
     if let Some(p) = &s.picker {
         render_picker(&mut r, p);
     }
+    render_loop(&mut r, &s.routing_loop);
     r.register(
         "refused_registrations",
         "Engine registrations refused",

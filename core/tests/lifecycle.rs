@@ -775,13 +775,38 @@ fn paced_selects_keep_the_select_path_warm_and_back_to_back_ones_do_not() {
     }
     assert_eq!(h.core.metrics().warmups, 0);
 
-    // Idle after the last select: a warm-up each millisecond until 50 ms
-    // after it, then the core sleeps again.
+    // Paced every 8 ms: once the mean gap has followed (a few selects),
+    // warm-ups close in on the next select: at 4, 6 and 7 ms, then at 8
+    // (warm_us apart at the closest), just before it.
+    let paced_selects = |h: &mut Harness, n: usize| {
+        for _ in 0..n {
+            h.select(c, &[1, 2, 3], true).unwrap();
+            h.advance(Duration::from_millis(8));
+        }
+    };
+    paced_selects(&mut h, 20);
+    let before = h.core.metrics().warmups;
+    paced_selects(&mut h, 10);
+    let paced = h.core.metrics().warmups;
+    assert!(
+        (38..=40).contains(&(paced - before)),
+        "{} warm-ups for 10 gaps",
+        paced - before
+    );
+
+    // Selects stop: warm-ups go on for four mean gaps (32 ms) or 100 ms,
+    // whichever is longer, but no longer than warm_for_ms (50 ms here):
+    // closing in on the next expected select, every warm_us for an eighth
+    // of a gap, then every 2 ms. Then the core sleeps again.
     h.select(c, &[1, 2, 3], true).unwrap();
     let last = h.now;
-    assert!(h.core.poll_timeout() <= Some(last + Duration::from_millis(1)));
+    assert!(h.core.poll_timeout() <= Some(last + Duration::from_millis(2)));
     h.advance(Duration::from_millis(200));
-    assert_eq!(h.core.metrics().warmups, 49);
+    let after = h.core.metrics().warmups - paced;
+    assert!(
+        (23..=27).contains(&after),
+        "{after} warm-ups after the last select"
+    );
     assert!(asleep(&h), "{:?}", h.core.poll_timeout().map(|t| t - h.now));
 
     // Warm-ups count as nothing a client sees.
@@ -789,9 +814,40 @@ fn paced_selects_keep_the_select_path_warm_and_back_to_back_ones_do_not() {
     assert_eq!(m.reservations, 0);
     assert_eq!(
         m.selections.iter().map(|s| s.3).sum::<u64>(),
-        21,
+        51,
         "only the clients' selects are counted"
     );
+}
+
+/// Ten selects a second, as a gateway in front of a few engines sees them:
+/// seven warm-ups between two selects, closing in on the next one, not a
+/// hundred; and none at all once they stop.
+#[test]
+fn slow_selects_are_warmed_a_few_times_per_gap_and_idle_costs_nothing() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 600000\n");
+    let e = h.engine(1);
+    h.record(e, 0, stored(&[1, 2, 3]));
+    let c = h.client();
+    for _ in 0..50 {
+        h.select(c, &[1, 2, 3], true).unwrap();
+        h.advance(Duration::from_millis(100));
+    }
+    let paced = h.core.metrics().warmups;
+    // The first gap is unknown (a warm-up would be due 5 s after it);
+    // then at 50, 75, 87.5, 93.75, 96.9, 98.4 and 99.4 ms.
+    assert_eq!(paced, 49 * 7, "warm-ups for 50 gaps");
+    h.advance(Duration::from_secs(60));
+    // After the last: those seven, twelve around the time the next was
+    // expected, then one each 25 ms until four gaps passed.
+    let after = h.core.metrics().warmups - paced;
+    assert!(
+        (25..=35).contains(&after),
+        "{after} warm-ups after the last select"
+    );
+    assert!(asleep(&h));
+    let idle = h.core.metrics().warmups;
+    h.advance(Duration::from_secs(60));
+    assert_eq!(h.core.metrics().warmups, idle, "idle: no warm-up");
 }
 
 /// Nothing is due within the next 10 ms (warm-ups would be due within
@@ -840,9 +896,11 @@ fn warm_ups_change_no_decision() {
     let (cold, none) = run(0);
     let (warm, warmups) = run(1000);
     assert_eq!(none, 0);
+    // Selects 5 ms apart: a warm-up every 1.25 ms, three per gap (none
+    // in the first, whose gap was not known yet).
     assert!(
-        warmups >= 40 * 4,
-        "about four warm-ups between selects: {warmups}"
+        warmups >= 39 * 3,
+        "about three warm-ups between selects: {warmups}"
     );
     assert_eq!(warm, cold);
     let workers: std::collections::HashSet<u64> = cold.iter().map(|p| p.0).collect();

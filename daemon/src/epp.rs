@@ -101,7 +101,7 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
             eos_token: m.eos_token.clone(),
         })
         .collect();
-    let models = Models::load(&specs).map_err(io::Error::other)?;
+    let models = Models::load_with(&specs, section.prefix_cache_bytes).map_err(io::Error::other)?;
     let limits = Limits {
         max_body_bytes: section.body_limit(),
         max_prompt_tokens: section.max_prompt_tokens,
@@ -135,7 +135,7 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
 }
 
 /// The picker's counts as the core's metrics take them.
-fn snapshot(s: &Stats) -> PickerStats {
+fn snapshot(s: &Stats, prefix: kvedge_epp::tokenize::PrefixCounts) -> PickerStats {
     let n = |c: &std::sync::atomic::AtomicU64| c.load(std::sync::atomic::Ordering::Relaxed);
     PickerStats {
         connections: n(&s.connections),
@@ -151,6 +151,11 @@ fn snapshot(s: &Stats) -> PickerStats {
         prompts_inline: n(&s.prompts_inline),
         prompts_pooled: n(&s.prompts_pooled),
         picks_expired: n(&s.picks_expired),
+        prefix_hits: prefix.hits,
+        prefix_misses: prefix.misses,
+        prefix_tokens_reused: prefix.tokens_reused,
+        prefix_tokens_encoded: prefix.tokens_encoded,
+        prefix_bytes: prefix.bytes,
     }
 }
 
@@ -205,12 +210,13 @@ pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<std::net::SocketAddr> 
                 };
                 // Its counts reach the core's metrics once a second.
                 let stats = Arc::clone(picker.stats());
+                let counted = Arc::clone(&picker);
                 tokio::spawn(async move {
                     let mut tick = tokio::time::interval(Duration::from_secs(1));
                     let mut last = None;
                     loop {
                         tick.tick().await;
-                        let now = snapshot(&stats);
+                        let now = snapshot(&stats, counted.prefix_counts());
                         if last.as_ref() != Some(&now) {
                             tx.send(Job::PickerStats(now.clone()));
                             last = Some(now);

@@ -4,9 +4,10 @@
 //! accepts and registers engines ([`crate::engines`]), drains their rings,
 //! serves the query connections and their query channels
 //! ([`crate::clients`]) and the jobs of drivers on other threads
-//! ([`crate::jobs`]), then carries out what the core asked. After a while
-//! with nothing to do it sleeps in the same set, which also holds every
-//! ring's wake eventfd.
+//! ([`crate::jobs`]), then carries out what the core asked. With nothing
+//! to do it sleeps in the same set, which also holds every ring's wake
+//! eventfd; while bursts of work come closer together than
+//! `daemon.spin_us`, it first polls for that long ([`Spin`]).
 
 use std::io;
 use std::os::fd::AsFd;
@@ -14,6 +15,8 @@ use std::os::unix::net::UnixListener;
 use std::time::{Duration, Instant};
 
 use kvedge_config::Config;
+use kvedge_core::metrics::LoopStats;
+use kvedge_core::pacing::Gaps;
 use kvedge_core::{Core, Output, ReloadError};
 use kvedge_shm::Consumer;
 
@@ -29,6 +32,9 @@ const DRAIN_WRITES: Duration = Duration::from_secs(1);
 /// The longest sleep: the loop's tick (signals, watchdog) runs at least
 /// this often.
 const MAX_SLEEP: Duration = Duration::from_millis(100);
+
+/// Work without a pause this long counts as back-to-back arrivals ([`Spin`]).
+const CONTINUOUS: Duration = Duration::from_millis(1);
 
 /// The routing thread: the core and the drivers around it.
 pub struct Server {
@@ -46,6 +52,87 @@ pub struct Server {
     reload_watched: bool,
     /// When the loop started (its tick counts milliseconds from here).
     started: Instant,
+    /// Whether to poll before sleeping.
+    spin: Spin,
+}
+
+/// Whether the loop polls for `daemon.spin_us` after a burst of work
+/// before it sleeps. Polling spares the next request the wake-up from
+/// sleep, but only if it comes within the spin: the loop spins only while
+/// the idle gaps between bursts (from the last work of one to the first of
+/// the next) have been, on average, shorter than the spin. Under paced
+/// traffic (a gateway's ten requests a second, an engine's load reports)
+/// and when idle it sleeps at once; back to back, it spins. How long a
+/// burst lasts does not count, but work without a pause for a
+/// millisecond counts as a gap of nothing: a loop kept busy by
+/// back-to-back traffic learns that it comes back to back.
+#[derive(Debug, Default)]
+struct Spin {
+    /// The idle gaps before bursts.
+    gaps: Gaps,
+    /// The last turn had nothing to do.
+    idle: bool,
+    /// When the last work was done.
+    last_work: Option<Instant>,
+    /// When the current stretch of work without a pause began, or was
+    /// last counted as a gap of nothing.
+    busy_since: Option<Instant>,
+    /// Since when the loop has polled without work (the last work, or
+    /// the end of the last sleep).
+    polling_since: Option<Instant>,
+    stats: LoopStats,
+}
+
+impl Spin {
+    /// A turn at `now` found work or not; returns whether to sleep now.
+    fn turn(&mut self, now: Instant, busy: bool, spin: Duration) -> bool {
+        if busy {
+            if self.idle || self.last_work.is_none() {
+                if let Some(w) = self.last_work {
+                    // Gaps longer than a few spins all mean "sleep".
+                    self.gaps.record(now.saturating_duration_since(w), spin * 4);
+                }
+                self.stats.bursts += 1;
+                self.busy_since = Some(now);
+            } else if self
+                .busy_since
+                .is_some_and(|b| now.saturating_duration_since(b) >= CONTINUOUS)
+            {
+                self.gaps.record(Duration::ZERO, spin * 4);
+                self.busy_since = Some(now);
+            }
+            self.stats.spinning = self.gaps.closer_than(spin);
+            self.idle = false;
+            self.last_work = Some(now);
+            self.polling_since = Some(now);
+            return false;
+        }
+        self.idle = true;
+        self.stats.spinning = self.gaps.closer_than(spin);
+        let spin_for = if self.stats.spinning {
+            spin
+        } else {
+            Duration::ZERO
+        };
+        self.polling_since
+            .is_none_or(|b| now.saturating_duration_since(b) >= spin_for)
+    }
+
+    /// The loop slept and woke at `now`.
+    fn slept(&mut self, now: Instant) {
+        self.stats.sleeps += 1;
+        self.polling_since = Some(now);
+    }
+
+    fn stats(&self) -> LoopStats {
+        LoopStats {
+            mean_burst_gap_us: self
+                .gaps
+                .mean()
+                .map_or(0, |m| u64::try_from(m.as_micros()).unwrap_or(u64::MAX)),
+            ..self.stats
+        }
+    }
 }
 
 impl std::fmt::Debug for Server {
@@ -89,6 +176,7 @@ impl Server {
             reloads: Reloads::new(),
             reload_watched: false,
             started: now,
+            spin: Spin::default(),
         })
     }
 
@@ -170,7 +258,6 @@ impl Server {
     /// the server, so it can reload, report status and ping a watchdog. On
     /// the way out, requests already received are answered (a drain).
     pub fn run_with(&mut self, mut tick: impl FnMut(&mut Server) -> bool) -> io::Result<()> {
-        let mut last_busy = Instant::now();
         let mut last_tick = u128::MAX;
         loop {
             // The clock, read once a turn: perf showed clock reads at
@@ -179,25 +266,22 @@ impl Server {
             let ms = now.saturating_duration_since(self.started).as_millis();
             if ms != last_tick {
                 last_tick = ms;
+                self.core.handle_loop_stats(self.spin.stats());
                 if tick(self) {
                     break;
                 }
             }
-            // How long to keep polling after the last activity before
-            // sleeping (`daemon.spin_us`; read each turn, so a reload
-            // applies): waking a sleeping thread costs tens of
-            // microseconds, which the next request would pay.
+            // `daemon.spin_us` is read each turn, so a reload applies.
             let spin = Duration::from_micros(self.core.config().daemon.spin_us);
-            if self.turn(now) {
-                last_busy = now;
-            } else if now.saturating_duration_since(last_busy) >= spin {
+            let busy = self.turn(now);
+            if self.spin.turn(now, busy, spin) {
                 let until_due = self
                     .core
                     .poll_timeout()
                     .map_or(MAX_SLEEP, |t| t.saturating_duration_since(now));
                 self.sleep(until_due.min(MAX_SLEEP));
-                last_busy = Instant::now();
-            } else {
+                self.spin.slept(Instant::now());
+            } else if !busy {
                 // Yield, not spin on the CPU: a client this loop just
                 // answered is often woken on this core, and would wait for
                 // the spin to end (270 µs query-channel round trips at
@@ -344,5 +428,109 @@ impl Server {
                 ring.clear_sleep();
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPIN: Duration = Duration::from_micros(200);
+
+    /// Drives `s` through bursts of `busy_turns` turns 1 µs apart, each
+    /// followed by idle turns 1 µs apart until the next burst `idle`
+    /// later (or until it sleeps, which ends the idle stretch at once).
+    /// Returns how many idle stretches ended in a sleep before the next
+    /// burst.
+    fn drive(
+        s: &mut Spin,
+        t: &mut Instant,
+        bursts: usize,
+        busy_turns: u32,
+        idle: Duration,
+    ) -> usize {
+        let us = Duration::from_micros(1);
+        let mut slept = 0;
+        for _ in 0..bursts {
+            for _ in 0..busy_turns {
+                assert!(!s.turn(*t, true, SPIN));
+                *t += us;
+            }
+            let next = *t + idle;
+            while *t < next {
+                if s.turn(*t, false, SPIN) {
+                    slept += 1;
+                    s.slept(next);
+                    *t = next;
+                    break;
+                }
+                *t += us;
+            }
+        }
+        slept
+    }
+
+    #[test]
+    fn back_to_back_bursts_are_spun_for_and_paced_ones_slept_through() {
+        let mut s = Spin::default();
+        let mut t = Instant::now();
+        // Back to back: 20 µs between requests. After a few, the loop
+        // polls through the gaps and never sleeps.
+        drive(&mut s, &mut t, 10, 1, Duration::from_micros(20));
+        assert_eq!(drive(&mut s, &mut t, 100, 1, Duration::from_micros(20)), 0);
+        assert!(s.stats().spinning);
+
+        // Paced, 10 ms apart: spinning stops after a burst or two, and
+        // every gap is slept through.
+        assert!(drive(&mut s, &mut t, 3, 1, Duration::from_millis(10)) >= 1);
+        assert!(!s.stats().spinning);
+        assert_eq!(drive(&mut s, &mut t, 20, 1, Duration::from_millis(10)), 20);
+        let gap = s.stats().mean_burst_gap_us;
+        assert!((790..=800).contains(&gap), "{gap} µs: capped at four spins");
+
+        // Back to back again: spinning again within a few requests.
+        drive(&mut s, &mut t, 8, 1, Duration::from_micros(20));
+        assert!(s.stats().spinning);
+        assert_eq!(s.stats().bursts, 141);
+    }
+
+    #[test]
+    fn long_bursts_with_short_gaps_still_spin() {
+        // Under back-to-back load a burst can last milliseconds: what
+        // counts is the idle gap after it.
+        let mut s = Spin::default();
+        let mut t = Instant::now();
+        drive(&mut s, &mut t, 10, 5_000, Duration::from_micros(30));
+        assert!(s.stats().spinning, "{:?}", s.stats());
+        assert_eq!(
+            drive(&mut s, &mut t, 10, 5_000, Duration::from_micros(30)),
+            0
+        );
+    }
+
+    #[test]
+    fn work_without_a_pause_counts_as_back_to_back() {
+        // A client so fast that the loop never finds a turn without work:
+        // after a few milliseconds of it, the loop would spin.
+        let mut s = Spin::default();
+        let mut t = Instant::now();
+        drive(&mut s, &mut t, 3, 1, Duration::from_millis(10));
+        assert!(!s.stats().spinning);
+        drive(&mut s, &mut t, 1, 10_000, Duration::ZERO);
+        assert!(s.stats().spinning, "{:?}", s.stats());
+        // One request lasting a few microseconds never counts so.
+        let mut s = Spin::default();
+        drive(&mut s, &mut t, 20, 50, Duration::from_millis(10));
+        assert!(!s.stats().spinning, "{:?}", s.stats());
+    }
+
+    #[test]
+    fn without_a_spin_the_loop_sleeps_at_once() {
+        let mut s = Spin::default();
+        let mut t = Instant::now();
+        assert!(s.turn(t, false, SPIN), "nothing done yet: sleep");
+        t += Duration::from_micros(5);
+        assert!(!s.turn(t, true, Duration::ZERO));
+        assert!(s.turn(t, false, Duration::ZERO));
     }
 }

@@ -20,6 +20,7 @@ pub mod approx;
 pub mod body;
 pub mod picker;
 pub mod pool;
+pub mod prefix;
 pub mod server;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

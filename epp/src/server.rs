@@ -179,6 +179,11 @@ impl Picker {
         &self.stats
     }
 
+    /// What the models' prefix caches did.
+    pub fn prefix_counts(&self) -> crate::tokenize::PrefixCounts {
+        self.models.prefix_counts()
+    }
+
     /// Reads a whole body's prompt: here when the body is small, on the
     /// pool when it is not (refused at once when the pool is full, and
     /// after its deadline when it is slow).

@@ -4,6 +4,9 @@
 //! template (Jinja, rendered with `messages` and
 //! `add_generation_prompt: true`, as the engines' OpenAI servers do).
 //!
+//! A chat's rendered text is tokenized through a per-model prefix cache
+//! ([`crate::prefix`]): turn n tokenizes only what turn n-1 did not have.
+//!
 //! A model without a tokenizer is still served: token-id prompts route by
 //! prefix as usual, and text or chat prompts route on load alone (no
 //! prefix is known). A chat request for a model with a tokenizer but no
@@ -12,10 +15,16 @@
 use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 use serde_json::Value;
 
 use crate::body::Prompt;
+use crate::prefix::{Cuts, PrefixCache, PrefixStats};
+
+/// `epp.prefix_cache_bytes` by default.
+pub const DEFAULT_PREFIX_CACHE_BYTES: usize = 32 << 20;
 
 /// The largest `tokenizer.json` read (real ones are 2-30 MB).
 pub const MAX_TOKENIZER_BYTES: u64 = 256 << 20;
@@ -75,11 +84,27 @@ struct Model {
     template: Option<minijinja::Environment<'static>>,
     bos_token: String,
     eos_token: String,
+    /// Where rendered chats may be cut, when the tokenizer has special
+    /// tokens and the cache is on.
+    cuts: Option<Cuts>,
+    cache: Mutex<PrefixCache>,
 }
 
 /// The served models.
 pub struct Models {
     by_name: HashMap<String, Model>,
+    prefix: PrefixStats,
+}
+
+/// What the models' prefix caches did, since start.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PrefixCounts {
+    pub hits: u64,
+    pub misses: u64,
+    pub tokens_reused: u64,
+    pub tokens_encoded: u64,
+    /// Bytes held now, over every model.
+    pub bytes: u64,
 }
 
 impl std::fmt::Debug for Models {
@@ -116,8 +141,15 @@ pub enum Tokens {
 
 impl Models {
     /// Loads every model's tokenizer and template (each a regular file of
-    /// at most [`MAX_TOKENIZER_BYTES`] or [`MAX_TEMPLATE_BYTES`]).
+    /// at most [`MAX_TOKENIZER_BYTES`] or [`MAX_TEMPLATE_BYTES`]), with the
+    /// default prefix cache.
     pub fn load(specs: &[ModelSpec]) -> Result<Models, String> {
+        Models::load_with(specs, DEFAULT_PREFIX_CACHE_BYTES)
+    }
+
+    /// [`Models::load`], with a prefix cache of `prefix_cache_bytes` per
+    /// model (0: none).
+    pub fn load_with(specs: &[ModelSpec], prefix_cache_bytes: usize) -> Result<Models, String> {
         let mut by_name = HashMap::new();
         for s in specs {
             let tokenizer = match &s.tokenizer {
@@ -162,6 +194,10 @@ impl Models {
                 }
                 None => None,
             };
+            let cuts = match (&tokenizer, &template) {
+                (Some(t), Some(_)) if prefix_cache_bytes > 0 => Cuts::of(t),
+                _ => None,
+            };
             by_name.insert(
                 s.name.clone(),
                 Model {
@@ -169,10 +205,31 @@ impl Models {
                     template,
                     bos_token: s.bos_token.clone(),
                     eos_token: s.eos_token.clone(),
+                    cuts,
+                    cache: Mutex::new(PrefixCache::new(prefix_cache_bytes)),
                 },
             );
         }
-        Ok(Models { by_name })
+        Ok(Models {
+            by_name,
+            prefix: PrefixStats::default(),
+        })
+    }
+
+    /// What the prefix caches did.
+    pub fn prefix_counts(&self) -> PrefixCounts {
+        let p = &self.prefix;
+        PrefixCounts {
+            hits: p.hits.load(Ordering::Relaxed),
+            misses: p.misses.load(Ordering::Relaxed),
+            tokens_reused: p.tokens_reused.load(Ordering::Relaxed),
+            tokens_encoded: p.tokens_encoded.load(Ordering::Relaxed),
+            bytes: self
+                .by_name
+                .values()
+                .map(|m| m.cache.lock().map_or(0, |c| c.bytes() as u64))
+                .sum(),
+        }
     }
 
     /// Whether `model` is served.
@@ -200,7 +257,13 @@ impl Models {
             Prompt::Messages(messages) => match (&m.tokenizer, &m.template) {
                 (Some(t), Some(env)) => {
                     let text = render(env, messages, &m.bos_token, &m.eos_token)?;
-                    Tokens::Ids(encode(t, &text, false)?)
+                    match &m.cuts {
+                        Some(cuts) => Tokens::Ids(
+                            crate::prefix::encode_with(t, cuts, &m.cache, &self.prefix, &text)
+                                .map_err(PromptError::Tokenize)?,
+                        ),
+                        None => Tokens::Ids(encode(t, &text, false)?),
+                    }
                 }
                 _ => Tokens::Text(plain_text(messages)),
             },
