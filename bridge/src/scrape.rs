@@ -146,6 +146,9 @@ pub fn read(kind: EngineKind, text: &str, rank: u32) -> Reading {
 
 /// kvedge's load record from a reading: device blocks in use out of the
 /// engine's total when it says it (vLLM), else usage on a scale of 10,000.
+/// The metrics count requests, not their prefill tokens or KV blocks: those
+/// are [`Load::NOT_MEASURED`](kvedge_schema::messages::Load::NOT_MEASURED),
+/// so the daemon keeps counting the requests it placed there itself.
 pub fn load(reading: &Reading, timestamp_ns: u64) -> kvedge_schema::messages::Load {
     let total = reading.total_blocks.unwrap_or(10_000);
     let usage = reading.usage.unwrap_or(0.0).clamp(0.0, 1.0);
@@ -153,8 +156,8 @@ pub fn load(reading: &Reading, timestamp_ns: u64) -> kvedge_schema::messages::Lo
     kvedge_schema::messages::Load {
         active_requests: count(reading.running),
         waiting_requests: count(reading.waiting),
-        active_prefill_tokens: 0,
-        active_decode_blocks: 0,
+        active_prefill_tokens: kvedge_schema::messages::Load::NOT_MEASURED,
+        active_decode_blocks: kvedge_schema::messages::Load::NOT_MEASURED,
         kv_used_blocks: (usage * total as f64).round() as u64,
         kv_total_blocks: total,
         timestamp_ns,

@@ -5,11 +5,17 @@
 //! its blocks on the chosen worker; `prefill_done` releases the prefill part
 //! and `finish` the rest. A report supersedes the reservations made before
 //! it (the engine now counts those requests itself), so after `finish` the
-//! projection is exactly the engine's last report. Reservations nobody
-//! releases expire after a TTL. Time comes from the caller.
+//! projection is exactly the engine's last report. A report supersedes only
+//! what it measures: an engine read from its metrics counts requests but
+//! not prefill tokens or KV blocks ([`NOT_MEASURED`]), and there the
+//! reservations' tokens and blocks stay counted until `prefill_done` and
+//! `finish` (otherwise every scrape would make a busy worker look idle).
+//! Reservations nobody releases expire after a TTL. Time comes from the
+//! caller.
 //!
 //! Neither a report nor the expiry scans the reservations: a report bumps
-//! its worker's epoch (a reservation counts while its epoch is current),
+//! its worker's epochs (a part of a reservation counts while its epoch is
+//! current; requests, prefill tokens and blocks have one each),
 //! and reservations are linked in the order they were made and expire from
 //! its head. A release unlinks its reservation at once, so the head is
 //! always a live reservation and nothing is left behind to skip or sweep.
@@ -22,6 +28,18 @@ use std::collections::HashMap;
 use kvedge_policies::LoadRow;
 
 use crate::index::{MAX_WORKERS, Slot};
+
+/// A report's token or block count that the engine does not measure.
+pub const NOT_MEASURED: u64 = kvedge_schema::messages::Load::NOT_MEASURED;
+
+/// Reports per worker that superseded its reservations' requests,
+/// prefill tokens and blocks.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+struct Epochs {
+    requests: u64,
+    prefill: u64,
+    blocks: u64,
+}
 
 /// The last Load report of a worker.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -39,9 +57,10 @@ struct Reservation {
     slot: Slot,
     prefill_tokens: u64,
     blocks: u64,
-    /// The worker's report epoch when it was made: it is counted in the
-    /// projection while no report has come since.
-    epoch: u64,
+    /// The worker's report epochs (requests, prefill tokens, blocks) when
+    /// it was made: each part is counted in the projection while no report
+    /// that measures it has come since.
+    epoch: Epochs,
     prefill_pending: bool,
     expires_ms: u64,
     /// When it was reserved, and the prefill work the predictor counted
@@ -133,8 +152,8 @@ pub struct LoadTable {
     free: Vec<usize>,
     head: usize,
     tail: usize,
-    /// Reports received per worker.
-    epochs: [u64; MAX_WORKERS],
+    /// Reports received per worker, by the part they superseded.
+    epochs: [Epochs; MAX_WORKERS],
     ttl_ms: u64,
     expired: u64,
 }
@@ -151,7 +170,7 @@ impl LoadTable {
                     slot: Slot::new(0).expect("slot 0"),
                     prefill_tokens: 0,
                     blocks: 0,
-                    epoch: 0,
+                    epoch: Epochs::default(),
                     prefill_pending: false,
                     expires_ms: 0,
                     reserved_ms: 0,
@@ -163,7 +182,7 @@ impl LoadTable {
             free: prefaulted_vec(NIL),
             head: NIL,
             tail: NIL,
-            epochs: [0; MAX_WORKERS],
+            epochs: [Epochs::default(); MAX_WORKERS],
             ttl_ms,
             expired: 0,
         }
@@ -216,16 +235,26 @@ impl LoadTable {
         self.ttl_ms = ttl_ms;
     }
 
-    /// A worker's Load report: the truth, superseding earlier reservations.
-    pub fn report(&mut self, slot: Slot, report: LoadReport) {
-        self.reports[slot.index()] = report;
-        self.extra[slot.index()] = (0, 0, 0);
-        self.epochs[slot.index()] += 1;
-    }
-
-    /// Whether `r` is still counted in its worker's projection.
-    fn pending(&self, r: &Reservation) -> bool {
-        r.epoch == self.epochs[r.slot.index()]
+    /// A worker's Load report: the truth, superseding earlier reservations
+    /// in what it measures (a count of [`NOT_MEASURED`] is taken as 0 and
+    /// leaves the reservations' part counted).
+    pub fn report(&mut self, slot: Slot, mut report: LoadReport) {
+        let i = slot.index();
+        self.extra[i].0 = 0;
+        self.epochs[i].requests += 1;
+        if report.active_prefill_tokens == NOT_MEASURED {
+            report.active_prefill_tokens = 0;
+        } else {
+            self.extra[i].1 = 0;
+            self.epochs[i].prefill += 1;
+        }
+        if report.active_decode_blocks == NOT_MEASURED {
+            report.active_decode_blocks = 0;
+        } else {
+            self.extra[i].2 = 0;
+            self.epochs[i].blocks += 1;
+        }
+        self.reports[i] = report;
     }
 
     /// Reserves a selected request on `slot`; `work_tokens` is the
@@ -276,8 +305,7 @@ impl LoadTable {
             .get(&request_id)
             .ok_or(LoadError::UnknownRequest(request_id))?;
         let r = &mut self.nodes[i].r;
-        // `pending`, with the fields borrowed apart from `r`.
-        if r.epoch == self.epochs[r.slot.index()] && r.prefill_pending {
+        if r.epoch.prefill == self.epochs[r.slot.index()].prefill && r.prefill_pending {
             let e = &mut self.extra[r.slot.index()];
             e.1 = e.1.saturating_sub(r.prefill_tokens);
         }
@@ -300,15 +328,17 @@ impl LoadTable {
     }
 
     fn unproject(&mut self, r: &Reservation) {
-        if !self.pending(r) {
-            return;
-        }
+        let now = self.epochs[r.slot.index()];
         let e = &mut self.extra[r.slot.index()];
-        e.0 = e.0.saturating_sub(1);
-        if r.prefill_pending {
+        if r.epoch.requests == now.requests {
+            e.0 = e.0.saturating_sub(1);
+        }
+        if r.prefill_pending && r.epoch.prefill == now.prefill {
             e.1 = e.1.saturating_sub(r.prefill_tokens);
         }
-        e.2 = e.2.saturating_sub(r.blocks);
+        if r.epoch.blocks == now.blocks {
+            e.2 = e.2.saturating_sub(r.blocks);
+        }
     }
 
     /// Drops reservations past their TTL; returns how many. Costs the
@@ -455,6 +485,53 @@ mod tests {
         t.report(s(1), report(2, 0, 40));
         t.finish(2).unwrap();
         assert_eq!(t.projected(s(1)).active_requests, 2);
+    }
+
+    #[test]
+    fn a_report_that_counts_only_requests_leaves_reserved_tokens_and_blocks_counted() {
+        let mut t = LoadTable::new(60_000);
+        t.reserve(1, s(1), 500, 32, 0, 0.0);
+        t.reserve(2, s(1), 200, 20, 0, 0.0);
+        // A metrics scrape: two requests running, tokens and blocks unknown.
+        t.report(s(1), report(2, NOT_MEASURED, NOT_MEASURED));
+        let p = t.projected(s(1));
+        assert_eq!(
+            (
+                p.active_requests,
+                p.active_prefill_tokens,
+                p.active_decode_blocks
+            ),
+            (2, 700, 52),
+            "requests from the report, tokens and blocks still reserved"
+        );
+        assert_eq!(t.reported(s(1)).active_prefill_tokens, 0, "not u64::MAX");
+        t.prefill_done(1).unwrap();
+        assert_eq!(t.projected(s(1)).active_prefill_tokens, 200);
+        t.finish(1).unwrap();
+        let p = t.projected(s(1));
+        assert_eq!(
+            (
+                p.active_requests,
+                p.active_prefill_tokens,
+                p.active_decode_blocks
+            ),
+            (2, 200, 20),
+            "the request count stands until the next report"
+        );
+        // A report that measures blocks but not tokens supersedes blocks.
+        t.report(s(1), report(1, NOT_MEASURED, 25));
+        let p = t.projected(s(1));
+        assert_eq!((p.active_prefill_tokens, p.active_decode_blocks), (200, 25));
+        t.finish(2).unwrap();
+        let p = t.projected(s(1));
+        assert_eq!(
+            (
+                p.active_requests,
+                p.active_prefill_tokens,
+                p.active_decode_blocks
+            ),
+            (1, 0, 25)
+        );
     }
 
     #[test]

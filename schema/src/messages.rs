@@ -157,12 +157,24 @@ pub struct KvCleared {
 pub struct Load {
     pub active_requests: u32,
     pub waiting_requests: u32,
+    /// Prompt tokens admitted and not yet prefilled; [`Load::NOT_MEASURED`]
+    /// when the engine does not count them.
     pub active_prefill_tokens: u64,
+    /// KV blocks of the requests running; [`Load::NOT_MEASURED`] when the
+    /// engine does not count them.
     pub active_decode_blocks: u64,
     pub kv_used_blocks: u64,
     pub kv_total_blocks: u64,
     /// CLOCK_MONOTONIC nanoseconds at the engine when measured.
     pub timestamp_ns: u64,
+}
+
+impl Load {
+    /// A token or block count the engine does not measure (an engine read
+    /// from its Prometheus metrics, which give request counts only). The
+    /// daemon then keeps counting what it reserved there itself, instead of
+    /// letting the report reset it to 0.
+    pub const NOT_MEASURED: u64 = u64::MAX;
 }
 
 /// Liveness beat (the open control connection is the primary signal; this
