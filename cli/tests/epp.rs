@@ -750,11 +750,20 @@ impl Node {
 
     /// POSTs straight to the node (no gateway): status and body.
     fn post(&self, path: &str, body: &str) -> (u16, serde_json::Value) {
+        self.send("POST", path, body)
+    }
+
+    /// GETs straight from the node: status and body.
+    fn get(&self, path: &str) -> (u16, serde_json::Value) {
+        self.send("GET", path, "")
+    }
+
+    fn send(&self, method: &str, path: &str, body: &str) -> (u16, serde_json::Value) {
         let mut s = TcpStream::connect(self.http).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
         write!(
             s,
-            "POST {path} HTTP/1.1\r\nhost: node\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nhost: node\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
             body.len()
         )
         .unwrap();
@@ -830,6 +839,13 @@ fn a_pool_of_engines_on_four_nodes_publishing_over_tcp_is_routed_through_envoy()
         .unwrap();
     let document = |k: usize| -> String { docs.chars().skip(k * 1200).take(1200).collect() };
     for (k, node) in nodes.iter().flatten().enumerate() {
+        // The probes routers send before any work, answered as vLLM does.
+        assert_eq!(node.get("/health").0, 200);
+        let (status, models) = node.get("/v1/models");
+        assert_eq!(status, 200);
+        assert_eq!(models["object"], "list");
+        assert_eq!(models["data"][0]["id"], "m", "{models}");
+        assert_eq!(node.get("/nowhere").0, 404);
         let before = ask(&d.query(), json!({"op": "stats"}))["index_entries"]
             .as_u64()
             .unwrap();

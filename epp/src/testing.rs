@@ -255,6 +255,11 @@ impl Envoy {
         envoy
     }
 
+    /// The Envoy process's id (for its CPU time and memory).
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// POSTs `body` to `path`; the status and the whole response body.
     pub fn post(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, String) {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();

@@ -1,6 +1,7 @@
 //! `kvedge mock-engine --http`: the mock engine's OpenAI-compatible front,
 //! so a gateway can send it real requests. `/v1/completions` and
-//! `/v1/chat/completions`, streamed (server-sent events) or not, over
+//! `/v1/chat/completions`, streamed (server-sent events) or not, and the
+//! probes routers send first (`GET /health`, `GET /v1/models`), over
 //! HTTP/1.1 with keep-alive. A prompt is tokenized with the model's
 //! `tokenizer.json` and chat template exactly as kvedge's endpoint picker
 //! does (the same code), hashed into KV blocks, and submitted to the
@@ -275,7 +276,32 @@ fn reason(status: u16) -> &'static str {
 
 static NEXT_ID: AtomicU64 = AtomicU64::new(1);
 
+/// A JSON answer with status 200.
+fn ok_json(w: &mut TcpStream, body: &str) -> io::Result<()> {
+    write!(
+        w,
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )?;
+    w.flush()
+}
+
 fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models) -> io::Result<()> {
+    // What gateways and routers probe before they send work: liveness and
+    // the model list, as vLLM answers them.
+    if req.method == "GET" {
+        match req.path.as_str() {
+            "/health" => return ok_json(w, ""),
+            "/v1/models" => {
+                let body = json!({"object": "list", "data": [{
+                    "id": front.model, "object": "model", "owned_by": "kvedge-mock",
+                    "root": front.model,
+                }]});
+                return ok_json(w, &body.to_string());
+            }
+            _ => {}
+        }
+    }
     let Some(route) = Route::of(&req.path).filter(|_| req.method == "POST") else {
         return error(
             w,

@@ -1,0 +1,400 @@
+//! The shoot-out's processes: the mock engines every router shares, and
+//! each router in front of them (kvedge's picker behind a real Envoy,
+//! plain Envoy round robin, sglang-router, vllm-router), with the CPU time
+//! and memory of each router's processes read from `/proc`.
+
+use std::net::{Ipv4Addr, SocketAddr, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use kvedge_epp::testing::{Envoy, free_port};
+
+/// The engines' shape: the same for every router.
+#[derive(Clone, Debug)]
+pub struct EngineShape {
+    pub engines: u32,
+    pub block_size: u32,
+    pub device_blocks: u32,
+    pub prefill_tokens_per_s: f64,
+    pub step_base_us: f64,
+    pub max_running: u32,
+}
+
+/// Children killed (last first) on drop.
+#[derive(Default)]
+pub struct Processes(pub Vec<Child>);
+
+impl Drop for Processes {
+    fn drop(&mut self) {
+        for c in self.0.iter_mut().rev() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+/// One running mock engine.
+pub struct Engine {
+    pub http: SocketAddr,
+    /// Its `engines:` entry for kvedge.
+    pub entry: String,
+}
+
+/// Starts the engines on 127.0.0.2, .3, ...: HTTP front, vLLM events and
+/// replay over ZeroMQ, Prometheus metrics.
+pub fn start_engines(
+    kvedge: &Path,
+    dir: &Path,
+    tokenizer: &Path,
+    shape: &EngineShape,
+    procs: &mut Processes,
+) -> Result<Vec<Engine>, String> {
+    let mut out = Vec::new();
+    for worker in 1..=shape.engines {
+        let ip = Ipv4Addr::new(127, 0, 0, 1 + worker as u8);
+        let [events, replay, metrics, http] = [0; 4].map(|_| free_port(ip));
+        let log = std::fs::File::create(dir.join(format!("engine-{worker}.log")))
+            .map_err(|e| e.to_string())?;
+        procs.0.push(
+            Command::new(kvedge)
+                .arg("mock-engine")
+                .args(["--worker-id", &worker.to_string(), "--model", "m"])
+                .arg("--listen")
+                .arg(dir.join(format!("engine-{worker}.sock")))
+                .arg("--runtime-dir")
+                .arg(dir)
+                .args(["--vllm-events", &format!("tcp://{ip}:{events}")])
+                .args(["--vllm-replay", &format!("tcp://{ip}:{replay}")])
+                .args(["--vllm-metrics", &format!("{ip}:{metrics}")])
+                .args(["--http", &format!("{ip}:{http}")])
+                .arg("--tokenizer")
+                .arg(tokenizer)
+                .args(["--block-size", &shape.block_size.to_string()])
+                .args(["--device-blocks", &shape.device_blocks.to_string()])
+                .args([
+                    "--prefill-tokens-per-s",
+                    &shape.prefill_tokens_per_s.to_string(),
+                ])
+                .args(["--step-base-us", &shape.step_base_us.to_string()])
+                .args(["--max-running", &shape.max_running.to_string()])
+                .stdout(Stdio::null())
+                .stderr(log)
+                .spawn()
+                .map_err(|e| format!("{}: {e}", kvedge.display()))?,
+        );
+        let http = SocketAddr::from((ip, http));
+        wait_listening(http, "a mock engine")?;
+        out.push(Engine {
+            http,
+            entry: format!(
+                "  - kind: vllm\n    model: m\n    worker_id: {worker}\n    block_size: {bs}\n    endpoint: http://{http}\n    events: tcp://{ip}:{events}\n    replay: tcp://{ip}:{replay}\n    topic: kv-events\n    metrics: http://{ip}:{metrics}/metrics\n",
+                bs = shape.block_size
+            ),
+        });
+    }
+    Ok(out)
+}
+
+fn wait_listening(addr: SocketAddr, what: &str) -> Result<(), String> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while TcpStream::connect(addr).is_err() {
+        if Instant::now() > deadline {
+            return Err(format!("{what} did not listen on {addr}"));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    Ok(())
+}
+
+/// A router the shoot-out can run.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Router {
+    /// kvedge's picker behind Envoy; `None` is the default policy.
+    Kvedge(Option<String>),
+    EnvoyRoundRobin,
+    /// sglang-router with a policy.
+    Sglang(String),
+    /// vllm-router with a policy.
+    Vllm(String),
+}
+
+impl Router {
+    pub fn parse(s: &str) -> Result<Router, String> {
+        let (name, policy) = s.split_once(':').unwrap_or((s, ""));
+        let policy = (!policy.is_empty()).then(|| policy.to_owned());
+        match name {
+            "kvedge" => Ok(Router::Kvedge(policy)),
+            "envoy-rr" => Ok(Router::EnvoyRoundRobin),
+            "sglang" => Ok(Router::Sglang(
+                policy.unwrap_or_else(|| "cache_aware".into()),
+            )),
+            "vllm" => Ok(Router::Vllm(policy.unwrap_or_else(|| "cache_aware".into()))),
+            _ => Err(format!(
+                "unknown router `{s}` (kvedge[:POLICY], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
+            )),
+        }
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Router::Kvedge(None) => "kvedge".into(),
+            Router::Kvedge(Some(p)) => format!("kvedge:{p}"),
+            Router::EnvoyRoundRobin => "envoy-rr".into(),
+            Router::Sglang(p) => format!("sglang:{p}"),
+            Router::Vllm(p) => format!("vllm:{p}"),
+        }
+    }
+
+    pub fn needs_peers(&self) -> bool {
+        matches!(self, Router::Sglang(_) | Router::Vllm(_))
+    }
+}
+
+/// Where the tools are.
+pub struct Tools {
+    pub kvedge: PathBuf,
+    pub envoy: Option<String>,
+    /// The virtual environment with the peers (its `bin/`).
+    pub peers: PathBuf,
+}
+
+/// A running router: where it listens and the processes it is.
+pub struct Running {
+    pub addr: SocketAddr,
+    pub pids: Vec<u32>,
+    _procs: Processes,
+    _envoy: Option<Envoy>,
+}
+
+/// Starts `router` in front of `engines`.
+pub fn start(
+    router: &Router,
+    tools: &Tools,
+    dir: &Path,
+    tokenizer: &Path,
+    engines: &[Engine],
+) -> Result<Running, String> {
+    let mut procs = Processes::default();
+    let urls: Vec<String> = engines
+        .iter()
+        .map(|e| format!("http://{}", e.http))
+        .collect();
+    let envoy_bin = || {
+        tools
+            .envoy
+            .clone()
+            .ok_or("no Envoy: set KVEDGE_ENVOY or pass --envoy")
+    };
+    let running = match router {
+        Router::Kvedge(policy) => {
+            let epp = free_port(Ipv4Addr::LOCALHOST);
+            let entries: String = engines.iter().map(|e| e.entry.as_str()).collect();
+            let policy = policy
+                .as_ref()
+                .map(|p| {
+                    format!(
+                        "worker_selection:\n  aggregated: shootout\n  instances:\n    - name: shootout\n      type: {p}\n"
+                    )
+                })
+                .unwrap_or_default();
+            let config = dir.join("kvedge.yaml");
+            std::fs::write(
+                &config,
+                format!(
+                    "{policy}epp:\n  listen: 127.0.0.1:{epp}\n  models:\n    - name: m\n      tokenizer: {}\nengines:\n{entries}",
+                    tokenizer.display()
+                ),
+            )
+            .map_err(|e| e.to_string())?;
+            let log = std::fs::File::create(dir.join("kvedge.log")).map_err(|e| e.to_string())?;
+            procs.0.push(
+                Command::new(&tools.kvedge)
+                    .arg("run")
+                    .arg("--config")
+                    .arg(&config)
+                    .arg("--runtime-dir")
+                    .arg(dir.join("run"))
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .map_err(|e| e.to_string())?,
+            );
+            let daemon = procs.0[0].id();
+            wait_listening(
+                SocketAddr::from((Ipv4Addr::LOCALHOST, epp)),
+                "kvedge's picker",
+            )
+            .map_err(|e| {
+                format!(
+                    "{e}; its log: {}",
+                    std::fs::read_to_string(dir.join("kvedge.log")).unwrap_or_default()
+                )
+            })?;
+            let envoy = Envoy::start(&envoy_bin()?, dir, epp, false);
+            Running {
+                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),
+                pids: vec![daemon, envoy.pid()],
+                _procs: procs,
+                _envoy: Some(envoy),
+            }
+        }
+        Router::EnvoyRoundRobin => {
+            let endpoints: String = engines
+                .iter()
+                .map(|e| {
+                    format!(
+                        "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                        e.http.ip(),
+                        e.http.port()
+                    )
+                })
+                .collect();
+            let config = format!(
+                r#"static_resources:
+  listeners:
+    - name: gateway
+      address:
+        socket_address: {{ address: 127.0.0.1, port_value: 8081 }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: gateway
+                route_config:
+                  virtual_hosts:
+                    - name: engines
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          route: {{ cluster: engines, timeout: 300s }}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: engines
+      type: STATIC
+      lb_policy: ROUND_ROBIN
+      connect_timeout: 2s
+      load_assignment:
+        cluster_name: engines
+        endpoints:
+          - lb_endpoints:
+{endpoints}"#
+            );
+            let envoy = Envoy::start_config(&envoy_bin()?, dir, &config);
+            Running {
+                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),
+                pids: vec![envoy.pid()],
+                _procs: procs,
+                _envoy: Some(envoy),
+            }
+        }
+        Router::Sglang(policy) | Router::Vllm(policy) => {
+            let port = free_port(Ipv4Addr::LOCALHOST);
+            let (program, args): (PathBuf, Vec<String>) = match router {
+                Router::Sglang(_) => (
+                    tools.peers.join("bin/python"),
+                    vec!["-m".into(), "sglang_router.launch_router".into()],
+                ),
+                _ => (tools.peers.join("bin/vllm-router"), Vec::new()),
+            };
+            let log = std::fs::File::create(dir.join("router.log")).map_err(|e| e.to_string())?;
+            procs.0.push(
+                Command::new(&program)
+                    .args(&args)
+                    .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+                    .arg("--worker-urls")
+                    .args(&urls)
+                    .args(["--policy", policy])
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .map_err(|e| format!("{}: {e}", program.display()))?,
+            );
+            let pid = procs.0[0].id();
+            wait_listening(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "the router").map_err(
+                |e| {
+                    format!(
+                        "{e}; its log: {}",
+                        std::fs::read_to_string(dir.join("router.log")).unwrap_or_default()
+                    )
+                },
+            )?;
+            Running {
+                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+                pids: vec![pid],
+                _procs: procs,
+                _envoy: None,
+            }
+        }
+    };
+    Ok(running)
+}
+
+/// The processes `roots` and all their descendants.
+fn tree(roots: &[u32]) -> Vec<u32> {
+    let mut parents = Vec::new();
+    if let Ok(dir) = std::fs::read_dir("/proc") {
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+                continue;
+            };
+            let stat = std::fs::read_to_string(e.path().join("stat")).unwrap_or_default();
+            if let Some(close) = stat.rfind(')') {
+                let ppid = stat[close + 2..]
+                    .split_whitespace()
+                    .nth(1)
+                    .and_then(|p| p.parse::<u32>().ok());
+                if let Some(ppid) = ppid {
+                    parents.push((pid, ppid));
+                }
+            }
+        }
+    }
+    let mut out: Vec<u32> = roots.to_vec();
+    let mut i = 0;
+    while i < out.len() {
+        let p = out[i];
+        out.extend(parents.iter().filter(|(_, pp)| *pp == p).map(|(c, _)| *c));
+        i += 1;
+    }
+    out
+}
+
+/// CPU time (user and system, all threads) of `roots` and their
+/// descendants, in ms.
+pub fn cpu_ms(roots: &[u32]) -> f64 {
+    let ticks: u64 = tree(roots)
+        .iter()
+        .map(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let Some(close) = stat.rfind(')') else {
+                return 0;
+            };
+            let f: Vec<&str> = stat[close + 2..].split_whitespace().collect();
+            let n = |i: usize| f.get(i).and_then(|x| x.parse::<u64>().ok()).unwrap_or(0);
+            n(11) + n(12)
+        })
+        .sum();
+    // Clock ticks a second (`getconf CLK_TCK`).
+    ticks as f64 * 10.0
+}
+
+/// Peak resident memory (VmHWM) of `roots` and their descendants, MiB.
+pub fn peak_rss_mib(roots: &[u32]) -> f64 {
+    tree(roots)
+        .iter()
+        .map(|pid| {
+            std::fs::read_to_string(format!("/proc/{pid}/status"))
+                .unwrap_or_default()
+                .lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+                .unwrap_or(0.0)
+        })
+        .sum::<f64>()
+        / 1024.0
+}
