@@ -80,8 +80,13 @@ fn completion(tokens: &[u32], stream: bool) -> Vec<u8> {
 }
 
 fn config(epp_port: u16) -> String {
+    config_with(epp_port, "")
+}
+
+/// [`config`] with more `daemon:` keys (each line indented two spaces).
+fn config_with(epp_port: u16, daemon: &str) -> String {
     format!(
-        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  max_body_bytes: 65536\n  max_prompt_tokens: 4096\n  models:\n    - name: m\n"
+        "daemon:\n  heartbeat_timeout_ms: 600000\n{daemon}epp:\n  listen: 127.0.0.1:{epp_port}\n  max_body_bytes: 65536\n  max_prompt_tokens: 4096\n  models:\n    - name: m\n"
     )
 }
 
@@ -512,7 +517,13 @@ fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
 #[test]
 fn a_gateways_subset_hint_restricts_the_pick() {
     let epp_port = free_port(Ipv4Addr::LOCALHOST);
-    let d = start("epp-subset", &config(epp_port));
+    // Without prefix reservations: a hinted pick would make the hinted
+    // engine a holder of the prefix too (it was sent the prompt), and
+    // these picks are about the hint, not about who holds what.
+    let d = start(
+        "epp-subset",
+        &config_with(epp_port, "  prefix_reservation_ms: 0\n"),
+    );
     let mut holder = register(&d, 1, "http://127.0.0.2:8000");
     let _other = register(&d, 2, "http://127.0.0.3:8000");
     hold(&mut holder, &prefix(1));
@@ -571,7 +582,12 @@ fn a_subset_hint_set_by_an_envoy_filter_restricts_the_pick() {
         return;
     };
     let epp_port = free_port(Ipv4Addr::LOCALHOST);
-    let d = start("epp-envoy-subset", &config(epp_port));
+    // Without prefix reservations, as above: the hinted picks would make
+    // the hinted engines holders of prefix 1 in the next rounds.
+    let d = start(
+        "epp-envoy-subset",
+        &config_with(epp_port, "  prefix_reservation_ms: 0\n"),
+    );
     let (engines, _publishers) = nodes(&d, 4, true);
     let filter = "                http_filters:\n";
     assert!(kvedge_epp::testing::SHIPPED_CONFIG.contains(filter));

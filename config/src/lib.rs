@@ -52,6 +52,9 @@ pub struct DaemonSection {
     pub heartbeat_timeout_ms: u64,
     /// Reservations not released by `finish` expire after this long.
     pub reservation_ttl_ms: u64,
+    /// How long a worker's prompt counts as cached there before its engine
+    /// reports the blocks (prefix reservations); 0: not at all.
+    pub prefix_reservation_ms: u64,
     pub max_query_connections: usize,
     pub max_frame_bytes: usize,
     /// Reply bytes a query connection may leave unread; past it the
@@ -159,6 +162,12 @@ pub const DEFAULT_WARM_US: u64 = 1_000;
 pub const MAX_WARM_US: u64 = 1_000_000;
 /// `daemon.warm_for_ms` by default.
 pub const DEFAULT_WARM_FOR_MS: u64 = 10_000;
+/// `daemon.prefix_reservation_ms` by default: long enough for a prompt's
+/// prefill and its events under load, short enough that a reservation its
+/// engine never confirms soon stops steering requests.
+pub const DEFAULT_PREFIX_RESERVATION_MS: u64 = 10_000;
+/// The longest `daemon.prefix_reservation_ms` (ten minutes).
+pub const MAX_PREFIX_RESERVATION_MS: u64 = 600_000;
 /// The largest request frame or line a client may send.
 pub const MAX_FRAME_BYTES: usize = 64 << 20;
 
@@ -242,6 +251,15 @@ fn check_daemon(d: &DaemonSection) -> Option<(&'static str, String)> {
         .or_else(|| ms("idle_timeout_ms", d.idle_timeout_ms))
         .or_else(|| ms("reservation_ttl_ms", d.reservation_ttl_ms))
         .or_else(|| {
+            range(
+                "prefix_reservation_ms",
+                d.prefix_reservation_ms,
+                0,
+                MAX_PREFIX_RESERVATION_MS,
+                " ms",
+            )
+        })
+        .or_else(|| {
             parse_mode(&d.runtime_dir_mode)
                 .err()
                 .map(|e| ("runtime_dir_mode", e))
@@ -281,6 +299,7 @@ impl Default for DaemonSection {
             ring_capacity: 1 << 20,
             heartbeat_timeout_ms: 5_000,
             reservation_ttl_ms: 600_000,
+            prefix_reservation_ms: DEFAULT_PREFIX_RESERVATION_MS,
             max_query_connections: 1024,
             max_frame_bytes: 1 << 20,
             max_reply_backlog_bytes: 1 << 20,

@@ -27,6 +27,7 @@ pub mod load;
 mod mask_table;
 pub mod metrics;
 pub mod pacing;
+pub mod pending;
 pub mod router;
 mod table;
 mod warm;

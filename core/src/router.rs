@@ -22,6 +22,7 @@ use kvedge_schema::messages::{EventRef, Tier};
 
 use crate::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
 use crate::load::{LoadError, LoadReport, LoadTable};
+use crate::pending::PendingPrefixes;
 
 /// A registered worker (one engine rank).
 #[derive(Clone, Debug, PartialEq)]
@@ -185,6 +186,9 @@ pub struct Router {
     /// stored for the worker it went to (as if on its device tier), oldest
     /// evicted first when full. Engines' events never touch it.
     pub approx: KvIndex,
+    /// What each worker was just sent and has not yet reported caching
+    /// (prefix reservations): counted as its overlap meanwhile.
+    pub pending: PendingPrefixes,
     pub load: LoadTable,
     plugins: RouterPlugins,
     /// Per model, a policy per role, built on first use. Hashed with
@@ -252,6 +256,7 @@ impl Router {
             index: KvIndex::new(index_capacity),
             approx: KvIndex::new((index_capacity / APPROX_CAPACITY_DIVISOR).max(1024)).quiet(),
             load: LoadTable::new(reservation_ttl_ms),
+            pending: PendingPrefixes::new(kvedge_config::DEFAULT_PREFIX_RESERVATION_MS),
             plugins,
             policies: HashMap::default(),
             affinity,
@@ -295,6 +300,9 @@ impl Router {
         );
         router.set_max_workers(config.daemon.max_workers);
         router.prefill.ttft = config.ttft;
+        router
+            .pending
+            .set_window(config.daemon.prefix_reservation_ms);
         if let Some(rules) = config.rules.clone() {
             router.set_rules(rules);
         }
@@ -357,6 +365,7 @@ impl Router {
             config.session_affinity.max_sessions,
         );
         self.load.set_ttl(config.daemon.reservation_ttl_ms);
+        self.pending.set_window(config.daemon.prefix_reservation_ms);
     }
 
     /// Routes with the rule language from now on.
@@ -431,6 +440,7 @@ impl Router {
         self.index.remove_worker(slot);
         self.approx.remove_worker(slot);
         self.load.remove_worker(slot);
+        self.pending.forget(slot);
         self.affinity.forget_worker(info.worker.worker_id);
         Some(info)
     }
@@ -516,6 +526,10 @@ impl Router {
     /// The worker in `slot` removed `hashes` from `tier`.
     pub fn apply_removed(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) {
         self.index.remove(slot, tier, hashes);
+        // Its engine's word beats what it was sent.
+        if tier == Tier::Device {
+            self.pending.unnote(slot, hashes);
+        }
     }
 
     /// The worker in `slot` cleared `tier` (every tier with `None`).
@@ -524,6 +538,7 @@ impl Router {
         // What was sent there is gone from its device cache too.
         if matches!(tier, None | Some(Tier::Device)) {
             self.approx.clear(slot, None);
+            self.pending.forget(slot);
         }
     }
 
@@ -717,12 +732,14 @@ impl Router {
         // Only the signal groups the policy declared.
         let predict_ttft = required.contains(WorkerInputs::TTFT);
         if predict_ttft || required.contains(WorkerInputs::CACHE) {
-            let index = if req.approximate {
-                &self.approx
-            } else {
-                &self.index
-            };
-            index.overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
+            overlap_into(
+                &self.index,
+                &self.approx,
+                &self.pending,
+                req,
+                mask & !self.syncing,
+                &mut self.overlap,
+            );
         } else {
             self.overlap = Overlap::default();
         }
@@ -737,7 +754,7 @@ impl Router {
                 self.overlap.get(slot, Tier::Host),
                 self.overlap.get(slot, Tier::Disk),
             ];
-            let predicted_ttft_s = predict_ttft.then(|| {
+            let predicted = predict_ttft.then(|| {
                 Predicting {
                     ttft: &self.prefill.ttft,
                     load: &self.load,
@@ -745,7 +762,6 @@ impl Router {
                     peer_speed: self.prefill.peer_speed,
                 }
                 .terms(slot, w.block_size, req.prompt_tokens, overlap)
-                .total_s()
             });
             self.table.push(CandidateRow {
                 worker: w.worker,
@@ -761,7 +777,8 @@ impl Router {
                     kv_total_blocks: report.kv_total_blocks,
                 },
                 preferred_taint_multiplier: None,
-                predicted_ttft_s,
+                predicted_ttft_s: predicted.map(|t| t.total_s()),
+                predicted_prefill_s: predicted.map(|t| t.prefill_s),
             });
         }
         self.table.set_present(
@@ -840,12 +857,14 @@ impl Router {
                 mask |= 1u64 << i;
             }
         }
-        let index = if req.approximate {
-            &self.approx
-        } else {
-            &self.index
-        };
-        index.overlap(req.hashes, mask & !self.syncing, &mut self.overlap);
+        overlap_into(
+            &self.index,
+            &self.approx,
+            &self.pending,
+            req,
+            mask & !self.syncing,
+            &mut self.overlap,
+        );
         // The TTFT terms `explain` shows, before a reservation changes them.
         self.explain_ttft(req.prompt_tokens);
         // Reuse the retained allocation for this request's candidates.
@@ -998,6 +1017,8 @@ impl Router {
             .reserve(request_id, slot, uncached, blocks, req.now_ms, work_tokens);
         if req.approximate {
             self.approx.store(slot, Tier::Device, req.hashes);
+        } else {
+            self.pending.note(slot, req.hashes, req.now_ms);
         }
         if let Some(s) = req.session {
             if s.is_final() {
@@ -1012,6 +1033,31 @@ impl Router {
     /// (instance name, type name) serving `role`.
     pub fn policy_name(&self, role: WorkerType) -> (&str, &str) {
         self.plugins.selection(role)
+    }
+}
+
+/// The prefix overlap of `req` with every worker in `candidates`, into
+/// `out`: the index's (the approximate one for an approximate select),
+/// with the device tier deepened by the prefix reservations on the precise
+/// path. (A free function: a select holds its policy borrowed meanwhile.)
+fn overlap_into(
+    index: &KvIndex,
+    approx: &KvIndex,
+    pending: &PendingPrefixes,
+    req: &SelectRequest<'_>,
+    candidates: u64,
+    out: &mut Overlap,
+) {
+    if req.approximate {
+        approx.overlap(req.hashes, candidates, out);
+    } else {
+        index.overlap(req.hashes, candidates, out);
+        pending.deepen(
+            req.hashes,
+            candidates,
+            req.now_ms,
+            &mut out.blocks[Tier::Device as usize],
+        );
     }
 }
 

@@ -877,7 +877,8 @@ fn warm_ups_change_no_decision() {
     let run = |warm_us: u64| {
         let mut h = Harness::new(&format!(
             "daemon:\n  heartbeat_timeout_ms: 600000\n  warm_us: {warm_us}\n\
-             router:\n  router_temperature: 1.0\n  seed: 7\n"
+             router:\n  router_temperature: 1.0\n  seed: 7\n\
+             worker_selection:\n  aggregated: cost\n  instances:\n    - name: cost\n      type: dynamo-default-cost-fn\n"
         ));
         for w in 1..=3 {
             let e = h.engine(w);

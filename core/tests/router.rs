@@ -452,17 +452,39 @@ fn router_of(registry: &kvedge_policies::RouterPluginRegistry, type_name: &str) 
     Router::from_config(&config)
 }
 
-/// A router with the `predicted-ttft` policy everywhere.
+/// A router with the `predicted-ttft` policy everywhere, with no price on
+/// recomputation: its cost is exactly the predicted TTFT.
 fn predicted_ttft_router() -> Router {
-    router_of(&kvedge_policies::router_plugin_registry(), "predicted-ttft")
+    router_of(
+        &kvedge_policies::router_plugin_registry(),
+        "predicted-ttft\n      parameters:\n        recompute_weight: 0",
+    )
+}
+
+/// A router of the built-in policies, with `yaml` as its configuration.
+fn configured(yaml: &str) -> Router {
+    let config = kvedge_config::Config::load(
+        "test",
+        yaml,
+        &kvedge_policies::router_plugin_registry(),
+        &Default::default(),
+    )
+    .unwrap();
+    Router::from_config(&config)
 }
 
 /// Teaches the router that worker `slot` does a 4,096-token prefill in
 /// `ms` milliseconds, `n` times (requests pinned to it, first token
-/// reported `ms` after the select, then finished).
+/// reported `ms` after the select, then finished). Each prompt is new:
+/// a prompt sent again would count as cached where it went before.
 fn teach(router: &mut Router, worker: u64, ms: u64, n: u64, clock: &mut u64) {
-    let hashes = sequence_hashes(&prompt(90 + worker as u32, 4096), 16, None, None);
-    for _ in 0..n {
+    for i in 0..n {
+        let hashes = sequence_hashes(
+            &prompt(1000 * worker as u32 + i as u32, 4096),
+            16,
+            None,
+            None,
+        );
         let r = router
             .select(&SelectRequest {
                 pinned: Some(WorkerWithDpRank::new(worker, 0)),
@@ -579,9 +601,9 @@ fn an_unknown_worker_is_neutral_not_slow() {
     let (speed, source) = router.prefill_speed(b.slot);
     assert_eq!(source, kvedge_policies::predict::SpeedSource::Peers);
     assert!(speed > 30_000.0, "{speed}");
-    let hashes = sequence_hashes(&prompt(7, 2048), 16, None, None);
     let mut to_new = 0;
-    for _ in 0..20 {
+    for i in 0..20 {
+        let hashes = sequence_hashes(&prompt(7000 + i, 2048), 16, None, None);
         let r = router
             .select(&SelectRequest {
                 now_ms: clock,
@@ -671,4 +693,156 @@ fn approximate_selects_follow_where_earlier_ones_went_and_ignore_engine_events()
     router.unregister(a.slot);
     router.unregister(b.slot);
     assert_eq!(router.approx.entries(), 0);
+}
+
+/// Four engines reporting the same idle load.
+fn four_idle(router: &mut Router) -> Vec<Engine> {
+    let mut engines: Vec<Engine> = (1..=4).map(|id| engine(router, id)).collect();
+    for e in &mut engines {
+        e.publisher
+            .publish_load(&Load {
+                kv_total_blocks: 10_000,
+                ..Load::default()
+            })
+            .unwrap();
+        ingest(router, e);
+    }
+    engines
+}
+
+/// A 64-block document nobody holds, then an 8-block question `q`
+/// (1,152 tokens).
+fn document_and(q: u32) -> Vec<u64> {
+    let mut tokens = prompt(5, 1024);
+    tokens.extend(prompt(600 + q, 128));
+    sequence_hashes(&tokens, 16, None, None)
+}
+
+#[test]
+fn a_new_prefix_goes_where_it_was_just_sent_before_its_engine_reports_it() {
+    // The default policy, with prefix reservations (the default) and
+    // without.
+    for window in [10_000, 0] {
+        let mut router = configured(&format!("daemon:\n  prefix_reservation_ms: {window}\n"));
+        let engines = four_idle(&mut router);
+        let (first, second) = (document_and(1), document_and(2));
+        let a = router
+            .select(&SelectRequest {
+                now_ms: 1_000,
+                ..req(&first, 1152)
+            })
+            .unwrap();
+        assert_eq!(a.overlap_blocks[0], 0);
+        // 1 ms later, long before any engine could have published the
+        // document's blocks.
+        let b = router
+            .select(&SelectRequest {
+                now_ms: 1_001,
+                ..req(&second, 1152)
+            })
+            .unwrap();
+        if window == 0 {
+            // The load alone decides: the first worker is busy with the
+            // document's prefill, so the second computes it again.
+            assert_ne!(b.worker, a.worker);
+            assert_eq!(b.overlap_blocks[0], 0);
+            continue;
+        }
+        assert_eq!(b.worker, a.worker, "the same new prefix, the same engine");
+        assert_eq!(b.overlap_blocks[0], 64, "counted as about to be cached");
+        // The engine's word beats the reservation: evicting the document's
+        // second half leaves 32 blocks.
+        let slot = a.slot.unwrap();
+        let held = engines.iter().find(|e| e.slot == slot).unwrap();
+        router.apply_removed(held.slot, Tier::Device, &first[32..64]);
+        let probe = document_and(3);
+        let c = router
+            .select(&SelectRequest {
+                dry_run: true,
+                now_ms: 1_002,
+                pinned: Some(a.worker),
+                ..req(&probe, 1152)
+            })
+            .unwrap();
+        assert_eq!(c.overlap_blocks[0], 32);
+        // And a reservation its engine never confirms ends with its window.
+        let d = router
+            .select(&SelectRequest {
+                dry_run: true,
+                now_ms: 1_001 + window,
+                pinned: Some(a.worker),
+                ..req(&probe, 1152)
+            })
+            .unwrap();
+        assert_eq!(d.overlap_blocks[0], 0);
+    }
+}
+
+#[test]
+fn a_hot_prefix_spreads_only_when_the_queue_makes_it_pay() {
+    // Requests for one hot document (64 blocks, then 8 of a question of
+    // its own) arrive 1 ms apart and none has finished its prefill: each
+    // waits behind the ones before it on the worker holding the document.
+    let mut router = Router::with_defaults();
+    let _engines = four_idle(&mut router);
+    let mut picks = Vec::new();
+    for q in 0..60 {
+        let hashes = document_and(q);
+        let r = router
+            .select(&SelectRequest {
+                now_ms: 10_000 + u64::from(q),
+                ..req(&hashes, 1152)
+            })
+            .unwrap();
+        picks.push((r.worker.worker_id, r.overlap_blocks[0]));
+    }
+    let first = picks[0].0;
+    // The document's worker keeps it while waiting there is cheaper than
+    // computing the document again elsewhere...
+    let stayed = picks.iter().take_while(|p| p.0 == first).count();
+    assert!(stayed >= 2, "{picks:?}");
+    // ...then a second worker takes a share and computes it once: every
+    // later request there finds it (reserved or cached), so the prefix
+    // spreads to the few workers its queue needs, not to every request.
+    assert!(stayed < 60, "the queue never made spreading pay: {picks:?}");
+    let workers: std::collections::BTreeSet<u64> = picks.iter().map(|p| p.0).collect();
+    let recomputed = picks.iter().filter(|p| p.1 == 0).count();
+    assert_eq!(
+        recomputed,
+        workers.len(),
+        "the document was computed once per worker it went to: {picks:?}"
+    );
+    assert!(workers.len() >= 2);
+}
+
+#[test]
+fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
+    // The built-in policy for aggregated workers is predicted-ttft with a
+    // recompute weight of 1: its cost is the predicted TTFT plus the
+    // request's own prefill.
+    let mut router = Router::with_defaults();
+    assert_eq!(
+        router.policy_name(WorkerType::Aggregated),
+        ("default", "predicted-ttft")
+    );
+    assert_eq!(
+        router.policy_name(WorkerType::Decode),
+        ("default", "dynamo-default-cost-fn")
+    );
+    let _engines = four_idle(&mut router);
+    let hashes = document_and(1);
+    router.set_explain_costs(true);
+    let r = router
+        .select(&SelectRequest {
+            dry_run: true,
+            ..req(&hashes, 1152)
+        })
+        .unwrap();
+    let terms = router.last_ttft(r.slot.unwrap());
+    assert!(terms.prefill_s > 0.0);
+    assert!(
+        (r.cost - (terms.total_s() + terms.prefill_s)).abs() < 1e-12,
+        "{} vs {terms:?}",
+        r.cost
+    );
 }
