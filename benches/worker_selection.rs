@@ -65,6 +65,7 @@ fn rows(n: usize) -> Vec<CandidateRow> {
             },
             preferred_taint_multiplier: None,
             predicted_ttft_s: None,
+            predicted_prefill_s: None,
         })
         .collect()
 }
@@ -298,6 +299,7 @@ fn predicted_ttft_selection(c: &mut Criterion) {
                     });
                     table.push(CandidateRow {
                         predicted_ttft_s: Some(t.total_s()),
+                        predicted_prefill_s: Some(t.prefill_s),
                         ..*r
                     });
                 }

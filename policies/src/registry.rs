@@ -22,7 +22,6 @@ use std::sync::Arc;
 
 use serde::de::DeserializeOwned;
 
-use crate::builtin::default_cost::{DefaultCostParameters, default_cost_policy};
 use crate::builtin::register_builtins;
 use crate::config::RouterConfig;
 use crate::context::{RoutingPartition, WorkerType};
@@ -338,12 +337,12 @@ impl RouterPlugins {
         }
     }
 
-    /// `(instance name, type name)` serving `role`, or `("default",
-    /// "dynamo-default-cost-fn")`.
+    /// `(instance name, type name)` serving `role`, or `("default", the
+    /// built-in type for the role)` ([`crate::builtin::builtin_type`]).
     pub fn selection(&self, role: WorkerType) -> (&str, &str) {
         match &self.roles[role as usize] {
             Some(r) => (&r.name, &r.type_name),
-            None => (DEFAULT_SELECTION, crate::builtin::DEFAULT_COST_FN),
+            None => (DEFAULT_SELECTION, crate::builtin::builtin_type(role)),
         }
     }
 
@@ -364,11 +363,7 @@ impl RouterPlugins {
         partition: &RoutingPartition,
     ) -> Option<WorkerSelectionPolicy> {
         if name == DEFAULT_SELECTION {
-            return Some(default_cost_policy(
-                &self.router,
-                &DefaultCostParameters::default(),
-                partition,
-            ));
+            return Some(crate::builtin::builtin_policy(&self.router, partition));
         }
         let r = self.instances.get(name)?;
         Some((r.factory)(&self.router, partition.worker_type, partition))
@@ -378,7 +373,7 @@ impl RouterPlugins {
     pub fn build(&self, partition: &RoutingPartition) -> WorkerSelectionPolicy {
         match &self.roles[partition.worker_type as usize] {
             Some(r) => (r.factory)(&self.router, partition.worker_type, partition),
-            None => default_cost_policy(&self.router, &DefaultCostParameters::default(), partition),
+            None => crate::builtin::builtin_policy(&self.router, partition),
         }
     }
 }

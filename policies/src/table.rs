@@ -66,6 +66,9 @@ pub struct CandidateRow {
     pub preferred_taint_multiplier: Option<f64>,
     /// `TTFT`: the host's predicted time to first token, seconds.
     pub predicted_ttft_s: Option<f64>,
+    /// `TTFT`: of that, the request's own prefill on this worker (the
+    /// work it adds there), seconds.
+    pub predicted_prefill_s: Option<f64>,
 }
 
 /// Columnar candidates. Row order is unspecified to policies.
@@ -92,6 +95,8 @@ pub struct CandidateTable {
     pub(crate) taint: Vec<f64>,
     /// Predicted TTFT, seconds (NaN: not predicted).
     pub(crate) ttft: Vec<f64>,
+    /// The request's own predicted prefill, seconds (NaN: not predicted).
+    pub(crate) prefill: Vec<f64>,
     /// Some row may have host, disk or shared-cache overlap (conservative:
     /// cleared only by `reset`). Lets scorers skip three all-zero columns.
     pub(crate) lower_tiers: bool,
@@ -121,6 +126,7 @@ impl CandidateTable {
         self.kv_total.clear();
         self.taint.clear();
         self.ttft.clear();
+        self.prefill.clear();
         self.lower_tiers = false;
         self.any_taint = false;
     }
@@ -148,6 +154,8 @@ impl CandidateTable {
         self.taint
             .push(row.preferred_taint_multiplier.unwrap_or(f64::NAN));
         self.ttft.push(row.predicted_ttft_s.unwrap_or(f64::NAN));
+        self.prefill
+            .push(row.predicted_prefill_s.unwrap_or(f64::NAN));
         self.lower_tiers |= has_lower_tiers(&row.cache);
         self.any_taint |= row.preferred_taint_multiplier.is_some();
     }
@@ -223,6 +231,7 @@ impl CandidateTable {
             },
             preferred_taint_multiplier: (!taint.is_nan()).then_some(taint),
             predicted_ttft_s: Some(self.ttft[row]).filter(|t| !t.is_nan()),
+            predicted_prefill_s: Some(self.prefill[row]).filter(|t| !t.is_nan()),
         }
     }
 
@@ -257,6 +266,7 @@ impl CandidateTable {
         take(&mut self.kv_total, &src.kv_total, rows);
         take(&mut self.taint, &src.taint, rows);
         take(&mut self.ttft, &src.ttft, rows);
+        take(&mut self.prefill, &src.prefill, rows);
     }
 }
 

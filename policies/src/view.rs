@@ -221,6 +221,14 @@ impl<'a> WorkerCandidates<'a> {
             .then_some(&self.table.ttft[..])
     }
 
+    /// The request's own predicted prefill per candidate (seconds; NaN =
+    /// not predicted), part of `TTFT`, if declared.
+    pub fn prefill_column(&self) -> Option<&'a [f64]> {
+        self.grant
+            .contains(WorkerInputs::TTFT)
+            .then_some(&self.table.prefill[..])
+    }
+
     /// `PREFERRED_TAINT` column (NaN = no multiplier), if declared.
     pub fn preferred_taint_column(&self) -> Option<&'a [f64]> {
         self.grant

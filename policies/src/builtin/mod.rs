@@ -13,7 +13,7 @@
 //! | `cache-aware` | least loaded when imbalanced, else best overlap above a threshold |
 //! | `soft-pin` | keep the soft-affinity target until overloaded |
 //! | `tool-result-cache-local` | default cost, but tool-result turns go to the most device overlap |
-//! | `predicted-ttft` | the host's predicted time to first token + lowest cost (seeded ties) |
+//! | `predicted-ttft` | the host's predicted time to first token plus a price on the request's own prefill (`recompute_weight`) + lowest cost (seeded ties); the built-in for aggregated and prefill workers |
 
 pub mod default_cost;
 pub mod predicted_ttft;
@@ -53,6 +53,43 @@ fn pick_and_restore<P: WorkerPicker, S: Clone>(
 /// Type name of the default cost policy.
 pub const DEFAULT_COST_FN: &str = "dynamo-default-cost-fn";
 
+/// Type name of the predicted-TTFT policy.
+pub const PREDICTED_TTFT: &str = "predicted-ttft";
+
+/// The type of the built-in policy (the `default` selection) for `role`:
+/// `predicted-ttft` where the worker computes the prompt (aggregated and
+/// prefill), so a request goes where its first token comes soonest, which
+/// prices cache hits and queues in the same unit and balances only where
+/// that pays; the default cost elsewhere (decode and encode workers do not
+/// prefill the request's prompt).
+pub fn builtin_type(role: crate::context::WorkerType) -> &'static str {
+    use crate::context::WorkerType;
+    match role {
+        WorkerType::Aggregated | WorkerType::Prefill => PREDICTED_TTFT,
+        WorkerType::Decode | WorkerType::Encode => DEFAULT_COST_FN,
+    }
+}
+
+/// The built-in policy for `partition` (see [`builtin_type`]), seeded with
+/// the router seed.
+pub fn builtin_policy(
+    config: &crate::config::RouterConfig,
+    partition: &crate::context::RoutingPartition,
+) -> WorkerSelectionPolicy {
+    match builtin_type(partition.worker_type) {
+        PREDICTED_TTFT => predicted_ttft_policy(
+            config,
+            partition.worker_type,
+            partition,
+            config.seed,
+            predicted_ttft::DEFAULT_RECOMPUTE_WEIGHT,
+        ),
+        _ => {
+            default_cost::default_cost_policy(config, &DefaultCostParameters::default(), partition)
+        }
+    }
+}
+
 /// Registers every shipped type.
 pub fn register_builtins(
     registry: &mut RouterPluginRegistry,
@@ -67,7 +104,7 @@ pub fn register_builtins(
     registry.register_worker_selection("soft-pin", Arc::new(soft_pin_provider))?;
     registry
         .register_worker_selection("tool-result-cache-local", Arc::new(tool_result_provider))?;
-    registry.register_worker_selection("predicted-ttft", Arc::new(predicted_ttft_provider))?;
+    registry.register_worker_selection(PREDICTED_TTFT, Arc::new(predicted_ttft_provider))?;
     Ok(())
 }
 
@@ -179,13 +216,49 @@ fn power_of_two_provider(parameters: &WorkerSelectionPolicyParameters) -> Provid
     })
 }
 
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PredictedTtftParameters {
+    seed: Option<u64>,
+    #[serde(default = "default_recompute_weight")]
+    recompute_weight: f64,
+}
+
+fn default_recompute_weight() -> f64 {
+    predicted_ttft::DEFAULT_RECOMPUTE_WEIGHT
+}
+
 fn predicted_ttft_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
-    seeded(parameters, |rng| {
-        (
-            vec![Box::new(predicted_ttft::PredictedTtftScorer)],
-            Box::new(LowestCostRandomTiesPicker::new(rng)),
+    let p: PredictedTtftParameters = parameters.deserialize()?;
+    non_negative("recompute_weight", p.recompute_weight)?;
+    Ok(Arc::new(move |config, worker_type, partition| {
+        predicted_ttft_policy(
+            config,
+            worker_type,
+            partition,
+            p.seed.unwrap_or(config.seed),
+            p.recompute_weight,
         )
-    })
+    }))
+}
+
+fn predicted_ttft_policy(
+    config: &crate::config::RouterConfig,
+    worker_type: crate::context::WorkerType,
+    partition: &crate::context::RoutingPartition,
+    seed: u64,
+    recompute_weight: f64,
+) -> WorkerSelectionPolicy {
+    WorkerSelectionPolicy::new(
+        config.clone(),
+        worker_type.as_str(),
+        vec![Box::new(predicted_ttft::PredictedTtftScorer {
+            recompute_weight,
+        })],
+        Box::new(LowestCostRandomTiesPicker::new(PolicyRng::for_partition(
+            seed, partition,
+        ))),
+    )
 }
 
 fn least_kv_usage_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {

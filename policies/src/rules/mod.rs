@@ -519,7 +519,7 @@ fn rank_by_policy(
         if c.kind != CandidateKind::Local {
             continue;
         }
-        table.push(c.as_candidate_row(ttft.predict(c, request)));
+        table.push(c.as_candidate_row(ttft.predict_terms(c, request).as_ref()));
         rows.push(i);
     }
     if rows.is_empty() {

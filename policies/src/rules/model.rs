@@ -3,7 +3,7 @@
 //! the PredictedTTFT model.
 
 use crate::context::AgentHeaders;
-use crate::predict::{TtftInputs, TtftPredictor};
+use crate::predict::{TtftInputs, TtftPredictor, TtftTerms};
 use crate::table::WorkerWithDpRank;
 
 use super::predicate::AttrValue;
@@ -94,7 +94,7 @@ impl<'a> RuleCandidate<'a> {
     /// The candidate as a worker-selection row (missing signals as zero;
     /// KV usage as parts per million of a nominal capacity), with its
     /// predicted TTFT.
-    pub fn as_candidate_row(&self, predicted_ttft_s: Option<f64>) -> crate::table::CandidateRow {
+    pub fn as_candidate_row(&self, ttft: Option<&TtftTerms>) -> crate::table::CandidateRow {
         use crate::table::{CacheRow, CandidateRow, LoadRow, OccupancyRow};
         const NOMINAL: u64 = 1_000_000;
         CandidateRow {
@@ -117,7 +117,8 @@ impl<'a> RuleCandidate<'a> {
                 kv_total_blocks: NOMINAL,
             },
             preferred_taint_multiplier: None,
-            predicted_ttft_s,
+            predicted_ttft_s: ttft.map(|t| t.total_s()),
+            predicted_prefill_s: ttft.map(|t| t.prefill_s),
         }
     }
 
@@ -309,6 +310,11 @@ impl TtftPredictor {
     /// `None` for a provider or a worker without load signals.
     #[inline]
     pub fn predict(&self, c: &RuleCandidate<'_>, r: &RuleRequest<'_>) -> Option<f64> {
+        self.predict_terms(c, r).map(|t| t.total_s())
+    }
+
+    /// The prediction's terms for a local candidate.
+    pub fn predict_terms(&self, c: &RuleCandidate<'_>, r: &RuleRequest<'_>) -> Option<TtftTerms> {
         if c.kind != CandidateKind::Local {
             return None;
         }
@@ -324,7 +330,7 @@ impl TtftPredictor {
             learned_tokens_per_second: c.prefill_tokens_per_second,
             peer_tokens_per_second: None,
         };
-        Some(self.terms(&inputs).total_s())
+        Some(self.terms(&inputs))
     }
 }
 

@@ -98,6 +98,7 @@ impl W {
             },
             preferred_taint_multiplier: self.taint,
             predicted_ttft_s: self.ttft,
+            predicted_prefill_s: self.ttft.map(|_| 0.0),
         }
     }
 }
