@@ -43,9 +43,9 @@ struct Args {
 
 fn usage() -> &'static str {
     "cargo bench --bench shootout -- [--routers kvedge,envoy-rr,sglang,sglang:round_robin,vllm]
-    [--shapes multi-turn,system-prompts] [--rates 4,8,12] [--requests 1000] [--runs 2]
+    [--shapes multi-turn,system-prompts] [--rates 4,10,16] [--requests 1000] [--runs 2]
     [--out target/shootout] [--kvedge PATH] [--envoy PATH] [--peers VENV] [--install-peers]
-    [--prefill-tokens-per-s 8000] [--device-blocks 2048] [--seed 1] [--smoke]"
+    [--prefill-tokens-per-s 2000] [--device-blocks 2048] [--seed 1] [--smoke]"
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -56,7 +56,7 @@ fn parse_args() -> Result<Args, String> {
             .map(|r| Router::parse(r))
             .collect::<Result<_, _>>()?,
         shapes: vec![Shape::MultiTurn, Shape::SystemPrompts],
-        rates: vec![4.0, 8.0, 12.0],
+        rates: vec![4.0, 10.0, 16.0],
         requests: 1000,
         runs: 2,
         out: root.join("target/shootout"),
@@ -77,7 +77,7 @@ fn parse_args() -> Result<Args, String> {
             engines: 4,
             block_size: 16,
             device_blocks: 2048,
-            prefill_tokens_per_s: 8000.0,
+            prefill_tokens_per_s: 2000.0,
             step_base_us: 6000.0,
             max_running: 64,
         },
