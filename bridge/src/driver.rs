@@ -609,36 +609,123 @@ async fn probe(endpoint: &str) -> bool {
     )
 }
 
-/// When the engine was last heard (an event, a scrape, an accepted probe
-/// or connection), and whether the rank has declared it silent.
-#[derive(Debug, Default)]
+/// Whether a rank's engine counts as alive, from every signal it gives:
+/// when it was last heard (an event, a scrape, an accepted probe or
+/// connection), whether its events connection is down and since when,
+/// whether its metrics reads have been failing and since when; and
+/// whether the rank has declared it silent (out of routing, its blocks
+/// dropped) until those signals say otherwise.
+#[derive(Debug)]
 struct Liveness {
+    timeout: Duration,
+    /// Zero: only silence counts.
+    down_after: Duration,
     heard: Option<Instant>,
+    /// Whether the events connection was ever made: one never made is an
+    /// engine that does not publish (routed on its load alone), not one
+    /// that went down.
+    events_seen: bool,
+    events_down: Option<Instant>,
+    scrapes_failing: Option<Instant>,
     silent: bool,
 }
 
+/// What [`Liveness::check`] found changed.
+#[derive(Debug, PartialEq, Eq)]
+enum Change {
+    /// The engine is dead to routing now, for this reason.
+    Silent(String),
+    /// The engine is alive again.
+    Back,
+}
+
 impl Liveness {
-    fn hear(&mut self, rank: &EngineRank) {
-        self.heard = Some(Instant::now());
-        if std::mem::take(&mut self.silent) {
-            info!(
-                worker = rank.worker_id,
-                dp_rank = rank.dp_rank,
-                "engine heard again"
-            );
+    fn new(timeout: Duration, down_after: Duration) -> Liveness {
+        Liveness {
+            timeout,
+            down_after,
+            heard: None,
+            events_seen: false,
+            events_down: None,
+            scrapes_failing: None,
+            silent: false,
         }
     }
 
-    fn alive(&self, now: Instant, timeout: Duration) -> bool {
-        self.heard.is_some_and(|h| now.duration_since(h) < timeout)
+    fn hear(&mut self, now: Instant) {
+        self.heard = Some(now);
     }
 
-    /// Whether the engine has just gone silent (once per silence, and only
-    /// after it was heard at all).
-    fn goes_silent(&mut self, now: Instant, timeout: Duration) -> bool {
-        let fresh = !self.silent && self.heard.is_some() && !self.alive(now, timeout);
-        self.silent |= fresh;
-        fresh
+    /// The events connection is (again) made, or a message came over it.
+    fn events_up(&mut self, now: Instant) {
+        self.events_seen = true;
+        self.events_down = None;
+        self.hear(now);
+    }
+
+    /// The events connection closed, or could not be made again (the
+    /// first time counts).
+    fn events_lost(&mut self, now: Instant) {
+        if self.events_seen {
+            self.events_down.get_or_insert(now);
+        }
+    }
+
+    fn scrape_read(&mut self, now: Instant) {
+        self.scrapes_failing = None;
+        self.hear(now);
+    }
+
+    fn scrape_failed(&mut self, now: Instant) {
+        self.scrapes_failing.get_or_insert(now);
+    }
+
+    /// Why the engine counts as dead at `now`, if it does.
+    fn dead(&self, now: Instant) -> Option<String> {
+        let down_for = |since: Option<Instant>| {
+            since
+                .map(|t| now.duration_since(t))
+                .filter(|d| !self.down_after.is_zero() && *d >= self.down_after)
+        };
+        if let Some(d) = down_for(self.events_down) {
+            return Some(format!(
+                "its events connection has been closed for {:.1} s",
+                d.as_secs_f64()
+            ));
+        }
+        if let Some(d) = down_for(self.scrapes_failing) {
+            return Some(format!(
+                "its metrics have not been read for {:.1} s",
+                d.as_secs_f64()
+            ));
+        }
+        match self.heard {
+            Some(h) if now.duration_since(h) < self.timeout => None,
+            _ => Some(format!(
+                "no events, metrics or connection from the engine for {:?}",
+                self.timeout
+            )),
+        }
+    }
+
+    fn alive(&self, now: Instant) -> bool {
+        self.dead(now).is_none()
+    }
+
+    /// Whether the engine has just gone dead (once per death, and only
+    /// after it was heard at all) or come back.
+    fn check(&mut self, now: Instant) -> Option<Change> {
+        match (self.silent, self.dead(now)) {
+            (false, Some(why)) if self.heard.is_some() => {
+                self.silent = true;
+                Some(Change::Silent(why))
+            }
+            (true, None) => {
+                self.silent = false;
+                Some(Change::Back)
+            }
+            _ => None,
+        }
     }
 }
 
@@ -686,7 +773,9 @@ async fn run_rank(
     let mut last_message = Instant::now();
     let mut last_probe = Instant::now();
     let mut probe_failed = false;
-    let mut liveness = Liveness::default();
+    let mut liveness = Liveness::new(timeout, Duration::from_millis(rank.down_after_ms));
+    // Connections to a bound events port open now.
+    let mut peers = 0usize;
     let mut sub_problem_logged = false;
     // Ask the replay socket what was missed: at start (the engine's
     // history), and each time the connection to its publisher is made
@@ -704,12 +793,13 @@ async fn run_rank(
                     sub = Some(s);
                     last_message = Instant::now();
                     if !rank.events_bind {
-                        liveness.hear(&rank);
+                        liveness.events_up(Instant::now());
                         catch_up = true;
                     }
                     sub_problem_logged = false;
                 }
                 Err(e) if !sub_problem_logged => {
+                    liveness.events_lost(Instant::now());
                     let level_warn = rank.events_bind;
                     if level_warn {
                         warn!(
@@ -726,7 +816,7 @@ async fn run_rank(
                     }
                     sub_problem_logged = true;
                 }
-                Err(_) => {}
+                Err(_) => liveness.events_lost(Instant::now()),
             }
         }
         if std::mem::take(&mut catch_up) {
@@ -743,8 +833,12 @@ async fn run_rank(
             event = recv => {
                 let now = Instant::now();
                 match event {
-                    // A connecting socket's one connection ended: open it again.
-                    None => close(&mut sub, &mut reported),
+                    // A connecting socket's one connection ended: open it
+                    // again (the engine is down until that works).
+                    None => {
+                        close(&mut sub, &mut reported);
+                        liveness.events_lost(now);
+                    }
                     Some(SubEvent::Message { peer, frames: msg }) => {
                         let from = Sender { peer, trusted: !rank.events_bind };
                         match frames(&msg) {
@@ -752,7 +846,7 @@ async fn run_rank(
                                 let step = feed_live(&rank, from, seq, &payload, &mut feed, &mut publisher).await;
                                 if step != Live::Ignored {
                                     last_message = Instant::now();
-                                    liveness.hear(&rank);
+                                    liveness.events_up(last_message);
                                     // The engine works: its load is read at
                                     // the busy pace.
                                     events.published();
@@ -762,10 +856,18 @@ async fn run_rank(
                         }
                     }
                     Some(SubEvent::Joined { peer, addr }) => {
+                        // Only allowed addresses get this far: the engine's
+                        // own hosts.
+                        peers += 1;
+                        liveness.events_up(now);
                         debug!(worker = rank.worker_id, dp_rank = rank.dp_rank, "events: peer {peer} ({addr}) connected");
                     }
                     Some(SubEvent::Left { peer, error }) => {
                         feed.handle_left(peer);
+                        peers = peers.saturating_sub(1);
+                        if peers == 0 {
+                            liveness.events_lost(now);
+                        }
                         if error.is_protocol() {
                             if let Some(n) = logs.dropped.allow(now) {
                                 warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "events: peer {peer} was disconnected: {error}{}", held_back(n));
@@ -790,8 +892,17 @@ async fn run_rank(
                 let scraped = loads.borrow_and_update().clone();
                 match scraped {
                     Scraped::Read(reading) => {
-                        liveness.hear(&rank);
-                        let _ = publisher.publish_load(&scrape::load(&reading, monotonic_ns(start)));
+                        let now = Instant::now();
+                        liveness.scrape_read(now);
+                        if reported.unreadable.end() {
+                            info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "the engine's load is read again");
+                            let _ = publisher.publish_notice(notice::over(notice::LOAD_UNREADABLE), reported.unreadable.count, "");
+                        }
+                        // A load is a sign of life to the daemon: none
+                        // while another signal says the engine is down.
+                        if liveness.alive(now) {
+                            let _ = publisher.publish_load(&scrape::load(&reading, monotonic_ns(start)));
+                        }
                         if let Some(bs) = reading.block_size
                             && bs != u64::from(rank.block_size)
                             && !reported.block_size_warned
@@ -803,13 +914,13 @@ async fn run_rank(
                         }
                     }
                     Scraped::Failed(why) => {
-                        reported.scrape_failures += 1;
-                        let n = reported.scrape_failures;
-                        if n == 1 {
-                            warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "cannot read the engine's load: {why}");
-                        }
-                        if n.is_power_of_two() {
-                            let _ = publisher.publish_notice(notice::LOAD_UNREADABLE, n, &why);
+                        let now = Instant::now();
+                        liveness.scrape_failed(now);
+                        if let Some(first) = reported.unreadable.fail(now) {
+                            if first {
+                                warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "cannot read the engine's load: {why}");
+                            }
+                            let _ = publisher.publish_notice(notice::LOAD_UNREADABLE, reported.unreadable.count, &why);
                         }
                     }
                     Scraped::Nothing => {}
@@ -817,12 +928,25 @@ async fn run_rank(
             }
             _ = tick.tick() => {
                 let now = Instant::now();
-                if liveness.goes_silent(now, timeout) {
-                    let message = format!("no events, metrics or connection from the engine for {timeout:?}: its blocks were dropped and it is out of routing until it is heard again");
-                    warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
-                    feed.forget(&mut Ring(&mut publisher));
-                    reported.silent += 1;
-                    let _ = publisher.publish_notice(notice::SILENT, reported.silent, &message);
+                match liveness.check(now) {
+                    Some(Change::Silent(why)) => {
+                        let message = format!("{why}: its blocks were dropped and it is out of routing until it is heard again");
+                        warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
+                        feed.forget(&mut Ring(&mut publisher));
+                        reported.silent += 1;
+                        let _ = publisher.publish_notice(notice::SILENT, reported.silent, &message);
+                    }
+                    Some(Change::Back) => {
+                        info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
+                        let _ = publisher.publish_notice(notice::over(notice::SILENT), reported.silent, "");
+                        // Back in routing with the daemon at once.
+                        let _ = publisher.heartbeat(monotonic_ns(start));
+                    }
+                    None => {}
+                }
+                // A count still climbing is published at most once a second.
+                if reported.unreadable.due(now) {
+                    let _ = publisher.publish_notice(notice::LOAD_UNREADABLE, reported.unreadable.count, "");
                 }
                 if !rank.events_bind
                     && sub.is_some()
@@ -831,13 +955,14 @@ async fn run_rank(
                 {
                     last_probe = now;
                     if probe(&rank.events).await {
-                        liveness.hear(&rank);
+                        liveness.hear(Instant::now());
                         if std::mem::take(&mut probe_failed) {
                             debug!(worker = rank.worker_id, "events socket is back; re-opening");
                             close(&mut sub, &mut reported);
                         }
                     } else {
                         probe_failed = true;
+                        liveness.events_lost(now);
                     }
                 }
                 reported.refused_now = reported.refused_before + sub.as_ref().map_or(0, refusals);
@@ -856,7 +981,7 @@ async fn run_rank(
                 while let Some(action) = session.poll_action(Instant::now()) {
                     match action {
                         // Heartbeats only while the engine shows life.
-                        Action::Heartbeat if liveness.alive(now, timeout) => {
+                        Action::Heartbeat if liveness.alive(now) => {
                             let _ = publisher.heartbeat(monotonic_ns(start));
                         }
                         Action::Heartbeat | Action::Register => {}
@@ -910,8 +1035,65 @@ struct Reported {
     /// The sentence each code was first reported with.
     messages: HashMap<u16, String>,
     block_size_warned: bool,
-    scrape_failures: u64,
+    unreadable: Unreadable,
 }
+
+/// The engine's failed metrics reads, as notices: the first failure at
+/// once, a climbing count at most once a second, the end when a read
+/// works again.
+#[derive(Debug, Default)]
+struct Unreadable {
+    /// Failed reads so far (the notice's count).
+    count: u64,
+    /// Whether reads are failing now.
+    failing: bool,
+    /// When the count was last published, and whether it moved since.
+    published: Option<Instant>,
+    unpublished: bool,
+}
+
+impl Unreadable {
+    /// A read failed: `Some(first)` when the count is to be published now
+    /// (`first`: the first failure of this run).
+    fn fail(&mut self, now: Instant) -> Option<bool> {
+        self.count += 1;
+        let first = !std::mem::replace(&mut self.failing, true);
+        if first
+            || self
+                .published
+                .is_none_or(|t| now.duration_since(t) >= NOTICE_EVERY)
+        {
+            self.published = Some(now);
+            self.unpublished = false;
+            return Some(first);
+        }
+        self.unpublished = true;
+        None
+    }
+
+    /// Whether a count that moved since it was last published is due.
+    fn due(&mut self, now: Instant) -> bool {
+        let due = self.failing
+            && self.unpublished
+            && self
+                .published
+                .is_none_or(|t| now.duration_since(t) >= NOTICE_EVERY);
+        if due {
+            self.published = Some(now);
+            self.unpublished = false;
+        }
+        due
+    }
+
+    /// A read worked: whether that ends a run of failures.
+    fn end(&mut self) -> bool {
+        self.unpublished = false;
+        std::mem::take(&mut self.failing)
+    }
+}
+
+/// How often a count still climbing is published again.
+const NOTICE_EVERY: Duration = Duration::from_secs(1);
 
 /// Publishes a notice for each count that moved, and logs each reason
 /// (the feed's lines at most once a second per kind, skips the first time
@@ -1007,6 +1189,96 @@ mod tests {
             running: Some(running),
             ..Reading::default()
         }])
+    }
+
+    #[test]
+    fn a_closed_events_connection_or_failing_reads_take_an_engine_down_and_back() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut l = Liveness::new(ms(30_000), ms(2_000));
+        // Never heard: nothing to declare.
+        assert_eq!(l.check(t0), None);
+        l.events_up(t0);
+        assert_eq!(l.check(t0 + ms(100)), None);
+        // The connection closes; a failed attempt to make it again does not
+        // move the start of the outage.
+        l.events_lost(t0 + ms(1_000));
+        l.events_lost(t0 + ms(2_500));
+        l.scrape_read(t0 + ms(2_900));
+        assert_eq!(l.check(t0 + ms(2_900)), None, "not down for 2 s yet");
+        let Some(Change::Silent(why)) = l.check(t0 + ms(3_000)) else {
+            panic!("down after 2 s of a closed connection, well within the 30 s heartbeat timeout");
+        };
+        assert!(
+            why.contains("events connection has been closed for 2.0 s"),
+            "{why}"
+        );
+        assert!(
+            !l.alive(t0 + ms(3_100)),
+            "metrics alone do not bring it back"
+        );
+        assert_eq!(l.check(t0 + ms(3_100)), None, "declared once");
+        l.events_up(t0 + ms(4_000));
+        assert_eq!(l.check(t0 + ms(4_000)), Some(Change::Back));
+        // Reads failing in a row: down after the same time, back at the
+        // first read that works.
+        l.scrape_failed(t0 + ms(5_000));
+        l.scrape_failed(t0 + ms(6_000));
+        l.events_up(t0 + ms(6_900));
+        let Some(Change::Silent(why)) = l.check(t0 + ms(7_000)) else {
+            panic!("down after 2 s of failed reads");
+        };
+        assert!(why.contains("metrics have not been read"), "{why}");
+        l.scrape_read(t0 + ms(7_200));
+        assert_eq!(l.check(t0 + ms(7_200)), Some(Change::Back));
+        // Silence still counts on its own.
+        assert!(
+            matches!(l.check(t0 + ms(37_300)), Some(Change::Silent(why)) if why.contains("no events"))
+        );
+    }
+
+    #[test]
+    fn an_events_connection_never_made_is_no_outage_and_zero_turns_the_signals_off() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        // An engine that does not publish events, routed on its metrics.
+        let mut l = Liveness::new(ms(30_000), ms(2_000));
+        l.events_lost(t0);
+        l.scrape_read(t0 + ms(100));
+        l.scrape_read(t0 + ms(5_000));
+        assert_eq!(l.check(t0 + ms(5_000)), None);
+        // down_after_ms: 0.
+        let mut l = Liveness::new(ms(30_000), Duration::ZERO);
+        l.events_up(t0);
+        l.events_lost(t0 + ms(1));
+        l.scrape_failed(t0 + ms(1));
+        l.hear(t0 + ms(20_000));
+        assert_eq!(l.check(t0 + ms(25_000)), None);
+    }
+
+    #[test]
+    fn failed_reads_are_counted_exactly_at_most_once_a_second_and_end() {
+        let ms = Duration::from_millis;
+        let t0 = Instant::now();
+        let mut u = Unreadable::default();
+        assert_eq!(u.fail(t0), Some(true), "the first failure at once");
+        for i in 1..10 {
+            assert_eq!(u.fail(t0 + ms(i * 100)), None);
+        }
+        assert!(!u.due(t0 + ms(950)));
+        assert!(
+            u.due(t0 + ms(1_000)),
+            "the count that moved, a second later"
+        );
+        assert_eq!(u.count, 10);
+        assert!(!u.due(t0 + ms(3_000)), "nothing new to say");
+        assert_eq!(u.fail(t0 + ms(3_000)), Some(false));
+        assert_eq!(u.count, 11);
+        assert!(u.end());
+        assert!(!u.end(), "ended once");
+        assert!(!u.due(t0 + ms(9_000)));
+        assert_eq!(u.fail(t0 + ms(9_000)), Some(true), "a new run of failures");
+        assert_eq!(u.count, 12, "counted on, not from zero");
     }
 
     #[test]

@@ -144,9 +144,10 @@ fn workers(out: &mut String, r: &Value) {
             let _ = writeln!(out, "{:>15} state: {}", "", text(&w["state"]));
         }
         for n in w["notices"].as_array().map_or(&[][..], Vec::as_slice) {
+            let over = if n["active"] == false { ", over" } else { "" };
             let _ = writeln!(
                 out,
-                "{:>15} {} ({}x): {}",
+                "{:>15} {} ({}x{over}): {}",
                 "",
                 text(&n["code"]),
                 text(&n["count"]),

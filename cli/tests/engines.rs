@@ -208,6 +208,7 @@ fn a_dead_exporter_takes_its_worker_out_of_routing() {
         },
         "the worker, live on its metrics alone",
     );
+    let metrics_port = e.port("metrics").to_string();
     drop(e);
     wait(
         || {
@@ -216,8 +217,9 @@ fn a_dead_exporter_takes_its_worker_out_of_routing() {
         },
         "the worker out of routing after its exporter died",
     );
-    // The bridge goes on reporting the load it cannot read (at failures
-    // 1, 2, 4, 8, ...); those reports are no sign of the engine's life.
+    // The bridge goes on reporting the load it cannot read (its exact
+    // count, at most once a second); those reports are no sign of the
+    // engine's life.
     let reported = notice(&worker(&mut c, 10), "load_unreadable");
     wait(
         || notice(&worker(&mut c, 10), "load_unreadable") > reported,
@@ -227,6 +229,121 @@ fn a_dead_exporter_takes_its_worker_out_of_routing() {
     let r =
         c.ask(json!({"op": "select", "model": "llama", "tokens": tokens(0, 16), "dry_run": true}));
     assert!(r["error"].is_object(), "no worker to pick: {r}");
+    // The exporter back where it was: the worker returns, and both
+    // notices are shown as over, their counts kept.
+    let _e = FakeEngine::spawn(&["--no-events", "--metrics-port", &metrics_port]);
+    wait(
+        || worker(&mut c, 10)["available"] == true,
+        "the worker back with its exporter",
+    );
+    let failed = notice(&worker(&mut c, 10), "load_unreadable");
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            active(&w, "load_unreadable") == Some(false) && active(&w, "silent") == Some(false)
+        },
+        "load_unreadable and silent over",
+    );
+    assert!(
+        failed >= reported,
+        "the count kept: {failed} after {reported}"
+    );
+    let text = c.ask(json!({"op": "metrics"}))["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        text.lines()
+            .any(|l| l.starts_with("kvedge_worker_notices_active{")
+                && l.contains("code=\"load_unreadable\"")
+                && l.ends_with(" 0")),
+        "{text}"
+    );
+}
+
+#[test]
+fn a_killed_engine_leaves_routing_long_before_its_heartbeat_timeout_and_its_restart_comes_back() {
+    let mut e = FakeEngine::spawn(&[]);
+    // A heartbeat timeout the test never reaches (`wait` gives up after
+    // 20 s): only the closed events connection can take the engine out.
+    let yaml = config(&e, "").replace("heartbeat_timeout_ms: 1500", "heartbeat_timeout_ms: 60000");
+    let d = start("engines-down", &yaml);
+    let mut c = Conn::connect(&d.query());
+    let old = tokens(0, 16);
+    e.store(1, &old);
+    wait_nudging(
+        &mut e,
+        || overlap(&mut c, &old) == 1,
+        "the engine's block indexed",
+    );
+    let ports: Vec<String> = ["events", "replay", "metrics"]
+        .iter()
+        .map(|p| e.port(p).to_string())
+        .collect();
+    drop(e);
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            w["available"] == false && notice(&w, "silent") == 1
+        },
+        "the killed engine out of routing (down_after_ms, 2 s by default)",
+    );
+    assert_eq!(overlap(&mut c, &old), 0, "its blocks dropped");
+    let w = worker(&mut c, 10);
+    assert_eq!(active(&w, "silent"), Some(true), "{w}");
+    assert!(
+        w["notices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|n| n["code"] == "silent"
+                && n["message"]
+                    .as_str()
+                    .unwrap()
+                    .contains("events connection has been closed")),
+        "{w}"
+    );
+    // Restarted where it was, it publishes one batch, likely before kvedge
+    // has connected again: the replay asked for on reconnection brings it.
+    let mut e = FakeEngine::spawn(&[
+        "--events-port",
+        &ports[0],
+        "--replay-port",
+        &ports[1],
+        "--metrics-port",
+        &ports[2],
+    ]);
+    let new = tokens(100, 116);
+    e.store(2, &new);
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            w["available"] == true && overlap(&mut c, &new) == 1
+        },
+        "the restarted engine back in routing with its first batch",
+    );
+    assert_eq!(
+        overlap(&mut c, &old),
+        0,
+        "no stale block of the killed process"
+    );
+    wait(
+        || {
+            let w = worker(&mut c, 10);
+            active(&w, "silent") == Some(false) && active(&w, "load_unreadable") == Some(false)
+        },
+        "silent and load_unreadable over",
+    );
+    assert_eq!(notice(&worker(&mut c, 10), "silent"), 1);
+}
+
+/// Whether the worker's notice `code` stands (None: never raised).
+fn active(row: &serde_json::Value, code: &str) -> Option<bool> {
+    row["notices"]
+        .as_array()?
+        .iter()
+        .find(|n| n["code"] == code)
+        .and_then(|n| n["active"].as_bool())
 }
 
 #[test]

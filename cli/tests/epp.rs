@@ -872,12 +872,15 @@ fn a_pool_of_engines_on_four_nodes_publishing_over_tcp_is_routed_through_envoy()
             reply["system_fingerprint"],
             format!("kvedge-mock-{}", node.worker)
         );
+        // Every full block of the prompt is published and indexed.
+        let blocks = reply["usage"]["prompt_tokens"].as_u64().unwrap() / 16;
+        assert!(blocks >= 8, "a document of a few hundred tokens: {reply}");
         wait_for(
             || {
                 ask(&d.query(), json!({"op": "stats"}))["index_entries"]
                     .as_u64()
                     .unwrap()
-                    >= before + 16
+                    >= before + blocks
             },
             "the node's blocks, over ZeroMQ",
         );

@@ -101,6 +101,13 @@ pub struct EngineSpec {
     /// `scrape_interval_ms` if that is longer.
     #[serde(default)]
     pub scrape_idle_interval_ms: Option<u64>,
+    /// How long a closed events connection (not made again) or metrics
+    /// reads failing in a row may last before the engine is taken out of
+    /// routing and its blocks dropped, ms; it comes back when they work
+    /// again. Independent of `daemon.heartbeat_timeout_ms`, which bounds
+    /// silence. 0: only silence counts.
+    #[serde(default = "down_after")]
+    pub down_after_ms: u64,
     /// 1-based line of the entry in the file, when known.
     #[serde(skip)]
     pub line: Option<usize>,
@@ -113,6 +120,13 @@ fn one() -> u32 {
 fn scrape_interval() -> u64 {
     100
 }
+
+fn down_after() -> u64 {
+    2_000
+}
+
+/// The longest `down_after_ms`.
+pub const MAX_DOWN_AFTER_MS: u64 = 600_000;
 
 fn events_max_peers() -> usize {
     4
@@ -148,6 +162,7 @@ pub struct EngineRank {
     pub topic: String,
     pub metrics: Option<String>,
     pub scrape_interval_ms: u64,
+    pub down_after_ms: u64,
     /// How many ranks the engine has (metrics of a multi-rank engine are
     /// told apart by their `engine` label).
     pub dp_ranks: u32,
@@ -293,6 +308,12 @@ impl EngineSpec {
                 self.scrape_interval_ms
             ));
         }
+        if self.down_after_ms > MAX_DOWN_AFTER_MS {
+            return Some(format!(
+                "`down_after_ms` must be at most {MAX_DOWN_AFTER_MS} (0: only silence counts), got {}",
+                self.down_after_ms
+            ));
+        }
         if !(1..=1024).contains(&self.events_max_peers) {
             return Some(format!(
                 "`events_max_peers` must be between 1 and 1024, got {}",
@@ -364,6 +385,7 @@ impl EngineSpec {
             topic: self.topic.clone(),
             metrics: self.metrics.clone(),
             scrape_interval_ms: self.scrape_interval_ms,
+            down_after_ms: self.down_after_ms,
             dp_ranks: self.dp_ranks,
         })
     }
@@ -546,6 +568,10 @@ mod tests {
             ),
             ("block_size: 0\n", "`block_size` must be positive"),
             ("scrape_interval_ms: 1\n", "at least 10"),
+            (
+                "down_after_ms: 600001\n",
+                "`down_after_ms` must be at most 600000 (0: only silence counts), got 600001",
+            ),
             (
                 "scrape_idle_interval_ms: 50\n",
                 "`scrape_idle_interval_ms` must be between `scrape_interval_ms` (100) and 60000, got 50",

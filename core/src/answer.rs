@@ -435,10 +435,11 @@ impl Core {
                         .map(|e| {
                             e.notices
                                 .iter()
-                                .map(|(code, count, message)| WorkerNotice {
-                                    code: kvedge_schema::messages::notice::name(*code),
-                                    count: *count,
-                                    message: message.clone(),
+                                .map(|n| WorkerNotice {
+                                    code: kvedge_schema::messages::notice::name(n.code),
+                                    count: n.count,
+                                    message: n.message.clone(),
+                                    active: n.active,
                                 })
                                 .collect()
                         })

@@ -83,9 +83,22 @@ pub(crate) struct Engine {
     /// When the last resync was asked for, or when the next one is due
     /// (`Resyncing` with snapshot id 0).
     pub resync_at: Instant,
-    /// The engine's notices about its own feed: (code, count so far,
-    /// message), one entry per code.
-    pub notices: Vec<(u16, u64, String)>,
+    /// The engine's notices about its own feed, one entry per code.
+    pub notices: Vec<EngineNotice>,
+}
+
+/// What an engine (or the bridge reading it) reported under one notice
+/// code.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EngineNotice {
+    pub code: u16,
+    /// How many times so far.
+    pub count: u64,
+    /// The latest explanation for people.
+    pub message: String,
+    /// Whether the condition stands: false once the producer said it is
+    /// over (the count is kept).
+    pub active: bool,
 }
 
 impl Engine {
@@ -201,16 +214,26 @@ impl Engine {
     /// daemon's memory with made-up codes).
     pub const MAX_NOTICES: usize = 16;
 
-    /// The engine reports `code` `count` times so far, with `message`.
+    /// The engine reports `code` `count` times so far, with `message`;
+    /// a code carrying [`notice::OVER`](kvedge_schema::messages::notice::OVER)
+    /// says the condition is over (its message, if any, replaces the
+    /// last one).
     pub fn notice(&mut self, code: u16, count: u64, message: &str) {
-        if let Some(n) = self.notices.iter_mut().find(|n| n.0 == code) {
-            n.1 = count;
-            if n.2 != message {
-                n.2.clear();
-                n.2.push_str(message);
+        let (code, over) = kvedge_schema::messages::notice::split(code);
+        if let Some(n) = self.notices.iter_mut().find(|n| n.code == code) {
+            n.count = count;
+            n.active = !over;
+            if !message.is_empty() && n.message != message {
+                n.message.clear();
+                n.message.push_str(message);
             }
         } else if self.notices.len() < Self::MAX_NOTICES {
-            self.notices.push((code, count, message.to_owned()));
+            self.notices.push(EngineNotice {
+                code,
+                count,
+                message: message.to_owned(),
+                active: !over,
+            });
         }
     }
 

@@ -434,15 +434,18 @@ pub fn render(s: &Snapshot) -> String {
         r.register(name, help, family);
     }
     let notices = Family::<NoticeLabels, Gauge>::default();
+    let standing = Family::<NoticeLabels, Gauge>::default();
     for w in &s.workers {
         for n in &w.notices {
+            let labels = NoticeLabels {
+                worker_id: w.worker_id.to_string(),
+                dp_rank: w.dp_rank.to_string(),
+                model: w.model.clone(),
+                code: n.code.to_owned(),
+            };
+            standing.get_or_create(&labels).set(i64::from(n.active));
             notices
-                .get_or_create(&NoticeLabels {
-                    worker_id: w.worker_id.to_string(),
-                    dp_rank: w.dp_rank.to_string(),
-                    model: w.model.clone(),
-                    code: n.code.to_owned(),
-                })
+                .get_or_create(&labels)
                 .set(i64::try_from(n.count).unwrap_or(i64::MAX));
         }
     }
@@ -450,6 +453,11 @@ pub fn render(s: &Snapshot) -> String {
         "worker_notices",
         "What an engine reported about its own feed (mismatches, lost events), by code: its count so far",
         notices,
+    );
+    r.register(
+        "worker_notices_active",
+        "1 while the condition a notice names stands, 0 once the engine's producer said it is over",
+        standing,
     );
     r.register("query_clients", "Open query connections", gauge(s.clients));
     r.register(

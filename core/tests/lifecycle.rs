@@ -691,6 +691,54 @@ fn the_core_says_when_it_is_due() {
 }
 
 #[test]
+fn a_notice_is_raised_cleared_and_counted() {
+    let mut h = Harness::new("{}");
+    let e = h.engine(1);
+    let report = |code: u16, count: u64, message: &str| {
+        Event::Notice(Notice {
+            code,
+            count,
+            message: message.into(),
+        })
+    };
+    let row = |h: &Harness| {
+        let n = &h.core.worker_rows()[0].notices[0];
+        (n.code, n.count, n.active, n.message.clone())
+    };
+    let unreadable = "http://10.0.0.5:8000/metrics: connection refused";
+    h.record(e, 0, report(notice::LOAD_UNREADABLE, 1, unreadable));
+    h.record(e, 0, report(notice::LOAD_UNREADABLE, 1234, unreadable));
+    assert_eq!(row(&h), ("load_unreadable", 1234, true, unreadable.into()));
+    let metrics = |h: &Harness| kvedge_core::metrics::render(&h.core.metrics());
+    let has = |text: &str, name: &str, value: &str| {
+        text.lines().any(|l| {
+            l.starts_with(name) && l.contains("code=\"load_unreadable\"") && l.ends_with(value)
+        })
+    };
+    let text = metrics(&h);
+    assert!(has(&text, "kvedge_worker_notices_active{", " 1"), "{text}");
+    // Over: the count is kept (in the row and the metric), the standing
+    // flag goes, the last explanation stays when the notice brings none.
+    h.record(
+        e,
+        0,
+        report(notice::over(notice::LOAD_UNREADABLE), 1300, ""),
+    );
+    assert_eq!(row(&h), ("load_unreadable", 1300, false, unreadable.into()));
+    let text = metrics(&h);
+    assert!(has(&text, "kvedge_worker_notices_active{", " 0"), "{text}");
+    assert!(has(&text, "kvedge_worker_notices{", " 1300"), "{text}");
+    // Raised again: standing, counting on.
+    h.record(e, 0, report(notice::LOAD_UNREADABLE, 1301, "HTTP 500"));
+    assert_eq!(row(&h), ("load_unreadable", 1301, true, "HTTP 500".into()));
+    // An end of a condition never raised is kept as over, not standing.
+    h.record(e, 0, report(notice::over(notice::SILENT), 2, ""));
+    let rows = h.core.worker_rows();
+    let silent = rows[0].notices.iter().find(|n| n.code == "silent").unwrap();
+    assert_eq!((silent.count, silent.active), (2, false));
+}
+
+#[test]
 fn an_engines_notices_reach_workers_and_are_bounded() {
     let mut h = Harness::new("{}");
     let e = h.engine(1);

@@ -269,9 +269,26 @@ pub mod notice {
     /// not allowed, too many peers, a failed handshake, or a broken cap.
     pub const EVENTS_REFUSED: u16 = 19;
 
-    /// The code's name, as `workers` and the metrics show it.
+    /// Set on a code: the condition it names is over (the engine is heard
+    /// again, its load is read again). The notice's `count` is the
+    /// condition's final count; a later notice without the flag raises it
+    /// again. Consumers that do not know the flag show an unknown code.
+    pub const OVER: u16 = 0x8000;
+
+    /// `code` as a notice that its condition is over.
+    pub const fn over(code: u16) -> u16 {
+        code | OVER
+    }
+
+    /// The condition a code names, and whether the notice says it is over.
+    pub const fn split(code: u16) -> (u16, bool) {
+        (code & !OVER, code & OVER != 0)
+    }
+
+    /// The code's name, as `workers` and the metrics show it (the same
+    /// for a notice that says its condition is over).
     pub fn name(code: u16) -> &'static str {
-        match code {
+        match split(code).0 {
             BLOCK_SIZE_MISMATCH => "block_size_mismatch",
             NO_TOKEN_IDS => "no_token_ids",
             UNKNOWN_PARENT => "unknown_parent",

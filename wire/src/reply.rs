@@ -246,6 +246,9 @@ pub struct WorkerNotice {
     pub count: u64,
     /// What happened and how to fix it.
     pub message: String,
+    /// Whether it stands now: false once the engine's producer said the
+    /// condition is over (an engine heard again, its load read again).
+    pub active: bool,
 }
 
 /// The daemon's counters (`stats`).
