@@ -424,7 +424,11 @@ impl Core {
                 let load = self.router.load.projected(slot);
                 let report = self.router.load.reported(slot);
                 let speed = self.router.prefill_speed(slot);
+                let picks = self.router.picks(slot);
                 WorkerRow {
+                    picks: picks.requests,
+                    picked_prompt_blocks: picks.prompt_blocks,
+                    picked_cached_blocks: picks.cached_blocks,
                     worker_id: w.worker.worker_id,
                     dp_rank: w.worker.dp_rank,
                     model: w.model.clone(),

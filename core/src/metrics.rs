@@ -433,6 +433,36 @@ pub fn render(s: &Snapshot) -> String {
         }
         r.register(name, help, family);
     }
+    let per_worker_counts: [(&str, &str, WorkerValue); 3] = [
+        (
+            "worker_picks",
+            "Requests the worker was picked for since it registered",
+            |w| w.picks,
+        ),
+        (
+            "worker_picked_prompt_blocks",
+            "Full blocks of the prompts the worker was picked for",
+            |w| w.picked_prompt_blocks,
+        ),
+        (
+            "worker_picked_cached_blocks",
+            "Of those, blocks in its device cache (or reserved there) when it was picked: rate(cached) / rate(prompt) is its hit rate",
+            |w| w.picked_cached_blocks,
+        ),
+    ];
+    for (name, help, value) in per_worker_counts {
+        let family = Family::<WorkerLabels, Counter>::default();
+        for w in &s.workers {
+            family
+                .get_or_create(&WorkerLabels {
+                    worker_id: w.worker_id.to_string(),
+                    dp_rank: w.dp_rank.to_string(),
+                    model: w.model.clone(),
+                })
+                .inc_by(value(w));
+        }
+        r.register(name, help, family);
+    }
     let notices = Family::<NoticeLabels, Gauge>::default();
     let standing = Family::<NoticeLabels, Gauge>::default();
     for w in &s.workers {

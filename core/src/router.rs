@@ -216,6 +216,18 @@ pub struct Router {
     prefill: Prefill,
     /// What the last selection saw, for `explain`.
     explained: Explained,
+    /// Per slot: what its worker was picked for since it registered.
+    picks: [Picks; MAX_WORKERS],
+}
+
+/// What a worker was picked for: requests, and their prompts' blocks, in
+/// all and found in its device cache (its hit rate, as kvedge counted it
+/// when it picked).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Picks {
+    pub requests: u64,
+    pub prompt_blocks: u64,
+    pub cached_blocks: u64,
 }
 
 /// The TTFT predictor (the `ttft:` section), and per slot the prefill
@@ -267,6 +279,7 @@ impl Router {
             max_workers: MAX_WORKERS,
             rules: None,
             rule_policy: None,
+            picks: [Picks::default(); MAX_WORKERS],
             prefill: Prefill {
                 ttft: TtftPredictor::default(),
                 speed: [PrefillSpeedLearner::default(); MAX_WORKERS],
@@ -422,6 +435,7 @@ impl Router {
         self.approx.remove_worker(slot);
         self.load.remove_worker(slot);
         self.prefill.speed[free] = PrefillSpeedLearner::default();
+        self.picks[free] = Picks::default();
         self.update_peer_speed();
         self.syncing &= !(1u64 << free);
         self.workers[free] = Some(info);
@@ -447,6 +461,11 @@ impl Router {
 
     pub fn worker(&self, slot: Slot) -> Option<&WorkerInfo> {
         self.workers[slot.index()].as_ref()
+    }
+
+    /// What `slot`'s worker was picked for since it registered.
+    pub fn picks(&self, slot: Slot) -> Picks {
+        self.picks[slot.index()]
     }
 
     pub fn workers(&self) -> impl Iterator<Item = (Slot, &WorkerInfo)> {
@@ -1015,6 +1034,10 @@ impl Router {
         let blocks = u64::from(req.prompt_tokens).div_ceil(block_size);
         self.load
             .reserve(request_id, slot, uncached, blocks, req.now_ms, work_tokens);
+        let picks = &mut self.picks[slot.index()];
+        picks.requests += 1;
+        picks.prompt_blocks += u64::from(req.prompt_tokens) / block_size;
+        picks.cached_blocks += u64::from(overlap_blocks[0]);
         if req.approximate {
             self.approx.store(slot, Tier::Device, req.hashes);
         } else {

@@ -691,6 +691,46 @@ fn the_core_says_when_it_is_due() {
 }
 
 #[test]
+fn each_worker_counts_what_it_was_picked_for_and_its_hits() {
+    let mut h = Harness::new(NO_HEARTBEAT_TIMEOUT);
+    let e = h.engine(7);
+    let c = h.client();
+    h.record(e, 0, stored(&[1, 2, 3]));
+    h.drained(e, 0);
+    assert_eq!(h.select(c, &[1, 2, 3, 4], false).map(|s| s.1), Ok(3));
+    assert_eq!(h.select(c, &[9], false).map(|s| s.1), Ok(0));
+    // A dry run is no pick.
+    assert_eq!(h.select(c, &[1, 2], true).map(|s| s.1), Ok(2));
+    let row = &h.core.worker_rows()[0];
+    assert_eq!(
+        (
+            row.picks,
+            row.picked_prompt_blocks,
+            row.picked_cached_blocks
+        ),
+        (2, 5, 3)
+    );
+    let text = kvedge_core::metrics::render(&h.core.metrics());
+    for (name, value) in [
+        ("kvedge_worker_picks_total{", " 2"),
+        ("kvedge_worker_picked_prompt_blocks_total{", " 5"),
+        ("kvedge_worker_picked_cached_blocks_total{", " 3"),
+    ] {
+        assert!(
+            text.lines().any(|l| l.starts_with(name)
+                && l.contains("worker_id=\"7\"")
+                && l.ends_with(value)),
+            "{name}: {text}"
+        );
+    }
+    // A worker registered again in the slot starts from zero.
+    h.core.handle_engine_closed(h.now, e, 0);
+    h.engine(8);
+    let row = &h.core.worker_rows()[0];
+    assert_eq!((row.worker_id, row.picks), (8, 0));
+}
+
+#[test]
 fn a_notice_is_raised_cleared_and_counted() {
     let mut h = Harness::new("{}");
     let e = h.engine(1);

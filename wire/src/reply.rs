@@ -231,6 +231,13 @@ pub struct WorkerRow {
     /// where it comes from (`learned`, `peers` or `prior`).
     pub prefill_tokens_per_second: u64,
     pub speed: &'static str,
+    /// Requests it was picked for since it registered (dry runs not
+    /// counted), their prompts' full blocks, and how many of those were
+    /// in its device cache (or reserved there) when it was picked: its hit
+    /// rate is `picked_cached_blocks / picked_prompt_blocks`.
+    pub picks: u64,
+    pub picked_prompt_blocks: u64,
+    pub picked_cached_blocks: u64,
     /// What its engine reported about its own feed (mismatches, lost
     /// events), by code.
     pub notices: Vec<WorkerNotice>,
