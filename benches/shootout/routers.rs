@@ -110,7 +110,8 @@ fn wait_listening(addr: SocketAddr, what: &str) -> Result<(), String> {
 /// A router the shoot-out can run.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Router {
-    /// kvedge's picker behind Envoy; `None` is the default policy.
+    /// kvedge's picker behind Envoy; `None` is the default policy, else
+    /// `TYPE` or `TYPE:key=value,...` (the policy's parameters).
     Kvedge(Option<String>),
     EnvoyRoundRobin,
     /// sglang-router with a policy.
@@ -131,7 +132,7 @@ impl Router {
             )),
             "vllm" => Ok(Router::Vllm(policy.unwrap_or_else(|| "cache_aware".into()))),
             _ => Err(format!(
-                "unknown router `{s}` (kvedge[:POLICY], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
+                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
             )),
         }
     }
@@ -193,8 +194,20 @@ pub fn start(
             let policy = policy
                 .as_ref()
                 .map(|p| {
+                    // `TYPE` or `TYPE:key=value,key=value` (its parameters).
+                    let (kind, params) = p.split_once(':').unwrap_or((p, ""));
+                    let params: String = params
+                        .split(',')
+                        .filter_map(|kv| kv.split_once('='))
+                        .map(|(k, v)| format!("        {k}: {v}\n"))
+                        .collect();
+                    let params = if params.is_empty() {
+                        params
+                    } else {
+                        format!("      parameters:\n{params}")
+                    };
                     format!(
-                        "worker_selection:\n  aggregated: shootout\n  instances:\n    - name: shootout\n      type: {p}\n"
+                        "worker_selection:\n  aggregated: shootout\n  instances:\n    - name: shootout\n      type: {kind}\n{params}"
                     )
                 })
                 .unwrap_or_default();

@@ -22,6 +22,7 @@ use kvedge_policies::{RouterPluginRegistry, SelectionOverrides};
 use kvedge_wire::{Ids, Request, Role, Select, Strs};
 
 mod human;
+pub mod top;
 
 #[derive(Parser)]
 #[command(
@@ -62,6 +63,27 @@ enum Command {
         /// Print the Prometheus / OpenMetrics text exposition instead.
         #[arg(long)]
         prometheus: bool,
+    },
+    /// A live view of a running daemon: its workers (state, sync, queue,
+    /// KV usage, blocks, hit rate, picks a second, standing notices) and
+    /// totals (decisions a second, decision latency, hit rate, rejects).
+    /// Keys: q quit, s sort, / filter by model.
+    Top {
+        #[command(flatten)]
+        target: Target,
+        /// Print one frame as plain text and exit (two samples
+        /// `--interval-ms` apart, for the rates).
+        #[arg(long)]
+        once: bool,
+        /// Milliseconds between refreshes.
+        #[arg(long, default_value_t = 1000, value_parser = clap::value_parser!(u64).range(50..=60_000))]
+        interval_ms: u64,
+        /// The rows' order.
+        #[arg(long, value_enum, default_value_t = top::SortBy::Worker)]
+        sort: top::SortBy,
+        /// Only workers whose model contains this.
+        #[arg(long, default_value = "")]
+        model: String,
     },
     /// Makes a running daemon load its configuration file again (as
     /// SIGHUP does); an invalid file is refused and the old one serves on.
@@ -392,6 +414,35 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             }
         }
         Command::Reload { target } => ask(&target, &Request::Reload),
+        Command::Top {
+            target,
+            once,
+            interval_ms,
+            sort,
+            model,
+        } => {
+            let interval = std::time::Duration::from_millis(interval_ms);
+            let ask = |op: &str| {
+                let r = match op {
+                    "workers" => Request::Workers,
+                    "stats" => Request::Stats,
+                    _ => Request::Metrics,
+                };
+                request(&target, &r)
+            };
+            let shown = if once {
+                top::once(ask, interval, sort, &model).map(|text| out!("{text}"))
+            } else {
+                top::live(ask, interval, sort, model)
+            };
+            match shown {
+                Ok(()) => ExitCode::SUCCESS,
+                Err(e) => {
+                    eprintln!("kvedge top: {e}");
+                    ExitCode::from(1)
+                }
+            }
+        }
         Command::Hash {
             block_size,
             lora,
