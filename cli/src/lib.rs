@@ -13,7 +13,7 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::net::UnixStream;
 
 use clap::{Parser, Subcommand};
@@ -84,6 +84,22 @@ enum Command {
         /// Only workers whose model contains this.
         #[arg(long, default_value = "")]
         model: String,
+    },
+    /// What the endpoint picker would do with an OpenAI request body: its
+    /// prompt is read as the picker reads it (the configuration's model,
+    /// tokenizer and chat template) and the running daemon answers a
+    /// dry-run select with its explanation. Nothing is reserved.
+    Explain {
+        #[command(flatten)]
+        target: Target,
+        /// The daemon's configuration file (its `epp:` models).
+        #[arg(long, default_value = "/etc/kvedge/kvedge.yaml")]
+        config: PathBuf,
+        /// The request's path.
+        #[arg(long, default_value = "/v1/chat/completions")]
+        path: String,
+        /// The request body: a file, or `-` for standard input.
+        body: PathBuf,
     },
     /// Makes a running daemon load its configuration file again (as
     /// SIGHUP does); an invalid file is refused and the old one serves on.
@@ -219,6 +235,88 @@ macro_rules! out {
 macro_rules! outln {
     () => { write_stdout(format_args!("\n")) };
     ($($arg:tt)*) => { write_stdout(format_args!("{}\n", format_args!($($arg)*))) };
+}
+
+/// The largest body `kvedge explain` reads (the picker's own limit is
+/// lower; a larger one is reported as the picker would).
+const MAX_EXPLAIN_BODY: u64 = 256 << 20;
+
+fn explain(
+    target: &Target,
+    config: &std::path::Path,
+    path: &str,
+    body: &std::path::Path,
+    registry: &RouterPluginRegistry,
+) -> ExitCode {
+    let fail = |e: String| {
+        eprintln!("kvedge explain: {e}");
+        ExitCode::from(1)
+    };
+    let config = match kvedge_daemon::config::load(
+        config,
+        registry,
+        &SelectionOverrides::default().with_env_fallback(),
+    ) {
+        Ok(c) => c,
+        Err(e) => return fail(e.to_string()),
+    };
+    let Some(section) = config.epp.as_ref() else {
+        return fail("the configuration has no `epp:` section: the endpoint picker is off".into());
+    };
+    let loaded = match kvedge_daemon::epp::load(section) {
+        Ok(l) => l,
+        Err(e) => return fail(e.to_string()),
+    };
+    let mut bytes = Vec::new();
+    let read = if body.as_os_str() == "-" {
+        std::io::stdin()
+            .take(MAX_EXPLAIN_BODY)
+            .read_to_end(&mut bytes)
+    } else {
+        std::fs::File::open(body).and_then(|f| f.take(MAX_EXPLAIN_BODY).read_to_end(&mut bytes))
+    };
+    if let Err(e) = read {
+        return fail(format!("{}: {e}", body.display()));
+    }
+    let prompted = match loaded.read_request(path, &bytes) {
+        Ok(p) => p,
+        Err((code, message)) => {
+            return fail(format!("the gateway would answer {code}: {message}"));
+        }
+    };
+    let mut s = if prompted.approximate.is_empty() {
+        Select::new(
+            &prompted.model,
+            Role::Aggregated,
+            Ids::tokens(&prompted.tokens),
+        )
+    } else {
+        let mut s = Select::new(
+            &prompted.model,
+            Role::Aggregated,
+            Ids::hashes(&prompted.approximate),
+        );
+        s.approximate = true;
+        s
+    };
+    s.prompt_tokens = prompted.prompt_tokens;
+    s.dry_run = true;
+    s.explain = true;
+    if !target.json {
+        match prompted.prompt_tokens {
+            None => outln!(
+                "model {}: {} prompt tokens",
+                prompted.model,
+                prompted.tokens.len()
+            ),
+            Some(n) => outln!(
+                "model {} (no tokenizer): about {n} prompt tokens, {} text chunks (approximate mode)",
+                prompted.model,
+                prompted.approximate.len()
+            ),
+        }
+    }
+    ask(target, &Request::Select(s))
 }
 
 /// The code the CLI reports when the daemon cannot be reached (it is not a
@@ -414,6 +512,12 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             }
         }
         Command::Reload { target } => ask(&target, &Request::Reload),
+        Command::Explain {
+            target,
+            config,
+            path,
+            body,
+        } => explain(&target, &config, &path, &body, &registry),
         Command::Top {
             target,
             once,

@@ -86,6 +86,20 @@ impl std::fmt::Debug for Loaded {
     }
 }
 
+impl Loaded {
+    /// What the picker makes of a request to `path` with `body`: its model
+    /// and prompt (token ids, or chunk hashes for a model without a
+    /// tokenizer), or the HTTP status and message the gateway would
+    /// answer instead. `kvedge explain` shows a body's decision with it.
+    pub fn read_request(
+        &self,
+        path: &str,
+        body: &[u8],
+    ) -> Result<kvedge_epp::picker::Prompted, (i32, String)> {
+        kvedge_epp::picker::read_request(path, body, &self.models, &self.limits)
+    }
+}
+
 /// Loads the models' tokenizers and templates (each a regular file under
 /// its size limit). Called before the daemon binds any socket: a daemon
 /// that cannot serve does not listen.

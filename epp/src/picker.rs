@@ -103,6 +103,47 @@ pub fn refuse(code: i32, kind: &str, message: &str) -> Refusal {
     Box::new(immediate(code, kind, message))
 }
 
+/// What the picker makes of a request to `path` with `body` (its model
+/// and prompt), or the HTTP status and message it would answer instead;
+/// for tools that show a body's decision outside the gateway.
+pub fn read_request(
+    path: &str,
+    body: &[u8],
+    models: &Models,
+    limits: &Limits,
+) -> Result<Prompted, (i32, String)> {
+    let route = Route::of(path).ok_or_else(|| {
+        (
+            404,
+            format!("{path} is neither /v1/completions nor /v1/chat/completions"),
+        )
+    })?;
+    if body.len() > limits.max_body_bytes {
+        return Err((
+            413,
+            format!(
+                "a body of {} bytes, over the limit of {}",
+                body.len(),
+                limits.max_body_bytes
+            ),
+        ));
+    }
+    let body = Body {
+        route,
+        bytes: Bytes::copy_from_slice(body),
+    };
+    prompt(&body, models, limits).map_err(|refusal| match refusal.response {
+        Some(Response::ImmediateResponse(r)) => (
+            r.status.map_or(400, |s| s.code),
+            serde_json::from_slice::<serde_json::Value>(&r.body)
+                .ok()
+                .and_then(|v| v["error"]["message"].as_str().map(str::to_owned))
+                .unwrap_or_else(|| String::from_utf8_lossy(&r.body).into_owned()),
+        ),
+        _ => (400, "refused".to_owned()),
+    })
+}
+
 /// Reads `body`'s prompt: parses it, renders a chat with the model's
 /// template and tokenizes (or, without a tokenizer, hashes the text in
 /// chunks). The work grows with the body, so the server runs it off its
