@@ -478,6 +478,85 @@ fn rules_see_the_gateway_requests_headers_and_tenant() {
 }
 
 #[test]
+fn a_debug_header_gets_the_decision_explained_only_when_enabled() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let rules = "policy:\n  rules:\n\
+         \x20   - name: agents-on-worker-2\n      matches:\n        - { header.x-agent: claude }\n      route:\n        exclude:\n          - drop: { workerId: { notEqual: 2 } }\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n        onEmpty: Reject\n\
+         \x20   - name: everyone\n      route:\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n";
+    let decision = |head: &str| {
+        head.lines()
+            .find_map(|l| l.strip_prefix("x-kvedge-decision: "))
+            .map(str::to_owned)
+    };
+    for enabled in [false, true] {
+        let epp_port = free_port(Ipv4Addr::LOCALHOST);
+        let debug = if enabled {
+            "  debug_header: X-Kvedge-Debug\n"
+        } else {
+            ""
+        };
+        let yaml = format!(
+            "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n{debug}  models:\n    - name: m\n{rules}"
+        );
+        let d = start(
+            if enabled {
+                "epp-debug-on"
+            } else {
+                "epp-debug-off"
+            },
+            &yaml,
+        );
+        let (engines, mut publishers) = nodes(&d, 2, false);
+        hold(&mut publishers[0], &prefix(1));
+        wait_for(
+            || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
+            "the engine's blocks",
+        );
+        let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
+        let body = completion(&prefix(1), false);
+        // Asked for, with a decision forged by the client that must not
+        // come back as kvedge's.
+        let ask_debug = [("x-kvedge-debug", "1"), ("x-kvedge-decision", "forged")];
+        let (status, head, reply) = envoy.post_full("/v1/completions", &body, &ask_debug);
+        assert_eq!(status, 200, "{reply}");
+        assert_eq!(engines[0].hits(), 1, "the prefix's holder");
+        let (status, head2, _) = envoy.post_full(
+            "/v1/completions",
+            &body,
+            &[("x-kvedge-debug", "1"), ("x-agent", "claude")],
+        );
+        assert_eq!(status, 200);
+        assert_eq!(engines[1].hits(), 1, "the agents' rule");
+        if !enabled {
+            assert_eq!(decision(&head), None, "off unless configured: {head}");
+            assert_eq!(decision(&head2), None, "{head2}");
+            continue;
+        }
+        let first = decision(&head).unwrap_or_else(|| panic!("explained: {head}"));
+        assert!(first.starts_with("worker=1/0; rule=everyone;"), "{first}");
+        assert!(first.contains("overlap=4/0/0"), "{first}");
+        assert!(first.contains("candidates=2"), "{first}");
+        let second = decision(&head2).unwrap();
+        assert!(
+            second.starts_with("worker=2/0; rule=agents-on-worker-2;"),
+            "{second}"
+        );
+        // Without the header: nothing explained, and a forged one removed.
+        let (status, head, _) =
+            envoy.post_full("/v1/completions", &body, &[("x-kvedge-decision", "forged")]);
+        assert_eq!(status, 200);
+        assert_eq!(decision(&head), None, "{head}");
+        // The explained picks were real: reserved and released.
+        wait_for(
+            || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+            "every reservation released",
+        );
+    }
+}
+
+#[test]
 fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
     let Some(envoy_bin) = envoy_binary() else {
         return;

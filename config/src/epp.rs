@@ -67,6 +67,11 @@ pub struct EppSection {
     /// The request header naming a session (session affinity).
     #[serde(default)]
     pub session_header: Option<String>,
+    /// Off unless set: a request carrying this header gets its decision
+    /// explained in the `x-kvedge-decision` response header (the worker,
+    /// the policy or rule that chose it, the overlap, the candidates).
+    #[serde(default)]
+    pub debug_header: Option<String>,
     /// Chunk size of the approximate prefix mode, in bytes: prompts the
     /// picker cannot tokenize are hashed in chunks of this size and routed
     /// to where their prefix was sent before. 0 turns the mode off (such
@@ -228,6 +233,7 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
     for (key, h) in [
         ("tenant_header", &e.tenant_header),
         ("session_header", &e.session_header),
+        ("debug_header", &e.debug_header),
     ] {
         let Some(h) = h else { continue };
         if h.is_empty()

@@ -35,13 +35,23 @@ struct Client(Arc<Jobs>);
 
 impl Backend for Client {
     fn call(&self, body: Vec<u8>, reply: Box<dyn FnOnce(Vec<u8>) + Send>) {
+        self.ask(body, Mode::Binary, reply);
+    }
+
+    fn call_json(&self, line: Vec<u8>, reply: Box<dyn FnOnce(Vec<u8>) + Send>) {
+        self.ask(line, Mode::Json, reply);
+    }
+}
+
+impl Client {
+    fn ask(&self, body: Vec<u8>, mode: Mode, reply: Box<dyn FnOnce(Vec<u8>) + Send>) {
         let this = &self.0;
         let client = *this.client.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(client) = client {
             this.tx.send(Job::Request {
                 client,
                 request: body,
-                mode: Mode::Binary,
+                mode,
                 reply,
             });
             return;
@@ -57,10 +67,15 @@ impl Backend for Client {
                     me.tx.send(Job::Request {
                         client,
                         request: body,
-                        mode: Mode::Binary,
+                        mode,
                         reply,
                     });
                 }
+                Err(e) if mode == Mode::Json => reply(
+                    serde_json::json!({"error": {"code": e.status.name(), "message": e.message}})
+                        .to_string()
+                        .into_bytes(),
+                ),
                 Err(e) => reply(refusal(&e)),
             }),
             close: Box::new(move || {
@@ -125,6 +140,10 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
             .map(|h| h.to_ascii_lowercase()),
         session_header: section
             .session_header
+            .as_ref()
+            .map(|h| h.to_ascii_lowercase()),
+        debug_header: section
+            .debug_header
             .as_ref()
             .map(|h| h.to_ascii_lowercase()),
         approximate_chunk_bytes: section.approximate_chunk_bytes,

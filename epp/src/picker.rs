@@ -29,6 +29,10 @@ pub const DESTINATION: &str = "x-gateway-destination-endpoint";
 /// The header (and `envoy.lb` metadata key) that names a provider the
 /// rules chose; the gateway routes it to that provider's cluster.
 pub const PROVIDER: &str = "x-kvedge-provider";
+/// The request header that carries a decision's explanation when the
+/// configured debug header asked for it; the gateway copies it into the
+/// response. One a client sent is always removed.
+pub const DECISION: &str = "x-kvedge-decision";
 /// The dynamic-metadata namespace Envoy's load balancer reads.
 pub const LB_NAMESPACE: &str = "envoy.lb";
 /// The filter-metadata namespace of a gateway's subset hint.
@@ -54,6 +58,9 @@ pub struct Limits {
     pub tenant_header: Option<String>,
     /// The header naming a session for affinity (lower case).
     pub session_header: Option<String>,
+    /// The header that asks for the decision's explanation (lower case);
+    /// `None`: never explained.
+    pub debug_header: Option<String>,
     /// Chunk size of the approximate prefix mode, in bytes (0: prompts
     /// without a tokenizer route on load alone).
     pub approximate_chunk_bytes: usize,
@@ -76,6 +83,9 @@ pub struct SelectArgs {
     /// The gateway's subset hint: pick only among these endpoints (empty:
     /// no hint).
     pub subset: Vec<String>,
+    /// Explain the decision ([`DECISION`]): the request carried the
+    /// configured debug header.
+    pub explain: bool,
 }
 
 /// A whole request body, for [`prompt`].
@@ -195,10 +205,20 @@ pub fn prompt(body: &Body, models: &Models, limits: &Limits) -> Result<Prompted,
 pub enum Picked {
     /// A worker at `endpoint` (its URL, `http://host:port`), reserved
     /// under `request_id`.
-    Worker { endpoint: String, request_id: u64 },
+    Worker {
+        endpoint: String,
+        request_id: u64,
+        /// The explanation, when asked for.
+        decision: Option<String>,
+    },
     /// An off-cluster provider (the rule language chose it): the gateway
     /// routes on its name ([`PROVIDER`]). Nothing is reserved.
-    Provider { name: String, endpoint: String },
+    Provider {
+        name: String,
+        endpoint: String,
+        /// The explanation, when asked for.
+        decision: Option<String>,
+    },
     /// The core's refusal: its status name and message.
     Refused {
         status: &'static str,
@@ -417,6 +437,10 @@ impl Exchange {
                 .cloned()
                 .collect(),
             subset,
+            explain: limits
+                .debug_header
+                .as_ref()
+                .is_some_and(|h| self.headers.iter().any(|(k, _)| k == h)),
         })
     }
 
@@ -428,6 +452,7 @@ impl Exchange {
             Picked::Worker {
                 endpoint,
                 request_id,
+                decision,
             } => {
                 self.request_id = Some(request_id);
                 let Some(addr) = host_port(&endpoint) else {
@@ -439,14 +464,16 @@ impl Exchange {
                         &format!("the chosen endpoint `{endpoint}` is not http://host:port"),
                     )];
                 };
-                self.answer(pick_response(&addr))
+                self.answer(pick_response(&addr, decision.as_deref()))
             }
-            Picked::Provider { name, endpoint } if name.is_empty() => vec![immediate(
+            Picked::Provider { name, endpoint, .. } if name.is_empty() => vec![immediate(
                 503,
                 "unroutable_endpoint",
                 &format!("a provider at `{endpoint}` was chosen but not named"),
             )],
-            Picked::Provider { name, .. } => self.answer(provider_response(&name)),
+            Picked::Provider { name, decision, .. } => {
+                self.answer(provider_response(&name, decision.as_deref()))
+            }
             Picked::Refused { status, message } => {
                 let code = match status {
                     "too_many_requests" => 429,
@@ -596,21 +623,28 @@ pub fn host_port(endpoint: &str) -> Option<String> {
 }
 
 /// The answer to the request body that routes to `addr`: the header, the
-/// `envoy.lb` metadata, and a cleared route cache.
-pub fn pick_response(addr: &str) -> ProcessingResponse {
-    routing_response(DESTINATION, addr, PROVIDER)
+/// `envoy.lb` metadata, and a cleared route cache; with `decision`, its
+/// explanation in [`DECISION`].
+pub fn pick_response(addr: &str, decision: Option<&str>) -> ProcessingResponse {
+    routing_response(DESTINATION, addr, PROVIDER, decision)
 }
 
 /// The answer for a provider: the header [`PROVIDER`] with its name (the
 /// gateway's route for that provider matches it), the destination header
 /// removed (a client's own included), and the route cache cleared.
-pub fn provider_response(name: &str) -> ProcessingResponse {
-    routing_response(PROVIDER, name, DESTINATION)
+pub fn provider_response(name: &str, decision: Option<&str>) -> ProcessingResponse {
+    routing_response(PROVIDER, name, DESTINATION, decision)
 }
 
 /// Sets header `key` to `value` (and the same under `envoy.lb`), removes
-/// header `other`, and has the gateway choose its route again.
-fn routing_response(key: &str, value: &str, other: &str) -> ProcessingResponse {
+/// header `other`, sets [`DECISION`] to `decision` (or removes a client's),
+/// and has the gateway choose its route again.
+fn routing_response(
+    key: &str,
+    value: &str,
+    other: &str,
+    decision: Option<&str>,
+) -> ProcessingResponse {
     let string = |s: &str| Value {
         kind: Some(Kind::StringValue(s.to_owned())),
     };
@@ -621,15 +655,24 @@ fn routing_response(key: &str, value: &str, other: &str) -> ProcessingResponse {
         response: Some(Response::RequestBody(BodyResponse {
             response: Some(CommonResponse {
                 header_mutation: Some(HeaderMutation {
-                    set_headers: vec![HeaderValueOption {
-                        header: Some(HeaderValue {
-                            key: key.to_owned(),
-                            raw_value: value.as_bytes().to_vec(),
-                            ..Default::default()
-                        }),
-                        ..Default::default()
-                    }],
-                    remove_headers: vec![other.to_owned()],
+                    set_headers: [(key, Some(value)), (DECISION, decision)]
+                        .into_iter()
+                        .filter_map(|(k, v)| {
+                            Some(HeaderValueOption {
+                                header: Some(HeaderValue {
+                                    key: k.to_owned(),
+                                    raw_value: v?.as_bytes().to_vec(),
+                                    ..Default::default()
+                                }),
+                                ..Default::default()
+                            })
+                        })
+                        .collect(),
+                    remove_headers: [Some(other), decision.is_none().then_some(DECISION)]
+                        .into_iter()
+                        .flatten()
+                        .map(str::to_owned)
+                        .collect(),
                 }),
                 clear_route_cache: true,
                 ..Default::default()
@@ -717,6 +760,7 @@ mod tests {
             .handle_picked(Picked::Provider {
                 name: "cloud".into(),
                 endpoint: "https://api.example.com".into(),
+                decision: None,
             })
             .try_into()
             .unwrap();
@@ -728,13 +772,22 @@ mod tests {
             (h.key.as_str(), h.raw_value.as_slice()),
             (PROVIDER, &b"cloud"[..])
         );
-        assert_eq!(m.remove_headers, [DESTINATION]);
+        assert_eq!(m.remove_headers, [DESTINATION, DECISION]);
         // Nothing reserved, so nothing to report.
         assert_eq!(ex.take_unused_reservation(), None);
         // A worker pick removes a forged provider header likewise.
-        let w = pick_response("10.0.0.1:80");
+        let w = pick_response("10.0.0.1:80", None);
+        let m = body_answer(&w).header_mutation.as_ref().unwrap();
+        assert_eq!(m.remove_headers, [PROVIDER, DECISION]);
+        // An explained pick sets its explanation instead.
+        let w = pick_response("10.0.0.1:80", Some("worker 1/0"));
         let m = body_answer(&w).header_mutation.as_ref().unwrap();
         assert_eq!(m.remove_headers, [PROVIDER]);
+        let h = m.set_headers[1].header.as_ref().unwrap();
+        assert_eq!(
+            (h.key.as_str(), h.raw_value.as_slice()),
+            (DECISION, &b"worker 1/0"[..])
+        );
     }
 
     #[test]
@@ -821,6 +874,7 @@ mod tests {
             max_prompt_tokens: 8,
             tenant_header: Some("x-tenant".into()),
             session_header: None,
+            debug_header: None,
             approximate_chunk_bytes: 16,
         }
     }
@@ -887,6 +941,7 @@ mod tests {
             .handle_picked(Picked::Worker {
                 endpoint: "http://10.0.0.7:8000".into(),
                 request_id: 42,
+                decision: None,
             })
             .try_into()
             .unwrap();
@@ -944,6 +999,7 @@ mod tests {
         ex.handle_picked(Picked::Worker {
             endpoint: "http://10.0.0.7:8000".into(),
             request_id: 7,
+            decision: None,
         });
         assert_eq!(ex.handle_closed(), Some(7));
         assert_eq!(ex.handle_closed(), None, "once");
@@ -968,6 +1024,7 @@ mod tests {
         let r = ex.handle_picked(Picked::Worker {
             endpoint: "https://api.example.com/v1".into(),
             request_id: 9,
+            decision: None,
         });
         assert_eq!(status(&r[0]), Some(503));
         assert_eq!(ex.take_unused_reservation(), Some(9));
@@ -1015,6 +1072,7 @@ mod tests {
         let r = ex.handle_picked(Picked::Worker {
             endpoint: "http://10.0.0.7:8000".into(),
             request_id: 3,
+            decision: None,
         });
         assert_eq!(r.len(), 2);
         let Some(Response::RequestHeaders(h)) = &r[0].response else {

@@ -129,6 +129,15 @@ pub trait Backend: Send + Sync + 'static {
     /// payload) and calls `reply` with the reply frame (length, status,
     /// version, payload). A `reply` never called means the core is gone.
     fn call(&self, body: Vec<u8>, reply: Box<dyn FnOnce(Vec<u8>) + Send>);
+
+    /// Serves one JSON-lines request (the line without its newline) and
+    /// calls `reply` with the reply line: for a select whose explanation
+    /// the debug header asked for (the binary protocol carries none). A
+    /// backend without it answers an error.
+    fn call_json(&self, line: Vec<u8>, reply: Box<dyn FnOnce(Vec<u8>) + Send>) {
+        drop(line);
+        reply(br#"{"error":{"code":"internal","message":"no JSON protocol here"}}"#.to_vec());
+    }
 }
 
 /// The picker's shared state.
@@ -269,15 +278,21 @@ impl Picker {
         s.session = args.session.as_deref();
         s.headers = Pairs::map(&headers);
         s.subset = Strs::strings(&args.subset);
+        if args.explain {
+            s.explain = true;
+            return self.select_explained(&Request::Select(s)).await;
+        }
         match self.call(&Request::Select(s)).await {
             Ok((Status::Ok, payload)) => match binary::decode_select_reply(&payload) {
                 Ok(v) if v.provider => Picked::Provider {
                     name: v.provider_name.to_owned(),
                     endpoint: v.endpoint.to_owned(),
+                    decision: None,
                 },
                 Ok(v) => Picked::Worker {
                     endpoint: v.endpoint.to_owned(),
                     request_id: v.request_id,
+                    decision: None,
                 },
                 Err(e) => Picked::Refused {
                     status: "internal",
@@ -295,6 +310,59 @@ impl Picker {
                     "internal"
                 },
                 message,
+            },
+        }
+    }
+
+    /// The pick of a select with `explain` set, over the JSON protocol,
+    /// with its explanation for [`picker::DECISION`].
+    async fn select_explained(&self, request: &Request<'_>) -> Picked {
+        let mut line = Vec::with_capacity(512);
+        if let Err(e) = kvedge_wire::json::encode_request(&mut line, request) {
+            return Picked::Refused {
+                status: "bad_request",
+                message: format!("the request cannot be sent to the routing core: {e}"),
+            };
+        }
+        while line.last() == Some(&b'\n') {
+            line.pop();
+        }
+        let (tx, rx) = oneshot::channel();
+        self.backend.call_json(
+            line,
+            Box::new(move |r| {
+                let _ = tx.send(r);
+            }),
+        );
+        let Ok(reply) = rx.await else {
+            return Picked::Refused {
+                status: "internal",
+                message: "the routing core is gone".into(),
+            };
+        };
+        let v: serde_json::Value = serde_json::from_slice(&reply).unwrap_or_default();
+        if let Some(e) = v.get("error") {
+            let code = e["code"].as_str().unwrap_or("internal");
+            return Picked::Refused {
+                status: Status::from_name(code).map_or("internal", Status::name),
+                message: e["message"].as_str().unwrap_or("").to_owned(),
+            };
+        }
+        let decision = Some(decision(&v));
+        match v["request_id"].as_u64() {
+            _ if !v["provider"].is_null() => Picked::Provider {
+                name: v["provider"].as_str().unwrap_or("").to_owned(),
+                endpoint: v["endpoint"].as_str().unwrap_or("").to_owned(),
+                decision,
+            },
+            Some(request_id) => Picked::Worker {
+                endpoint: v["endpoint"].as_str().unwrap_or("").to_owned(),
+                request_id,
+                decision,
+            },
+            None => Picked::Refused {
+                status: "internal",
+                message: format!("an unreadable select reply: {v}"),
             },
         }
     }
@@ -509,6 +577,54 @@ impl Drop for StreamSlot {
             c.fetch_sub(1, Relaxed);
         }
     }
+}
+
+/// A select reply with its explanation, as one header value: the worker
+/// (or provider), what decided (the rule, or the policy), the overlap and
+/// cost, and each candidate as `worker/rank:cost`.
+fn decision(v: &serde_json::Value) -> String {
+    let text = |v: &serde_json::Value| match v {
+        serde_json::Value::String(s) => s.clone(),
+        serde_json::Value::Null => "-".to_owned(),
+        other => other.to_string(),
+    };
+    let chosen = if v["provider"].is_null() {
+        format!("worker={}/{}", text(&v["worker_id"]), text(&v["dp_rank"]))
+    } else {
+        format!("provider={}", text(&v["provider"]))
+    };
+    let o = &v["overlap_blocks"];
+    let e = &v["explain"];
+    let candidates: Vec<String> = e["workers"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|w| {
+            format!(
+                "{}/{}:{}",
+                text(&w["worker_id"]),
+                text(&w["dp_rank"]),
+                text(&w["cost"])
+            )
+        })
+        .collect();
+    let mut out = format!(
+        "{chosen}; rule={}; policy={}; tier={}; overlap={}/{}/{}; cost={}; candidates={}; survivors={}; costs={}",
+        text(&v["rule"]),
+        text(&v["policy"]),
+        text(&e["tier"]),
+        text(&o["device"]),
+        text(&o["host"]),
+        text(&o["disk"]),
+        text(&v["cost"]),
+        text(&e["candidates"]),
+        text(&e["survivors"]),
+        candidates.join(",")
+    );
+    // A header value: visible ASCII and spaces only, and bounded.
+    out.retain(|c| c.is_ascii_graphic() || c == ' ');
+    out.truncate(2048);
+    out
 }
 
 fn is_immediate(r: &ProcessingResponse) -> bool {

@@ -262,6 +262,17 @@ impl Envoy {
 
     /// POSTs `body` to `path`; the status and the whole response body.
     pub fn post(&self, path: &str, body: &[u8], headers: &[(&str, &str)]) -> (u16, String) {
+        let (status, _, body) = self.post_full(path, body, headers);
+        (status, body)
+    }
+
+    /// [`Envoy::post`] with the response's head (status line and headers).
+    pub fn post_full(
+        &self,
+        path: &str,
+        body: &[u8],
+        headers: &[(&str, &str)],
+    ) -> (u16, String, String) {
         let mut s = TcpStream::connect(("127.0.0.1", self.port)).unwrap();
         s.set_nodelay(true).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
@@ -283,11 +294,11 @@ impl Envoy {
             .nth(1)
             .and_then(|c| c.parse().ok())
             .unwrap_or(0);
-        let body = text
+        let (head, body) = text
             .split_once("\r\n\r\n")
-            .map(|(_, b)| b.to_owned())
+            .map(|(h, b)| (h.to_owned(), b.to_owned()))
             .unwrap_or_default();
-        (status, body)
+        (status, head, body)
     }
 }
 

@@ -36,6 +36,7 @@ fn limits() -> Limits {
         max_prompt_tokens: 1 << 16,
         tenant_header: Some("x-tenant".into()),
         session_header: Some("x-session-id".into()),
+        debug_header: None,
         approximate_chunk_bytes: 64,
     }
 }
@@ -77,6 +78,7 @@ fn request(models: &Models, limits: &Limits, h: &HttpHeaders, b: &HttpBody) -> u
     let replies = ex.handle_picked(Picked::Worker {
         endpoint: "http://10.0.0.7:8000".into(),
         request_id: 42,
+        decision: None,
     });
     replies.len()
 }
