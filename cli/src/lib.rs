@@ -530,6 +530,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 let r = match op {
                     "workers" => Request::Workers,
                     "stats" => Request::Stats,
+                    "decisions" => Request::Decisions,
                     _ => Request::Metrics,
                 };
                 request(&target, &r)

@@ -1,10 +1,11 @@
 //! `kvedge top`: a live view of a running daemon, over its query socket.
-//! Each refresh asks the documented ops `workers`, `stats` and `metrics`
-//! (docs/daemon.md) and shows one row per worker (state, sync, queue,
-//! running requests, KV usage, blocks indexed, hit rate, picks a second,
-//! standing notices) under the daemon's totals (decisions a second,
-//! decision latency, hit rate, rejects by reason). Rates come from two
-//! samples. `--once` prints one frame as plain text (for scripts and
+//! Each refresh asks the documented ops `workers`, `stats`, `metrics` and
+//! `decisions` (docs/daemon.md) and shows one row per worker (state, sync,
+//! queue, running requests, KV usage, blocks indexed, hit rate, picks a
+//! second, standing notices) under the daemon's totals (decisions a
+//! second, decision latency, hit rate, rejects by reason), and the most
+//! recent decisions with the stage and rule that made each. Rates come
+//! from two samples. `--once` prints one frame as plain text (for scripts and
 //! tests); otherwise the view is drawn with ratatui until `q`, Esc or
 //! Ctrl-C, and the terminal is given back as it was.
 
@@ -22,6 +23,8 @@ pub struct Sample {
     pub stats: Value,
     /// `kvedge_selections_total` summed by outcome.
     pub outcomes: BTreeMap<String, u64>,
+    /// The `decisions` op's rows, newest first.
+    pub decisions: Vec<Value>,
 }
 
 impl Sample {
@@ -42,11 +45,16 @@ impl Sample {
         let workers = get("workers")?;
         let stats = get("stats")?;
         let metrics = get("metrics")?;
+        let decisions = get("decisions")?;
         Ok(Sample {
             at: Instant::now(),
             workers,
             stats,
             outcomes: outcomes(metrics["text"].as_str().unwrap_or("")),
+            decisions: decisions["decisions"]
+                .as_array()
+                .cloned()
+                .unwrap_or_default(),
         })
     }
 }
@@ -144,12 +152,17 @@ pub struct Totals {
     pub rejects: BTreeMap<String, u64>,
 }
 
-/// One frame: the totals and the rows, filtered and sorted.
+/// One frame: the totals and the rows, filtered and sorted, and the
+/// most recent decisions.
 #[derive(Debug, Clone, PartialEq)]
 pub struct View {
     pub totals: Totals,
     pub rows: Vec<Row>,
+    pub decisions: Vec<Value>,
 }
+
+/// How many recent decisions a frame shows.
+pub const DECISIONS_SHOWN: usize = 10;
 
 fn ratio(num: u64, den: u64) -> Option<f64> {
     (den > 0).then(|| num as f64 / den as f64)
@@ -245,7 +258,77 @@ impl View {
                     .collect(),
             },
             rows,
+            decisions: cur
+                .decisions
+                .iter()
+                .take(DECISIONS_SHOWN)
+                .cloned()
+                .collect(),
         }
+    }
+
+    /// The recent decisions' column names and cells.
+    pub fn decisions_table(&self) -> (Vec<&'static str>, Vec<Vec<String>>) {
+        let header = vec![
+            "age",
+            "outcome",
+            "chosen",
+            "stage",
+            "by",
+            "tier",
+            "cached",
+            "candidates",
+        ];
+        let text = |v: &Value| match v {
+            Value::String(s) => s.clone(),
+            Value::Null => "-".to_owned(),
+            other => other.to_string(),
+        };
+        let cells = self
+            .decisions
+            .iter()
+            .map(|d| {
+                let chosen = if !d["provider"].is_null() {
+                    format!("provider {}", text(&d["provider"]))
+                } else if d["worker_id"].is_null() {
+                    "-".to_owned()
+                } else {
+                    format!("{}/{}", text(&d["worker_id"]), text(&d["dp_rank"]))
+                };
+                let by = if d["stage"] == "rule" {
+                    text(&d["rule"])
+                } else {
+                    text(&d["policy"])
+                };
+                vec![
+                    format!("{:.1} s", d["age_ms"].as_f64().unwrap_or(0.0) / 1000.0),
+                    format!(
+                        "{}{}",
+                        text(&d["outcome"]),
+                        if d["dry_run"] == true {
+                            " (dry run)"
+                        } else {
+                            ""
+                        }
+                    ),
+                    chosen,
+                    text(&d["stage"]),
+                    by,
+                    text(&d["tier"]),
+                    format!(
+                        "{}/{}",
+                        text(&d["overlap_blocks"]),
+                        text(&d["prompt_blocks"])
+                    ),
+                    format!(
+                        "{} ({} left)",
+                        text(&d["candidates"]),
+                        text(&d["survivors"])
+                    ),
+                ]
+            })
+            .collect();
+        (header, cells)
     }
 
     /// The totals as one line.
@@ -308,29 +391,37 @@ impl View {
     pub fn text(&self) -> String {
         let mut out = format!("kvedge top   {}\n", self.summary());
         let (header, cells) = self.table();
-        let widths: Vec<usize> = (0..header.len())
-            .map(|i| {
-                cells
-                    .iter()
-                    .map(|r| r[i].chars().count())
-                    .chain([header[i].len()])
-                    .max()
-                    .unwrap_or(0)
-            })
-            .collect();
-        let mut line = |row: &[String]| {
-            let mut l = String::new();
-            for (i, c) in row.iter().enumerate() {
-                let _ = write!(l, "{c:<w$}  ", w = widths[i]);
-            }
-            out.push_str(l.trim_end());
-            out.push('\n');
-        };
-        line(&header.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>());
-        for r in &cells {
-            line(r);
-        }
+        columns(&mut out, &header, &cells);
+        out.push_str("\nrecent decisions\n");
+        let (header, cells) = self.decisions_table();
+        columns(&mut out, &header, &cells);
         out
+    }
+}
+
+/// `cells` under `header`, each column as wide as its widest cell.
+fn columns(out: &mut String, header: &[&str], cells: &[Vec<String>]) {
+    let widths: Vec<usize> = (0..header.len())
+        .map(|i| {
+            cells
+                .iter()
+                .map(|r| r[i].chars().count())
+                .chain([header[i].len()])
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut line = |row: &[String]| {
+        let mut l = String::new();
+        for (i, c) in row.iter().enumerate() {
+            let _ = write!(l, "{c:<w$}  ", w = widths[i]);
+        }
+        out.push_str(l.trim_end());
+        out.push('\n');
+    };
+    line(&header.iter().map(|h| (*h).to_owned()).collect::<Vec<_>>());
+    for r in cells {
+        line(r);
     }
 }
 
@@ -380,9 +471,10 @@ pub fn live(
     let outcome = loop {
         let view = View::new(prev.as_ref(), &cur, sort, &filter);
         let drawn = terminal.draw(|f| {
-            let [top, table, footer] = Layout::vertical([
+            let [top, table, recent, footer] = Layout::vertical([
                 Constraint::Length(3),
                 Constraint::Min(3),
+                Constraint::Length(DECISIONS_SHOWN as u16 + 3),
                 Constraint::Length(1),
             ])
             .areas(f.area());
@@ -394,32 +486,38 @@ pub fn live(
                     .block(Block::default().borders(Borders::ALL).title(" kvedge top ")),
                 top,
             );
-            let (header, cells) = view.table();
-            let widths: Vec<Constraint> = header
-                .iter()
-                .enumerate()
-                .map(|(i, h)| {
-                    let w = cells
-                        .iter()
-                        .map(|r| r[i].chars().count())
-                        .chain([h.len()])
-                        .max()
-                        .unwrap_or(4);
-                    Constraint::Length(w as u16 + 1)
-                })
-                .collect();
-            let rows = cells
-                .into_iter()
-                .map(|r| TableRow::new(r.into_iter().map(Cell::from)));
-            f.render_widget(
-                Table::new(rows, widths)
-                    .header(
-                        TableRow::new(header.into_iter().map(Cell::from))
-                            .style(Style::default().add_modifier(Modifier::BOLD)),
-                    )
-                    .block(Block::default().borders(Borders::ALL)),
-                table,
-            );
+            let draw_table = |f: &mut ratatui::Frame<'_>,
+                              (header, cells): (Vec<&'static str>, Vec<Vec<String>>),
+                              title: &'static str,
+                              area| {
+                let widths: Vec<Constraint> = header
+                    .iter()
+                    .enumerate()
+                    .map(|(i, h)| {
+                        let w = cells
+                            .iter()
+                            .map(|r| r[i].chars().count())
+                            .chain([h.len()])
+                            .max()
+                            .unwrap_or(4);
+                        Constraint::Length(w as u16 + 1)
+                    })
+                    .collect();
+                let rows = cells
+                    .into_iter()
+                    .map(|r| TableRow::new(r.into_iter().map(Cell::from)));
+                f.render_widget(
+                    Table::new(rows, widths)
+                        .header(
+                            TableRow::new(header.into_iter().map(Cell::from))
+                                .style(Style::default().add_modifier(Modifier::BOLD)),
+                        )
+                        .block(Block::default().borders(Borders::ALL).title(title)),
+                    area,
+                );
+            };
+            draw_table(f, view.table(), " workers ", table);
+            draw_table(f, view.decisions_table(), " recent decisions ", recent);
             let help = if editing {
                 format!("model filter: {filter}_   (Enter: done, Esc: clear)")
             } else {
@@ -510,6 +608,16 @@ mod tests {
             at,
             workers: json!({"workers": [worker(1, picks[0], 0, true), worker(2, picks[1], 5, false)]}),
             stats: json!({"selects": selects, "select_latency": {"p50_us": 12.0, "p99_us": 40.0}}),
+            decisions: vec![
+                json!({"age_ms": 1500, "worker_id": 2, "dp_rank": 0, "provider": null,
+                       "outcome": "ok", "stage": "rule", "rule": "agents", "policy": "default",
+                       "tier": 0, "overlap_blocks": 3, "prompt_blocks": 4, "candidates": 2,
+                       "survivors": 1, "dry_run": false}),
+                json!({"age_ms": 2000, "worker_id": null, "dp_rank": null, "provider": null,
+                       "outcome": "no_worker", "stage": "policy", "rule": null,
+                       "policy": "default", "tier": null, "overlap_blocks": 0,
+                       "prompt_blocks": 1, "candidates": 0, "survivors": 0, "dry_run": true}),
+            ],
             outcomes: outcomes(
                 "kvedge_selections_total{policy=\"default\",rule=\"\",outcome=\"ok\"} 9\n\
                  kvedge_selections_total{policy=\"default\",rule=\"\",outcome=\"no_worker\"} 2\n\
@@ -550,6 +658,15 @@ mod tests {
         let text = v.text();
         assert!(text.contains("decisions 12.0/s"), "{text}");
         assert!(text.contains("rejects: no_worker 3"), "{text}");
+        let recent = text.split("recent decisions\n").nth(1).unwrap();
+        let first: Vec<&str> = recent.lines().nth(1).unwrap().split_whitespace().collect();
+        assert_eq!(
+            first,
+            [
+                "1.5", "s", "ok", "2/0", "rule", "agents", "0", "3/4", "2", "(1", "left)"
+            ]
+        );
+        assert!(recent.contains("no_worker (dry run)"), "{recent}");
         let line = text.lines().find(|l| l.starts_with("2/0")).unwrap();
         let cells: Vec<&str> = line.split_whitespace().collect();
         assert_eq!(cells[..6], ["2/0", "qwen", "out", "ok", "5", "2"], "{text}");

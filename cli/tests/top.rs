@@ -125,6 +125,26 @@ fn top_once_shows_every_worker_and_the_totals_the_daemon_reports() {
         );
         assert!(text.contains("0.0 %"), "{text}");
     }
+    // The recent decisions, newest first: the refusal, then the picks.
+    let recent = text.split("recent decisions\n").nth(1).unwrap();
+    let rows: Vec<Vec<&str>> = recent
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect())
+        .collect();
+    assert_eq!(rows.len(), 5, "{recent}");
+    assert_eq!(rows[0][2], "no_worker", "{recent}");
+    assert_eq!(
+        (rows[1][2], rows[1][3], rows[1][4]),
+        ("ok", "2/0", "policy"),
+        "{recent}"
+    );
+    assert_eq!(rows[1][7], "0/3", "cached/prompt blocks: {recent}");
+    assert!(rows[2..].iter().all(|r| r[3] == "1/0"), "{recent}");
+    let d = ask(&q, json!({"op": "decisions"}));
+    assert_eq!(d["decisions"][0]["outcome"], "no_worker", "{d}");
+    assert_eq!(d["decisions"][1]["worker_id"], 2, "{d}");
+    assert_eq!(d["decisions"][1]["stage"], "policy", "{d}");
     // Filtered and sorted.
     let only = top(&q, &["--model", "qwen", "--sort", "queue"]);
     assert!(only.lines().any(|l| l.starts_with("2/0 ")), "{only}");

@@ -72,6 +72,7 @@ impl Core {
                 "query channels are attached over query.sock served by the routing loop (daemon.query_io: epoll)",
             ),
             Request::Workers => Reply::Workers(self.worker_rows()),
+            Request::Decisions => Reply::Decisions(self.decision_rows(now)),
             Request::Stats => Reply::Stats(Box::new(self.stats())),
             Request::Metrics => Reply::Metrics(crate::metrics::render(&self.metrics())),
             Request::Reload => {
@@ -308,6 +309,22 @@ impl Core {
                 self.due(at);
             }
         }
+        let e = self.router.last_explain();
+        let decision = crate::recent::Decision {
+            at_ms: self.ms(now),
+            role,
+            worker: None,
+            provider: None,
+            outcome: "ok",
+            rule: e.rule,
+            tier: e.tier,
+            candidates: e.candidates,
+            survivors: e.survivors,
+            prompt_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
+            overlap_blocks: 0,
+            dry_run: s.dry_run,
+            generation: self.counters.reloads,
+        };
         self.scratch.hashes = hashes;
         let policy = self.router.policy_name(role).0;
         let r = match result {
@@ -316,9 +333,20 @@ impl Core {
                 self.counters.errors += 1;
                 let status = status_of(&e);
                 self.counters.count_selection(policy, None, status.name());
+                self.recent.push(crate::recent::Decision {
+                    outcome: status.name(),
+                    ..decision
+                });
                 return Reply::error(status, e.to_string());
             }
         };
+        self.recent.push(crate::recent::Decision {
+            worker: r.slot.map(|_| (r.worker.worker_id, r.worker.dp_rank)),
+            provider: r.provider,
+            rule: r.rule,
+            overlap_blocks: r.overlap_blocks[0],
+            ..decision
+        });
         let rule = r
             .rule
             .and_then(|i| self.router.rules().and_then(|p| p.rules.get(i)))
@@ -369,6 +397,45 @@ impl Core {
             request_id: r.request_id,
             explain,
         })
+    }
+
+    /// The most recent selections, newest first, their names resolved in
+    /// the configuration they were made under.
+    pub fn decision_rows(&self, now: Instant) -> Vec<kvedge_wire::DecisionRow> {
+        let now_ms = self.ms(now);
+        let rules = self.router.rules();
+        self.recent
+            .newest_first()
+            .map(|d| {
+                let current = d.generation == self.counters.reloads;
+                let rule = d
+                    .rule
+                    .filter(|_| current)
+                    .and_then(|i| rules.and_then(|p| p.rules.get(i)))
+                    .map(|r| r.name.clone());
+                kvedge_wire::DecisionRow {
+                    age_ms: now_ms.saturating_sub(d.at_ms),
+                    worker_id: d.worker.map(|w| w.0),
+                    dp_rank: d.worker.map(|w| w.1),
+                    provider: d
+                        .provider
+                        .filter(|_| current)
+                        .and_then(|i| rules.and_then(|p| p.providers.get(i)))
+                        .map(|p| p.name.clone()),
+                    outcome: d.outcome,
+                    role: d.role.as_str(),
+                    policy: self.router.policy_name(d.role).0.to_owned(),
+                    stage: if d.rule.is_some() { "rule" } else { "policy" },
+                    rule,
+                    tier: d.tier,
+                    candidates: d.candidates,
+                    survivors: d.survivors,
+                    prompt_blocks: d.prompt_blocks,
+                    overlap_blocks: d.overlap_blocks,
+                    dry_run: d.dry_run,
+                }
+            })
+            .collect()
     }
 
     /// How the last selection went, with every available worker of `role`.

@@ -151,6 +151,8 @@ pub struct Core {
     pub(crate) warnings: Warnings,
     /// What the idle loop warms the select path with.
     pub(crate) warmth: Warmth,
+    /// The most recent selections (`decisions`).
+    pub(crate) recent: crate::recent::Recent,
 }
 
 impl Core {
@@ -174,6 +176,7 @@ impl Core {
             },
             warnings: Warnings::default(),
             warmth: Warmth::new(now),
+            recent: crate::recent::Recent::default(),
         }
     }
 

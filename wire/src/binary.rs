@@ -241,8 +241,12 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), En
             write_frame(out, op::ATTACH_RINGS, |_| {});
             Ok(())
         }
-        Request::Workers | Request::Stats | Request::Metrics | Request::Reload => Err(EncodeError(
-            "workers, stats, metrics and reload are in the JSON protocol only",
+        Request::Workers
+        | Request::Stats
+        | Request::Metrics
+        | Request::Reload
+        | Request::Decisions => Err(EncodeError(
+            "workers, stats, metrics, reload and decisions are in the JSON protocol only",
         )),
     }
 }
@@ -333,7 +337,11 @@ pub fn encode_reply(out: &mut Vec<u8>, reply: &Reply<'_>) {
             o.extend_from_slice(&capacity.to_le_bytes())
         }),
         Reply::Error(e) => write_error(out, e.status, &e.message),
-        Reply::Workers(_) | Reply::Stats(_) | Reply::Metrics(_) | Reply::Reloaded { .. } => {
+        Reply::Workers(_)
+        | Reply::Stats(_)
+        | Reply::Metrics(_)
+        | Reply::Reloaded { .. }
+        | Reply::Decisions(_) => {
             write_error(out, Status::UnknownOp, "not an op of the binary protocol")
         }
     }

@@ -78,9 +78,10 @@ impl JsonRequest {
             "stats" => Request::Stats,
             "metrics" => Request::Metrics,
             "reload" => Request::Reload,
+            "decisions" => Request::Decisions,
             other => {
                 return Err(bad(format!(
-                    "unknown op `{other}` (select, prefill_done, finish, workers, stats, metrics, reload)"
+                    "unknown op `{other}` (select, prefill_done, finish, workers, stats, metrics, reload, decisions)"
                 )));
             }
         })
@@ -251,7 +252,11 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
             line.request_id = Some(request_id);
         }
         Request::AttachRings => return Err("attach_rings is in the binary protocol only"),
-        Request::Workers | Request::Stats | Request::Metrics | Request::Reload => {}
+        Request::Workers
+        | Request::Stats
+        | Request::Metrics
+        | Request::Reload
+        | Request::Decisions => {}
     }
     write_line(out, &line);
     Ok(())
@@ -338,6 +343,7 @@ pub fn encode_reply(out: &mut Vec<u8>, reply: &Reply<'_>) {
         Reply::Workers(w) => write_line(out, &serde_json::json!({ "workers": w })),
         Reply::Stats(s) => write_line(out, s),
         Reply::Metrics(text) => write_line(out, &serde_json::json!({ "text": text })),
+        Reply::Decisions(d) => write_line(out, &serde_json::json!({ "decisions": d })),
         Reply::Error(e) => write_error(out, e.status, &e.message),
     }
 }

@@ -66,8 +66,8 @@ mod status;
 pub use binary::{MAGIC, VERSION, op};
 pub use client::{Client, MAX_REPLY_BYTES, Outcome};
 pub use reply::{
-    ErrorReply, ExplainedWorker, Explanation, LatencySummary, Reply, SelectReply, SelectView,
-    Selected, Stats, TtftExplained, WorkerNotice, WorkerRow,
+    DecisionRow, ErrorReply, ExplainedWorker, Explanation, LatencySummary, Reply, SelectReply,
+    SelectView, Selected, Stats, TtftExplained, WorkerNotice, WorkerRow,
 };
 pub use request::{Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
 pub use status::Status;

@@ -26,7 +26,41 @@ pub enum Reply<'a> {
     Reloaded {
         reloads: u64,
     },
+    /// The most recent selections, newest first.
+    Decisions(Vec<DecisionRow>),
     Error(ErrorReply<'a>),
+}
+
+/// One recent selection, as the `decisions` op shows it.
+#[cfg_attr(feature = "json", derive(serde::Serialize))]
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct DecisionRow {
+    /// How long ago it was made, in milliseconds.
+    pub age_ms: u64,
+    /// The chosen worker (`None`: a provider, or none chosen).
+    pub worker_id: Option<u64>,
+    pub dp_rank: Option<u32>,
+    /// The provider a rule chose.
+    pub provider: Option<String>,
+    /// `ok` or the error's status name.
+    pub outcome: &'static str,
+    pub role: &'static str,
+    /// The policy serving the partition.
+    pub policy: String,
+    /// The rule that decided, and its tier (`select` entry); `None`
+    /// without rules, or when the configuration was reloaded since.
+    pub rule: Option<String>,
+    pub tier: Option<usize>,
+    /// `rule` (the rule language decided) or `policy`.
+    pub stage: &'static str,
+    /// Workers available for it, and left after the policy's filters.
+    pub candidates: usize,
+    pub survivors: usize,
+    /// The prompt's full blocks and those cached on the chosen worker.
+    pub prompt_blocks: u32,
+    pub overlap_blocks: u32,
+    /// A dry run (nothing reserved).
+    pub dry_run: bool,
 }
 
 impl<'a> Reply<'a> {

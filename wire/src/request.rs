@@ -28,6 +28,8 @@ pub enum Request<'a> {
     Metrics,
     /// Load the configuration file again.
     Reload,
+    /// The most recent selections, newest first.
+    Decisions,
 }
 
 impl Request<'_> {
@@ -42,6 +44,7 @@ impl Request<'_> {
             Request::Stats => "stats",
             Request::Metrics => "metrics",
             Request::Reload => "reload",
+            Request::Decisions => "decisions",
         }
     }
 }
