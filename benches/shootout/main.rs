@@ -330,6 +330,9 @@ fn real_main() -> Result<(), String> {
     let docs = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
     let t = kvedge_epp::testing::train_tokenizer(docs, 4000, &tokenizer);
     let words = Words::from_tokenizer(&t)?;
+    // Said, because the newest of the two profiles' binaries is taken: a
+    // debug build costs several times the CPU of a release one.
+    eprintln!("shootout: kvedge is {}", args.tools.kvedge.display());
     let mut figures = Vec::new();
     for &shape in &args.shapes {
         for &rate in &args.rates {
@@ -382,6 +385,29 @@ fn real_main() -> Result<(), String> {
         serde_json::to_string_pretty(&json).unwrap_or_default(),
     )
     .map_err(|e| e.to_string())?;
+    // A TTFT CDF per trace and rate: every router's first run.
+    let mut keys: Vec<(&str, String)> = Vec::new();
+    for f in &figures {
+        let key = (f.shape, format!("{}", f.rate));
+        if !keys.contains(&key) {
+            keys.push(key);
+        }
+    }
+    for (shape, rate) in &keys {
+        let series: Vec<(String, Vec<f64>)> = figures
+            .iter()
+            .filter(|f| f.shape == *shape && format!("{}", f.rate) == *rate && f.run == 1)
+            .map(|f| (f.router.clone(), f.ttfts.clone()))
+            .collect();
+        let path = args.out.join(format!("ttft-cdf-{shape}-{rate}.png"));
+        if let Err(e) = kvedge_tools::plot::write_cdf(
+            &path,
+            &format!("Time to first token, {shape} at {rate} requests/s"),
+            &series,
+        ) {
+            eprintln!("shootout: {}: {e}", path.display());
+        }
+    }
     for f in &figures {
         if let Some(e) = &f.first_error {
             eprintln!(
@@ -399,6 +425,13 @@ fn real_main() -> Result<(), String> {
         };
         if figures.iter().any(|f| f.errors > 0) {
             return Err("the smoke run had errors".into());
+        }
+        for (shape, rate) in &keys {
+            let png = args.out.join(format!("ttft-cdf-{shape}-{rate}.png"));
+            let size = std::fs::metadata(&png).map_or(0, |m| m.len());
+            if size < 1000 {
+                return Err(format!("no TTFT CDF chart at {}", png.display()));
+            }
         }
         if hit("kvedge") <= hit("envoy-rr") {
             return Err(format!(

@@ -291,3 +291,69 @@ fn load_over_time(path: &Path, policy: &str, samples: &[Vec<u32>]) -> Result<(),
         .map_err(err)?;
     root.present().map_err(err)
 }
+
+/// A chart of cumulative distributions: for each named series of samples
+/// (milliseconds), the share of samples at or below each value, on a log
+/// time axis. The gateway shoot-out draws each router's TTFT with it.
+pub fn write_cdf(path: &Path, title: &str, series: &[(String, Vec<f64>)]) -> Result<(), String> {
+    register_font()?;
+    let positive = || {
+        series
+            .iter()
+            .flat_map(|(_, s)| s.iter().copied())
+            .filter(|v| v.is_finite() && *v > 0.0)
+    };
+    let lo = positive().fold(f64::INFINITY, f64::min);
+    let hi = positive().fold(0.0, f64::max);
+    if !lo.is_finite() || hi <= 0.0 {
+        return Err("no samples to draw".into());
+    }
+    let root = BitMapBackend::new(path, (1000, 560)).into_drawing_area();
+    root.fill(&WHITE).map_err(err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, (FONT, 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d((lo * 0.9..hi * 1.1).log_scale(), 0f64..1.0)
+        .map_err(err)?;
+    chart
+        .configure_mesh()
+        .x_desc("ms (log scale)")
+        .y_desc("share of requests")
+        .x_labels(8)
+        .x_label_formatter(&|v| format!("{v:.0}"))
+        .label_style((FONT, 14))
+        .draw()
+        .map_err(err)?;
+    for (i, (name, samples)) in series.iter().enumerate() {
+        let mut sorted: Vec<f64> = samples
+            .iter()
+            .copied()
+            .filter(|v| v.is_finite() && *v > 0.0)
+            .collect();
+        sorted.sort_by(f64::total_cmp);
+        let n = sorted.len().max(1) as f64;
+        let color = SERIES.get(i).copied().unwrap_or(BLACK);
+        chart
+            .draw_series(LineSeries::new(
+                sorted
+                    .iter()
+                    .enumerate()
+                    .map(|(k, &v)| (v, (k + 1) as f64 / n)),
+                color.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label(name.clone())
+            .legend(move |(x, y)| PathElement::new([(x, y), (x + 12, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::LowerRight)
+        .background_style(WHITE.mix(0.9))
+        .border_style(BLACK)
+        .label_font((FONT, 14))
+        .draw()
+        .map_err(err)?;
+    root.present().map_err(err)
+}
