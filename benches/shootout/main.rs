@@ -44,7 +44,7 @@ struct Args {
 fn usage() -> &'static str {
     "cargo bench --bench shootout -- [--routers kvedge,envoy-rr,sglang,sglang:round_robin,vllm]
     [--shapes multi-turn,system-prompts] [--rates 4,10,16] [--requests 1000] [--runs 2]
-    [--out target/shootout] [--kvedge PATH] [--envoy PATH] [--peers VENV] [--install-peers]
+    [--out target/shootout] [--kvedge PATH] [--kvedge-config YAML] [--envoy PATH] [--peers VENV] [--install-peers]
     [--prefill-tokens-per-s 2000] [--device-blocks 2048] [--seed 1] [--smoke]"
 }
 
@@ -70,6 +70,7 @@ fn parse_args() -> Result<Args, String> {
                 .filter_map(|p| Some((p.metadata().ok()?.modified().ok()?, p)))
                 .max()
                 .map_or_else(|| root.join("target/release/kvedge"), |(_, p)| p),
+            kvedge_extra: String::new(),
             envoy: std::env::var("KVEDGE_ENVOY").ok(),
             peers: root.join("target/shootout-venv"),
         },
@@ -112,6 +113,15 @@ fn parse_args() -> Result<Args, String> {
             "--seed" => a.seed = value()?.parse().map_err(|e| format!("{e}"))?,
             "--out" => a.out = value()?.into(),
             "--kvedge" => a.tools.kvedge = value()?.into(),
+            "--kvedge-config" => {
+                let path = value()?;
+                let mut text =
+                    std::fs::read_to_string(&path).map_err(|e| format!("{path}: {e}"))?;
+                if !text.ends_with('\n') {
+                    text.push('\n');
+                }
+                a.tools.kvedge_extra = text;
+            }
             "--envoy" => a.tools.envoy = Some(value()?),
             "--peers" => a.tools.peers = value()?.into(),
             "--install-peers" => a.install = true,

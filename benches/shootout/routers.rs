@@ -155,6 +155,9 @@ impl Router {
 /// Where the tools are.
 pub struct Tools {
     pub kvedge: PathBuf,
+    /// More of kvedge's configuration (top-level sections, e.g. `ttft:`
+    /// or `daemon:`), put before what the harness writes.
+    pub kvedge_extra: String,
     pub envoy: Option<String>,
     /// The virtual environment with the peers (its `bin/`).
     pub peers: PathBuf,
@@ -215,7 +218,8 @@ pub fn start(
             std::fs::write(
                 &config,
                 format!(
-                    "{policy}epp:\n  listen: 127.0.0.1:{epp}\n  models:\n    - name: m\n      tokenizer: {}\nengines:\n{entries}",
+                    "{}{policy}epp:\n  listen: 127.0.0.1:{epp}\n  models:\n    - name: m\n      tokenizer: {}\nengines:\n{entries}",
+                    tools.kvedge_extra,
                     tokenizer.display()
                 ),
             )
