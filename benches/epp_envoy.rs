@@ -20,55 +20,8 @@ mod support;
 use std::net::Ipv4Addr;
 use std::time::Instant;
 
-use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
+use kvedge_epp::testing::{Envoy, HttpEngine, free_port, round_robin_config};
 use kvedge_testkit::Percentiles;
-
-fn round_robin_config(engines: &[HttpEngine]) -> String {
-    let endpoints: String = engines
-        .iter()
-        .map(|e| {
-            format!(
-                "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
-                e.addr.ip(),
-                e.addr.port()
-            )
-        })
-        .collect();
-    format!(
-        r#"static_resources:
-  listeners:
-    - name: gateway
-      address:
-        socket_address: {{ address: 127.0.0.1, port_value: 8081 }}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: gateway
-                route_config:
-                  virtual_hosts:
-                    - name: engines
-                      domains: ["*"]
-                      routes:
-                        - match: {{ prefix: "/" }}
-                          route: {{ cluster: engines }}
-                http_filters:
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-    - name: engines
-      type: STATIC
-      lb_policy: ROUND_ROBIN
-      connect_timeout: 2s
-      load_assignment:
-        cluster_name: engines
-        endpoints:
-          - lb_endpoints:
-{endpoints}"#
-    )
-}
 
 fn main() {
     let Ok(envoy_bin) = std::env::var("KVEDGE_ENVOY") else {
@@ -101,7 +54,11 @@ fn main() {
         })
         .collect();
     let picker = Envoy::start(&envoy_bin, &dir, epp_port, false);
-    let plain = Envoy::start_config(&envoy_bin, &dir, &round_robin_config(&engines));
+    let plain = Envoy::start_config(
+        &envoy_bin,
+        &dir,
+        &round_robin_config(&engines.iter().map(|e| e.addr).collect::<Vec<_>>()),
+    );
     let body = |i: usize| {
         let prompt: Vec<u32> = (0..512)
             .map(|t| ((i % 4) as u32 + 1) * 100_000 + t)

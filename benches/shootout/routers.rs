@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvedge_epp::testing::{Envoy, free_port};
+use kvedge_epp::testing::{Envoy, VllmNode, free_port, round_robin_config};
 
 /// The engines' shape: the same for every router.
 #[derive(Clone, Debug)]
@@ -52,24 +52,11 @@ pub fn start_engines(
 ) -> Result<Vec<Engine>, String> {
     let mut out = Vec::new();
     for worker in 1..=shape.engines {
-        let ip = Ipv4Addr::new(127, 0, 0, 1 + worker as u8);
-        let [events, replay, metrics, http] = [0; 4].map(|_| free_port(ip));
+        let node = VllmNode::new(u64::from(worker));
         let log = std::fs::File::create(dir.join(format!("engine-{worker}.log")))
             .map_err(|e| e.to_string())?;
         procs.0.push(
-            Command::new(kvedge)
-                .arg("mock-engine")
-                .args(["--worker-id", &worker.to_string(), "--model", "m"])
-                .arg("--listen")
-                .arg(dir.join(format!("engine-{worker}.sock")))
-                .arg("--runtime-dir")
-                .arg(dir)
-                .args(["--vllm-events", &format!("tcp://{ip}:{events}")])
-                .args(["--vllm-replay", &format!("tcp://{ip}:{replay}")])
-                .args(["--vllm-metrics", &format!("{ip}:{metrics}")])
-                .args(["--http", &format!("{ip}:{http}")])
-                .arg("--tokenizer")
-                .arg(tokenizer)
+            node.command(kvedge, dir, tokenizer)
                 .args(["--block-size", &shape.block_size.to_string()])
                 .args(["--device-blocks", &shape.device_blocks.to_string()])
                 .args([
@@ -83,14 +70,10 @@ pub fn start_engines(
                 .spawn()
                 .map_err(|e| format!("{}: {e}", kvedge.display()))?,
         );
-        let http = SocketAddr::from((ip, http));
-        wait_listening(http, "a mock engine")?;
+        wait_listening(node.http, "a mock engine")?;
         out.push(Engine {
-            http,
-            entry: format!(
-                "  - kind: vllm\n    model: m\n    worker_id: {worker}\n    block_size: {bs}\n    endpoint: http://{http}\n    events: tcp://{ip}:{events}\n    replay: tcp://{ip}:{replay}\n    topic: kv-events\n    metrics: http://{ip}:{metrics}/metrics\n",
-                bs = shape.block_size
-            ),
+            http: node.http,
+            entry: node.entry(shape.block_size),
         });
     }
     Ok(out)
@@ -257,50 +240,8 @@ pub fn start(
             }
         }
         Router::EnvoyRoundRobin => {
-            let endpoints: String = engines
-                .iter()
-                .map(|e| {
-                    format!(
-                        "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
-                        e.http.ip(),
-                        e.http.port()
-                    )
-                })
-                .collect();
-            let config = format!(
-                r#"static_resources:
-  listeners:
-    - name: gateway
-      address:
-        socket_address: {{ address: 127.0.0.1, port_value: 8081 }}
-      filter_chains:
-        - filters:
-            - name: envoy.filters.network.http_connection_manager
-              typed_config:
-                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
-                stat_prefix: gateway
-                route_config:
-                  virtual_hosts:
-                    - name: engines
-                      domains: ["*"]
-                      routes:
-                        - match: {{ prefix: "/" }}
-                          route: {{ cluster: engines, timeout: 300s }}
-                http_filters:
-                  - name: envoy.filters.http.router
-                    typed_config:
-                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
-  clusters:
-    - name: engines
-      type: STATIC
-      lb_policy: ROUND_ROBIN
-      connect_timeout: 2s
-      load_assignment:
-        cluster_name: engines
-        endpoints:
-          - lb_endpoints:
-{endpoints}"#
-            );
+            let endpoints: Vec<SocketAddr> = engines.iter().map(|e| e.http).collect();
+            let config = round_robin_config(&endpoints);
             let envoy = Envoy::start_config(&envoy_bin()?, dir, &config);
             Running {
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),

@@ -12,12 +12,9 @@
 mod common;
 
 use std::collections::BTreeSet;
-use std::net::Ipv4Addr;
-use std::path::Path;
 use std::process::Command;
 
-use common::{ask, engine, start};
-use kvedge_epp::testing::free_port;
+use common::{ask, engine};
 use kvedge_schema::messages::notice;
 use serde_json::{Value, json};
 
@@ -30,18 +27,7 @@ const ALERTS: &str = concat!(
 /// The metric families a daemon with an engine and the picker exports
 /// (their `# TYPE` names: counters without `_total`).
 fn exported() -> BTreeSet<String> {
-    let dir = common::temp_dir("dashboards-tok");
-    let tokenizer = dir.join("tokenizer.json");
-    let docs = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
-    kvedge_epp::testing::train_tokenizer(docs, 1000, &tokenizer);
-    let d = start(
-        "dashboards",
-        &format!(
-            "epp:\n  listen: 127.0.0.1:{}\n  models:\n    - name: m\n      tokenizer: {}\n",
-            free_port(Ipv4Addr::LOCALHOST),
-            tokenizer.display()
-        ),
-    );
+    let (d, _) = common::start_with_picker("dashboards");
     // A family shows in the text once it has a series: a worker, a pick
     // and a notice make every one appear.
     let mut engine = engine(&d.control(), 3, "m");

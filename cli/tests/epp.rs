@@ -15,11 +15,12 @@ mod common;
 
 use std::io::{Read, Write};
 use std::net::{Ipv4Addr, TcpStream};
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
 use common::{Daemon, ask, envoy_binary, grpc, start, wait_for};
-use kvedge_epp::testing::{Envoy, HttpEngine, free_port};
+use kvedge_epp::testing::{Envoy, HttpEngine, VllmNode, free_port};
 use kvedge_schema::messages::Tier;
 use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Publisher;
@@ -432,6 +433,24 @@ fn hostile_grpc_input_gets_errors_and_leaves_other_streams_alone() {
     assert_eq!(ask(&d.query(), json!({"op": "stats"}))["index_entries"], 4);
 }
 
+/// Two rules (entries of `policy.rules`): an agent's request
+/// (`x-agent: claude`) goes to worker 2, everyone else's to the lowest
+/// predicted TTFT.
+const AGENT_AND_EVERYONE_RULES: &str = "\
+    \x20   - name: agents-on-worker-2\n      matches:\n        - { header.x-agent: claude }\n      route:\n        exclude:\n          - drop: { workerId: { notEqual: 2 } }\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n        onEmpty: Reject\n\
+    \x20   - name: everyone\n      route:\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n";
+
+/// Two engines, worker 1 holding `prefix(1)` and the index showing it.
+fn two_nodes_the_first_holding_a_prefix(d: &Daemon) -> (Vec<HttpEngine>, Vec<Publisher>) {
+    let (engines, mut publishers) = nodes(d, 2, false);
+    hold(&mut publishers[0], &prefix(1));
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
+        "the engine's blocks",
+    );
+    (engines, publishers)
+}
+
 #[test]
 fn rules_see_the_gateway_requests_headers_and_tenant() {
     let Some(envoy_bin) = envoy_binary() else {
@@ -443,17 +462,11 @@ fn rules_see_the_gateway_requests_headers_and_tenant() {
          epp:\n  listen: 127.0.0.1:{epp_port}\n  tenant_header: x-tenant\n  models:\n    - name: m\n\
          policy:\n  rules:\n\
          \x20   - name: blocked-tenant\n      matches:\n        - {{ tenant: blocked }}\n      route:\n        exclude:\n          - drop: {{ type: Local }}\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n        onEmpty: Reject\n\
-         \x20   - name: agents-on-worker-2\n      matches:\n        - {{ header.x-agent: claude }}\n      route:\n        exclude:\n          - drop: {{ workerId: {{ notEqual: 2 }} }}\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n        onEmpty: Reject\n\
-         \x20   - name: everyone\n      route:\n        select:\n          - {{ type: Local, minimize: PredictedTTFT }}\n"
+         {AGENT_AND_EVERYONE_RULES}"
     );
     let d = start("epp-rules", &yaml);
-    let (engines, mut publishers) = nodes(&d, 2, false);
     // Worker 1 holds the prefix.
-    hold(&mut publishers[0], &prefix(1));
-    wait_for(
-        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
-        "the engine's blocks",
-    );
+    let (engines, _publishers) = two_nodes_the_first_holding_a_prefix(&d);
     let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
     let body = completion(&prefix(1), false);
     // No header: the prefix's holder.
@@ -482,9 +495,6 @@ fn a_debug_header_gets_the_decision_explained_only_when_enabled() {
     let Some(envoy_bin) = envoy_binary() else {
         return;
     };
-    let rules = "policy:\n  rules:\n\
-         \x20   - name: agents-on-worker-2\n      matches:\n        - { header.x-agent: claude }\n      route:\n        exclude:\n          - drop: { workerId: { notEqual: 2 } }\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n        onEmpty: Reject\n\
-         \x20   - name: everyone\n      route:\n        select:\n          - { type: Local, minimize: PredictedTTFT }\n";
     let decision = |head: &str| {
         head.lines()
             .find_map(|l| l.strip_prefix("x-kvedge-decision: "))
@@ -498,7 +508,7 @@ fn a_debug_header_gets_the_decision_explained_only_when_enabled() {
             ""
         };
         let yaml = format!(
-            "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n{debug}  models:\n    - name: m\n{rules}"
+            "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n{debug}  models:\n    - name: m\npolicy:\n  rules:\n{AGENT_AND_EVERYONE_RULES}"
         );
         let d = start(
             if enabled {
@@ -508,12 +518,7 @@ fn a_debug_header_gets_the_decision_explained_only_when_enabled() {
             },
             &yaml,
         );
-        let (engines, mut publishers) = nodes(&d, 2, false);
-        hold(&mut publishers[0], &prefix(1));
-        wait_for(
-            || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
-            "the engine's blocks",
-        );
+        let (engines, _publishers) = two_nodes_the_first_holding_a_prefix(&d);
         let envoy = Envoy::start(&envoy_bin, &d.dir, epp_port, false);
         let body = completion(&prefix(1), false);
         // Asked for, with a decision forged by the client that must not
@@ -802,26 +807,14 @@ impl Drop for Node {
 impl Node {
     /// The node's `engines:` entry for kvedge.
     fn start(dir: &std::path::Path, worker: u64, tokenizer: &std::path::Path) -> (Node, String) {
-        let ip = Ipv4Addr::new(127, 0, 0, 1 + worker as u8);
-        let [events, replay, metrics, http] = [0; 4].map(|_| free_port(ip));
-        let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-            .arg("mock-engine")
-            .args(["--worker-id", &worker.to_string(), "--model", "m"])
-            .arg("--listen")
-            .arg(dir.join(format!("node-{worker}.sock")))
-            .arg("--runtime-dir")
-            .arg(dir)
-            .args(["--vllm-events", &format!("tcp://{ip}:{events}")])
-            .args(["--vllm-replay", &format!("tcp://{ip}:{replay}")])
-            .args(["--vllm-metrics", &format!("{ip}:{metrics}")])
-            .args(["--http", &format!("{ip}:{http}")])
-            .arg("--tokenizer")
-            .arg(tokenizer)
+        let node = VllmNode::new(worker);
+        let child = node
+            .command(Path::new(env!("CARGO_BIN_EXE_kvedge")), dir, tokenizer)
             .args(["--speed", "20", "--block-size", "16"])
             .stderr(std::process::Stdio::null())
             .spawn()
             .unwrap();
-        let http = std::net::SocketAddr::from((ip, http));
+        let http = node.http;
         let deadline = std::time::Instant::now() + Duration::from_secs(10);
         while TcpStream::connect(http).is_err() {
             assert!(
@@ -830,9 +823,7 @@ impl Node {
             );
             std::thread::sleep(Duration::from_millis(20));
         }
-        let entry = format!(
-            "  - kind: vllm\n    model: m\n    worker_id: {worker}\n    block_size: 16\n    endpoint: http://{http}\n    events: tcp://{ip}:{events}\n    replay: tcp://{ip}:{replay}\n    topic: kv-events\n    metrics: http://{ip}:{metrics}/metrics\n    scrape_interval_ms: 50\n"
-        );
+        let entry = node.entry(16) + "    scrape_interval_ms: 50\n";
         (
             Node {
                 child,

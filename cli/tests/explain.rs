@@ -8,12 +8,10 @@
 
 mod common;
 
-use std::net::Ipv4Addr;
 use std::path::Path;
 use std::process::Command;
 
 use common::{ask, engine, start, wait_for};
-use kvedge_epp::testing::free_port;
 use kvedge_schema::messages::Tier;
 use serde_json::json;
 
@@ -40,18 +38,7 @@ fn explain(config: &Path, socket: &Path, path: &str, body: &str) -> (i32, String
 
 #[test]
 fn explain_shows_what_the_picker_would_do_with_a_body() {
-    let dir = common::temp_dir("explain-tok");
-    let tokenizer_path = dir.join("tokenizer.json");
-    let docs = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
-    let tokenizer = kvedge_epp::testing::train_tokenizer(docs, 1000, &tokenizer_path);
-    let d = start(
-        "explain",
-        &format!(
-            "epp:\n  listen: 127.0.0.1:{}\n  models:\n    - name: m\n      tokenizer: {}\n",
-            free_port(Ipv4Addr::LOCALHOST),
-            tokenizer_path.display()
-        ),
-    );
+    let (d, tokenizer) = common::start_with_picker("explain");
     // Two engines; the second holds the prompt's first blocks.
     let _a = engine(&d.control(), 1, "m");
     let mut b = engine(&d.control(), 2, "m");

@@ -1,6 +1,8 @@
 //! Helpers for tests and benchmarks: a real tokenizer without a download,
-//! OpenAI-style HTTP engines, and a real Envoy (its binary named by the
-//! caller) in front of them. They panic on failure, as a test would.
+//! OpenAI-style HTTP engines, `kvedge mock-engine` nodes that publish as
+//! vLLM does, and a real Envoy (its binary named by the caller) in front of
+//! them, with the picker or round robin. They panic on failure, as a test
+//! would.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr, TcpListener, TcpStream};
@@ -299,6 +301,115 @@ impl Envoy {
             .map(|(h, b)| (h.to_owned(), b.to_owned()))
             .unwrap_or_default();
         (status, head, body)
+    }
+}
+
+/// Plain Envoy in front of `endpoints`: a listener on `port_value: 8081`
+/// (for [`Envoy::start_config`]) routing everything round robin over them,
+/// no picker; the baseline the picker is compared with.
+pub fn round_robin_config(endpoints: &[SocketAddr]) -> String {
+    let endpoints: String = endpoints
+        .iter()
+        .map(|e| {
+            format!(
+                "              - endpoint: {{ address: {{ socket_address: {{ address: {}, port_value: {} }} }} }}\n",
+                e.ip(),
+                e.port()
+            )
+        })
+        .collect();
+    format!(
+        r#"static_resources:
+  listeners:
+    - name: gateway
+      address:
+        socket_address: {{ address: 127.0.0.1, port_value: 8081 }}
+      filter_chains:
+        - filters:
+            - name: envoy.filters.network.http_connection_manager
+              typed_config:
+                "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+                stat_prefix: gateway
+                route_config:
+                  virtual_hosts:
+                    - name: engines
+                      domains: ["*"]
+                      routes:
+                        - match: {{ prefix: "/" }}
+                          route: {{ cluster: engines, timeout: 300s }}
+                http_filters:
+                  - name: envoy.filters.http.router
+                    typed_config:
+                      "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+    - name: engines
+      type: STATIC
+      lb_policy: ROUND_ROBIN
+      connect_timeout: 2s
+      load_assignment:
+        cluster_name: engines
+        endpoints:
+          - lb_endpoints:
+{endpoints}"#
+    )
+}
+
+/// A `kvedge mock-engine` as a node of its own: on `127.0.0.(1 + worker)`,
+/// serving HTTP and publishing as vLLM does (ZeroMQ events and replay,
+/// Prometheus metrics), each on a free port.
+#[derive(Clone, Copy, Debug)]
+pub struct VllmNode {
+    pub worker: u64,
+    pub ip: Ipv4Addr,
+    pub events: u16,
+    pub replay: u16,
+    pub metrics: u16,
+    pub http: SocketAddr,
+}
+
+impl VllmNode {
+    /// Free ports for node `worker` (1 to 254).
+    pub fn new(worker: u64) -> VllmNode {
+        let ip = Ipv4Addr::new(127, 0, 0, 1 + worker as u8);
+        let [events, replay, metrics, http] = [0; 4].map(|_| free_port(ip));
+        VllmNode {
+            worker,
+            ip,
+            events,
+            replay,
+            metrics,
+            http: SocketAddr::from((ip, http)),
+        }
+    }
+
+    /// Its command line (the `kvedge` binary at `kvedge`, its socket in
+    /// `dir`, model `m` with `tokenizer`); the caller adds the engine's
+    /// speed and shape and spawns it.
+    pub fn command(&self, kvedge: &Path, dir: &Path, tokenizer: &Path) -> Command {
+        let (ip, w) = (self.ip, self.worker);
+        let mut c = Command::new(kvedge);
+        c.arg("mock-engine")
+            .args(["--worker-id", &w.to_string(), "--model", "m"])
+            .arg("--listen")
+            .arg(dir.join(format!("engine-{w}.sock")))
+            .arg("--runtime-dir")
+            .arg(dir)
+            .args(["--vllm-events", &format!("tcp://{ip}:{}", self.events)])
+            .args(["--vllm-replay", &format!("tcp://{ip}:{}", self.replay)])
+            .args(["--vllm-metrics", &format!("{ip}:{}", self.metrics)])
+            .args(["--http", &self.http.to_string()])
+            .arg("--tokenizer")
+            .arg(tokenizer);
+        c
+    }
+
+    /// Its entry in kvedge's `engines:` section (model `m`).
+    pub fn entry(&self, block_size: u32) -> String {
+        let (ip, w, http) = (self.ip, self.worker, self.http);
+        format!(
+            "  - kind: vllm\n    model: m\n    worker_id: {w}\n    block_size: {block_size}\n    endpoint: http://{http}\n    events: tcp://{ip}:{}\n    replay: tcp://{ip}:{}\n    topic: kv-events\n    metrics: http://{ip}:{}/metrics\n",
+            self.events, self.replay, self.metrics
+        )
     }
 }
 

@@ -74,6 +74,21 @@ pub fn start(name: &str, yaml: &str) -> Daemon {
     start_in(dir, yaml, log.into())
 }
 
+/// [`start`] with the endpoint picker on (a free loopback port) for model
+/// `m`, whose tokenizer (1,000 tokens, trained on the repository's docs)
+/// is returned too.
+pub fn start_with_picker(name: &str) -> (Daemon, tokenizers::Tokenizer) {
+    let path = temp_dir(&format!("{name}-tok")).join("tokenizer.json");
+    let docs = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs"));
+    let tokenizer = kvedge_epp::testing::train_tokenizer(docs, 1000, &path);
+    let port = kvedge_epp::testing::free_port(std::net::Ipv4Addr::LOCALHOST);
+    let yaml = format!(
+        "epp:\n  listen: 127.0.0.1:{port}\n  models:\n    - name: m\n      tokenizer: {}\n",
+        path.display()
+    );
+    (start(name, &yaml), tokenizer)
+}
+
 /// [`start`], with the daemon's log going to `stderr`.
 pub fn start_logging(name: &str, yaml: &str, stderr: impl Into<Stdio>) -> Daemon {
     start_in(temp_dir(name), yaml, stderr.into())
