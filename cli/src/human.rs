@@ -17,7 +17,8 @@ pub fn render(op: &str, reply: &Value) -> String {
     out
 }
 
-fn text(v: &Value) -> String {
+/// A JSON value as a table cell: strings bare, null and empty as `-`.
+pub(crate) fn text(v: &Value) -> String {
     match v {
         Value::Null => "-".into(),
         Value::String(s) if s.is_empty() => "-".into(),

@@ -284,22 +284,7 @@ fn explain(
             return fail(format!("the gateway would answer {code}: {message}"));
         }
     };
-    let mut s = if prompted.approximate.is_empty() {
-        Select::new(
-            &prompted.model,
-            Role::Aggregated,
-            Ids::tokens(&prompted.tokens),
-        )
-    } else {
-        let mut s = Select::new(
-            &prompted.model,
-            Role::Aggregated,
-            Ids::hashes(&prompted.approximate),
-        );
-        s.approximate = true;
-        s
-    };
-    s.prompt_tokens = prompted.prompt_tokens;
+    let mut s = prompted.select();
     s.dry_run = true;
     s.explain = true;
     if !target.json {

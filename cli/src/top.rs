@@ -279,11 +279,7 @@ impl View {
             "cached",
             "candidates",
         ];
-        let text = |v: &Value| match v {
-            Value::String(s) => s.clone(),
-            Value::Null => "-".to_owned(),
-            other => other.to_string(),
-        };
+        let text = crate::human::text;
         let cells = self
             .decisions
             .iter()

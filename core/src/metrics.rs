@@ -124,6 +124,16 @@ struct WorkerLabels {
     model: String,
 }
 
+impl WorkerLabels {
+    fn of(w: &WorkerRow) -> WorkerLabels {
+        WorkerLabels {
+            worker_id: w.worker_id.to_string(),
+            dp_rank: w.dp_rank.to_string(),
+            model: w.model.clone(),
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct NoticeLabels {
     worker_id: String,
@@ -424,11 +434,7 @@ pub fn render(s: &Snapshot) -> String {
         let family = Family::<WorkerLabels, Gauge>::default();
         for w in &s.workers {
             family
-                .get_or_create(&WorkerLabels {
-                    worker_id: w.worker_id.to_string(),
-                    dp_rank: w.dp_rank.to_string(),
-                    model: w.model.clone(),
-                })
+                .get_or_create(&WorkerLabels::of(w))
                 .set(i64::try_from(value(w)).unwrap_or(i64::MAX));
         }
         r.register(name, help, family);
@@ -453,13 +459,7 @@ pub fn render(s: &Snapshot) -> String {
     for (name, help, value) in per_worker_counts {
         let family = Family::<WorkerLabels, Counter>::default();
         for w in &s.workers {
-            family
-                .get_or_create(&WorkerLabels {
-                    worker_id: w.worker_id.to_string(),
-                    dp_rank: w.dp_rank.to_string(),
-                    model: w.model.clone(),
-                })
-                .inc_by(value(w));
+            family.get_or_create(&WorkerLabels::of(w)).inc_by(value(w));
         }
         r.register(name, help, family);
     }

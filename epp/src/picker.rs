@@ -88,6 +88,39 @@ pub struct SelectArgs {
     pub explain: bool,
 }
 
+/// The select a read prompt asks for: by its token ids, or, without them,
+/// approximately by its text's chunk hashes; `prompt_tokens` when the ids
+/// cannot count it.
+pub fn prompt_select<'a>(
+    model: &'a str,
+    tokens: &'a [u32],
+    prompt_tokens: Option<u32>,
+    approximate: &'a [u64],
+) -> kvedge_wire::Select<'a> {
+    use kvedge_wire::{Ids, Role, Select};
+    let mut s = if approximate.is_empty() {
+        Select::new(model, Role::Aggregated, Ids::tokens(tokens))
+    } else {
+        let mut s = Select::new(model, Role::Aggregated, Ids::hashes(approximate));
+        s.approximate = true;
+        s
+    };
+    s.prompt_tokens = prompt_tokens;
+    s
+}
+
+impl Prompted {
+    /// The select this prompt asks for ([`prompt_select`]).
+    pub fn select(&self) -> kvedge_wire::Select<'_> {
+        prompt_select(
+            &self.model,
+            &self.tokens,
+            self.prompt_tokens,
+            &self.approximate,
+        )
+    }
+}
+
 /// A whole request body, for [`prompt`].
 #[derive(Debug, Clone)]
 pub struct Body {

@@ -29,7 +29,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
     ProcessingRequest, ProcessingResponse, processing_request::Request as Msg,
 };
 use kvedge_shm::ratelimit::{RateLimit, held_back};
-use kvedge_wire::{Ids, Pairs, Request, Role, Select, Status, Strs, binary};
+use kvedge_wire::{Pairs, Request, Status, Strs, binary};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, oneshot};
@@ -262,18 +262,12 @@ impl Picker {
     /// The core's pick for `args` (reserved).
     pub async fn select(&self, args: &SelectArgs) -> Picked {
         let headers: BTreeMap<String, String> = args.headers.iter().cloned().collect();
-        let mut s = if args.approximate.is_empty() {
-            Select::new(&args.model, Role::Aggregated, Ids::tokens(&args.tokens))
-        } else {
-            let mut s = Select::new(
-                &args.model,
-                Role::Aggregated,
-                Ids::hashes(&args.approximate),
-            );
-            s.approximate = true;
-            s
-        };
-        s.prompt_tokens = args.prompt_tokens;
+        let mut s = picker::prompt_select(
+            &args.model,
+            &args.tokens,
+            args.prompt_tokens,
+            &args.approximate,
+        );
         s.tenant = args.tenant.as_deref();
         s.session = args.session.as_deref();
         s.headers = Pairs::map(&headers);
