@@ -143,6 +143,9 @@ fn top_once_shows_every_worker_and_the_totals_the_daemon_reports() {
     assert!(rows[2..].iter().all(|r| r[3] == "1/0"), "{recent}");
     let d = ask(&q, json!({"op": "decisions"}));
     assert_eq!(d["decisions"][0]["outcome"], "no_worker", "{d}");
+    // What that refusal saw, not what the pick before it did.
+    assert_eq!(d["decisions"][0]["candidates"], 0, "{d}");
+    assert_eq!(d["decisions"][1]["candidates"], 1, "{d}");
     assert_eq!(d["decisions"][1]["worker_id"], 2, "{d}");
     assert_eq!(d["decisions"][1]["stage"], "policy", "{d}");
     // Filtered and sorted.

@@ -658,6 +658,9 @@ impl Router {
     /// Chooses a worker for `req`, reserves it (unless a dry run) and
     /// rebinds the session after success.
     pub fn select(&mut self, req: &SelectRequest<'_>) -> Result<SelectResult, RouterError> {
+        // What this selection saw, and nothing of the last one when it
+        // fails before it looks (no worker of the model and role).
+        self.explained.last = Explain::default();
         let chosen = self.route(req, Purpose::Select)?;
         Ok(chosen.expect("a select that does not fail chooses"))
     }
