@@ -53,10 +53,14 @@ pub struct Stored<'a> {
     pub block_size: Option<i64>,
     /// Deprecated numeric LoRA id (kvedge hashes LoRA by name).
     pub lora_id: Option<i64>,
-    /// "GPU", "CPU", "DISK"/"STORAGE", or absent (GPU).
+    /// "GPU", "CPU" (SGLang: "CPU_PINNED"), "DISK"/"STORAGE", or absent
+    /// (GPU).
     pub medium: Option<&'a str>,
     pub lora_name: Option<&'a str>,
     pub extra: Extra<'a>,
+    /// SGLang's salt of the request that stored the blocks, by name (vLLM
+    /// puts its salt among the first block's extra keys instead).
+    pub cache_salt: Option<&'a str>,
     /// The KV cache group (hybrid models publish one per group).
     pub group_idx: Option<i64>,
 }
@@ -97,6 +101,7 @@ enum Field {
     LoraName,
     ExtraKeys,
     GroupIdx,
+    CacheSalt,
     Other,
 }
 
@@ -112,6 +117,7 @@ impl Field {
             b"lora_name" => Field::LoraName,
             b"extra_keys" => Field::ExtraKeys,
             b"group_idx" => Field::GroupIdx,
+            b"cache_salt" => Field::CacheSalt,
             _ => Field::Other,
         }
     }
@@ -127,6 +133,7 @@ impl Field {
             Field::LoraName => "lora_name",
             Field::ExtraKeys => "extra_keys",
             Field::GroupIdx => "group_idx",
+            Field::CacheSalt => "cache_salt",
             Field::Other => "other",
         }
     }
@@ -185,6 +192,7 @@ struct Fields<'a> {
     lora_name: Option<&'a str>,
     extra: Extra<'a>,
     group_idx: Option<i64>,
+    cache_salt: Option<&'a str>,
     bad: Option<(&'static str, DecodeError)>,
 }
 
@@ -351,6 +359,7 @@ impl Decoder {
                 lora_name: f.lora_name,
                 extra: f.extra,
                 group_idx: f.group_idx,
+                cache_salt: f.cache_salt,
             }),
             (Tag::Removed, None) => Event::Removed(Removed {
                 hashes: &self.hashes,
@@ -443,7 +452,7 @@ impl Decoder {
                     },
                 }
             }
-            Field::Medium | Field::LoraName => {
+            Field::Medium | Field::LoraName | Field::CacheSalt => {
                 let value = match head {
                     Head::Nil => None,
                     Head::Str(s) => match std::str::from_utf8(s) {
@@ -459,10 +468,10 @@ impl Decoder {
                         None
                     }
                 };
-                if field == Field::Medium {
-                    f.medium = value;
-                } else {
-                    f.lora_name = value;
+                match field {
+                    Field::Medium => f.medium = value,
+                    Field::LoraName => f.lora_name = value,
+                    _ => f.cache_salt = value,
                 }
             }
             Field::ExtraKeys => match head {

@@ -85,7 +85,11 @@ pub fn tier_of(medium: Option<&str>) -> Option<Tier> {
         Some(m) if m.eq_ignore_ascii_case("gpu") || m.eq_ignore_ascii_case("cuda") => {
             Some(Tier::Device)
         }
-        Some(m) if m.eq_ignore_ascii_case("cpu") || m.eq_ignore_ascii_case("host") => {
+        Some(m)
+            if m.eq_ignore_ascii_case("cpu")
+                || m.eq_ignore_ascii_case("cpu_pinned")
+                || m.eq_ignore_ascii_case("host") =>
+        {
             Some(Tier::Host)
         }
         Some(m)
@@ -243,6 +247,15 @@ impl Translator {
         if salt.is_some() && s.parent.is_some() {
             return Err("a cache salt on a block that has a parent");
         }
+        // SGLang names the salt on every event of a salted request; a
+        // chain's later blocks inherit it from their parent, as here.
+        if let Some(named) = s.cache_salt.filter(|_| s.parent.is_none()) {
+            match salt {
+                None => salt = Some(named),
+                Some(key) if key == named => {}
+                Some(_) => return Err("two different cache salts"),
+            }
+        }
         Ok(hash::block_seed(s.lora_name, salt))
     }
 
@@ -252,7 +265,7 @@ impl Translator {
         let Some(tier) = tier_of(medium) else {
             let medium = medium.unwrap_or_default().to_owned();
             self.skip(notice::UNKNOWN_MEDIUM, 1, || {
-                format!("blocks on medium `{medium}` are skipped (kvedge knows GPU, CPU and DISK/STORAGE)")
+                format!("blocks on medium `{medium}` are skipped (kvedge knows GPU, CPU/CPU_PINNED and DISK/STORAGE; a pool shared by every engine, such as SGLang's EXTERNAL, favours none)")
             });
             return None;
         };

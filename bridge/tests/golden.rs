@@ -151,6 +151,27 @@ fn sglang_variant() {
 }
 
 #[test]
+fn sglang_map_layout_with_a_named_salt_host_blocks_and_a_shared_pool() {
+    let (out, t, batch) = translate("sglang_map.msgpack");
+    assert_eq!(batch.events, 4);
+    assert_eq!(batch.dp_rank, Some(0));
+    // What a frontend asking with namespace "tenant-salt" computes: the
+    // salt seeds the chain once, though SGLang names it on every event.
+    let chain = sequence_hashes(&tokens(100..148), 16, None, Some("tenant-salt"));
+    let seed = block_seed(None, Some("tenant-salt"));
+    assert_eq!(
+        out.0,
+        [
+            Out::Stored(Tier::Device, chain[..2].to_vec(), seed),
+            Out::Stored(Tier::Host, vec![chain[2]], seed),
+            Out::Removed(Tier::Host, vec![chain[2]]),
+        ]
+    );
+    // The shared pool's block favours no engine: skipped and counted.
+    assert_eq!(t.counts().get(notice::UNKNOWN_MEDIUM), 1);
+}
+
+#[test]
 fn a_wrong_block_size_is_counted_and_never_indexed() {
     let bytes = golden("vllm_array_int.msgpack");
     let mut t = Translator::new(32, 1 << 20);

@@ -125,6 +125,27 @@ class SglRemoved(ArrayEvent, tag="BlockRemoved"):
     medium: Optional[str] = None
 
 
+# --- SGLang, events as maps (releases from late 2026): a salt by name, the
+# host tier as CPU_PINNED, a shared pool as EXTERNAL ---
+
+
+class SglMapStored(MapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str] = None
+    cache_salt: Optional[str] = None
+    session_id: Optional[str] = None
+    lora_name: Optional[str] = None
+
+
+class SglMapRemoved(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: Optional[str] = None
+
+
 def digest(n: int) -> bytes:
     """A 32-byte hash whose last 8 bytes are `n` (as vLLM's sha256 hashes are
     read: their low 64 bits)."""
@@ -189,6 +210,22 @@ files = {
         TS,
         [SglStored([BIG, 7], None, TOKENS, 16, None), SglRemoved([BIG])],
         3,
+    ),
+    # SGLang, map layout: a salted request's two blocks, its next block
+    # (the salt named again, as SGLang does on every event of the request)
+    # offloaded to host memory, a block in a pool shared by all engines,
+    # and an eviction from the host tier.
+    "sglang_map.msgpack": SglBatch(
+        TS,
+        [
+            SglMapStored([-5, 7], None, TOKENS, 16, None, "GPU", cache_salt="tenant-salt",
+                         session_id="s-1"),
+            SglMapStored([8], 7, list(range(132, 148)), 16, None, "CPU_PINNED",
+                         cache_salt="tenant-salt"),
+            SglMapStored([9], None, list(range(16)), 16, None, "EXTERNAL"),
+            SglMapRemoved([8], "CPU_PINNED"),
+        ],
+        0,
     ),
 }
 
