@@ -520,45 +520,58 @@ fn seq_of(frame: &[u8]) -> Result<u64, String> {
     Ok(u64::from_be_bytes(bytes))
 }
 
+/// How a replay ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReplayEnd {
+    /// Its end marker arrived within [`REPLAY_DEADLINE`].
+    Complete,
+    /// It timed out, stalled past its deadline, or broke off.
+    Incomplete,
+    /// Nothing accepted a connection at the replay socket: the engine is
+    /// not there.
+    Unreachable,
+}
+
 /// Asks the replay socket for every batch from `from` on and hands them
-/// to the feed; whether the end marker arrived within
-/// [`REPLAY_DEADLINE`].
+/// to the feed.
 async fn replay(
     rank: &EngineRank,
     endpoint: &str,
     from: u64,
     feed: &mut Feed,
     publisher: &mut Publisher,
-) -> bool {
+) -> ReplayEnd {
     let run = async {
         let options = options(rank, Allow::loopback());
         let Ok(mut dealer) = Dealer::connect(endpoint, &options).await else {
-            return false;
+            return ReplayEnd::Unreachable;
         };
         if dealer.send(&[&b""[..], &from.to_be_bytes()]).await.is_err() {
-            return false;
+            return ReplayEnd::Incomplete;
         }
         for _ in 0..MAX_REPLAY_MESSAGES {
             let msg = match tokio::time::timeout(REPLAY_TIMEOUT, dealer.recv()).await {
                 Ok(Ok(m)) => m,
-                _ => return false,
+                _ => return ReplayEnd::Incomplete,
             };
             // ["", seq, payload] (older engines) or ["", topic, seq, payload].
             let (seq, payload) = match msg.as_slice() {
                 [_, seq, payload] | [_, _, seq, payload] => (seq, payload),
-                _ => return false,
+                _ => return ReplayEnd::Incomplete,
             };
             if seq.as_ref() == END_SEQ {
-                return true;
+                return ReplayEnd::Complete;
             }
-            let Ok(seq) = seq_of(seq) else { return false };
+            let Ok(seq) = seq_of(seq) else {
+                return ReplayEnd::Incomplete;
+            };
             feed.handle_replayed(seq, payload, &mut Ring(publisher));
         }
-        false
+        ReplayEnd::Incomplete
     };
     tokio::time::timeout(REPLAY_DEADLINE, run)
         .await
-        .unwrap_or(false)
+        .unwrap_or(ReplayEnd::Incomplete)
 }
 
 /// Hands a live message to the feed, and runs the replays it asks for
@@ -583,11 +596,14 @@ async fn replays(
     publisher: &mut Publisher,
 ) -> Live {
     while let Live::Replay { from } = step {
-        let complete = match &rank.replay {
+        let end = match &rank.replay {
             Some(endpoint) => replay(rank, endpoint, from, feed, publisher).await,
-            None => false,
+            None => ReplayEnd::Incomplete,
         };
-        step = feed.handle_replay_end(complete, &mut Ring(publisher));
+        step = match end {
+            ReplayEnd::Unreachable => feed.handle_replay_unreachable(&mut Ring(publisher)),
+            end => feed.handle_replay_end(end == ReplayEnd::Complete, &mut Ring(publisher)),
+        };
     }
     step
 }
@@ -733,6 +749,40 @@ fn monotonic_ns(start: Instant) -> u64 {
     start.elapsed().as_nanos() as u64
 }
 
+/// Tells the daemon of a change in the engine's liveness: silent (its
+/// blocks dropped, out of routing) or heard again (the notice over, and a
+/// heartbeat that brings it back at once).
+fn report(
+    change: Option<Change>,
+    rank: &EngineRank,
+    feed: &mut Feed,
+    publisher: &mut Publisher,
+    reported: &mut Reported,
+    start: Instant,
+) {
+    match change {
+        Some(Change::Silent(why)) => {
+            let message = format!(
+                "{why}: its blocks were dropped and it is out of routing until it is heard again"
+            );
+            warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
+            feed.forget(&mut Ring(publisher));
+            reported.silent += 1;
+            let _ = publisher.publish_notice(notice::SILENT, reported.silent, &message);
+        }
+        Some(Change::Back) => {
+            info!(
+                worker = rank.worker_id,
+                dp_rank = rank.dp_rank,
+                "engine heard again"
+            );
+            let _ = publisher.publish_notice(notice::over(notice::SILENT), reported.silent, "");
+            let _ = publisher.heartbeat(monotonic_ns(start));
+        }
+        None => {}
+    }
+}
+
 /// The rate limits of a rank's repeated warnings, one per kind.
 #[derive(Debug, Default)]
 struct Logs {
@@ -847,6 +897,7 @@ async fn run_rank(
                                 if step != Live::Ignored {
                                     last_message = Instant::now();
                                     liveness.events_up(last_message);
+                                    report(liveness.check(last_message), &rank, &mut feed, &mut publisher, &mut reported, start);
                                     // The engine works: its load is read at
                                     // the busy pace.
                                     events.published();
@@ -894,6 +945,9 @@ async fn run_rank(
                     Scraped::Read(reading) => {
                         let now = Instant::now();
                         liveness.scrape_read(now);
+                        // Back before the load that brings it back, so no
+                        // one sees it routed with `silent` standing.
+                        report(liveness.check(now), &rank, &mut feed, &mut publisher, &mut reported, start);
                         if reported.unreadable.end() {
                             info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "the engine's load is read again");
                             let _ = publisher.publish_notice(notice::over(notice::LOAD_UNREADABLE), reported.unreadable.count, "");
@@ -928,22 +982,7 @@ async fn run_rank(
             }
             _ = tick.tick() => {
                 let now = Instant::now();
-                match liveness.check(now) {
-                    Some(Change::Silent(why)) => {
-                        let message = format!("{why}: its blocks were dropped and it is out of routing until it is heard again");
-                        warn!(worker = rank.worker_id, dp_rank = rank.dp_rank, "{message}");
-                        feed.forget(&mut Ring(&mut publisher));
-                        reported.silent += 1;
-                        let _ = publisher.publish_notice(notice::SILENT, reported.silent, &message);
-                    }
-                    Some(Change::Back) => {
-                        info!(worker = rank.worker_id, dp_rank = rank.dp_rank, "engine heard again");
-                        let _ = publisher.publish_notice(notice::over(notice::SILENT), reported.silent, "");
-                        // Back in routing with the daemon at once.
-                        let _ = publisher.heartbeat(monotonic_ns(start));
-                    }
-                    None => {}
-                }
+                report(liveness.check(now), &rank, &mut feed, &mut publisher, &mut reported, start);
                 // A count still climbing is published at most once a second.
                 if reported.unreadable.due(now) {
                     let _ = publisher.publish_notice(notice::LOAD_UNREADABLE, reported.unreadable.count, "");

@@ -516,6 +516,25 @@ impl Feed {
         }
     }
 
+    /// The replay socket accepted no connection. Asked at start for the
+    /// engine's history, that means the engine is not running yet: it
+    /// has no history kvedge could miss, so nothing is lost, and the
+    /// history is asked again when kvedge connects to its publisher or
+    /// first hears a batch numbered past 0. Any other replay counts as
+    /// not complete.
+    pub fn handle_replay_unreachable(&mut self, sink: &mut impl Sink) -> Live {
+        if let Some(Replaying {
+            pending: None,
+            purpose: Purpose::Fill { startup: true, .. },
+            ..
+        }) = self.replaying
+        {
+            self.replaying = None;
+            return Live::Applied;
+        }
+        self.handle_replay_end(false, sink)
+    }
+
     /// The replay ended: `complete` when its end marker arrived (false on
     /// a timeout, a stall past its deadline or a socket error). Decides on
     /// the message that waited; may ask for another replay.

@@ -341,6 +341,40 @@ fn connecting_again_catches_up_or_finds_a_restart() {
 }
 
 #[test]
+fn an_engine_not_yet_running_at_start_loses_nothing_and_is_asked_later() {
+    let mut feed = Feed::new(4, 1000, true);
+    let mut out = Recorder::default();
+    // kvedge starts first: nothing answers at the replay socket.
+    assert_eq!(feed.handle_connected(), Live::Replay { from: 0 });
+    assert_eq!(feed.handle_replay_unreachable(&mut out), Live::Applied);
+    assert_eq!(feed.counts().lost, 0, "no history existed to lose");
+    assert!(!feed.replaying());
+    // The engine comes up; its first batches pass before kvedge
+    // subscribes: the first one heard asks for the history, which brings
+    // them.
+    assert_eq!(
+        feed.handle_live(ENGINE, 2, &one_block(3, Some(2)), &mut out),
+        Live::Replay { from: 0 }
+    );
+    feed.handle_replayed(0, &one_block(1, None), &mut out);
+    feed.handle_replayed(1, &one_block(2, Some(1)), &mut out);
+    assert_eq!(feed.handle_replay_end(true, &mut out), Live::Applied);
+    assert_eq!(feed.translator().len(), 3);
+    assert_eq!(feed.counts().lost, 0);
+    // Connected again later: the same engine's replay socket gone is an
+    // incomplete catch-up, not a fresh start.
+    assert_eq!(feed.handle_connected(), Live::Replay { from: 2 });
+    assert_eq!(feed.handle_replay_unreachable(&mut out), Live::Applied);
+    assert_eq!(feed.translator().len(), 3, "kept: nothing shows a restart");
+    assert_eq!(feed.counts().restarts, 0);
+    // An unanswered history at start is still counted.
+    let mut other = Feed::new(4, 1000, true);
+    assert_eq!(other.handle_connected(), Live::Replay { from: 0 });
+    assert_eq!(other.handle_replay_end(false, &mut out), Live::Applied);
+    assert_eq!(other.counts().lost, 1);
+}
+
+#[test]
 fn the_first_message_asks_for_history() {
     let mut feed = Feed::new(4, 1000, true);
     let mut out = Recorder::default();

@@ -236,14 +236,12 @@ fn a_dead_exporter_takes_its_worker_out_of_routing() {
         || worker(&mut c, 10)["available"] == true,
         "the worker back with its exporter",
     );
-    let failed = notice(&worker(&mut c, 10), "load_unreadable");
-    wait(
-        || {
-            let w = worker(&mut c, 10);
-            active(&w, "load_unreadable") == Some(false) && active(&w, "silent") == Some(false)
-        },
-        "load_unreadable and silent over",
-    );
+    // Over no later than it is back: the bridge says so before the load
+    // that brings it back.
+    let w = worker(&mut c, 10);
+    assert_eq!(active(&w, "load_unreadable"), Some(false), "{w}");
+    assert_eq!(active(&w, "silent"), Some(false), "{w}");
+    let failed = notice(&w, "load_unreadable");
     assert!(
         failed >= reported,
         "the count kept: {failed} after {reported}"
