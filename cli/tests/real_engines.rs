@@ -691,14 +691,39 @@ impl Drop for Publisher {
     }
 }
 
-/// kvedge reading one publisher as engine `kind`, worker 10, block size 16.
-fn publisher_daemon(name: &str, kind: &str, events: u16, replay: u16) -> common::Daemon {
-    start(
-        name,
-        &format!(
-            "daemon:\n  heartbeat_timeout_ms: 60000\nengines:\n  - kind: {kind}\n    model: tiny\n    worker_id: 10\n    block_size: 16\n    endpoint: http://127.0.0.1:1\n    events: tcp://127.0.0.1:{events}\n    replay: tcp://127.0.0.1:{replay}\n    topic: kv-events\n"
-        ),
-    )
+/// kvedge reading one publisher of `engine` (its kind), worker 10, block
+/// size 16, and that publisher: the daemon, a connection to it and the
+/// publisher, with the ports the publisher binds.
+struct PublisherRig {
+    d: common::Daemon,
+    c: Conn,
+    p: Publisher,
+    events: u16,
+    replay: u16,
+}
+
+impl PublisherRig {
+    fn start(env: &EnginesEnv, engine: &str, name: &str) -> PublisherRig {
+        let (events, replay) = (
+            free_port(Ipv4Addr::LOCALHOST),
+            free_port(Ipv4Addr::LOCALHOST),
+        );
+        let d = start(
+            &format!("{engine}-{name}"),
+            &format!(
+                "daemon:\n  heartbeat_timeout_ms: 60000\nengines:\n  - kind: {engine}\n    model: tiny\n    worker_id: 10\n    block_size: 16\n    endpoint: http://127.0.0.1:1\n    events: tcp://127.0.0.1:{events}\n    replay: tcp://127.0.0.1:{replay}\n    topic: kv-events\n"
+            ),
+        );
+        let c = Conn::connect(&d.query());
+        let p = Publisher::spawn(env, engine, events, replay);
+        PublisherRig {
+            d,
+            c,
+            p,
+            events,
+            replay,
+        }
+    }
 }
 
 /// Killed and restarted (within milliseconds in-process, or as a new
@@ -709,13 +734,13 @@ fn restarts_are_resynchronised(engine: &str) {
     let Some(env) = engines_env(engine) else {
         return;
     };
-    let (events, replay) = (
-        free_port(Ipv4Addr::LOCALHOST),
-        free_port(Ipv4Addr::LOCALHOST),
-    );
-    let d = publisher_daemon(&format!("{engine}-publisher"), engine, events, replay);
-    let mut c = Conn::connect(&d.query());
-    let mut p = Publisher::spawn(&env, engine, events, replay);
+    let PublisherRig {
+        d: _d,
+        mut c,
+        mut p,
+        events,
+        replay,
+    } = PublisherRig::start(&env, engine, "publisher");
     let first = tokens(1, 32);
     p.store(&first);
     wait(
@@ -793,13 +818,12 @@ fn salts_and_tiers(engine: &str, host: &str) {
     let Some(env) = engines_env(engine) else {
         return;
     };
-    let (events, replay) = (
-        free_port(Ipv4Addr::LOCALHOST),
-        free_port(Ipv4Addr::LOCALHOST),
-    );
-    let d = publisher_daemon(&format!("{engine}-salts"), engine, events, replay);
-    let mut c = Conn::connect(&d.query());
-    let mut p = Publisher::spawn(&env, engine, events, replay);
+    let PublisherRig {
+        d: _d,
+        mut c,
+        mut p,
+        ..
+    } = PublisherRig::start(&env, engine, "salts");
     let root = tokens(11, 32);
     p.send(json!({"tokens": root, "cache_salt": "tenant-a"}));
     wait(Duration::from_secs(20), "the salted blocks", || {

@@ -38,6 +38,8 @@ def main() -> None:
     a = p.parse_args()
     bs = a.block_size
 
+    # The two engines' modules differ in the rank's name, the hashes'
+    # type and where a salt goes.
     if a.engine == "vllm":
         from vllm.distributed.kv_events import (
             BlockRemoved,
@@ -46,30 +48,15 @@ def main() -> None:
             ZmqEventPublisher,
         )
 
+        rank = {"data_parallel_rank": 0}
+
         def digest(parent, block, salt):
             return hashlib.sha256(repr((parent, tuple(block), salt)).encode()).digest()
 
-        def start():
-            return ZmqEventPublisher(
-                data_parallel_rank=0,
-                endpoint=a.events,
-                replay_endpoint=a.replay,
-                topic=a.topic,
-            )
-
-        def stored(hashes, parent, tokens, medium, salt):
-            # vLLM puts a salt among the first block's extra keys.
-            extra = [(salt,)] + [None] * (len(hashes) - 1) if salt and parent is None else None
-            return BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=parent,
-                token_ids=tokens,
-                block_size=bs,
-                lora_id=None,
-                medium=medium,
-                lora_name=None,
-                extra_keys=extra,
-            )
+        def salted(n, parent, salt):
+            # Among the first block's extra keys.
+            first = salt is not None and parent is None
+            return {"lora_name": None, "extra_keys": [(salt,)] + [None] * (n - 1) if first else None}
 
     else:
         from sglang.srt.disaggregation.kv_events import (
@@ -79,29 +66,31 @@ def main() -> None:
             ZmqEventPublisher,
         )
 
+        rank = {"attn_dp_rank": 0}
+
         def digest(parent, block, salt):
             d = hashlib.sha256(repr((parent, tuple(block), salt)).encode()).digest()
             return int.from_bytes(d[:8], "big", signed=True)
 
-        def start():
-            return ZmqEventPublisher(
-                attn_dp_rank=0,
-                endpoint=a.events,
-                replay_endpoint=a.replay,
-                topic=a.topic,
-            )
+        def salted(n, parent, salt):
+            # Named on every event of a salted request.
+            return {"cache_salt": salt}
 
-        def stored(hashes, parent, tokens, medium, salt):
-            # SGLang names the salt on every event of a salted request.
-            return BlockStored(
-                block_hashes=hashes,
-                parent_block_hash=parent,
-                token_ids=tokens,
-                block_size=bs,
-                lora_id=None,
-                medium=medium,
-                cache_salt=salt,
-            )
+    def start():
+        return ZmqEventPublisher(
+            **rank, endpoint=a.events, replay_endpoint=a.replay, topic=a.topic
+        )
+
+    def stored(hashes, parent, tokens, medium, salt):
+        return BlockStored(
+            block_hashes=hashes,
+            parent_block_hash=parent,
+            token_ids=tokens,
+            block_size=bs,
+            lora_id=None,
+            medium=medium,
+            **salted(len(hashes), parent, salt),
+        )
 
     def chain(tokens, salt, parent=None):
         blocks = [tokens[i : i + bs] for i in range(0, len(tokens) - bs + 1, bs)]
