@@ -22,6 +22,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::time::{Duration, Instant};
 
+use common::fake_engine::worker;
 use common::{Conn, start, temp_dir};
 use kvedge_epp::testing::{Envoy, free_port};
 use serde_json::{Value, json};
@@ -292,17 +293,6 @@ fn overlap(c: &mut Conn, worker: u64, tokens: &[u32]) -> usize {
         .map_or(0, |w| {
             w["overlap_blocks"]["device"].as_u64().unwrap() as usize
         })
-}
-
-fn worker(c: &mut Conn, id: u64) -> Value {
-    let w = c.ask(json!({"op": "workers"}));
-    w["workers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|w| w["worker_id"] == id)
-        .cloned()
-        .unwrap_or(Value::Null)
 }
 
 /// Sends `tokens` to `server` and checks the one thing that matters: the

