@@ -96,6 +96,8 @@ pub enum Router {
     /// kvedge's picker behind Envoy; `None` is the default policy, else
     /// `TYPE` or `TYPE:key=value,...` (the policy's parameters).
     Kvedge(Option<String>),
+    /// kvedge's own HTTP front door, no Envoy (the policy as above).
+    KvedgeHttp(Option<String>),
     EnvoyRoundRobin,
     /// sglang-router with a policy.
     Sglang(String),
@@ -109,13 +111,14 @@ impl Router {
         let policy = (!policy.is_empty()).then(|| policy.to_owned());
         match name {
             "kvedge" => Ok(Router::Kvedge(policy)),
+            "kvedge-http" => Ok(Router::KvedgeHttp(policy)),
             "envoy-rr" => Ok(Router::EnvoyRoundRobin),
             "sglang" => Ok(Router::Sglang(
                 policy.unwrap_or_else(|| "cache_aware".into()),
             )),
             "vllm" => Ok(Router::Vllm(policy.unwrap_or_else(|| "cache_aware".into()))),
             _ => Err(format!(
-                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
+                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], kvedge-http[:POLICY...], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
             )),
         }
     }
@@ -124,6 +127,8 @@ impl Router {
         match self {
             Router::Kvedge(None) => "kvedge".into(),
             Router::Kvedge(Some(p)) => format!("kvedge:{p}"),
+            Router::KvedgeHttp(None) => "kvedge-http".into(),
+            Router::KvedgeHttp(Some(p)) => format!("kvedge-http:{p}"),
             Router::EnvoyRoundRobin => "envoy-rr".into(),
             Router::Sglang(p) => format!("sglang:{p}"),
             Router::Vllm(p) => format!("vllm:{p}"),
@@ -174,8 +179,14 @@ pub fn start(
             .ok_or("no Envoy: set KVEDGE_ENVOY or pass --envoy")
     };
     let running = match router {
-        Router::Kvedge(policy) => {
+        Router::Kvedge(policy) | Router::KvedgeHttp(policy) => {
             let epp = free_port(Ipv4Addr::LOCALHOST);
+            // The front door's port, when it is kvedge's own.
+            let door =
+                matches!(router, Router::KvedgeHttp(_)).then(|| free_port(Ipv4Addr::LOCALHOST));
+            let http_listen = door
+                .map(|p| format!("  http_listen: 127.0.0.1:{p}\n"))
+                .unwrap_or_default();
             let entries: String = engines.iter().map(|e| e.entry.as_str()).collect();
             let policy = policy
                 .as_ref()
@@ -201,7 +212,7 @@ pub fn start(
             std::fs::write(
                 &config,
                 format!(
-                    "{}{policy}epp:\n  listen: 127.0.0.1:{epp}\n  models:\n    - name: m\n      tokenizer: {}\nengines:\n{entries}",
+                    "{}{policy}epp:\n  listen: 127.0.0.1:{epp}\n{http_listen}  models:\n    - name: m\n      tokenizer: {}\nengines:\n{entries}",
                     tools.kvedge_extra,
                     tokenizer.display()
                 ),
@@ -231,6 +242,16 @@ pub fn start(
                     std::fs::read_to_string(dir.join("kvedge.log")).unwrap_or_default()
                 )
             })?;
+            if let Some(port) = door {
+                let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
+                wait_listening(addr, "kvedge's HTTP front door")?;
+                return Ok(Running {
+                    addr,
+                    pids: vec![daemon],
+                    _procs: procs,
+                    _envoy: None,
+                });
+            }
             let envoy = Envoy::start(&envoy_bin()?, dir, epp, false);
             Running {
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),

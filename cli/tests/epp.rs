@@ -1087,3 +1087,209 @@ fn a_rules_provider_pick_is_routed_by_envoy_to_that_providers_cluster() {
         "every reservation released",
     );
 }
+
+/// [`config`] with kvedge's own HTTP front door on `http_port` too.
+fn front_door_config(epp_port: u16, http_port: u16) -> String {
+    config(epp_port).replace(
+        "epp:\n",
+        &format!("epp:\n  http_listen: 127.0.0.1:{http_port}\n  debug_header: x-debug\n"),
+    )
+}
+
+/// A GET over a new connection: status and body.
+fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    let status = out
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = out.split_once("\r\n\r\n").map_or("", |(_, b)| b).to_owned();
+    (status, body)
+}
+
+#[test]
+fn the_http_front_door_routes_each_request_to_the_engine_that_holds_its_prefix() {
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start("http-front-door", &front_door_config(epp_port, http_port));
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let (engines, _publishers) = nodes(&d, 4, true);
+    let post = |body: &[u8], headers: &[(&str, &str)]| {
+        kvedge_epp::testing::post(door, "/v1/completions", body, headers)
+    };
+
+    // Each prefix, with a different tail, reaches its holder through the
+    // door, streamed (the events pass as they came) or not.
+    for round in 0..3u32 {
+        for (i, e) in engines.iter().enumerate() {
+            let mut tokens = prefix(i as u32 + 1);
+            tokens.extend([90_000 + round, 7, 7]);
+            let before = e.hits();
+            let stream = round % 2 == 1;
+            let (status, head, body) = post(&completion(&tokens, stream), &[]);
+            assert_eq!(status, 200, "{head}\n{body}");
+            assert_eq!(e.hits(), before + 1, "engine {i} holds the prefix");
+            if stream {
+                assert!(head.contains("text/event-stream"), "{head}");
+                assert!(body.contains("data: [DONE]"), "{body}");
+            } else {
+                assert!(body.contains("\"ok\""), "{body}");
+            }
+        }
+    }
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "every reservation released",
+    );
+    // The debug header gets the decision explained in the response.
+    let mut tokens = prefix(3);
+    tokens.push(1);
+    let (status, head, _) = post(&completion(&tokens, false), &[("x-debug", "1")]);
+    assert_eq!(status, 200);
+    assert!(head.contains("x-kvedge-decision: worker=3/"), "{head}");
+
+    // Local answers.
+    let (status, body) = get(door, "/health");
+    assert_eq!((status, body.as_str()), (200, "ok\n"));
+    let (status, body) = get(door, "/v1/models");
+    assert_eq!(status, 200, "{body}");
+    let models: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(models["data"][0]["id"], "m", "{body}");
+
+    // Refusals: clear errors, no engine reached.
+    let total = || engines.iter().map(HttpEngine::hits).sum::<usize>();
+    let before = total();
+    let (status, _, body) = post(b"{not json", &[]);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("not JSON"), "{body}");
+    let (status, _, body) = post(
+        json!({"model": "other", "prompt": [1, 2]})
+            .to_string()
+            .as_bytes(),
+        &[],
+    );
+    assert_eq!(status, 404, "{body}");
+    assert!(body.contains("model_not_found"), "{body}");
+    let long: Vec<u32> = (0..5000).collect();
+    let (status, _, body) = post(&completion(&long, false), &[]);
+    assert_eq!(status, 400, "{body}");
+    assert!(body.contains("over the limit"), "{body}");
+    let (status, _, body) = kvedge_epp::testing::post(door, "/v1/embeddings", b"{}", &[]);
+    assert_eq!(status, 404, "{body}");
+    let (status, body) = get(door, "/v1/completions");
+    assert_eq!(status, 405, "{body}");
+    // A body announced over the limit is refused before it is read.
+    let mut s = TcpStream::connect(door).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    write!(
+        s,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: 1000000000\r\n\r\n{{"
+    )
+    .unwrap();
+    let mut reply = [0u8; 512];
+    let n = s.read(&mut reply).unwrap();
+    let reply = String::from_utf8_lossy(&reply[..n]);
+    assert!(reply.starts_with("HTTP/1.1 413"), "{reply}");
+    assert_eq!(total(), before, "no engine saw a refused request");
+    assert_eq!(ask(&d.query(), json!({"op": "stats"}))["reservations"], 0);
+}
+
+#[test]
+fn the_http_front_door_releases_a_pick_whose_engine_fails_or_whose_client_leaves() {
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start(
+        "http-front-door-release",
+        &front_door_config(epp_port, http_port),
+    );
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let reservations = || ask(&d.query(), json!({"op": "stats"}))["reservations"].clone();
+
+    // Worker 1 holds prefix 1 but nothing listens at its endpoint: 502,
+    // and its reservation is given back.
+    let dead_port = free_port(Ipv4Addr::LOCALHOST);
+    let mut dead = register(&d, 1, &format!("http://127.0.0.1:{dead_port}"));
+    hold(&mut dead, &prefix(1));
+    // Worker 2 holds prefix 2, and streams one event, then nothing.
+    let slow = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let mut held = register(&d, 2, &format!("http://{}", slow.local_addr().unwrap()));
+    hold(&mut held, &prefix(2));
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 8,
+        "both engines' blocks",
+    );
+    let (status, _, body) =
+        kvedge_epp::testing::post(door, "/v1/completions", &completion(&prefix(1), false), &[]);
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("bad_gateway"), "{body}");
+    wait_for(|| reservations() == 0, "the failed pick released");
+
+    // The slow engine: the client reads the first event and goes away
+    // while the engine still holds its response open.
+    let engine = std::thread::spawn(move || {
+        let (mut conn, _) = slow.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).unwrap();
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+        let event = "data: {\"choices\":[{\"text\":\"a\"}]}\n\n";
+        write!(conn, "{:x}\r\n{event}\r\n", event.len()).unwrap();
+        // Held open until the front door closes it.
+        conn.set_read_timeout(Some(Duration::from_secs(20)))
+            .unwrap();
+        let closed = matches!(conn.read(&mut buf), Ok(0) | Err(_));
+        closed
+    });
+    let mut client = TcpStream::connect(door).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let body = completion(&prefix(2), true);
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    client.write_all(&body).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(&seen).contains("data: ") {
+        let n = client.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended early");
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert_eq!(reservations(), 1, "the streaming pick is held");
+    drop(client);
+    wait_for(
+        || reservations() == 0,
+        "the pick released when the client left",
+    );
+    assert!(
+        engine.join().unwrap(),
+        "the engine's connection is closed once the client left"
+    );
+}

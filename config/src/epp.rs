@@ -24,6 +24,12 @@ pub struct EppSection {
     /// unless set (a gateway on another host needs this set).
     #[serde(default = "listen")]
     pub listen: String,
+    /// kvedge's own OpenAI-compatible HTTP front door (`host:port`), off
+    /// unless set: requests to `/v1/completions` and
+    /// `/v1/chat/completions` are picked as the gateway's are and proxied
+    /// to the chosen engine, with no gateway in front.
+    #[serde(default)]
+    pub http_listen: Option<String>,
     /// Largest request body read, in bytes (larger: 413). Derived from
     /// `max_prompt_tokens` when not set ([`EppSection::body_limit`]).
     #[serde(default)]
@@ -186,6 +192,23 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
             ),
         ));
     }
+    if let Some(h) = &e.http_listen
+        && h.parse::<std::net::SocketAddr>().is_err()
+    {
+        return Some((
+            "http_listen",
+            format!("epp.http_listen `{h}` is not host:port (e.g. 127.0.0.1:8000)"),
+        ));
+    }
+    if e.http_listen.as_deref() == Some(e.listen.as_str()) {
+        return Some((
+            "http_listen",
+            format!(
+                "epp.http_listen and epp.listen are both `{}`: the HTTP front door needs a port of its own",
+                e.listen
+            ),
+        ));
+    }
     if let Some(b) = e.max_body_bytes
         && !(1024..=(1 << 30)).contains(&b)
     {
@@ -304,6 +327,11 @@ mod tests {
         assert_eq!(ok.approximate_chunk_bytes, 64);
         assert_eq!(validate(&ok), None);
         assert_eq!(validate(&section("approximate_chunk_bytes: 0\n")), None);
+        assert_eq!(
+            ok.http_listen, None,
+            "the HTTP front door is off unless set"
+        );
+        assert_eq!(validate(&section("http_listen: 127.0.0.1:8000\n")), None);
         for (yaml, key) in [
             ("approximate_chunk_bytes: 8\n", "approximate_chunk_bytes"),
             (
@@ -311,6 +339,8 @@ mod tests {
                 "approximate_chunk_bytes",
             ),
             ("listen: nowhere\n", "listen"),
+            ("http_listen: nowhere\n", "http_listen"),
+            ("http_listen: 127.0.0.1:9002\n", "http_listen"),
             ("max_body_bytes: 10\n", "max_body_bytes"),
             ("max_prompt_tokens: 0\n", "max_prompt_tokens"),
             ("max_connections: 0\n", "max_connections"),

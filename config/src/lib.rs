@@ -520,6 +520,10 @@ impl Config {
         for (what, addr) in [
             ("metrics.listen", doc.metrics.listen.as_deref()),
             ("epp.listen", doc.epp.as_ref().map(|e| e.listen.as_str())),
+            (
+                "epp.http_listen",
+                doc.epp.as_ref().and_then(|e| e.http_listen.as_deref()),
+            ),
         ] {
             if let Some((host, port)) = addr.and_then(|a| engines::host_port(&format!("tcp://{a}")))
             {

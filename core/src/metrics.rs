@@ -90,6 +90,10 @@ pub struct PickerStats {
     pub prompts_inline: u64,
     pub prompts_pooled: u64,
     pub picks_expired: u64,
+    /// Requests the HTTP front door proxied to an engine, and those it
+    /// answered 502 or 504 (the engine failed or did not answer).
+    pub http_proxied: u64,
+    pub http_upstream_errors: u64,
     /// Chats that started with a conversation the prefix cache held.
     pub prefix_hits: u64,
     pub prefix_misses: u64,
@@ -208,7 +212,7 @@ fn render_loop(r: &mut Registry, l: &LoopStats) {
 fn render_picker(r: &mut Registry, p: &PickerStats) {
     r.register(
         "epp_connections",
-        "Endpoint-picker gRPC connections open",
+        "Endpoint-picker connections open (gRPC, and the HTTP front door's)",
         gauge(p.connections),
     );
     r.register(
@@ -228,7 +232,7 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
     );
     r.register(
         "epp_streams",
-        "Endpoint-picker ext_proc streams open",
+        "Endpoint-picker requests in flight (ext_proc streams, and the HTTP front door's requests)",
         gauge(p.streams),
     );
     r.register(
@@ -275,6 +279,16 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
         "epp_picks_expired",
         "Picks whose reservation was released because their response did not end within epp.pick_timeout_ms",
         counter(p.picks_expired),
+    );
+    r.register(
+        "epp_http_proxied",
+        "Requests the HTTP front door (epp.http_listen) proxied to the engine it picked",
+        counter(p.http_proxied),
+    );
+    r.register(
+        "epp_http_upstream_errors",
+        "Requests the HTTP front door answered 502 or 504: the picked engine could not be reached, failed, or did not answer within epp.pick_timeout_ms",
+        counter(p.http_upstream_errors),
     );
     r.register(
         "epp_prefix_cache_hits",

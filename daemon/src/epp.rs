@@ -91,6 +91,7 @@ pub struct Loaded {
     limits: Limits,
     settings: Settings,
     listen: String,
+    http_listen: Option<String>,
 }
 
 impl std::fmt::Debug for Loaded {
@@ -164,6 +165,7 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
         limits,
         settings,
         listen: section.listen.clone(),
+        http_listen: section.http_listen.clone(),
     })
 }
 
@@ -184,6 +186,8 @@ fn snapshot(s: &Stats, prefix: kvedge_epp::tokenize::PrefixCounts) -> PickerStat
         prompts_inline: n(&s.prompts_inline),
         prompts_pooled: n(&s.prompts_pooled),
         picks_expired: n(&s.picks_expired),
+        http_proxied: n(&s.http_proxied),
+        http_upstream_errors: n(&s.http_upstream_errors),
         prefix_hits: prefix.hits,
         prefix_misses: prefix.misses,
         prefix_tokens_reused: prefix.tokens_reused,
@@ -192,19 +196,42 @@ fn snapshot(s: &Stats, prefix: kvedge_epp::tokenize::PrefixCounts) -> PickerStat
     }
 }
 
-/// Binds the listener and starts the picker's thread (and its tokenizer
+/// Where a started picker listens.
+#[derive(Clone, Copy, Debug)]
+pub struct Addrs {
+    /// ext_proc (and gRPC health).
+    pub grpc: std::net::SocketAddr,
+    /// The HTTP front door, when configured.
+    pub http: Option<std::net::SocketAddr>,
+}
+
+fn bind(addr: &str) -> io::Result<std::net::TcpListener> {
+    let listener = std::net::TcpListener::bind(addr)
+        .map_err(|e| io::Error::new(e.kind(), format!("{addr}: {e}")))?;
+    listener.set_nonblocking(true)?;
+    Ok(listener)
+}
+
+/// Binds the listeners and starts the picker's thread (and its tokenizer
 /// pool). Errors (an address in use) are the caller's to report: the
 /// daemon does not start without its picker.
-pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<std::net::SocketAddr> {
+pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<Addrs> {
     let Loaded {
         models,
         limits,
         settings,
         listen,
+        http_listen,
     } = loaded;
-    let listener = std::net::TcpListener::bind(&listen)?;
-    listener.set_nonblocking(true)?;
-    let addr = listener.local_addr()?;
+    let listener = bind(&listen)?;
+    let http_listener = http_listen.as_deref().map(bind).transpose()?;
+    let addrs = Addrs {
+        grpc: listener.local_addr()?,
+        http: http_listener
+            .as_ref()
+            .map(std::net::TcpListener::local_addr)
+            .transpose()?,
+    };
     let backend = Arc::new(Jobs {
         tx: tx.clone(),
         client: Mutex::new(None),
@@ -256,6 +283,14 @@ pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<std::net::SocketAddr> 
                         }
                     }
                 });
+                if let Some(l) = http_listener {
+                    match tokio::net::TcpListener::from_std(l) {
+                        Ok(l) => {
+                            tokio::spawn(kvedge_epp::http::serve(l, Arc::clone(&picker)));
+                        }
+                        Err(e) => tracing::error!("the HTTP front door's listener: {e}"),
+                    }
+                }
                 if let Err(e) =
                     kvedge_epp::server::serve(listener, picker, std::future::pending()).await
                 {
@@ -263,7 +298,7 @@ pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<std::net::SocketAddr> 
                 }
             });
         })?;
-    Ok(addr)
+    Ok(addrs)
 }
 
 #[cfg(test)]

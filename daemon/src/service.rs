@@ -180,11 +180,14 @@ fn start(
     // The gateway endpoint picker, on its own thread, feeds the loop
     // through the jobs channel.
     if let Some(loaded) = picker {
-        let addr = server
+        let addrs = server
             .job_sender()
             .and_then(|tx| crate::epp::start(loaded, tx))
             .map_err(|e| format!("epp: {e}"))?;
-        info!("{}", kvedge_epp::server::describe(addr));
+        info!("{}", kvedge_epp::server::describe(addrs.grpc));
+        if let Some(http) = addrs.http {
+            info!("{}", kvedge_epp::http::describe(http));
+        }
     }
     // Engines read over ZeroMQ and Prometheus register through the
     // bridge's own thread like any other engine.

@@ -12,12 +12,15 @@
 //! - [`pool`]: the threads that read large prompts off the serving thread.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
 //!   the routing core.
+//! - [`http`]: kvedge's own OpenAI-compatible HTTP front door, the
+//!   picker with no gateway in front.
 //! - [`testing`]: a tokenizer trained locally, for tests and benches.
 
 #![forbid(unsafe_code)]
 
 pub mod approx;
 pub mod body;
+pub mod http;
 pub mod picker;
 pub mod pool;
 pub mod prefix;

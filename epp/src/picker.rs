@@ -437,14 +437,6 @@ impl Exchange {
             Ok(p) => p,
             Err(reply) => return Step::Reply(*reply),
         };
-        let header = |name: &Option<String>| {
-            name.as_ref().and_then(|n| {
-                self.headers
-                    .iter()
-                    .find(|(k, _)| k == n)
-                    .map(|(_, v)| v.clone())
-            })
-        };
         let subset = match &self.subset {
             Some(s) if s.is_empty() => {
                 return Step::Reply(immediate(
@@ -456,25 +448,7 @@ impl Exchange {
             Some(s) => s.clone(),
             None => Vec::new(),
         };
-        Step::Select(SelectArgs {
-            model: p.model,
-            tokens: p.tokens,
-            prompt_tokens: p.prompt_tokens,
-            approximate: p.approximate,
-            tenant: header(&limits.tenant_header),
-            session: header(&limits.session_header),
-            headers: self
-                .headers
-                .iter()
-                .filter(|(k, _)| !k.starts_with(':'))
-                .cloned()
-                .collect(),
-            subset,
-            explain: limits
-                .debug_header
-                .as_ref()
-                .is_some_and(|h| self.headers.iter().any(|(k, _)| k == h)),
-        })
+        Step::Select(select_args(p, &self.headers, subset, limits))
     }
 
     /// The core answered the select asked for by the body: what to send
@@ -508,13 +482,7 @@ impl Exchange {
                 self.answer(provider_response(&name, decision.as_deref()))
             }
             Picked::Refused { status, message } => {
-                let code = match status {
-                    "too_many_requests" => 429,
-                    "no_worker" | "no_rule" | "rejected" => 503,
-                    "bad_request" => 400,
-                    _ => 500,
-                };
-                vec![immediate(code, status, &message)]
+                vec![immediate(refusal_code(status), status, &message)]
             }
         }
     }
@@ -644,6 +612,50 @@ fn streamed(body: Vec<u8>, end_of_stream: bool) -> CommonResponse {
             })),
         }),
         ..Default::default()
+    }
+}
+
+/// The select a read prompt asks for, with the request's headers
+/// (lower-case names; pseudo-headers are not passed to the rules) and the
+/// gateway's subset hint (empty: none).
+pub fn select_args(
+    p: Prompted,
+    headers: &[(String, String)],
+    subset: Vec<String>,
+    limits: &Limits,
+) -> SelectArgs {
+    let header = |name: &Option<String>| {
+        name.as_ref()
+            .and_then(|n| headers.iter().find(|(k, _)| k == n).map(|(_, v)| v.clone()))
+    };
+    SelectArgs {
+        model: p.model,
+        tokens: p.tokens,
+        prompt_tokens: p.prompt_tokens,
+        approximate: p.approximate,
+        tenant: header(&limits.tenant_header),
+        session: header(&limits.session_header),
+        headers: headers
+            .iter()
+            .filter(|(k, _)| !k.starts_with(':'))
+            .cloned()
+            .collect(),
+        subset,
+        explain: limits
+            .debug_header
+            .as_ref()
+            .is_some_and(|h| headers.iter().any(|(k, _)| k == h)),
+    }
+}
+
+/// The HTTP status a refusal of the routing core (its status name) is
+/// answered with.
+pub fn refusal_code(status: &str) -> i32 {
+    match status {
+        "too_many_requests" => 429,
+        "no_worker" | "no_rule" | "rejected" => 503,
+        "bad_request" => 400,
+        _ => 500,
     }
 }
 

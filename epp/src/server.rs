@@ -121,6 +121,11 @@ pub struct Stats {
     pub prompts_pooled: AtomicU64,
     /// Picks whose reservation was released by `pick_timeout`.
     pub picks_expired: AtomicU64,
+    /// Requests the HTTP front door proxied to an engine.
+    pub http_proxied: AtomicU64,
+    /// Requests the HTTP front door could not proxy: the engine refused
+    /// the connection, failed, or did not answer in time (502 or 504).
+    pub http_upstream_errors: AtomicU64,
 }
 
 /// The routing core, as the picker reaches it.
@@ -142,12 +147,12 @@ pub trait Backend: Send + Sync + 'static {
 
 /// The picker's shared state.
 pub struct Picker {
-    models: Arc<Models>,
-    limits: Limits,
-    settings: Settings,
+    pub(crate) models: Arc<Models>,
+    pub(crate) limits: Limits,
+    pub(crate) settings: Settings,
     backend: Arc<dyn Backend>,
     pool: Pool,
-    stats: Arc<Stats>,
+    pub(crate) stats: Arc<Stats>,
 }
 
 impl std::fmt::Debug for Picker {
@@ -196,7 +201,7 @@ impl Picker {
     /// Reads a whole body's prompt: here when the body is small, on the
     /// pool when it is not (refused at once when the pool is full, and
     /// after its deadline when it is slow).
-    async fn read_prompt(&self, body: Body) -> Result<Prompted, Refusal> {
+    pub(crate) async fn read_prompt(&self, body: Body) -> Result<Prompted, Refusal> {
         if body.bytes.len() <= INLINE_PROMPT_BYTES {
             self.stats.prompts_inline.fetch_add(1, Relaxed);
             return picker::prompt(&body, &self.models, &self.limits);
@@ -225,7 +230,7 @@ impl Picker {
     }
 
     /// Takes `n` bytes from the body budget, if it has them.
-    fn reserve_body(&self, n: usize) -> bool {
+    pub(crate) fn reserve_body(&self, n: usize) -> bool {
         let max = self.settings.max_buffered_body_bytes as u64;
         self.stats
             .buffered_body_bytes
@@ -364,7 +369,7 @@ impl Picker {
     /// Sends `prefill_done` or `finish` without waiting for the answer:
     /// Envoy's reply need not wait for the core's bookkeeping. A refusal
     /// (an id already finished or expired) is logged at debug level.
-    fn release(&self, request: Request<'static>) {
+    pub(crate) fn release(&self, request: Request<'static>) {
         let mut out = Vec::with_capacity(16);
         if let Err(e) = binary::encode_request(&mut out, &request) {
             tracing::warn!("{request:?}: {e}");
@@ -537,16 +542,16 @@ impl Picker {
 
 /// A stream's share of the body budget, given back when it is done with
 /// its body or ends.
-struct BodyHeld {
-    stats: Arc<Stats>,
+pub(crate) struct BodyHeld {
+    pub(crate) stats: Arc<Stats>,
     /// Bytes taken from the budget.
-    bytes: usize,
+    pub(crate) bytes: usize,
     /// Bytes of the body so far.
-    seen: usize,
+    pub(crate) seen: usize,
 }
 
 impl BodyHeld {
-    fn release(&mut self) {
+    pub(crate) fn release(&mut self) {
         let n = std::mem::take(&mut self.bytes) as u64;
         self.stats.buffered_body_bytes.fetch_sub(n, Relaxed);
     }
@@ -559,9 +564,9 @@ impl Drop for BodyHeld {
 }
 
 /// A stream's place among `max_streams`, and on its connection.
-struct StreamSlot {
-    stats: Arc<Stats>,
-    connection: Option<Arc<AtomicUsize>>,
+pub(crate) struct StreamSlot {
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) connection: Option<Arc<AtomicUsize>>,
 }
 
 impl Drop for StreamSlot {
@@ -685,7 +690,7 @@ pub struct ConnInfo {
 /// An accepted connection, closed when it has been idle (no bytes, no
 /// stream open) for its timeout, or silent since it was accepted for
 /// [`FIRST_BYTES_TIMEOUT`].
-struct Guarded {
+pub(crate) struct Guarded {
     io: TcpStream,
     /// Fires when the accept loop needs this connection's place.
     evict: oneshot::Receiver<()>,
@@ -698,6 +703,11 @@ struct Guarded {
 }
 
 impl Guarded {
+    /// Requests (streams) open on this connection now.
+    pub(crate) fn streams(&self) -> Arc<AtomicUsize> {
+        Arc::clone(&self.streams)
+    }
+
     fn new(
         io: TcpStream,
         idle_after: Duration,
@@ -829,7 +839,7 @@ struct Tracked {
 /// the limit, the oldest connection with no stream open makes room (a
 /// gateway reopens one it needs; a connection held open for nothing loses
 /// its place); only when every connection is busy is the newcomer closed.
-async fn accept(
+pub(crate) async fn accept(
     listener: tokio::net::TcpListener,
     tx: mpsc::Sender<io::Result<Guarded>>,
     settings: Settings,

@@ -232,6 +232,13 @@ impl Models {
         }
     }
 
+    /// The served models' names, sorted.
+    pub fn names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
     /// Whether `model` is served.
     pub fn serves(&self, model: &str) -> bool {
         self.by_name.contains_key(model)
