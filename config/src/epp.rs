@@ -84,9 +84,10 @@ pub struct EppSection {
     /// prompts route on load alone).
     #[serde(default = "approximate_chunk_bytes")]
     pub approximate_chunk_bytes: usize,
-    /// Per model with a tokenizer and a chat template: bytes of rendered
-    /// conversations and their token ids kept, so that the next turn of
-    /// a chat tokenizes only what is new (0: off).
+    /// Per model with a tokenizer: bytes of rendered conversations and
+    /// plain-text prompts kept with their token ids, so that the next turn
+    /// of a chat (or a text that extends an earlier one) tokenizes only
+    /// what is new (0: off).
     #[serde(default = "prefix_cache_bytes")]
     pub prefix_cache_bytes: usize,
     /// The models served, each with its tokenizer and chat template.

@@ -292,22 +292,22 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
     );
     r.register(
         "epp_prefix_cache_hits",
-        "Chat prompts whose conversation so far the picker's prefix cache held (only the rest was tokenized)",
+        "Prompts (chats, and plain texts) whose beginning the picker's prefix cache held (only the rest was tokenized)",
         counter(p.prefix_hits),
     );
     r.register(
         "epp_prefix_cache_misses",
-        "Chat prompts tokenized whole (a new conversation, an edited earlier turn, or evicted)",
+        "Prompts the prefix cache serves that were tokenized whole (a new conversation or text, an edited earlier part, or evicted)",
         counter(p.prefix_misses),
     );
     r.register(
         "epp_prefix_cache_tokens_reused",
-        "Tokens of chat prompts taken from the prefix cache",
+        "Tokens of prompts taken from the prefix cache",
         counter(p.prefix_tokens_reused),
     );
     r.register(
         "epp_prefix_cache_tokens_encoded",
-        "Tokens of chat prompts the tokenizer computed",
+        "Tokens of prompts the prefix cache serves that the tokenizer computed",
         counter(p.prefix_tokens_encoded),
     );
     r.register(

@@ -9,6 +9,8 @@
 //! - [`approx`]: text-chunk hashes for prompts without a tokenizer.
 //! - [`tokenize`]: the served models, their tokenizers and chat templates.
 //! - [`picker`]: one stream's exchange with Envoy, without I/O.
+//! - [`prefix`], [`text`]: the per-model cache of tokenized prompts, cut
+//!   at a chat's special tokens or at plain text's piece boundaries.
 //! - [`pool`]: the threads that read large prompts off the serving thread.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
 //!   the routing core.
@@ -27,6 +29,7 @@ pub mod prefix;
 pub mod server;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod text;
 pub mod tokenize;
 
 pub use picker::Limits;

@@ -15,8 +15,8 @@
 //! changes nothing, provided the token cannot reach across the cut: one
 //! that strips the whitespace on its left, matches only as a single word,
 //! or is matched after normalization is never cut at. Bodies that carry
-//! token ids never come here; plain-text prompts neither (the tokenizer's
-//! post-processor may add tokens at both ends).
+//! token ids never come here; plain-text prompts have a cache of their own
+//! cuts in the same store ([`crate::text`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -89,6 +89,8 @@ pub struct PrefixStats {
 struct Entry {
     text: Box<str>,
     ids: Box<[u32]>,
+    /// The fingerprint the text's cut was planned with (0: none).
+    print: u64,
     used: u64,
 }
 
@@ -118,11 +120,21 @@ impl std::fmt::Debug for PrefixCache {
     }
 }
 
-/// A prompt's cut points and the hash of the text before each.
+/// A prompt's cut points and the hash of the text before each; for plain
+/// text ([`crate::text`]) also a fingerprint of how the text before each
+/// was split, which a cached entry must share to be used.
 #[derive(Debug, Default)]
 pub struct Plan {
-    cuts: Vec<usize>,
-    keys: Vec<u64>,
+    pub(crate) cuts: Vec<usize>,
+    pub(crate) keys: Vec<u64>,
+    /// Empty, or one per cut.
+    pub(crate) prints: Vec<u64>,
+}
+
+impl Plan {
+    fn print(&self, i: usize) -> u64 {
+        self.prints.get(i).copied().unwrap_or(0)
+    }
 }
 
 impl PrefixCache {
@@ -168,12 +180,12 @@ impl PrefixCache {
     /// The longest cached prefix of `text` among its planned cuts: where
     /// it ends, and its ids (copied out).
     pub fn longest(&mut self, text: &str, plan: &Plan) -> Option<(usize, Vec<u32>)> {
-        for (&cut, &key) in plan.cuts.iter().zip(&plan.keys).rev() {
+        for (i, (&cut, &key)) in plan.cuts.iter().zip(&plan.keys).enumerate().rev() {
             let Some(e) = self.entries.get_mut(&key) else {
                 continue;
             };
-            // The hash is a hint; the text decides.
-            if *e.text != text[..cut] {
+            // The hash is a hint; the text (and how it was split) decides.
+            if e.print != plan.print(i) || *e.text != text[..cut] {
                 continue;
             }
             self.clock += 1;
@@ -200,6 +212,7 @@ impl PrefixCache {
         let entry = Entry {
             text: text[..cut].into(),
             ids: ids.into(),
+            print: plan.print(i),
             used: self.clock,
         };
         let size = entry.bytes();

@@ -87,6 +87,9 @@ struct Model {
     /// Where rendered chats may be cut, when the tokenizer has special
     /// tokens and the cache is on.
     cuts: Option<Cuts>,
+    /// How plain text is cut into pieces, when the tokenizer is of a
+    /// shape the plain-text cache is exact for and the cache is on.
+    splitter: Option<crate::text::Splitter>,
     cache: Mutex<PrefixCache>,
 }
 
@@ -198,6 +201,10 @@ impl Models {
                 (Some(t), Some(_)) if prefix_cache_bytes > 0 => Cuts::of(t),
                 _ => None,
             };
+            let splitter = match &tokenizer {
+                Some(t) if prefix_cache_bytes > 0 => crate::text::Splitter::of(t),
+                _ => None,
+            };
             by_name.insert(
                 s.name.clone(),
                 Model {
@@ -206,6 +213,7 @@ impl Models {
                     bos_token: s.bos_token.clone(),
                     eos_token: s.eos_token.clone(),
                     cuts,
+                    splitter,
                     cache: Mutex::new(PrefixCache::new(prefix_cache_bytes)),
                 },
             );
@@ -258,7 +266,16 @@ impl Models {
         let tokens = match prompt {
             Prompt::Tokens(ids) => Tokens::Ids(ids.clone()),
             Prompt::Text(text) => match &m.tokenizer {
-                Some(t) => Tokens::Ids(encode(t, text, true)?),
+                Some(t) => {
+                    let cached = m
+                        .splitter
+                        .as_ref()
+                        .and_then(|s| crate::text::encode_with(t, s, &m.cache, &self.prefix, text));
+                    match cached {
+                        Some(ids) => Tokens::Ids(ids.map_err(PromptError::Tokenize)?),
+                        None => Tokens::Ids(encode(t, text, true)?),
+                    }
+                }
                 None => Tokens::Text(text.clone()),
             },
             Prompt::Messages(messages) => match (&m.tokenizer, &m.template) {
