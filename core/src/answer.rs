@@ -61,7 +61,13 @@ impl Core {
     ) -> Reply<'_> {
         self.handle_client_active(now, client);
         let reply = match request {
-            Request::Select(s) => return self.select(now, s),
+            Request::Select(s) => {
+                let warms = self
+                    .clients
+                    .get(client.index, client.generation)
+                    .is_none_or(|c| c.warms);
+                return self.select(now, s, warms);
+            }
             Request::PrefillDone { request_id } => {
                 let now_ms = self.ms(now);
                 self.release(|r| r.prefill_done(*request_id, now_ms))
@@ -235,7 +241,7 @@ impl Core {
         (hashes, s.prompt_tokens.unwrap_or(derived))
     }
 
-    fn select(&mut self, now: Instant, s: &Select<'_>) -> Reply<'_> {
+    fn select(&mut self, now: Instant, s: &Select<'_>, warms: bool) -> Reply<'_> {
         let role = WorkerType::ALL[s.role as usize];
         if s.tags.len() > MAX_TAGS {
             self.counters.errors += 1;
@@ -294,7 +300,7 @@ impl Core {
         self.router.set_explain_costs(s.explain);
         let result = self.router.select(&req);
         self.router.set_explain_costs(false);
-        if result.is_ok() {
+        if result.is_ok() && warms {
             let lasting = Duration::from_millis(self.config.daemon.warm_for_ms);
             self.warmth.selected(
                 now,

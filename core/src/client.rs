@@ -47,6 +47,8 @@ pub(crate) struct Client {
     pub last_active: Instant,
     /// It has a query channel attached.
     pub rings: bool,
+    /// Its selects keep the select path warm (see [`crate::warm`]).
+    pub warms: bool,
 }
 
 impl Core {
@@ -74,6 +76,7 @@ impl Core {
         let (index, generation) = self.clients.insert(|_| Client {
             last_active: now,
             rings: false,
+            warms: true,
         });
         self.due(now + Duration::from_millis(self.config.daemon.idle_timeout_ms));
         Ok(ClientId { index, generation })
@@ -116,6 +119,16 @@ impl Core {
     pub fn handle_client_active(&mut self, now: Instant, id: ClientId) {
         if let Some(c) = self.clients.get_mut(id.index, id.generation) {
             c.last_active = now;
+        }
+    }
+
+    /// Whether client `id`'s selects keep the select path warm between
+    /// paced selects (they do unless told otherwise): a client whose every
+    /// request costs far more than the select around it (the endpoint
+    /// picker's HTTP) gains nothing from the wake-ups warming takes.
+    pub fn set_client_warms(&mut self, id: ClientId, warms: bool) {
+        if let Some(c) = self.clients.get_mut(id.index, id.generation) {
+            c.warms = warms;
         }
     }
 

@@ -946,6 +946,33 @@ fn asleep(h: &Harness) -> bool {
         .is_none_or(|t| t >= h.now + Duration::from_millis(10))
 }
 
+/// A client told not to warm (the endpoint picker, whose every request
+/// costs far more than a select) schedules no warm-up; another client's
+/// paced selects still do.
+#[test]
+fn a_client_that_does_not_warm_wakes_nothing_between_its_selects() {
+    let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 600000\n");
+    let e = h.engine(1);
+    h.record(e, 0, stored(&[1, 2, 3]));
+    let picker = h.client();
+    h.core.set_client_warms(picker, false);
+    for _ in 0..20 {
+        h.select(picker, &[1, 2, 3], true).unwrap();
+        h.advance(Duration::from_millis(100));
+        assert!(asleep(&h), "{:?}", h.core.poll_timeout().map(|t| t - h.now));
+    }
+    assert_eq!(h.core.metrics().warmups, 0);
+    let other = h.client();
+    for _ in 0..3 {
+        h.select(other, &[1, 2, 3], true).unwrap();
+        h.advance(Duration::from_millis(100));
+    }
+    assert!(
+        h.core.metrics().warmups > 0,
+        "a client that warms still does"
+    );
+}
+
 #[test]
 fn warming_is_off_at_zero() {
     let mut h = Harness::new("daemon:\n  heartbeat_timeout_ms: 600000\n  warm_us: 0\n");

@@ -61,6 +61,9 @@ impl Client {
         let closing = Arc::clone(this);
         this.tx.send(Job::Connect {
             peer: Ok(this.me),
+            // Its selects are a small part of an HTTP request's time: not
+            // worth waking the routing loop between them.
+            warms: false,
             admitted: Box::new(move |outcome| match outcome {
                 Ok(client) => {
                     *me.client.lock().unwrap_or_else(|p| p.into_inner()) = Some(client);

@@ -33,6 +33,11 @@ pub enum Job {
     /// or refuses it. `close` is called if the core later closes it.
     Connect {
         peer: io::Result<PeerCred>,
+        /// Whether its selects keep the select path warm between paced
+        /// selects (`daemon.warm_us`): yes for a client whose latency is
+        /// the core's; no for the endpoint picker, whose every request
+        /// costs hundreds of microseconds of HTTP around the select.
+        warms: bool,
         admitted: Admitted,
         close: Closer,
     },
@@ -142,11 +147,13 @@ impl Jobs {
             match job {
                 Job::Connect {
                     peer,
+                    warms,
                     admitted,
                     close,
                 } => {
                     let outcome = core.handle_client_connected(now, || peer);
                     if let Ok(id) = outcome {
+                        core.set_client_warms(id, warms);
                         self.closers.push((id, close));
                     }
                     admitted(outcome);

@@ -100,6 +100,7 @@ async fn admit(
     let closer = stream.try_clone().ok()?;
     let sent = jobs.send(Job::Connect {
         peer,
+        warms: true,
         admitted: Box::new(move |outcome| {
             let _ = tx.send(outcome);
         }),

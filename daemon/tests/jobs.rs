@@ -28,6 +28,7 @@ fn connect(jobs: &JobSender, closed: mpsc::Sender<()>) -> ClientId {
             uid: 0,
             gid: 0
         }),
+        warms: true,
         admitted: Box::new(move |outcome| {
             let _ = tx.send(outcome);
         }),
