@@ -338,7 +338,7 @@ async fn run_scraper(
             let _ = tx.send(scraped);
         }
         let wait = pace.read(text.is_ok().then_some(readings), events.take());
-        let next = started + wait;
+        let next = on_grid(started + wait, interval);
         if pace.slowed() {
             tokio::select! {
                 _ = tokio::time::sleep_until(next) => {}
@@ -351,6 +351,29 @@ async fn run_scraper(
             tokio::time::sleep_until(next).await;
         }
     }
+}
+
+/// The first instant at or after `at` on a grid of `step` shared by every
+/// scraper of the process: engines whose reads fall due in the same step
+/// are read together, one wake-up of the bridge's thread for all of them
+/// rather than one each (on a busy node that was most of the bridge's
+/// CPU). A read is never more than one step late.
+fn on_grid(at: tokio::time::Instant, step: Duration) -> tokio::time::Instant {
+    static EPOCH: std::sync::OnceLock<tokio::time::Instant> = std::sync::OnceLock::new();
+    let epoch = *EPOCH.get_or_init(tokio::time::Instant::now);
+    grid_point(at, epoch, step)
+}
+
+fn grid_point(
+    at: tokio::time::Instant,
+    epoch: tokio::time::Instant,
+    step: Duration,
+) -> tokio::time::Instant {
+    let step_ns = step.as_nanos().max(1);
+    let since = at.saturating_duration_since(epoch).as_nanos();
+    let steps = since.div_ceil(step_ns);
+    let ns = u64::try_from(steps * step_ns).unwrap_or(u64::MAX);
+    (epoch + Duration::from_nanos(ns)).max(at)
 }
 
 /// A metrics page, refused past [`MAX_METRICS_PAGE`] bytes.
@@ -1228,6 +1251,27 @@ mod tests {
             running: Some(running),
             ..Reading::default()
         }])
+    }
+
+    #[test]
+    fn reads_fall_on_a_shared_grid_never_more_than_a_step_late() {
+        let ms = Duration::from_millis;
+        let epoch = tokio::time::Instant::now();
+        let step = ms(100);
+        // Two engines whose reads fell due 13 and 87 ms into a step are
+        // read at the same instant, the step's end.
+        let a = grid_point(epoch + ms(213), epoch, step);
+        let b = grid_point(epoch + ms(287), epoch, step);
+        assert_eq!((a, b), (epoch + ms(300), epoch + ms(300)));
+        // On the grid already: as it is. Before the epoch: the epoch.
+        assert_eq!(grid_point(epoch + ms(400), epoch, step), epoch + ms(400));
+        let before = epoch.checked_sub(ms(5)).unwrap();
+        assert_eq!(grid_point(before, epoch, step), epoch);
+        for due in 0..1000 {
+            let at = epoch + Duration::from_micros(due * 731);
+            let got = grid_point(at, epoch, step);
+            assert!(got >= at && got - at < step, "{due}");
+        }
     }
 
     #[test]
