@@ -44,7 +44,7 @@ struct Args {
 fn usage() -> &'static str {
     "cargo bench --bench shootout -- [--routers kvedge,envoy-rr,sglang,sglang:round_robin,vllm]
     [--shapes multi-turn,system-prompts] [--rates 4,10,16] [--requests 1000] [--runs 2]
-    [--out target/shootout] [--kvedge PATH] [--kvedge-config YAML] [--envoy PATH] [--peers VENV] [--install-peers]
+    [--out target/shootout] [--kvedge PATH] [--kvedge-config YAML] [--engine-entry KEY=VALUE,...] [--envoy PATH] [--peers VENV] [--install-peers]
     [--prefill-tokens-per-s 2000] [--device-blocks 2048] [--seed 1] [--smoke]"
 }
 
@@ -71,6 +71,7 @@ fn parse_args() -> Result<Args, String> {
                 .max()
                 .map_or_else(|| root.join("target/release/kvedge"), |(_, p)| p),
             kvedge_extra: String::new(),
+            entry_extra: Vec::new(),
             envoy: std::env::var("KVEDGE_ENVOY").ok(),
             peers: root.join("target/shootout-venv"),
         },
@@ -121,6 +122,15 @@ fn parse_args() -> Result<Args, String> {
                     text.push('\n');
                 }
                 a.tools.kvedge_extra = text;
+            }
+            "--engine-entry" => {
+                a.tools.entry_extra = value()?
+                    .split(',')
+                    .map(|kv| match kv.split_once('=') {
+                        Some((k, v)) => Ok(format!("{}: {}", k.trim(), v.trim())),
+                        None => Err(format!("--engine-entry {kv}: not KEY=VALUE")),
+                    })
+                    .collect::<Result<_, _>>()?
             }
             "--envoy" => a.tools.envoy = Some(value()?),
             "--peers" => a.tools.peers = value()?.into(),

@@ -146,6 +146,9 @@ pub struct Tools {
     /// More of kvedge's configuration (top-level sections, e.g. `ttft:`
     /// or `daemon:`), put before what the harness writes.
     pub kvedge_extra: String,
+    /// More keys for each of kvedge's `engines:` entries (`key: value`
+    /// lines, e.g. `scrape_interval_ms: 250`).
+    pub entry_extra: Vec<String>,
     pub envoy: Option<String>,
     /// The virtual environment with the peers (its `bin/`).
     pub peers: PathBuf,
@@ -187,7 +190,15 @@ pub fn start(
             let http_listen = door
                 .map(|p| format!("  http_listen: 127.0.0.1:{p}\n"))
                 .unwrap_or_default();
-            let entries: String = engines.iter().map(|e| e.entry.as_str()).collect();
+            let extra: String = tools
+                .entry_extra
+                .iter()
+                .map(|kv| format!("    {kv}\n"))
+                .collect();
+            let entries: String = engines
+                .iter()
+                .map(|e| format!("{}{extra}", e.entry))
+                .collect();
             let policy = policy
                 .as_ref()
                 .map(|p| {
