@@ -141,25 +141,15 @@ impl Door {
         }
         let picker = &self.picker;
         let stats = &picker.stats;
-        let max = picker.settings.max_streams as u64;
-        if stats
-            .streams
-            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
-            .is_err()
-        {
-            stats.streams_refused.fetch_add(1, Relaxed);
+        let Some(slot) = picker.stream_slot(Some(streams)) else {
             return error(
                 StatusCode::SERVICE_UNAVAILABLE,
                 "overloaded",
                 &format!(
-                    "kvedge has {max} requests in flight already (epp.max_streams); try again"
+                    "kvedge has {} requests in flight already (epp.max_streams); try again",
+                    picker.settings.max_streams
                 ),
             );
-        }
-        streams.fetch_add(1, Relaxed);
-        let slot = StreamSlot {
-            stats: Arc::clone(stats),
-            connection: Some(streams),
         };
         let deadline = tokio::time::Instant::now() + REQUEST_PHASE_TIMEOUT;
         let (parts, body) = req.into_parts();

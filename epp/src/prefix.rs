@@ -233,18 +233,15 @@ impl PrefixCache {
     }
 }
 
-/// Tokenizes `text` (a rendered chat, without the post-processor's
-/// special tokens) with `cache`: the longest cached prefix, then the rest
-/// in parts ending at the last two cuts (each kept) and after them.
-pub fn encode_with(
-    tokenizer: &tokenizers::Tokenizer,
-    cuts: &Cuts,
+/// The longest cached prefix of `text` among `plan`'s cuts, counted as a
+/// hit or a miss: where it ends (0: none cached) and its ids.
+pub(crate) fn lookup(
     cache: &std::sync::Mutex<PrefixCache>,
     stats: &PrefixStats,
     text: &str,
-) -> Result<Vec<u32>, String> {
-    let plan = PrefixCache::plan(cuts, text);
-    let found = cache.lock().ok().and_then(|mut c| c.longest(text, &plan));
+    plan: &Plan,
+) -> (usize, Vec<u32>) {
+    let found = cache.lock().ok().and_then(|mut c| c.longest(text, plan));
     match &found {
         Some((_, ids)) => {
             stats.hits.fetch_add(1, Ordering::Relaxed);
@@ -256,16 +253,37 @@ pub fn encode_with(
             stats.misses.fetch_add(1, Ordering::Relaxed);
         }
     }
-    let (from, mut ids) = found.unwrap_or((0, Vec::new()));
-    let encode = |part: &str| -> Result<Vec<u32>, String> {
-        if part.is_empty() {
-            return Ok(Vec::new());
-        }
-        tokenizer
-            .encode_fast(part, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| e.to_string())
-    };
+    found.unwrap_or((0, Vec::new()))
+}
+
+/// The ids of `part` on its own, without the post-processor's special
+/// tokens.
+pub(crate) fn encode_part(
+    tokenizer: &tokenizers::Tokenizer,
+    part: &str,
+) -> Result<Vec<u32>, String> {
+    if part.is_empty() {
+        return Ok(Vec::new());
+    }
+    tokenizer
+        .encode_fast(part, false)
+        .map(|e| e.get_ids().to_vec())
+        .map_err(|e| e.to_string())
+}
+
+/// Tokenizes `text` (a rendered chat, without the post-processor's
+/// special tokens) with `cache`: the longest cached prefix, then the rest
+/// in parts ending at the last two cuts (each kept) and after them.
+pub fn encode_with(
+    tokenizer: &tokenizers::Tokenizer,
+    cuts: &Cuts,
+    cache: &std::sync::Mutex<PrefixCache>,
+    stats: &PrefixStats,
+    text: &str,
+) -> Result<Vec<u32>, String> {
+    let plan = PrefixCache::plan(cuts, text);
+    let (from, mut ids) = lookup(cache, stats, text, &plan);
+    let encode = |part: &str| encode_part(tokenizer, part);
     // The text is encoded in parts ending at the last two cuts, each kept:
     // the last (where the next turn goes on) and the one before (the start
     // of the last message: another question after the same history).

@@ -229,6 +229,28 @@ impl Picker {
         }
     }
 
+    /// A place among `max_streams` for one more stream (or front-door
+    /// request) on `connection`; `None` (counted) when all are taken.
+    pub(crate) fn stream_slot(&self, connection: Option<Arc<AtomicUsize>>) -> Option<StreamSlot> {
+        let max = self.settings.max_streams as u64;
+        if self
+            .stats
+            .streams
+            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
+            .is_err()
+        {
+            self.stats.streams_refused.fetch_add(1, Relaxed);
+            return None;
+        }
+        if let Some(c) = &connection {
+            c.fetch_add(1, Relaxed);
+        }
+        Some(StreamSlot {
+            stats: Arc::clone(&self.stats),
+            connection,
+        })
+    }
+
     /// Takes `n` bytes from the body budget, if it has them.
     pub(crate) fn reserve_body(&self, n: usize) -> bool {
         let max = self.settings.max_buffered_body_bytes as u64;
@@ -646,28 +668,15 @@ impl ExternalProcessor for Service {
         request: tonic::Request<Streaming<ProcessingRequest>>,
     ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
         let picker = &self.0;
-        let stats = &picker.stats;
-        let max = picker.settings.max_streams as u64;
-        if stats
-            .streams
-            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
-            .is_err()
-        {
-            stats.streams_refused.fetch_add(1, Relaxed);
-            return Err(tonic::Status::resource_exhausted(format!(
-                "the picker has {max} streams open already"
-            )));
-        }
         let connection = request
             .extensions()
             .get::<ConnInfo>()
             .map(|c| Arc::clone(&c.streams));
-        if let Some(c) = &connection {
-            c.fetch_add(1, Relaxed);
-        }
-        let slot = StreamSlot {
-            stats: Arc::clone(stats),
-            connection,
+        let Some(slot) = picker.stream_slot(connection) else {
+            return Err(tonic::Status::resource_exhausted(format!(
+                "the picker has {} streams open already",
+                picker.settings.max_streams
+            )));
         };
         let (tx, rx) = mpsc::channel(4);
         let picker = Arc::clone(picker);

@@ -36,7 +36,7 @@ use std::sync::atomic::Ordering;
 use aho_corasick::AhoCorasick;
 use xxhash_rust::xxh3::Xxh3;
 
-use crate::prefix::{Plan, PrefixCache, PrefixStats};
+use crate::prefix::{Plan, PrefixCache, PrefixStats, encode_part, lookup};
 
 /// The cut candidates are the last piece boundary at or before each
 /// multiple of this many bytes.
@@ -246,28 +246,8 @@ pub fn encode_with(
         return None;
     }
     let plan = plan(text, &bounds);
-    let found = cache.lock().ok().and_then(|mut c| c.longest(text, &plan));
-    match &found {
-        Some((_, ids)) => {
-            stats.hits.fetch_add(1, Ordering::Relaxed);
-            stats
-                .tokens_reused
-                .fetch_add(ids.len() as u64, Ordering::Relaxed);
-        }
-        None => {
-            stats.misses.fetch_add(1, Ordering::Relaxed);
-        }
-    }
-    let (from, mut ids) = found.unwrap_or((0, Vec::new()));
-    let encode = |part: &str| -> Result<Vec<u32>, String> {
-        if part.is_empty() {
-            return Ok(Vec::new());
-        }
-        tokenizer
-            .encode_fast(part, false)
-            .map(|e| e.get_ids().to_vec())
-            .map_err(|e| e.to_string())
-    };
+    let (from, mut ids) = lookup(cache, stats, text, &plan);
+    let encode = |part: &str| encode_part(tokenizer, part);
     // Parts ending at the last two cuts are kept (the next prompt goes on
     // from about the end of this one), and at the 1st, 2nd, 4th, 8th, ...
     // cut (another text that starts the same way, such as a new
