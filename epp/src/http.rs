@@ -470,9 +470,8 @@ fn local(status: StatusCode, content_type: &'static str, body: Bytes) -> Respons
 /// An error answered by the front door, in OpenAI's error shape (the
 /// same body the ext_proc path's local replies carry).
 fn error(status: StatusCode, kind: &str, message: &str) -> Response<Out> {
-    let body =
-        serde_json::json!({"error": {"message": message, "type": kind, "code": status.as_u16()}});
-    local(status, "application/json", body.to_string().into())
+    let body = picker::error_body(i32::from(status.as_u16()), kind, message);
+    local(status, "application/json", body.into())
 }
 
 /// A refusal the prompt reader built for Envoy, as an HTTP response.

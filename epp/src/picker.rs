@@ -735,9 +735,14 @@ fn routing_response(
     }
 }
 
+/// A local error's body, in OpenAI's error shape.
+pub fn error_body(code: i32, kind: &str, message: &str) -> String {
+    serde_json::json!({"error": {"message": message, "type": kind, "code": code}}).to_string()
+}
+
 /// A local reply with a JSON error body (OpenAI's error shape).
 pub fn immediate(code: i32, kind: &str, message: &str) -> ProcessingResponse {
-    let body = serde_json::json!({"error": {"message": message, "type": kind, "code": code}});
+    let body = error_body(code, kind, message);
     ProcessingResponse {
         response: Some(Response::ImmediateResponse(ImmediateResponse {
             status: Some(HttpStatus { code }),
@@ -752,7 +757,7 @@ pub fn immediate(code: i32, kind: &str, message: &str) -> ProcessingResponse {
                 }],
                 remove_headers: vec![],
             }),
-            body: body.to_string().into_bytes(),
+            body: body.into_bytes(),
             details: format!("kvedge_{kind}"),
             ..Default::default()
         })),

@@ -400,6 +400,11 @@ mod tests {
         (Models::load_with(&[spec], cache_bytes).unwrap(), path)
     }
 
+    /// `text`'s ids from the tokenizer itself, whole.
+    fn fresh(t: &Tokenizer, text: &str) -> Vec<u32> {
+        t.encode_fast(text, true).unwrap().get_ids().to_vec()
+    }
+
     fn ids(m: &Models, text: &str) -> Vec<u32> {
         match m.tokens("m", &Prompt::Text(text.into()), 1 << 20).unwrap() {
             Tokens::Ids(ids) => ids,
@@ -452,25 +457,15 @@ mod tests {
                     for _ in 0..(20 + next(&mut state) % 40) {
                         text.push_str(PIECES[next(&mut state) % PIECES.len()]);
                     }
-                    let fresh = t
-                        .encode_fast(text.as_str(), true)
-                        .unwrap()
-                        .get_ids()
-                        .to_vec();
                     assert_eq!(
                         ids(&m, &text),
-                        fresh,
+                        fresh(&t, &text),
                         "{name}, conversation {conversation}, turn {turn}"
                     );
                 }
                 // An earlier part edited: not the cached prefix, still right.
                 let edited = text.replacen("Conversation", "Chat", 1);
-                let fresh = t
-                    .encode_fast(edited.as_str(), true)
-                    .unwrap()
-                    .get_ids()
-                    .to_vec();
-                assert_eq!(ids(&m, &edited), fresh, "{name}, edited");
+                assert_eq!(ids(&m, &edited), fresh(&t, &edited), "{name}, edited");
             }
             let c = m.prefix_counts();
             assert!(c.hits >= 100, "{name}: {c:?}");
@@ -485,19 +480,9 @@ mod tests {
         let (m, path) = models(&t, 32 << 20);
         let mut text = "word ".repeat(300);
         text.push_str("<s> more");
-        let fresh = t
-            .encode_fast(text.as_str(), true)
-            .unwrap()
-            .get_ids()
-            .to_vec();
-        assert_eq!(ids(&m, &text), fresh);
+        assert_eq!(ids(&m, &text), fresh(&t, &text));
         text.push_str(" and more");
-        let fresh = t
-            .encode_fast(text.as_str(), true)
-            .unwrap()
-            .get_ids()
-            .to_vec();
-        assert_eq!(ids(&m, &text), fresh);
+        assert_eq!(ids(&m, &text), fresh(&t, &text));
         assert_eq!(m.prefix_counts().hits + m.prefix_counts().misses, 0);
         let _ = std::fs::remove_file(path);
     }
@@ -519,12 +504,7 @@ mod tests {
             .collect();
         for round in 0..2 {
             for text in &texts {
-                let fresh = t
-                    .encode_fast(text.as_str(), true)
-                    .unwrap()
-                    .get_ids()
-                    .to_vec();
-                assert_eq!(ids(&m, text), fresh, "round {round}");
+                assert_eq!(ids(&m, text), fresh(&t, text), "round {round}");
                 assert!(m.prefix_counts().bytes <= bound as u64);
             }
         }
