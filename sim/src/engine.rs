@@ -615,25 +615,35 @@ impl EngineModel {
                 // block whose hash another sequence cached meanwhile stays
                 // private (and is not published twice).
                 let s = &self.running[i];
+                // Each run of newly cached blocks is one Stored event whose
+                // parent is the block right before it, so a consumer that
+                // chains hashes from the parent (as vLLM's consumers do)
+                // gets every block's prefix right across a skipped one.
                 let complete = ((s.prefilled / bs) as usize).min(s.hashes.len());
-                let mut stored = Vec::new();
-                let parent = s.registered.checked_sub(1).map(|p| s.hashes[p]);
+                let mut run: Option<(Option<u64>, Vec<u64>)> = None;
                 for k in s.registered..complete {
                     let (h, b) = (s.hashes[k], s.blocks[k]);
                     if let std::collections::hash_map::Entry::Vacant(v) = self.cached.entry(h) {
                         v.insert(b);
                         self.blocks[b as usize].hash = Some(h);
-                        stored.push(h);
+                        let parent = k.checked_sub(1).map(|p| s.hashes[p]);
+                        run.get_or_insert_with(|| (parent, Vec::new())).1.push(h);
+                    } else if let Some((parent, hashes)) = run.take() {
+                        out.events.push(KvEvent::Stored {
+                            tier: Tier::Device,
+                            parent,
+                            hashes,
+                        });
                     }
                 }
-                self.running[i].registered = complete;
-                if !stored.is_empty() {
+                if let Some((parent, hashes)) = run {
                     out.events.push(KvEvent::Stored {
                         tier: Tier::Device,
                         parent,
-                        hashes: stored,
+                        hashes,
                     });
                 }
+                self.running[i].registered = complete;
                 let s = &mut self.running[i];
                 if s.prefilled == s.prompt_tokens && s.generated == 0 {
                     s.generated = 1;

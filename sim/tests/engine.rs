@@ -192,6 +192,43 @@ fn identical_concurrent_prompts_publish_their_blocks_once() {
 }
 
 #[test]
+fn a_stored_event_names_the_block_right_before_its_first() {
+    // Each Stored event's parent is the block right before its first hash,
+    // and its hashes are a chain, so a consumer hashing from the parent (as
+    // kvedge's bridge does) gets every block's prefix right.
+    let mut e = EngineModel::new(params(16, 0));
+    let mut out = Outputs::default();
+    // Both start in the first step (A 5 tokens, B 3 of the budget 8); A
+    // completes the shared block first, B then skips it and caches its
+    // second block, whose parent is that shared block.
+    let a: Vec<u32> = vec![0, 1, 2, 3, 9];
+    let b: Vec<u32> = (0..13).collect();
+    let (ra, rb) = (req(1, &a, 1), req(2, &b, 1));
+    let mut before = std::collections::HashMap::new();
+    for hashes in [&ra.hashes, &rb.hashes] {
+        for (k, &h) in hashes.iter().enumerate() {
+            before.insert(h, k.checked_sub(1).map(|p| hashes[p]));
+        }
+    }
+    e.submit(ra, 0).unwrap();
+    e.submit(rb, 0).unwrap();
+    run(&mut e, 0, &mut out);
+    let mut published = 0;
+    for ev in &out.events {
+        if let KvEvent::Stored { parent, hashes, .. } = ev {
+            let mut expect = *parent;
+            for &h in hashes {
+                assert_eq!(before[&h], expect, "{:?}", out.events);
+                expect = Some(h);
+            }
+            published += hashes.len();
+        }
+    }
+    // The shared block once and B's two others.
+    assert_eq!(published, 3, "{:?}", out.events);
+}
+
+#[test]
 fn the_host_tier_takes_evicted_blocks_and_serves_hits() {
     let mut e = EngineModel::new(params(4, 8));
     let mut out = Outputs::default();
