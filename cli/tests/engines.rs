@@ -473,3 +473,93 @@ fn reloads_keep_an_unchanged_engine_and_one_added_back_gets_its_history_at_once(
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
+
+/// `kvedge mock-engine` publishes the block hashes vLLM itself computes:
+/// an independent subscriber (`fixtures/vllm_hash_check.py`: pyzmq,
+/// msgspec, Python's own pickle and hashlib) hashes every Stored event's
+/// token ids as vLLM does, from the parent the event names, and finds each
+/// published hash; every Removed event, after a device pool small enough to
+/// evict and a host tier that takes the evicted blocks, names blocks it
+/// was told about.
+#[test]
+fn the_mock_engine_publishes_vllms_own_block_hashes() {
+    use std::io::BufRead;
+    let dir = common::temp_dir("mock-vllm-hashes");
+    let tokenizer = dir.join("tokenizer.json");
+    kvedge_epp::testing::train_tokenizer(
+        std::path::Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs")),
+        4000,
+        &tokenizer,
+    );
+    let node = kvedge_epp::testing::VllmNode::new(9);
+    let _engine = Killed(
+        node.command(
+            std::path::Path::new(env!("CARGO_BIN_EXE_kvedge")),
+            &dir,
+            &tokenizer,
+        )
+        .args(["--speed", "20", "--block-size", "16"])
+        .args(["--device-blocks", "64", "--host-blocks", "32"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap(),
+    );
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(node.http).is_err() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the engine did not listen"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut check = Killed(
+        std::process::Command::new("python3")
+            .arg(concat!(
+                env!("CARGO_MANIFEST_DIR"),
+                "/tests/fixtures/vllm_hash_check.py"
+            ))
+            .arg(format!("tcp://{}:{}", node.ip, node.events))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("python3 (with pyzmq and msgspec) is needed for these tests"),
+    );
+    let mut lines = std::io::BufReader::new(check.0.stdout.take().unwrap()).lines();
+    assert_eq!(lines.next().unwrap().unwrap(), "ready");
+
+    // Conversations sharing a long opening, each growing over turns: far
+    // more blocks than the device pool holds.
+    let opening = "You are a careful assistant for operators of inference fleets. ".repeat(6);
+    for turn in 0..3 {
+        for user in 0..8 {
+            let notes: String = (0..12 * (turn + 1))
+                .map(|i| format!("Note {user} {i} on routing, caches and tiers. "))
+                .collect();
+            let prompt = format!("{opening} User {user} asks: {notes}");
+            let body = json!({"model": "m", "prompt": prompt, "max_tokens": 2}).to_string();
+            let (status, _, reply) =
+                kvedge_epp::testing::post(node.http, "/v1/completions", body.as_bytes(), &[]);
+            assert_eq!(status, 200, "{reply}");
+        }
+    }
+    let summary: serde_json::Value = serde_json::from_str(&lines.next().unwrap().unwrap()).unwrap();
+    let n = |k: &str| summary[k].as_u64().unwrap();
+    assert!(
+        n("stored") > 80,
+        "more blocks than the pools hold: {summary}"
+    );
+    assert_eq!(n("matched"), n("stored"), "{summary}");
+    assert_eq!(n("unknown_parents"), 0, "{summary}");
+    assert!(n("removed") > 0, "the device pool evicted: {summary}");
+    assert_eq!(n("removed_known"), n("removed"), "{summary}");
+}
+
+/// A child process killed and reaped on drop, a failing test included.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}

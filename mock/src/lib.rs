@@ -12,5 +12,6 @@ pub mod mock_engine;
 pub mod openai;
 pub mod publish;
 pub mod vllm_feed;
+pub mod vllm_hash;
 
 pub use engine_args::EngineArgs;

@@ -6,11 +6,12 @@
 //! ROUTER socket replays recent batches, and the load is served under
 //! vLLM's metric names over HTTP.
 //!
-//! The simulated engine works on block hashes, not tokens. A block that an
-//! HTTP request brought ([`crate::openai`]) is published with its real
-//! token ids; any other block's token ids are made from its hash by
+//! The simulated engine works on kvedge's block hashes, not tokens. A block
+//! that an HTTP request brought ([`crate::openai`]) is published with its
+//! real token ids; any other block's token ids are made from its hash by
 //! [`block_tokens`], which the demo's frontend uses too, so kvedge's hashes
-//! of those tokens line up.
+//! of those tokens line up. The events carry the block hashes vLLM would
+//! compute for those token ids ([`crate::vllm_hash`]), not kvedge's.
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex};
@@ -20,6 +21,8 @@ use kvedge_bridge::encode::{EventOut, Layout, write_batch};
 use kvedge_schema::messages::{Load, Tier};
 use kvedge_sim::engine::KvEvent;
 use kvedge_zmtp::{Allow, Options, Pub, Router};
+
+use crate::vllm_hash::{Chains, MAX_BLOCK_TOKENS, process_none_hash};
 
 /// Batches kept for replay (vLLM's default buffer holds 10,000 steps).
 const REPLAY_BUFFER: usize = 10_000;
@@ -49,6 +52,8 @@ pub struct VllmFeed {
     metrics: Arc<Mutex<String>>,
     worker_id: u64,
     blocks: Arc<Mutex<crate::openai::BlockTokens>>,
+    /// vLLM's hashes of the blocks published.
+    chains: Chains,
 }
 
 impl std::fmt::Debug for VllmFeed {
@@ -71,6 +76,11 @@ impl VllmFeed {
         worker_id: u64,
         blocks: Arc<Mutex<crate::openai::BlockTokens>>,
     ) -> Result<Self, String> {
+        if block_size == 0 || block_size as usize > MAX_BLOCK_TOKENS {
+            return Err(format!(
+                "--vllm-events: block size {block_size}: vLLM's block hashes are computed here for 1 to {MAX_BLOCK_TOKENS} tokens a block"
+            ));
+        }
         let rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)
             .enable_all()
@@ -145,6 +155,14 @@ impl VllmFeed {
             metrics: page,
             worker_id,
             blocks,
+            // Parents of later Stored events are nearly always held; a few
+            // pools' worth covers those that went meanwhile.
+            chains: Chains::new(
+                *process_none_hash(),
+                4 * usize::try_from(total_blocks)
+                    .unwrap_or(usize::MAX)
+                    .max(1024),
+            ),
         };
         feed.set_load(&Load::default());
         Ok(feed)
@@ -174,47 +192,91 @@ impl VllmFeed {
         Ok(())
     }
 
-    fn encode(&self, events: &[KvEvent]) -> Vec<u8> {
+    fn encode(&mut self, events: &[KvEvent]) -> Vec<u8> {
         let ts = std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0.0, |d| d.as_secs_f64());
         let medium = |tier: &Tier| if *tier == Tier::Device { "GPU" } else { "CPU" };
+        let block_size = self.block_size;
         let known = self.blocks.lock().ok();
-        let tokens: Vec<Vec<u32>> = events
-            .iter()
-            .map(|e| match e {
-                KvEvent::Stored { hashes, .. } => {
-                    let mut t = Vec::with_capacity(hashes.len() * self.block_size as usize);
-                    for &h in hashes {
-                        match known.as_ref().and_then(|k| k.get(h)) {
-                            Some(real) => t.extend_from_slice(real),
-                            None => t.extend(block_tokens(h, self.block_size)),
-                        }
-                    }
-                    t
-                }
-                KvEvent::Removed { .. } => Vec::new(),
-            })
-            .collect();
-        drop(known);
-        let out: Vec<EventOut<'_>> = events
-            .iter()
-            .zip(&tokens)
-            .map(|(e, tokens)| match e {
+        let tokens_of = |h: u64, out: &mut Vec<u32>| match known.as_ref().and_then(|k| k.get(h)) {
+            Some(real) => out.extend_from_slice(real),
+            None => out.extend(block_tokens(h, block_size)),
+        };
+        // Each event out: tier, Stored or not, a Stored event's parent,
+        // vLLM's hashes of its blocks, their token ids. A block moving to
+        // another tier (the model says only which) goes out as vLLM's
+        // offloading publishes it: one event a block, with its own parent
+        // and token ids.
+        struct Out {
+            tier: Tier,
+            stored: bool,
+            parent: Option<u64>,
+            hashes: Vec<u64>,
+            tokens: Vec<u32>,
+        }
+        let mut outs: Vec<Out> = Vec::with_capacity(events.len());
+        let stored = |chains: &mut Chains, tier: Tier, parent, hashes: &[u64]| {
+            let mut tokens = Vec::with_capacity(hashes.len() * block_size as usize);
+            for &h in hashes {
+                tokens_of(h, &mut tokens);
+            }
+            let mut ext = Vec::with_capacity(hashes.len());
+            let parent = chains.stored(tier, parent, hashes, tokens_of, &mut ext);
+            Out {
+                tier,
+                stored: true,
+                parent,
+                hashes: ext,
+                tokens,
+            }
+        };
+        for e in events {
+            match e {
                 KvEvent::Stored {
-                    tier,
+                    tier: Tier::Device,
                     parent,
                     hashes,
-                } => EventOut::Stored {
-                    hashes,
-                    parent: *parent,
-                    tokens,
-                    block_size: self.block_size,
-                    medium: medium(tier),
+                } => outs.push(stored(&mut self.chains, Tier::Device, *parent, hashes)),
+                KvEvent::Stored { tier, hashes, .. } => {
+                    for h in hashes {
+                        let parent = self.chains.parent_of(*h);
+                        outs.push(stored(
+                            &mut self.chains,
+                            *tier,
+                            parent,
+                            std::slice::from_ref(h),
+                        ));
+                    }
+                }
+                KvEvent::Removed { tier, hashes } => {
+                    let mut ext = Vec::with_capacity(hashes.len());
+                    self.chains.removed(*tier, hashes, &mut ext);
+                    outs.push(Out {
+                        tier: *tier,
+                        stored: false,
+                        parent: None,
+                        hashes: ext,
+                        tokens: Vec::new(),
+                    });
+                }
+            }
+        }
+        self.chains.end_batch();
+        drop(known);
+        let out: Vec<EventOut<'_>> = outs
+            .iter()
+            .map(|o| match o.stored {
+                true => EventOut::Stored {
+                    hashes: &o.hashes,
+                    parent: o.parent,
+                    tokens: &o.tokens,
+                    block_size,
+                    medium: medium(&o.tier),
                 },
-                KvEvent::Removed { tier, hashes } => EventOut::Removed {
-                    hashes,
-                    medium: medium(tier),
+                false => EventOut::Removed {
+                    hashes: &o.hashes,
+                    medium: medium(&o.tier),
                 },
             })
             .collect();
