@@ -39,6 +39,10 @@ pub struct Engine {
     pub http: SocketAddr,
     /// Its `engines:` entry for kvedge.
     pub entry: String,
+    /// Its KV event publisher and replay socket (ZeroMQ endpoints).
+    pub events: String,
+    pub replay: String,
+    pub block_size: u32,
 }
 
 /// Starts the engines on 127.0.0.2, .3, ...: HTTP front, vLLM events and
@@ -74,6 +78,9 @@ pub fn start_engines(
         out.push(Engine {
             http: node.http,
             entry: node.entry(shape.block_size),
+            events: format!("tcp://{}:{}", node.ip, node.events),
+            replay: format!("tcp://{}:{}", node.ip, node.replay),
+            block_size: shape.block_size,
         });
     }
     Ok(out)
@@ -291,6 +298,20 @@ pub fn start(
                 ),
                 _ => (tools.peers.join("bin/vllm-router"), Vec::new()),
             };
+            // vllm-router's `kv_aware` reads the engines' KV events, as
+            // kvedge does: each engine's publisher and replay socket.
+            let mut events = Vec::new();
+            if matches!(router, Router::Vllm(p) if p == "kv_aware") {
+                for (url, e) in urls.iter().zip(engines) {
+                    events.push("--kv-event-source".to_owned());
+                    events.push(format!("{url}={}", e.events));
+                    events.push("--kv-event-replay-source".to_owned());
+                    events.push(format!("{url}={}", e.replay));
+                }
+                events.extend(["--kv-event-model".to_owned(), "m".to_owned()]);
+                events.push("--kv-event-block-size".to_owned());
+                events.push(engines.first().map_or(16, |e| e.block_size).to_string());
+            }
             let log = std::fs::File::create(dir.join("router.log")).map_err(|e| e.to_string())?;
             procs.0.push(
                 Command::new(&program)
@@ -299,6 +320,7 @@ pub fn start(
                     .arg("--worker-urls")
                     .args(&urls)
                     .args(["--policy", policy])
+                    .args(&events)
                     .stdout(Stdio::null())
                     .stderr(log)
                     .spawn()
