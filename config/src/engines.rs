@@ -578,7 +578,7 @@ mod tests {
             ),
             (
                 "scrape_idle_interval_ms: 50\n",
-                "`scrape_idle_interval_ms` must be between `scrape_interval_ms` (100) and 60000, got 50",
+                "`scrape_idle_interval_ms` must be between `scrape_interval_ms` (200) and 60000, got 50",
             ),
         ];
         for (change, expected) in cases {
