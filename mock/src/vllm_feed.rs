@@ -222,7 +222,8 @@ impl VllmFeed {
                 tokens_of(h, &mut tokens);
             }
             let mut ext = Vec::with_capacity(hashes.len());
-            let parent = chains.stored(tier, parent, hashes, tokens_of, &mut ext);
+            let parent =
+                chains.stored(tier, parent, hashes, &tokens, block_size as usize, &mut ext);
             Out {
                 tier,
                 stored: true,

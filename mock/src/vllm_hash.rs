@@ -56,7 +56,8 @@ const LONG1: u8 = 0x8a;
 const STOP: u8 = b'.';
 
 /// A protocol-5 pickle of one value, built in `out`: the protocol header,
-/// one frame (its length patched in by `finish`), the value, STOP.
+/// one frame (its length patched in once the value is written), the value,
+/// STOP.
 fn pickle(out: &mut Vec<u8>, value: impl FnOnce(&mut Vec<u8>)) {
     out.clear();
     out.extend_from_slice(&[PROTO, 5, FRAME]);
@@ -123,8 +124,8 @@ pub struct Hasher {
 }
 
 impl Hasher {
-    /// The hash of the block holding `tokens` after the block `parent`
-    /// (`none` for a sequence's first block: vLLM's `NONE_HASH`).
+    /// The hash of the block holding `tokens` after the block whose digest
+    /// is `parent` (vLLM's `NONE_HASH` for a sequence's first block).
     ///
     /// # Panics
     /// If `tokens` holds more than [`MAX_BLOCK_TOKENS`] (callers check the
@@ -241,7 +242,8 @@ impl Chains {
     }
 
     /// The vLLM hashes of a Stored event's blocks, a chain after `parent`
-    /// (kvedge hashes), whose token ids `tokens` gives. Returns the
+    /// (kvedge hashes), whose token ids are `tokens`, `block_size` a
+    /// block. Returns the
     /// parent's and the blocks' event integers; `None` as the parent's
     /// when the event has none. A block already held keeps its digest (a
     /// block moving to another tier). A parent no longer known (gone from
@@ -253,7 +255,8 @@ impl Chains {
         tier: Tier,
         parent: Option<u64>,
         hashes: &[u64],
-        mut tokens: impl FnMut(u64, &mut Vec<u32>),
+        tokens: &[u32],
+        block_size: usize,
         out: &mut Vec<u64>,
     ) -> Option<u64> {
         out.clear();
@@ -265,16 +268,11 @@ impl Chains {
             self.remember(p, prev);
             external(&prev)
         });
-        let mut block = Vec::new();
         let mut prev_hash = parent;
-        for &h in hashes {
+        for (&h, block) in hashes.iter().zip(tokens.chunks(block_size.max(1))) {
             let digest = match self.held.get(&h) {
                 Some(b) => b.digest,
-                None => {
-                    block.clear();
-                    tokens(h, &mut block);
-                    self.hasher.block(&prev, &block)
-                }
+                None => self.hasher.block(&prev, block),
             };
             self.held
                 .entry(h)
@@ -373,19 +371,21 @@ mod tests {
     #[test]
     fn a_block_moving_tiers_keeps_its_hash_and_a_removed_one_names_it() {
         let mut c = Chains::new(none_hash(DEFAULT_SEED), 16);
-        let toks = |h: u64, out: &mut Vec<u32>| out.extend([h as u32; 4]);
+        let toks =
+            |hashes: &[u64]| -> Vec<u32> { hashes.iter().flat_map(|&h| [h as u32; 4]).collect() };
         let (mut a, mut b) = (Vec::new(), Vec::new());
-        assert_eq!(c.stored(Tier::Device, None, &[1, 2], toks, &mut a), None);
+        let stored = c.stored(Tier::Device, None, &[1, 2], &toks(&[1, 2]), 4, &mut a);
+        assert_eq!(stored, None);
         // The device copy goes, the host takes it: one batch.
         c.removed(Tier::Device, &[2], &mut b);
         assert_eq!(b, a[1..]);
-        let parent = c.stored(Tier::Host, None, &[2], toks, &mut b);
+        let parent = c.stored(Tier::Host, None, &[2], &toks(&[2]), 4, &mut b);
         assert_eq!((parent, &b[..]), (None, &a[1..]));
         c.end_batch();
         assert_eq!(c.held(), 2);
         assert_eq!((c.parent_of(1), c.parent_of(2)), (None, Some(1)));
         // A child of block 1 names its vLLM hash as the parent.
-        let parent = c.stored(Tier::Device, Some(1), &[3], toks, &mut b);
+        let parent = c.stored(Tier::Device, Some(1), &[3], &toks(&[3]), 4, &mut b);
         assert_eq!(parent, Some(a[0]));
         // Gone from every tier: forgotten as held, still named right.
         c.removed(Tier::Host, &[2], &mut b);

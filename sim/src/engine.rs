@@ -621,6 +621,15 @@ impl EngineModel {
                 // gets every block's prefix right across a skipped one.
                 let complete = ((s.prefilled / bs) as usize).min(s.hashes.len());
                 let mut run: Option<(Option<u64>, Vec<u64>)> = None;
+                let mut publish = |run: Option<(Option<u64>, Vec<u64>)>| {
+                    if let Some((parent, hashes)) = run {
+                        out.events.push(KvEvent::Stored {
+                            tier: Tier::Device,
+                            parent,
+                            hashes,
+                        });
+                    }
+                };
                 for k in s.registered..complete {
                     let (h, b) = (s.hashes[k], s.blocks[k]);
                     if let std::collections::hash_map::Entry::Vacant(v) = self.cached.entry(h) {
@@ -628,21 +637,11 @@ impl EngineModel {
                         self.blocks[b as usize].hash = Some(h);
                         let parent = k.checked_sub(1).map(|p| s.hashes[p]);
                         run.get_or_insert_with(|| (parent, Vec::new())).1.push(h);
-                    } else if let Some((parent, hashes)) = run.take() {
-                        out.events.push(KvEvent::Stored {
-                            tier: Tier::Device,
-                            parent,
-                            hashes,
-                        });
+                    } else {
+                        publish(run.take());
                     }
                 }
-                if let Some((parent, hashes)) = run {
-                    out.events.push(KvEvent::Stored {
-                        tier: Tier::Device,
-                        parent,
-                        hashes,
-                    });
-                }
+                publish(run);
                 self.running[i].registered = complete;
                 let s = &mut self.running[i];
                 if s.prefilled == s.prompt_tokens && s.generated == 0 {
