@@ -8,7 +8,8 @@
 //! turn of a conversation whose earlier turns the picker saw (the same
 //! history, a new question at the end), which its tokenization prefix
 //! cache serves. The tokenizer has the template's role markers as special
-//! tokens, as real models do.
+//! tokens, as real models do. The same text sent as a plain-text prompt,
+//! new or continued, is tokenized alone too.
 //!
 //! Not criterion: the figures wanted are p50 and p99 per decision, so each
 //! decision is timed on the monotonic clock and the samples sorted.
@@ -125,6 +126,28 @@ fn main() {
     };
     let alone_new = alone(0, false);
     let alone_seen = alone(32 << 20, true);
+    // The same text as a plain-text completion prompt (a conversation
+    // kept as one string): a new one every time, or the next turn.
+    let text_alone = |seen: bool| {
+        let models = Models::load_with(std::slice::from_ref(&spec), 32 << 20).unwrap();
+        let mut samples = Vec::with_capacity(n);
+        for i in 0..n + 100 {
+            let prompt = Prompt::Text(if seen {
+                format!("{half}{rest}\nAnd question {i}?")
+            } else {
+                format!("Conversation {i}. {half}{rest}\nAnd question {i}?")
+            });
+            let t = Instant::now();
+            let ids = models.tokens("m", &prompt, 1 << 20).unwrap();
+            if i >= 100 {
+                samples.push(t.elapsed());
+            }
+            std::hint::black_box(ids);
+        }
+        samples
+    };
+    let text_new = text_alone(false);
+    let text_seen = text_alone(true);
 
     // The daemon with its picker, and an engine holding the blocks.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
@@ -180,6 +203,14 @@ fn main() {
     row(
         "template and tokenizer alone, earlier turns seen (prefix cache)",
         alone_seen,
+    );
+    row(
+        "a plain-text prompt, tokenizer alone, a new text every time",
+        text_new,
+    );
+    row(
+        "a plain-text prompt, tokenizer alone, the text before its last line seen",
+        text_seen,
     );
     row(
         "the picker's decision over ext_proc (headers, body, pick), a new conversation",

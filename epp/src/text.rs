@@ -29,14 +29,26 @@
 //!
 //! A prompt holding an added token's text (a special token written as
 //! text) is tokenized whole, as before.
+//!
+//! What follows the cached prefix is not given to the tokenizer's whole
+//! pipeline either, since its pieces are already in hand: each piece's ids
+//! are the model's for that piece (its bytes first mapped to GPT-2's
+//! characters when the pipeline ends in `ByteLevel`), which is exactly
+//! what the pipeline computes for it, and a bounded memory of recent
+//! pieces ([`Pieces`]) asks the model once per distinct piece. Running the
+//! pipeline (its normalized strings, offsets and token strings) cost
+//! about a microsecond a token; a remembered piece costs a hash lookup.
 
+use std::borrow::Cow;
+use std::collections::HashMap;
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
 use aho_corasick::AhoCorasick;
-use xxhash_rust::xxh3::Xxh3;
+use tokenizers::Model as _;
+use xxhash_rust::xxh3::{Xxh3, Xxh3DefaultBuilder};
 
-use crate::prefix::{Plan, PrefixCache, PrefixStats, encode_part, lookup};
+use crate::prefix::{Plan, PrefixCache, PrefixStats, lookup};
 
 /// The cut candidates are the last piece boundary at or before each
 /// multiple of this many bytes.
@@ -57,15 +69,95 @@ enum Pattern {
     Fancy(fancy_regex::Regex),
 }
 
+/// The longest piece whose ids are remembered; longer ones (a run of
+/// punctuation, a long number) are rare and go to the model each time.
+pub const MAX_PIECE_BYTES: usize = 64;
+
+/// The ids of recently seen pieces, in two generations: a piece is looked
+/// up in the current one, then in the previous one (and moved to the
+/// current); when the current one holds `capacity` bytes it becomes the
+/// previous one and the oldest is dropped. So at most twice `capacity` is
+/// held, and a piece in use survives every turn-over.
+pub struct Pieces {
+    current: HashMap<Box<str>, Box<[u32]>, Xxh3DefaultBuilder>,
+    previous: HashMap<Box<str>, Box<[u32]>, Xxh3DefaultBuilder>,
+    bytes: usize,
+    capacity: usize,
+}
+
+impl std::fmt::Debug for Pieces {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pieces")
+            .field("current", &self.current.len())
+            .field("previous", &self.previous.len())
+            .field("capacity", &self.capacity)
+            .finish()
+    }
+}
+
+impl Pieces {
+    /// A memory of at most twice `capacity` bytes (texts, ids and
+    /// bookkeeping).
+    pub fn new(capacity: usize) -> Self {
+        Pieces {
+            current: HashMap::default(),
+            previous: HashMap::default(),
+            bytes: 0,
+            capacity,
+        }
+    }
+
+    fn entry_bytes(piece: &str, ids: &[u32]) -> usize {
+        piece.len() + 4 * ids.len() + 48
+    }
+
+    /// The ids of `piece`, if remembered.
+    fn get(&mut self, piece: &str) -> Option<&[u32]> {
+        if !self.current.contains_key(piece) {
+            let (key, ids) = self.previous.remove_entry(piece)?;
+            self.keep(key, ids);
+        }
+        self.current.get(piece).map(|ids| &ids[..])
+    }
+
+    fn keep(&mut self, piece: Box<str>, ids: Box<[u32]>) {
+        let size = Self::entry_bytes(&piece, &ids);
+        if self.bytes + size > self.capacity {
+            self.previous = std::mem::take(&mut self.current);
+            self.bytes = 0;
+        }
+        self.bytes += size;
+        self.current.insert(piece, ids);
+    }
+
+    /// Bytes held, over both generations.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+            + self
+                .previous
+                .iter()
+                .map(|(p, ids)| Self::entry_bytes(p, ids))
+                .sum::<usize>()
+    }
+}
+
 /// How a model's tokenizer cuts plain text into pieces, when it is of the
 /// shape this cache is exact for.
 pub struct Splitter {
     pattern: Pattern,
+    /// Whether the text between two matches is a piece too (`Split` with
+    /// `Isolated` and `ByteLevel` keep it; `Whitespace` drops it).
+    gaps: bool,
+    /// Whether a piece's bytes are mapped to GPT-2's characters before the
+    /// model sees it (`ByteLevel`).
+    byte_level: bool,
     /// Finds any added token's text in a prompt.
     added: Option<AhoCorasick>,
     /// The ids the post-processor puts before and after the text's.
     head: Vec<u32>,
     tail: Vec<u32>,
+    /// Recently seen pieces' ids.
+    pieces: Mutex<Pieces>,
 }
 
 impl std::fmt::Debug for Splitter {
@@ -104,8 +196,9 @@ fn looks_around(pattern: &str) -> bool {
 
 impl Splitter {
     /// The splitter of `t`, if its pipeline is one the cache is exact for
-    /// (the module's documentation lists them).
-    pub fn of(t: &tokenizers::Tokenizer) -> Option<Splitter> {
+    /// (the module's documentation lists them), remembering the ids of at
+    /// most twice `piece_bytes` of pieces.
+    pub fn of(t: &tokenizers::Tokenizer, piece_bytes: usize) -> Option<Splitter> {
         use tokenizers::models::ModelWrapper;
         if t.get_normalizer().is_some() || t.get_truncation().is_some() || t.get_padding().is_some()
         {
@@ -119,11 +212,17 @@ impl Splitter {
         let byte_level_plain = |v: &serde_json::Value| {
             v["type"] == "ByteLevel" && v["add_prefix_space"] == false && v["use_regex"] == false
         };
-        let pattern = match pre["type"].as_str()? {
-            "Whitespace" => Pattern::Plain(regex::Regex::new(WHITESPACE_PATTERN).ok()?),
-            "ByteLevel" if pre["add_prefix_space"] == false && pre["use_regex"] == true => {
-                Pattern::Fancy(fancy_regex::Regex::new(GPT2_PATTERN).ok()?)
-            }
+        let (pattern, gaps, byte_level) = match pre["type"].as_str()? {
+            "Whitespace" => (
+                Pattern::Plain(regex::Regex::new(WHITESPACE_PATTERN).ok()?),
+                false,
+                false,
+            ),
+            "ByteLevel" if pre["add_prefix_space"] == false && pre["use_regex"] == true => (
+                Pattern::Fancy(fancy_regex::Regex::new(GPT2_PATTERN).ok()?),
+                true,
+                true,
+            ),
             "Sequence" => {
                 let [split, byte_level] = pre["pretokenizers"].as_array()?.as_slice() else {
                     return None;
@@ -135,7 +234,11 @@ impl Splitter {
                 if !isolated || !byte_level_plain(byte_level) || looks_around(regex) {
                     return None;
                 }
-                Pattern::Fancy(fancy_regex::Regex::new(regex).ok()?)
+                (
+                    Pattern::Fancy(fancy_regex::Regex::new(regex).ok()?),
+                    true,
+                    true,
+                )
             }
             _ => return None,
         };
@@ -164,22 +267,29 @@ impl Splitter {
         }
         Some(Splitter {
             pattern,
+            gaps,
+            byte_level,
             added,
             head,
             tail,
+            pieces: Mutex::new(Pieces::new(piece_bytes)),
         })
     }
 
-    /// The piece boundaries of `text` strictly inside it, in order, into
-    /// `out`; `false` if the expression failed (a backtracking limit).
-    fn boundaries(&self, text: &str, out: &mut Vec<usize>) -> bool {
+    /// The pieces of `text`, in order, as byte ranges, into `out` (empty
+    /// ones left out: they have no ids); `false` if the expression failed
+    /// (a backtracking limit).
+    fn pieces(&self, text: &str, out: &mut Vec<(usize, usize)>) -> bool {
         out.clear();
+        let mut at = 0;
         let mut push = |s: usize, e: usize| {
-            for p in [s, e] {
-                if p > 0 && p < text.len() && out.last() != Some(&p) {
-                    out.push(p);
-                }
+            if self.gaps && at < s {
+                out.push((at, s));
             }
+            if s < e {
+                out.push((s, e));
+            }
+            at = e;
         };
         match &self.pattern {
             Pattern::Plain(r) => r.find_iter(text).for_each(|m| push(m.start(), m.end())),
@@ -192,7 +302,83 @@ impl Splitter {
                 }
             }
         }
+        if self.gaps && at < text.len() {
+            out.push((at, text.len()));
+        }
         true
+    }
+
+    /// The ids of one piece, appended to `out`: remembered, or the model's
+    /// (its bytes mapped first when the pipeline is byte-level).
+    fn piece_ids(
+        &self,
+        model: &tokenizers::ModelWrapper,
+        memory: &mut Pieces,
+        piece: &str,
+        out: &mut Vec<u32>,
+    ) -> Result<(), String> {
+        if let Some(ids) = memory.get(piece) {
+            out.extend_from_slice(ids);
+            return Ok(());
+        }
+        let input: Cow<str> = if self.byte_level {
+            Cow::Owned(piece.bytes().map(byte_char).collect())
+        } else {
+            Cow::Borrowed(piece)
+        };
+        let tokens = model.tokenize(&input).map_err(|e| e.to_string())?;
+        let at = out.len();
+        out.extend(tokens.iter().map(|t| t.id));
+        if piece.len() <= MAX_PIECE_BYTES {
+            memory.keep(piece.into(), out[at..].into());
+        }
+        Ok(())
+    }
+
+    /// Bytes the piece memory holds.
+    pub fn piece_bytes(&self) -> usize {
+        self.pieces.lock().map_or(0, |p| p.bytes())
+    }
+}
+
+/// The characters GPT-2's byte-level alphabet writes each byte as: the
+/// printable bytes (`!`..=`~`, `¡`..=`¬`, `®`..=`ÿ`) as themselves, the
+/// other 68 as U+0100 onwards, in byte order.
+const BYTE_CHARS: [char; 256] = {
+    let mut table = ['\0'; 256];
+    let mut b = 0;
+    let mut others = 0;
+    while b < 256 {
+        let printable = matches!(b as u8, b'!'..=b'~' | 0xA1..=0xAC | 0xAE..=0xFF);
+        table[b] = if printable {
+            b as u8 as char
+        } else {
+            others += 1;
+            match char::from_u32(0x100 + others - 1) {
+                Some(c) => c,
+                None => panic!("U+0100..U+0143 are characters"),
+            }
+        };
+        b += 1;
+    }
+    table
+};
+
+/// The character GPT-2's byte-level alphabet writes byte `b` as.
+pub fn byte_char(b: u8) -> char {
+    BYTE_CHARS[usize::from(b)]
+}
+
+/// The boundaries between `pieces` (of a text `len` bytes long) strictly
+/// inside the text, in order: where a piece starts or ends.
+fn boundaries(len: usize, pieces: &[(usize, usize)], out: &mut Vec<usize>) {
+    out.clear();
+    for &(s, e) in pieces {
+        for p in [s, e] {
+            if p > 0 && p < len && out.last() != Some(&p) {
+                out.push(p);
+            }
+        }
     }
 }
 
@@ -241,60 +427,54 @@ pub fn encode_with(
     if splitter.added.as_ref().is_some_and(|a| a.is_match(text)) {
         return None;
     }
-    let mut bounds = Vec::new();
-    if !splitter.boundaries(text, &mut bounds) {
+    let mut pieces = Vec::new();
+    if !splitter.pieces(text, &mut pieces) {
         return None;
     }
+    let mut bounds = Vec::new();
+    boundaries(text.len(), &pieces, &mut bounds);
     let plan = plan(text, &bounds);
     let (from, mut ids) = lookup(cache, stats, text, &plan);
-    let encode = |part: &str| encode_part(tokenizer, part);
-    // Parts ending at the last two cuts are kept (the next prompt goes on
-    // from about the end of this one), and at the 1st, 2nd, 4th, 8th, ...
-    // cut (another text that starts the same way, such as a new
+    // The ids up to the last two cuts are kept (the next prompt goes on
+    // from about the end of this one), and up to the 1st, 2nd, 4th, 8th,
+    // ... cut (another text that starts the same way, such as a new
     // conversation after the same instructions, finds at least half of
-    // what it shares); each if it splits on its own as it does in the
-    // whole text.
+    // what it shares).
     let n = plan.cuts.len();
-    let mut encoded = 0;
-    let mut at = from;
-    let mut own = Vec::new();
-    let kept = plan
+    let mut kept = plan
         .cuts
         .iter()
         .enumerate()
         .filter(|&(i, &c)| c > from && ((i + 1).is_power_of_two() || i + 2 >= n))
-        .map(|(_, &c)| c);
+        .map(|(_, &c)| c)
+        .peekable();
+    let reused = ids.len();
+    let first = pieces.partition_point(|&(s, _)| s < from);
+    let model = tokenizer.get_model();
+    let mut memory = match splitter.pieces.lock() {
+        Ok(m) => m,
+        Err(poisoned) => poisoned.into_inner(),
+    };
+    for &(s, e) in &pieces[first..] {
+        // A cut is a boundary: every piece before it is in `ids`.
+        while let Some(cut) = kept.next_if(|&c| c <= s) {
+            if let Ok(mut c) = cache.lock() {
+                c.insert(text, &plan, cut, &ids);
+            }
+        }
+        if let Err(e) = splitter.piece_ids(model, &mut memory, &text[s..e], &mut ids) {
+            return Some(Err(e));
+        }
+    }
+    drop(memory);
     for cut in kept {
-        if !splitter.boundaries(&text[at..cut], &mut own) {
-            return None;
-        }
-        let lo = bounds.partition_point(|&b| b <= at);
-        let hi = bounds.partition_point(|&b| b < cut);
-        let same =
-            own.len() == hi - lo && own.iter().zip(&bounds[lo..hi]).all(|(o, b)| o + at == *b);
-        if !same {
-            continue;
-        }
-        let part = match encode(&text[at..cut]) {
-            Ok(p) => p,
-            Err(e) => return Some(Err(e)),
-        };
-        encoded += part.len();
-        ids.extend_from_slice(&part);
-        at = cut;
         if let Ok(mut c) = cache.lock() {
             c.insert(text, &plan, cut, &ids);
         }
     }
-    let rest = match encode(&text[at..]) {
-        Ok(p) => p,
-        Err(e) => return Some(Err(e)),
-    };
-    encoded += rest.len();
-    ids.extend_from_slice(&rest);
     stats
         .tokens_encoded
-        .fetch_add(encoded as u64, Ordering::Relaxed);
+        .fetch_add((ids.len() - reused) as u64, Ordering::Relaxed);
     let mut out = Vec::with_capacity(splitter.head.len() + ids.len() + splitter.tail.len());
     out.extend_from_slice(&splitter.head);
     out.extend_from_slice(&ids);
@@ -445,7 +625,7 @@ mod tests {
     fn every_supported_shape_gets_the_ids_of_a_fresh_tokenization_across_turns() {
         for (name, t) in shapes() {
             assert!(
-                Splitter::of(&t).is_some(),
+                Splitter::of(&t, 1 << 20).is_some(),
                 "{name} is a shape the cache serves"
             );
             let (m, path) = models(&t, 32 << 20);
@@ -471,6 +651,71 @@ mod tests {
             assert!(c.hits >= 100, "{name}: {c:?}");
             assert!(c.tokens_reused > 2 * c.tokens_encoded, "{name}: {c:?}");
             let _ = std::fs::remove_file(path);
+        }
+    }
+
+    #[test]
+    fn bytes_are_written_as_the_tokenizers_byte_level_alphabet_writes_them() {
+        use tokenizers::PreTokenizer;
+        use tokenizers::tokenizer::{OffsetReferential, OffsetType, PreTokenizedString};
+        let ours: std::collections::HashSet<char> = (0..=255).map(byte_char).collect();
+        let theirs: std::collections::HashSet<char> = ByteLevel::alphabet().into_iter().collect();
+        assert_eq!(ours, theirs);
+        // Every byte valid UTF-8 holds: ASCII, and leads and continuations
+        // of two-, three- and four-byte characters.
+        let mut text: String = (0u8..128).map(char::from).collect();
+        text.extend([
+            '\u{80}', '\u{bf}', '\u{7ff}', 'é', 'ÿ', '\u{800}', '中', '\u{ffff}',
+        ]);
+        text.extend(['\u{10000}', '🙂', '\u{10ffff}']);
+        text.extend((0x80..0x800u32).step_by(7).filter_map(char::from_u32));
+        let mut pre = PreTokenizedString::from(text.as_str());
+        ByteLevel::new(false, false, false)
+            .pre_tokenize(&mut pre)
+            .unwrap();
+        let mapped: String = pre
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(s, _, _)| s)
+            .collect();
+        let ours: String = text.bytes().map(byte_char).collect();
+        assert_eq!(ours, mapped);
+    }
+
+    #[test]
+    fn pieces_remembered_or_not_give_a_fresh_tokenizations_ids_for_any_text() {
+        // Characters the expressions treat differently: control characters,
+        // every kind of space and line break, marks, digits of other
+        // scripts, letters of several scripts, symbols, surrogate-pair
+        // characters; in runs, so that long and repeated pieces occur.
+        const CHARS: [&str; 32] = [
+            " ", "  ", "\t", "\r", "\n", "\r\n", "\u{85}", "\u{a0}", "\u{2028}", "\u{3000}", "a",
+            "Z", "ß", "é", "e\u{301}", "ж", "中", "ｱ", "٣", "7", "42", "'", "'s", "'LL", "-",
+            "...", "$", "€", "🙂", "👍🏽", "\u{0}", "\u{7f}",
+        ];
+        for (name, t) in shapes() {
+            // A memory of a few pieces, so that it turns over constantly.
+            let splitter = Splitter::of(&t, 256).unwrap();
+            let cache = Mutex::new(PrefixCache::new(0));
+            let stats = PrefixStats::default();
+            let mut state = 0x2545_f491_4f6c_dd1du64;
+            for round in 0..300 {
+                let mut text = String::new();
+                let len = 1 + next(&mut state) % 60;
+                for _ in 0..len {
+                    let c = CHARS[next(&mut state) % CHARS.len()];
+                    for _ in 0..(1 + next(&mut state) % 3) {
+                        text.push_str(c);
+                    }
+                }
+                let ours = encode_with(&t, &splitter, &cache, &stats, &text)
+                    .expect("no added token, no backtracking limit")
+                    .unwrap();
+                assert_eq!(ours, fresh(&t, &text), "{name}, round {round}: {text:?}");
+            }
+            let turned_over = !splitter.pieces.lock().unwrap().previous.is_empty();
+            assert!(turned_over, "{name}");
+            assert!(splitter.piece_bytes() <= 2 * 256 + MAX_PIECE_BYTES * 5 + 48);
         }
     }
 
@@ -532,15 +777,15 @@ mod tests {
             split.into(),
             ByteLevel::new(false, true, false).into(),
         ]))));
-        assert!(Splitter::of(&t).is_none());
+        assert!(Splitter::of(&t, 1 << 20).is_none());
         t.with_pre_tokenizer(Some(PreTokenizerWrapper::from(ByteLevel::new(
             true, true, true,
         ))));
-        assert!(Splitter::of(&t).is_none());
+        assert!(Splitter::of(&t, 1 << 20).is_none());
         t.with_pre_tokenizer(Some(PreTokenizerWrapper::from(ByteLevel::new(
             false, true, true,
         ))));
         t.with_normalizer(Some(tokenizers::normalizers::unicode::NFC));
-        assert!(Splitter::of(&t).is_none());
+        assert!(Splitter::of(&t, 1 << 20).is_none());
     }
 }

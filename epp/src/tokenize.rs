@@ -201,9 +201,16 @@ impl Models {
                 (Some(t), Some(_)) if prefix_cache_bytes > 0 => Cuts::of(t),
                 _ => None,
             };
+            // An eighth of the budget remembers pieces (two generations of
+            // a sixteenth), when plain text is cut into them.
+            let piece_bytes = prefix_cache_bytes / 16;
             let splitter = match &tokenizer {
-                Some(t) if prefix_cache_bytes > 0 => crate::text::Splitter::of(t),
+                Some(t) if prefix_cache_bytes > 0 => crate::text::Splitter::of(t, piece_bytes),
                 _ => None,
+            };
+            let prefix_bytes = match splitter {
+                Some(_) => prefix_cache_bytes - 2 * piece_bytes,
+                None => prefix_cache_bytes,
             };
             by_name.insert(
                 s.name.clone(),
@@ -214,7 +221,7 @@ impl Models {
                     eos_token: s.eos_token.clone(),
                     cuts,
                     splitter,
-                    cache: Mutex::new(PrefixCache::new(prefix_cache_bytes)),
+                    cache: Mutex::new(PrefixCache::new(prefix_bytes)),
                 },
             );
         }
@@ -235,7 +242,10 @@ impl Models {
             bytes: self
                 .by_name
                 .values()
-                .map(|m| m.cache.lock().map_or(0, |c| c.bytes() as u64))
+                .map(|m| {
+                    let pieces = m.splitter.as_ref().map_or(0, |s| s.piece_bytes());
+                    m.cache.lock().map_or(0, |c| c.bytes()) as u64 + pieces as u64
+                })
                 .sum(),
         }
     }
