@@ -46,7 +46,7 @@ use std::sync::atomic::Ordering;
 
 use aho_corasick::AhoCorasick;
 use tokenizers::Model as _;
-use xxhash_rust::xxh3::{Xxh3, Xxh3DefaultBuilder};
+use xxhash_rust::xxh3::Xxh3;
 
 use crate::prefix::{Plan, PrefixCache, PrefixStats, lookup};
 
@@ -79,8 +79,8 @@ pub const MAX_PIECE_BYTES: usize = 64;
 /// previous one and the oldest is dropped. So at most twice `capacity` is
 /// held, and a piece in use survives every turn-over.
 pub struct Pieces {
-    current: HashMap<Box<str>, Box<[u32]>, Xxh3DefaultBuilder>,
-    previous: HashMap<Box<str>, Box<[u32]>, Xxh3DefaultBuilder>,
+    current: HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>,
+    previous: HashMap<Box<str>, Box<[u32]>, foldhash::fast::RandomState>,
     bytes: usize,
     capacity: usize,
 }
@@ -111,13 +111,18 @@ impl Pieces {
         piece.len() + 4 * ids.len() + 48
     }
 
-    /// The ids of `piece`, if remembered.
-    fn get(&mut self, piece: &str) -> Option<&[u32]> {
-        if !self.current.contains_key(piece) {
-            let (key, ids) = self.previous.remove_entry(piece)?;
-            self.keep(key, ids);
+    /// Appends the ids of `piece` to `out`, if remembered.
+    fn extend(&mut self, piece: &str, out: &mut Vec<u32>) -> bool {
+        if let Some(ids) = self.current.get(piece) {
+            out.extend_from_slice(ids);
+            return true;
         }
-        self.current.get(piece).map(|ids| &ids[..])
+        let Some((piece, ids)) = self.previous.remove_entry(piece) else {
+            return false;
+        };
+        out.extend_from_slice(&ids);
+        self.keep(piece, ids);
+        true
     }
 
     fn keep(&mut self, piece: Box<str>, ids: Box<[u32]>) {
@@ -317,8 +322,7 @@ impl Splitter {
         piece: &str,
         out: &mut Vec<u32>,
     ) -> Result<(), String> {
-        if let Some(ids) = memory.get(piece) {
-            out.extend_from_slice(ids);
+        if memory.extend(piece, out) {
             return Ok(());
         }
         let input: Cow<str> = if self.byte_level {
@@ -427,11 +431,12 @@ pub fn encode_with(
     if splitter.added.as_ref().is_some_and(|a| a.is_match(text)) {
         return None;
     }
-    let mut pieces = Vec::new();
+    // About a piece every four bytes of prose.
+    let mut pieces = Vec::with_capacity(text.len() / 4);
     if !splitter.pieces(text, &mut pieces) {
         return None;
     }
-    let mut bounds = Vec::new();
+    let mut bounds = Vec::with_capacity(2 * pieces.len());
     boundaries(text.len(), &pieces, &mut bounds);
     let plan = plan(text, &bounds);
     let (from, mut ids) = lookup(cache, stats, text, &plan);
@@ -449,6 +454,7 @@ pub fn encode_with(
         .map(|(_, &c)| c)
         .peekable();
     let reused = ids.len();
+    ids.reserve(text.len().saturating_sub(from) / 3);
     let first = pieces.partition_point(|&(s, _)| s < from);
     let model = tokenizer.get_model();
     let mut memory = match splitter.pieces.lock() {
