@@ -1293,3 +1293,97 @@ fn the_http_front_door_releases_a_pick_whose_engine_fails_or_whose_client_leaves
         "the engine's connection is closed once the client left"
     );
 }
+
+#[test]
+fn the_http_front_door_holds_a_pick_while_tokens_flow_and_releases_it_when_they_stop() {
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start(
+        "http-front-door-silence",
+        &front_door_config(epp_port, http_port)
+            .replace("epp:\n", "epp:\n  pick_timeout_ms: 1000\n"),
+    );
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let stats = || ask(&d.query(), json!({"op": "stats"}));
+    let engine = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let mut held = register(&d, 1, &format!("http://{}", engine.local_addr().unwrap()));
+    hold(&mut held, &prefix(1));
+    wait_for(|| stats()["index_entries"] == 4, "the engine's blocks");
+
+    // The engine streams an event every 250 ms for 2.5 s (longer than
+    // the 1 s pick timeout), falls silent for 3 s, sends one more event
+    // and ends.
+    let (go_on, resume) = std::sync::mpsc::channel::<()>();
+    let engine = std::thread::spawn(move || {
+        let (mut conn, _) = engine.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).unwrap();
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+        let event = |conn: &mut std::net::TcpStream, i: usize| {
+            let e = format!("data: {{\"choices\":[{{\"text\":\"t{i}\"}}]}}\n\n");
+            write!(conn, "{:x}\r\n{e}\r\n", e.len()).unwrap();
+        };
+        for i in 0..10 {
+            event(&mut conn, i);
+            std::thread::sleep(Duration::from_millis(250));
+        }
+        resume.recv_timeout(Duration::from_secs(20)).unwrap();
+        event(&mut conn, 10);
+        conn.write_all(b"0\r\n\r\n").unwrap();
+    });
+    let mut client = TcpStream::connect(door).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let body = completion(&prefix(1), true);
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    client.write_all(&body).unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    let mut read_until = |client: &mut TcpStream, what: &str| {
+        while !String::from_utf8_lossy(&seen).contains(what) {
+            let n = client.read(&mut buf).unwrap();
+            assert!(n > 0, "the stream ended before {what}");
+            seen.extend_from_slice(&buf[..n]);
+        }
+    };
+    read_until(&mut client, "\"t0\"");
+    let started = std::time::Instant::now();
+    read_until(&mut client, "\"t8\"");
+    assert!(started.elapsed() > Duration::from_millis(1500));
+    assert_eq!(
+        stats()["reservations"],
+        1,
+        "tokens kept flowing: the pick is held past the pick timeout"
+    );
+    read_until(&mut client, "\"t9\"");
+    wait_for(
+        || stats()["reservations"] == 0,
+        "the pick released once the engine fell silent",
+    );
+    let expired = || {
+        ask(&d.query(), json!({"op": "metrics"}))["text"]
+            .as_str()
+            .unwrap()
+            .lines()
+            .any(|l| l == "kvedge_epp_picks_expired_total 1")
+    };
+    wait_for(expired, "the expiry counted once");
+    go_on.send(()).unwrap();
+    read_until(&mut client, "\"t10\"");
+    engine.join().unwrap();
+}

@@ -386,6 +386,7 @@ impl Door {
             inner,
             reservation,
             silent: Box::pin(tokio::time::sleep(wait)),
+            last: tokio::time::Instant::now(),
             wait,
             _slot: slot,
         };
@@ -521,10 +522,15 @@ impl Drop for Reservation {
 /// An engine's response body on its way to the client, accounting the
 /// reservation: `prefill_done` at the first bytes, `finish` at the end;
 /// silent for `wait`, the reservation is released and the body goes on.
+///
+/// A frame only notes the time it passed; the timer is moved when it
+/// fires early (a stream of tokens would otherwise re-arm it per token).
 struct Accounted {
     inner: Incoming,
     reservation: Reservation,
     silent: Pin<Box<tokio::time::Sleep>>,
+    /// When the last frame passed.
+    last: tokio::time::Instant,
     wait: Duration,
     /// The request's place among `max_streams`, held to the end.
     _slot: StreamSlot,
@@ -545,8 +551,7 @@ impl HttpBody for Accounted {
                     this.reservation.first_bytes();
                 }
                 if this.reservation.id.is_some() {
-                    let next = tokio::time::Instant::now() + this.wait;
-                    this.silent.as_mut().reset(next);
+                    this.last = tokio::time::Instant::now();
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
@@ -555,9 +560,16 @@ impl HttpBody for Accounted {
                 Poll::Ready(end)
             }
             Poll::Pending => {
-                if this.reservation.id.is_some() && this.silent.as_mut().poll(cx).is_ready() {
-                    this.picker_stats().picks_expired.fetch_add(1, Relaxed);
-                    this.reservation.finish();
+                while this.reservation.id.is_some() && this.silent.as_mut().poll(cx).is_ready() {
+                    let due = this.last + this.wait;
+                    if due <= tokio::time::Instant::now() {
+                        this.picker_stats().picks_expired.fetch_add(1, Relaxed);
+                        this.reservation.finish();
+                    } else {
+                        // A frame passed since it was set: wait from there
+                        // (and poll again, to be woken then).
+                        this.silent.as_mut().reset(due);
+                    }
                 }
                 Poll::Pending
             }
