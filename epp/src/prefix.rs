@@ -273,17 +273,23 @@ pub(crate) fn encode_part(
 
 /// Tokenizes `text` (a rendered chat, without the post-processor's
 /// special tokens) with `cache`: the longest cached prefix, then the rest
-/// in parts ending at the last two cuts (each kept) and after them.
+/// in parts ending at the last two cuts (each kept) and after them; a part
+/// of plain text piece by piece with `splitter`, when the tokenizer has
+/// one ([`crate::text`]).
 pub fn encode_with(
     tokenizer: &tokenizers::Tokenizer,
     cuts: &Cuts,
+    splitter: Option<&crate::text::Splitter>,
     cache: &std::sync::Mutex<PrefixCache>,
     stats: &PrefixStats,
     text: &str,
 ) -> Result<Vec<u32>, String> {
     let plan = PrefixCache::plan(cuts, text);
     let (from, mut ids) = lookup(cache, stats, text, &plan);
-    let encode = |part: &str| encode_part(tokenizer, part);
+    let encode = |part: &str| match splitter.and_then(|s| s.encode_part(tokenizer, part)) {
+        Some(ids) => ids,
+        None => encode_part(tokenizer, part),
+    };
     // The text is encoded in parts ending at the last two cuts, each kept:
     // the last (where the next turn goes on) and the one before (the start
     // of the last message: another question after the same history).

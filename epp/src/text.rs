@@ -156,8 +156,13 @@ pub struct Splitter {
     /// Whether a piece's bytes are mapped to GPT-2's characters before the
     /// model sees it (`ByteLevel`).
     byte_level: bool,
-    /// Finds any added token's text in a prompt.
+    /// Finds any added token's text in a prompt, leftmost-longest as the
+    /// tokenizer itself matches them.
     added: Option<AhoCorasick>,
+    /// Per pattern of `added`: the token's id, if it matches as plain as
+    /// it is written (no stripping of whitespace around it, no word
+    /// boundaries, not matched after normalization).
+    added_ids: Vec<Option<u32>>,
     /// The ids the post-processor puts before and after the text's.
     head: Vec<u32>,
     tail: Vec<u32>,
@@ -247,16 +252,24 @@ impl Splitter {
             }
             _ => return None,
         };
-        let added: Vec<String> = t
+        let (added, added_ids): (Vec<String>, Vec<Option<u32>>) = t
             .get_added_tokens_decoder()
-            .into_values()
-            .map(|a| a.content)
-            .filter(|c| !c.is_empty())
-            .collect();
+            .into_iter()
+            .filter(|(_, a)| !a.content.is_empty())
+            .map(|(id, a)| {
+                let plain = !(a.lstrip || a.rstrip || a.single_word || a.normalized);
+                (a.content, plain.then_some(id))
+            })
+            .unzip();
         let added = if added.is_empty() {
             None
         } else {
-            Some(AhoCorasick::new(&added).ok()?)
+            Some(
+                AhoCorasick::builder()
+                    .match_kind(aho_corasick::MatchKind::LeftmostLongest)
+                    .build(&added)
+                    .ok()?,
+            )
         };
         // What the post-processor adds, the same around every text.
         let ends = |text: &str| -> Option<(Vec<u32>, Vec<u32>)> {
@@ -275,6 +288,7 @@ impl Splitter {
             gaps,
             byte_level,
             added,
+            added_ids,
             head,
             tail,
             pieces: Mutex::new(Pieces::new(piece_bytes)),
@@ -337,6 +351,53 @@ impl Splitter {
             memory.keep(piece.into(), out[at..].into());
         }
         Ok(())
+    }
+
+    /// The ids of a part of a rendered chat (without the post-processor's
+    /// tokens), when every added token in it matches as written (no
+    /// stripping of whitespace around it, no word boundaries, not matched
+    /// after normalization): each such token's id, and the plain text
+    /// between them piece by piece, which is what the tokenizer does (it
+    /// splits at added tokens, leftmost-longest, before anything else).
+    /// `None`: the caller tokenizes it.
+    pub fn encode_part(
+        &self,
+        tokenizer: &tokenizers::Tokenizer,
+        part: &str,
+    ) -> Option<Result<Vec<u32>, String>> {
+        let mut ids = Vec::with_capacity(part.len() / 3);
+        let mut pieces = Vec::with_capacity(part.len() / 4);
+        let model = tokenizer.get_model();
+        let mut memory = match self.pieces.lock() {
+            Ok(m) => m,
+            Err(poisoned) => poisoned.into_inner(),
+        };
+        let mut plain = |text: &str, ids: &mut Vec<u32>| -> Option<Result<(), String>> {
+            if !self.pieces(text, &mut pieces) {
+                return None;
+            }
+            for &(s, e) in &pieces {
+                if let Err(e) = self.piece_ids(model, &mut memory, &text[s..e], ids) {
+                    return Some(Err(e));
+                }
+            }
+            Some(Ok(()))
+        };
+        let mut at = 0;
+        if let Some(added) = &self.added {
+            for m in added.find_iter(part) {
+                let id = self.added_ids[m.pattern().as_usize()]?;
+                if let Err(e) = plain(&part[at..m.start()], &mut ids)? {
+                    return Some(Err(e));
+                }
+                ids.push(id);
+                at = m.end();
+            }
+        }
+        if let Err(e) = plain(&part[at..], &mut ids)? {
+            return Some(Err(e));
+        }
+        Some(Ok(ids))
     }
 
     /// Bytes the piece memory holds.

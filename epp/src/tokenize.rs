@@ -293,8 +293,15 @@ impl Models {
                     let text = render(env, messages, &m.bos_token, &m.eos_token)?;
                     match &m.cuts {
                         Some(cuts) => Tokens::Ids(
-                            crate::prefix::encode_with(t, cuts, &m.cache, &self.prefix, &text)
-                                .map_err(PromptError::Tokenize)?,
+                            crate::prefix::encode_with(
+                                t,
+                                cuts,
+                                m.splitter.as_ref(),
+                                &m.cache,
+                                &self.prefix,
+                                &text,
+                            )
+                            .map_err(PromptError::Tokenize)?,
                         ),
                         None => Tokens::Ids(encode(t, &text, false)?),
                     }
