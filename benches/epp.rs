@@ -101,11 +101,13 @@ fn main() {
         bos_token: String::new(),
         eos_token: String::new(),
     };
-    let alone = |cache_bytes: usize, seen: bool| {
-        let models = Models::load_with(std::slice::from_ref(&spec), cache_bytes).unwrap();
+    // `n` tokenizations of prompt(i) by a fresh set of models, after 100
+    // for warm-up.
+    let timed = |prompt: &dyn Fn(usize) -> Prompt| {
+        let models = Models::load_with(std::slice::from_ref(&spec), 32 << 20).unwrap();
         let mut samples = Vec::with_capacity(n);
         for i in 0..n + 100 {
-            let prompt = Prompt::Messages(messages(i, seen));
+            let prompt = prompt(i);
             let t = Instant::now();
             let ids = models.tokens("m", &prompt, 1 << 20).unwrap();
             if i >= 100 {
@@ -125,30 +127,13 @@ fn main() {
         kvedge_epp::tokenize::Tokens::Ids(ids) => ids,
         kvedge_epp::tokenize::Tokens::Text(_) => panic!("not tokenized"),
     };
-    let alone_new = alone(32 << 20, false);
-    let alone_seen = alone(32 << 20, true);
+    let alone_new = timed(&|i| Prompt::Messages(messages(i, false)));
+    let alone_seen = timed(&|i| Prompt::Messages(messages(i, true)));
     // The same text as a plain-text completion prompt (a conversation
     // kept as one string): a new one every time, or the next turn.
-    let text_alone = |seen: bool| {
-        let models = Models::load_with(std::slice::from_ref(&spec), 32 << 20).unwrap();
-        let mut samples = Vec::with_capacity(n);
-        for i in 0..n + 100 {
-            let prompt = Prompt::Text(if seen {
-                format!("{half}{rest}\nAnd question {i}?")
-            } else {
-                format!("Conversation {i}. {half}{rest}\nAnd question {i}?")
-            });
-            let t = Instant::now();
-            let ids = models.tokens("m", &prompt, 1 << 20).unwrap();
-            if i >= 100 {
-                samples.push(t.elapsed());
-            }
-            std::hint::black_box(ids);
-        }
-        samples
-    };
-    let text_new = text_alone(false);
-    let text_seen = text_alone(true);
+    let text_new =
+        timed(&|i| Prompt::Text(format!("Conversation {i}. {half}{rest}\nAnd question {i}?")));
+    let text_seen = timed(&|i| Prompt::Text(format!("{half}{rest}\nAnd question {i}?")));
 
     // The daemon with its picker, and an engine holding the blocks.
     let port = std::net::TcpListener::bind("127.0.0.1:0")

@@ -1096,6 +1096,25 @@ fn front_door_config(epp_port: u16, http_port: u16) -> String {
     )
 }
 
+/// A streamed completion of `body` sent to the front door at `door` on a
+/// new connection (closed by the server when `close`), its answer not yet
+/// read.
+fn stream_completion(door: std::net::SocketAddr, body: &[u8], close: bool) -> TcpStream {
+    let mut client = TcpStream::connect(door).unwrap();
+    client
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let connection = if close { "connection: close\r\n" } else { "" };
+    write!(
+        client,
+        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n{connection}content-length: {}\r\n\r\n",
+        body.len()
+    )
+    .unwrap();
+    client.write_all(body).unwrap();
+    client
+}
+
 /// A GET over a new connection: status and body.
 fn get(addr: std::net::SocketAddr, path: &str) -> (u16, String) {
     let mut s = TcpStream::connect(addr).unwrap();
@@ -1263,18 +1282,7 @@ fn the_http_front_door_releases_a_pick_whose_engine_fails_or_whose_client_leaves
         let closed = matches!(conn.read(&mut buf), Ok(0) | Err(_));
         closed
     });
-    let mut client = TcpStream::connect(door).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let body = completion(&prefix(2), true);
-    write!(
-        client,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    client.write_all(&body).unwrap();
+    let mut client = stream_completion(door, &completion(&prefix(2), true), false);
     let mut seen = Vec::new();
     let mut buf = [0u8; 1024];
     while !String::from_utf8_lossy(&seen).contains("data: ") {
@@ -1340,18 +1348,7 @@ fn the_http_front_door_holds_a_pick_while_tokens_flow_and_releases_it_when_they_
         event(&mut conn, 10);
         conn.write_all(b"0\r\n\r\n").unwrap();
     });
-    let mut client = TcpStream::connect(door).unwrap();
-    client
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let body = completion(&prefix(1), true);
-    write!(
-        client,
-        "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n\r\n",
-        body.len()
-    )
-    .unwrap();
-    client.write_all(&body).unwrap();
+    let mut client = stream_completion(door, &completion(&prefix(1), true), true);
     let mut seen = Vec::new();
     let mut buf = [0u8; 1024];
     let mut read_until = |client: &mut TcpStream, what: &str| {
