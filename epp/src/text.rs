@@ -368,10 +368,7 @@ impl Splitter {
         let mut ids = Vec::with_capacity(part.len() / 3);
         let mut pieces = Vec::with_capacity(part.len() / 4);
         let model = tokenizer.get_model();
-        let mut memory = match self.pieces.lock() {
-            Ok(m) => m,
-            Err(poisoned) => poisoned.into_inner(),
-        };
+        let mut memory = self.memory();
         let mut plain = |text: &str, ids: &mut Vec<u32>| -> Option<Result<(), String>> {
             if !self.pieces(text, &mut pieces) {
                 return None;
@@ -400,9 +397,17 @@ impl Splitter {
         Some(Ok(ids))
     }
 
+    /// The piece memory, also after a panic while it was held (that
+    /// cannot leave wrong ids in it: an entry is inserted whole).
+    fn memory(&self) -> std::sync::MutexGuard<'_, Pieces> {
+        self.pieces
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
     /// Bytes the piece memory holds.
     pub fn piece_bytes(&self) -> usize {
-        self.pieces.lock().map_or(0, |p| p.bytes())
+        self.memory().bytes()
     }
 }
 
@@ -518,10 +523,7 @@ pub fn encode_with(
     ids.reserve(text.len().saturating_sub(from) / 3);
     let first = pieces.partition_point(|&(s, _)| s < from);
     let model = tokenizer.get_model();
-    let mut memory = match splitter.pieces.lock() {
-        Ok(m) => m,
-        Err(poisoned) => poisoned.into_inner(),
-    };
+    let mut memory = splitter.memory();
     for &(s, e) in &pieces[first..] {
         // A cut is a boundary: every piece before it is in `ids`.
         while let Some(cut) = kept.next_if(|&c| c <= s) {
