@@ -197,6 +197,9 @@ struct Figures {
     cpu_ms_per_request: f64,
     peak_rss_mib: f64,
     ttfts: Vec<f64>,
+    /// Every request in trace order: engine, prompt and cached tokens, TTFT
+    /// (null when it failed).
+    requests_seen: Vec<serde_json::Value>,
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -286,6 +289,17 @@ fn run_one(
         cpu_ms_per_request: cpu / outcomes.len() as f64,
         peak_rss_mib: rss,
         ttfts: ttft,
+        requests_seen: outcomes
+            .iter()
+            .map(|o| {
+                json!([
+                    o.engine,
+                    o.prompt_tokens,
+                    o.cached_tokens,
+                    o.error.is_none().then_some(o.ttft_ms)
+                ])
+            })
+            .collect(),
     })
 }
 
@@ -397,7 +411,9 @@ fn real_main() -> Result<(), String> {
                    "requests": f.requests, "errors": f.errors, "first_error": f.first_error,
                    "hit_rate": f.hit_rate, "ttft_ms": f.ttft, "e2e_ms": f.e2e,
                    "cpu_ms_per_request": f.cpu_ms_per_request, "peak_rss_mib": f.peak_rss_mib,
-                   "ttft_samples_ms": f.ttfts})
+                   "ttft_samples_ms": f.ttfts,
+                   "per_request": {"fields": ["engine", "prompt_tokens", "cached_tokens", "ttft_ms"],
+                                   "rows": f.requests_seen}})
         })
         .collect();
     std::fs::write(

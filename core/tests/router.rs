@@ -816,9 +816,58 @@ fn a_hot_prefix_spreads_only_when_the_queue_makes_it_pay() {
 }
 
 #[test]
+fn a_conversation_stays_with_its_history_until_the_queue_costs_three_times_recomputing_it() {
+    // The built-in policy (recompute weight 2), nothing learned: every
+    // worker at the prior speed of 10,000 tokens a second. A 1,024-token
+    // history went to worker 1, then `filler` more tokens of new prompts,
+    // none of them through their prefill yet. The next turn adds 64 tokens:
+    // on worker 1 it waits for the queue (1,024 + filler tokens) and
+    // computes 64, elsewhere it computes all 1,088. The cost prices the
+    // request's own prefill three times over, so it stays while
+    // queue + 3 x 64 < 3 x 1,088, i.e. while the queue is under 3,072
+    // tokens (with a weight of 1 it would leave at 2,048).
+    for (filler, stays) in [(1_536u32, true), (2_560, false)] {
+        let mut router = Router::with_defaults();
+        let _engines = four_idle(&mut router);
+        let history = prompt(5, 1024);
+        let pinned = |tokens: &[u32], now_ms| {
+            let hashes = sequence_hashes(tokens, 16, None, None);
+            (hashes, tokens.len() as u32, now_ms)
+        };
+        for (hashes, n, now_ms) in [pinned(&history, 1_000), pinned(&prompt(9, filler), 1_001)] {
+            let r = router
+                .select(&SelectRequest {
+                    pinned: Some(WorkerWithDpRank::new(1, 0)),
+                    now_ms,
+                    ..req(&hashes, n)
+                })
+                .unwrap();
+            assert_eq!(r.worker.worker_id, 1);
+        }
+        let mut turn = history.clone();
+        turn.extend(prompt(6, 64));
+        let hashes = sequence_hashes(&turn, 16, None, None);
+        let r = router
+            .select(&SelectRequest {
+                now_ms: 1_002,
+                ..req(&hashes, 1088)
+            })
+            .unwrap();
+        assert_eq!(
+            r.worker.worker_id == 1,
+            stays,
+            "a queue of {} tokens: went to worker {} (overlap {:?})",
+            1024 + filler,
+            r.worker.worker_id,
+            r.overlap_blocks
+        );
+    }
+}
+
+#[test]
 fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
     // The built-in policy for aggregated workers is predicted-ttft with a
-    // recompute weight of 1: its cost is the predicted TTFT plus the
+    // recompute weight of 2: its cost is the predicted TTFT plus twice the
     // request's own prefill.
     let mut router = Router::with_defaults();
     assert_eq!(
@@ -841,7 +890,7 @@ fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
     let terms = router.last_ttft(r.slot.unwrap());
     assert!(terms.prefill_s > 0.0);
     assert!(
-        (r.cost - (terms.total_s() + terms.prefill_s)).abs() < 1e-12,
+        (r.cost - (terms.total_s() + 2.0 * terms.prefill_s)).abs() < 1e-12,
         "{} vs {terms:?}",
         r.cost
     );
