@@ -22,15 +22,24 @@ pub const SHIPPED_CONFIG: &str = include_str!("../../deploy/envoy/envoy.yaml");
 /// again as the source port of any outgoing connection before the caller
 /// binds it, which makes a test's listener fail at random under load.
 pub fn free_port(ip: Ipv4Addr) -> u16 {
+    use std::sync::OnceLock;
     use std::sync::atomic::AtomicU32;
     static NEXT: AtomicU32 = AtomicU32::new(0);
-    let seed = std::process::id().wrapping_mul(2_654_435_761)
-        ^ std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos());
+    // One start per process: the calls then walk a permutation of the
+    // range (7,919 is prime to 12,000), so two calls never return the same
+    // port, even when the first one's port is not bound yet (a start
+    // drawn per call could land on a port just handed out).
+    static SEED: OnceLock<u32> = OnceLock::new();
+    let seed = *SEED.get_or_init(|| {
+        std::process::id().wrapping_mul(2_654_435_761)
+            ^ std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_nanos())
+    });
     for _ in 0..1_000 {
         let n = NEXT.fetch_add(1, Ordering::Relaxed);
-        let port = 20_000 + (seed.wrapping_add(n.wrapping_mul(7_919)) % 12_000) as u16;
+        let step = (u64::from(seed) + u64::from(n) * 7_919) % 12_000;
+        let port = 20_000 + step as u16;
         if TcpListener::bind((ip, port)).is_ok() {
             return port;
         }
