@@ -98,11 +98,15 @@ async fn a_bound_sub_reads_a_libzmq_pub_that_connects() {
         .unwrap();
     let mut p = Peer::spawn(&["pub-connect", &sub.endpoint().to_string()]);
     p.line();
-    let joined = loop {
-        if let Some(SubEvent::Joined { addr, .. }) = sub.recv().await {
-            break addr;
+    let joined = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            if let Some(SubEvent::Joined { addr, .. }) = sub.recv().await {
+                break addr;
+            }
         }
-    };
+    })
+    .await
+    .expect("the libzmq publisher joins in time");
     assert!(matches!(joined, PeerAddr::Tcp(a) if a.ip().is_loopback()));
     assert!(consecutive(&sequences(&mut sub, 5).await));
 }
@@ -165,7 +169,11 @@ async fn a_libzmq_dealer_is_answered_by_our_router() {
         .await
         .unwrap();
     let mut p = Peer::spawn(&["dealer", &router.endpoint().to_string()]);
-    let ask = router.recv().await.unwrap();
+    // A peer that never starts (no pyzmq) must fail the test, not hang it.
+    let ask = tokio::time::timeout(Duration::from_secs(20), router.recv())
+        .await
+        .expect("the libzmq dealer's request in time (is pyzmq installed?)")
+        .unwrap();
     assert_eq!(&ask[1..], [Bytes::new(), Bytes::from_static(b"hi")]);
     router
         .send(&[ask[0].clone(), Bytes::new(), Bytes::from_static(b"yes")])
