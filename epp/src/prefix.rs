@@ -286,9 +286,10 @@ pub fn encode_with(
 ) -> Result<Vec<u32>, String> {
     let plan = PrefixCache::plan(cuts, text);
     let (from, mut ids) = lookup(cache, stats, text, &plan);
-    let encode = |part: &str| match splitter.and_then(|s| s.encode_part(tokenizer, part)) {
-        Some(ids) => ids,
-        None => encode_part(tokenizer, part),
+    let encode = |part: &str| {
+        splitter
+            .and_then(|s| s.encode_part(tokenizer, part))
+            .unwrap_or_else(|| encode_part(tokenizer, part))
     };
     // The text is encoded in parts ending at the last two cuts, each kept:
     // the last (where the next turn goes on) and the one before (the start

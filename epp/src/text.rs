@@ -369,32 +369,31 @@ impl Splitter {
         let mut pieces = Vec::with_capacity(part.len() / 4);
         let model = tokenizer.get_model();
         let mut memory = self.memory();
-        let mut plain = |text: &str, ids: &mut Vec<u32>| -> Option<Result<(), String>> {
+        let mut matches = self.added.as_ref().map(|a| a.find_iter(part));
+        let mut at = 0;
+        // The plain text up to the next added token (or the end), then
+        // that token's id.
+        loop {
+            // The next added token: where it starts and ends, and its id.
+            let next = match matches.as_mut().and_then(Iterator::next) {
+                Some(m) => Some((m.start(), m.end(), self.added_ids[m.pattern().as_usize()]?)),
+                None => None,
+            };
+            let text = &part[at..next.map_or(part.len(), |(start, _, _)| start)];
             if !self.pieces(text, &mut pieces) {
                 return None;
             }
             for &(s, e) in &pieces {
-                if let Err(e) = self.piece_ids(model, &mut memory, &text[s..e], ids) {
+                if let Err(e) = self.piece_ids(model, &mut memory, &text[s..e], &mut ids) {
                     return Some(Err(e));
                 }
             }
-            Some(Ok(()))
-        };
-        let mut at = 0;
-        if let Some(added) = &self.added {
-            for m in added.find_iter(part) {
-                let id = self.added_ids[m.pattern().as_usize()]?;
-                if let Err(e) = plain(&part[at..m.start()], &mut ids)? {
-                    return Some(Err(e));
-                }
-                ids.push(id);
-                at = m.end();
-            }
+            let Some((_, end, id)) = next else {
+                return Some(Ok(ids));
+            };
+            ids.push(id);
+            at = end;
         }
-        if let Err(e) = plain(&part[at..], &mut ids)? {
-            return Some(Err(e));
-        }
-        Some(Ok(ids))
     }
 
     /// The piece memory, also after a panic while it was held (that
