@@ -830,21 +830,18 @@ fn a_conversation_stays_with_its_history_until_the_queue_costs_three_times_recom
         let mut router = Router::with_defaults();
         let _engines = four_idle(&mut router);
         let history = prompt(5, 1024);
-        let pinned = |tokens: &[u32], now_ms| {
+        for (tokens, now_ms) in [(&history, 1_000), (&prompt(9, filler), 1_001)] {
             let hashes = sequence_hashes(tokens, 16, None, None);
-            (hashes, tokens.len() as u32, now_ms)
-        };
-        for (hashes, n, now_ms) in [pinned(&history, 1_000), pinned(&prompt(9, filler), 1_001)] {
             let r = router
                 .select(&SelectRequest {
                     pinned: Some(WorkerWithDpRank::new(1, 0)),
                     now_ms,
-                    ..req(&hashes, n)
+                    ..req(&hashes, tokens.len() as u32)
                 })
                 .unwrap();
             assert_eq!(r.worker.worker_id, 1);
         }
-        let mut turn = history.clone();
+        let mut turn = history;
         turn.extend(prompt(6, 64));
         let hashes = sequence_hashes(&turn, 16, None, None);
         let r = router

@@ -47,6 +47,10 @@ impl Drop for Peer {
     }
 }
 
+/// How long a libzmq peer gets to do its part; one that never starts
+/// (no pyzmq) fails the test after it instead of hanging it.
+const PEER_DEADLINE: Duration = Duration::from_secs(20);
+
 fn hex(frames: &[Bytes]) -> String {
     frames
         .iter()
@@ -59,7 +63,7 @@ fn hex(frames: &[Bytes]) -> String {
 async fn sequences(sub: &mut Sub, n: usize) -> Vec<u64> {
     let mut seqs = Vec::new();
     while seqs.len() < n {
-        let event = tokio::time::timeout(Duration::from_secs(20), sub.recv())
+        let event = tokio::time::timeout(PEER_DEADLINE, sub.recv())
             .await
             .expect("a message from libzmq in time")
             .expect("open");
@@ -98,7 +102,7 @@ async fn a_bound_sub_reads_a_libzmq_pub_that_connects() {
         .unwrap();
     let mut p = Peer::spawn(&["pub-connect", &sub.endpoint().to_string()]);
     p.line();
-    let joined = tokio::time::timeout(Duration::from_secs(20), async {
+    let joined = tokio::time::timeout(PEER_DEADLINE, async {
         loop {
             if let Some(SubEvent::Joined { addr, .. }) = sub.recv().await {
                 break addr;
@@ -140,7 +144,7 @@ async fn a_libzmq_sub_reads_our_pub() {
     let mut p = Peer::spawn(&["sub", &publisher.endpoint().to_string(), "kv", "3"]);
     assert_eq!(p.line(), "ready");
     // Publish until the subscription has arrived, then three messages.
-    tokio::time::timeout(Duration::from_secs(20), async {
+    tokio::time::timeout(PEER_DEADLINE, async {
         while publisher.subscribers() == 0 {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
@@ -169,8 +173,7 @@ async fn a_libzmq_dealer_is_answered_by_our_router() {
         .await
         .unwrap();
     let mut p = Peer::spawn(&["dealer", &router.endpoint().to_string()]);
-    // A peer that never starts (no pyzmq) must fail the test, not hang it.
-    let ask = tokio::time::timeout(Duration::from_secs(20), router.recv())
+    let ask = tokio::time::timeout(PEER_DEADLINE, router.recv())
         .await
         .expect("the libzmq dealer's request in time (is pyzmq installed?)")
         .unwrap();
