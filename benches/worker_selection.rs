@@ -66,6 +66,7 @@ fn rows(n: usize) -> Vec<CandidateRow> {
             preferred_taint_multiplier: None,
             predicted_ttft_s: None,
             predicted_prefill_s: None,
+            recent_selections: None,
         })
         .collect()
 }

@@ -13,10 +13,10 @@ use std::collections::HashMap;
 use kvedge_policies::predict::{PrefillSpeedLearner, TtftInputs, TtftPredictor, TtftTerms};
 use kvedge_policies::rules::{Outcome, RuleCandidate, RuleEngine, RulePolicy, RuleRequest};
 use kvedge_policies::{
-    AffinityMode, CacheRow, CandidateRow, CandidateTable, OccupancyRow, RouterPlugins,
-    RoutingPartition, SessionAffinityTable, SessionContext, WorkerInputs, WorkerSelectionContext,
-    WorkerSelectionPolicy, WorkerSelectionPolicyError, WorkerType, WorkerWithDpRank,
-    affinity::SessionIdError,
+    AffinityMode, CacheRow, CandidateRow, CandidateTable, OccupancyRow, RECENT_HALF_LIFE_MS,
+    RouterPlugins, RoutingPartition, SessionAffinityTable, SessionContext, WorkerInputs,
+    WorkerSelectionContext, WorkerSelectionPolicy, WorkerSelectionPolicyError, WorkerType,
+    WorkerWithDpRank, affinity::SessionIdError,
 };
 use kvedge_schema::messages::{EventRef, Tier};
 
@@ -218,6 +218,31 @@ pub struct Router {
     explained: Explained,
     /// Per slot: what its worker was picked for since it registered.
     picks: [Picks; MAX_WORKERS],
+    /// Per slot: its recent selections, decayed (the `TTFT` group's
+    /// `recent_selections`).
+    recent: [Decayed; MAX_WORKERS],
+}
+
+/// A count that halves every [`RECENT_HALF_LIFE_MS`] of the router's
+/// clock, kept as its value at the last change.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+struct Decayed {
+    value: f64,
+    at_ms: u64,
+}
+
+impl Decayed {
+    /// The count at `now_ms` (a clock that went back decays nothing).
+    fn at(&self, now_ms: u64) -> f64 {
+        let elapsed = now_ms.saturating_sub(self.at_ms) as f64;
+        self.value * (-elapsed / RECENT_HALF_LIFE_MS as f64).exp2()
+    }
+
+    /// One more at `now_ms`.
+    fn add(&mut self, now_ms: u64) {
+        self.value = self.at(now_ms) + 1.0;
+        self.at_ms = self.at_ms.max(now_ms);
+    }
 }
 
 /// What a worker was picked for: requests, and their prompts' blocks, in
@@ -280,6 +305,7 @@ impl Router {
             rules: None,
             rule_policy: None,
             picks: [Picks::default(); MAX_WORKERS],
+            recent: [Decayed::default(); MAX_WORKERS],
             prefill: Prefill {
                 ttft: TtftPredictor::default(),
                 speed: [PrefillSpeedLearner::default(); MAX_WORKERS],
@@ -436,6 +462,7 @@ impl Router {
         self.load.remove_worker(slot);
         self.prefill.speed[free] = PrefillSpeedLearner::default();
         self.picks[free] = Picks::default();
+        self.recent[free] = Decayed::default();
         self.update_peer_speed();
         self.syncing &= !(1u64 << free);
         self.workers[free] = Some(info);
@@ -801,6 +828,7 @@ impl Router {
                 preferred_taint_multiplier: None,
                 predicted_ttft_s: predicted.map(|t| t.total_s()),
                 predicted_prefill_s: predicted.map(|t| t.prefill_s),
+                recent_selections: predict_ttft.then(|| self.recent[slot.index()].at(req.now_ms)),
             });
         }
         self.table.set_present(
@@ -1041,6 +1069,7 @@ impl Router {
         picks.requests += 1;
         picks.prompt_blocks += u64::from(req.prompt_tokens) / block_size;
         picks.cached_blocks += u64::from(overlap_blocks[0]);
+        self.recent[slot.index()].add(req.now_ms);
         if req.approximate {
             self.approx.store(slot, Tier::Device, req.hashes);
         } else {

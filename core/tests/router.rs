@@ -453,11 +453,12 @@ fn router_of(registry: &kvedge_policies::RouterPluginRegistry, type_name: &str) 
 }
 
 /// A router with the `predicted-ttft` policy everywhere, with no price on
-/// recomputation: its cost is exactly the predicted TTFT.
+/// recomputation nor on recent traffic: its cost is exactly the predicted
+/// TTFT.
 fn predicted_ttft_router() -> Router {
     router_of(
         &kvedge_policies::router_plugin_registry(),
-        "predicted-ttft\n      parameters:\n        recompute_weight: 0",
+        "predicted-ttft\n      parameters:\n        recompute_weight: 0\n        balance_weight: 0",
     )
 }
 
@@ -825,7 +826,10 @@ fn a_conversation_stays_with_its_history_until_the_queue_costs_three_times_recom
     // computes 64, elsewhere it computes all 1,088. The cost prices the
     // request's own prefill three times over, so it stays while
     // queue + 3 x 64 < 3 x 1,088, i.e. while the queue is under 3,072
-    // tokens (with a weight of 1 it would leave at 2,048).
+    // tokens (with a weight of 1 it would leave at 2,048). The balance
+    // term moves that little: the turn's new work is its 64 tokens, priced
+    // by worker 1's share of recent traffic (4: it got both requests), so
+    // the queue it stays behind is under 3,072 - 4 x 64 = 2,816 tokens.
     for (filler, stays) in [(1_536u32, true), (2_560, false)] {
         let mut router = Router::with_defaults();
         let _engines = four_idle(&mut router);
@@ -862,10 +866,90 @@ fn a_conversation_stays_with_its_history_until_the_queue_costs_three_times_recom
 }
 
 #[test]
+fn a_new_prompt_goes_to_a_worker_with_little_recent_traffic_not_the_idle_home_of_a_busy_stream() {
+    // Worker 1 is the home of a hot system prompt: it served eight of its
+    // requests, all finished, so it is idle right now. Workers 2-4 got one
+    // 512-token request each, still queued (or `queued` tokens). A new
+    // 2,048-token prompt arrives: its first token comes soonest on the idle
+    // worker 1, but the prompt will bring a stream, and worker 1 already
+    // has most of the recent traffic. With the balance (the default) the
+    // prompt goes elsewhere while the queues there are short; a long queue
+    // still outweighs it; without the balance it goes to worker 1.
+    for (balance_weight, queued, home) in [
+        (None, 512, false),
+        (None, 8_192, true),
+        (Some(0), 512, true),
+    ] {
+        let mut router = match balance_weight {
+            None => Router::with_defaults(),
+            Some(b) => router_of(
+                &kvedge_policies::router_plugin_registry(),
+                &format!("predicted-ttft\n      parameters:\n        balance_weight: {b}"),
+            ),
+        };
+        let _engines = four_idle(&mut router);
+        let system = prompt(7, 1024);
+        let with_question = |q: u32| {
+            let mut tokens = system.clone();
+            tokens.extend(prompt(700 + q, 64));
+            sequence_hashes(&tokens, 16, None, None)
+        };
+        let mut now_ms = 1_000;
+        for q in 0..8 {
+            let hashes = with_question(q);
+            let r = router
+                .select(&SelectRequest {
+                    pinned: Some(WorkerWithDpRank::new(1, 0)),
+                    now_ms,
+                    ..req(&hashes, 1088)
+                })
+                .unwrap();
+            router.finish(r.request_id).unwrap();
+            now_ms += 10;
+        }
+        for worker in 2..=4 {
+            let hashes = sequence_hashes(&prompt(20 + worker as u32, queued), 16, None, None);
+            router
+                .select(&SelectRequest {
+                    pinned: Some(WorkerWithDpRank::new(worker, 0)),
+                    now_ms,
+                    ..req(&hashes, queued)
+                })
+                .unwrap();
+        }
+        let cold = sequence_hashes(&prompt(9, 2048), 16, None, None);
+        let r = router
+            .select(&SelectRequest {
+                now_ms: now_ms + 1,
+                ..req(&cold, 2048)
+            })
+            .unwrap();
+        assert_eq!(
+            r.worker.worker_id == 1,
+            home,
+            "balance {balance_weight:?}, {queued} tokens queued elsewhere: went to worker {}",
+            r.worker.worker_id
+        );
+        // The hot prompt's next request stays home whatever the balance:
+        // what it brings that no worker holds is its 64-token question.
+        let hashes = with_question(99);
+        let r = router
+            .select(&SelectRequest {
+                now_ms: now_ms + 2,
+                ..req(&hashes, 1088)
+            })
+            .unwrap();
+        assert_eq!(r.worker.worker_id, 1, "the hot prompt left its home");
+    }
+}
+
+#[test]
 fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
     // The built-in policy for aggregated workers is predicted-ttft with a
-    // recompute weight of 2: its cost is the predicted TTFT plus twice the
-    // request's own prefill.
+    // recompute weight of 2 and a balance weight of 1: with no traffic yet
+    // (every share 1) and a prompt nobody holds (its own prefill is all
+    // new), its cost is the predicted TTFT plus three times the request's
+    // own prefill.
     let mut router = Router::with_defaults();
     assert_eq!(
         router.policy_name(WorkerType::Aggregated),
@@ -887,7 +971,7 @@ fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
     let terms = router.last_ttft(r.slot.unwrap());
     assert!(terms.prefill_s > 0.0);
     assert!(
-        (r.cost - (terms.total_s() + 2.0 * terms.prefill_s)).abs() < 1e-12,
+        (r.cost - (terms.total_s() + 3.0 * terms.prefill_s)).abs() < 1e-12,
         "{} vs {terms:?}",
         r.cost
     );

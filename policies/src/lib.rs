@@ -46,7 +46,10 @@ pub use policy::{Selection, WorkerFilter, WorkerPicker, WorkerScorer, WorkerSele
 pub use registry::{
     RouterPluginRegistry, RouterPlugins, SelectionOverrides, router_plugin_registry,
 };
-pub use table::{CacheRow, CandidateRow, CandidateTable, LoadRow, OccupancyRow, WorkerWithDpRank};
+pub use table::{
+    CacheRow, CandidateRow, CandidateTable, LoadRow, OccupancyRow, RECENT_HALF_LIFE_MS,
+    WorkerWithDpRank,
+};
 pub use yaml::WorkerSelectionConfig;
 
 /// The plugin API under Dynamo's module paths.

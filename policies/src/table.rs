@@ -69,7 +69,15 @@ pub struct CandidateRow {
     /// `TTFT`: of that, the request's own prefill on this worker (the
     /// work it adds there), seconds.
     pub predicted_prefill_s: Option<f64>,
+    /// `TTFT`: the requests the host sent this worker lately, a count that
+    /// halves every [`RECENT_HALF_LIFE_MS`]: the load the streams placed
+    /// there will bring, which a prediction of this request's first token
+    /// leaves out.
+    pub recent_selections: Option<f64>,
 }
+
+/// The half-life of [`CandidateRow::recent_selections`], ms.
+pub const RECENT_HALF_LIFE_MS: u64 = 10_000;
 
 /// Columnar candidates. Row order is unspecified to policies.
 ///
@@ -97,6 +105,8 @@ pub struct CandidateTable {
     pub(crate) ttft: Vec<f64>,
     /// The request's own predicted prefill, seconds (NaN: not predicted).
     pub(crate) prefill: Vec<f64>,
+    /// Recent selections, a decayed count (NaN: not known).
+    pub(crate) recent: Vec<f64>,
     /// Some row may have host, disk or shared-cache overlap (conservative:
     /// cleared only by `reset`). Lets scorers skip three all-zero columns.
     pub(crate) lower_tiers: bool,
@@ -127,6 +137,7 @@ impl CandidateTable {
         self.taint.clear();
         self.ttft.clear();
         self.prefill.clear();
+        self.recent.clear();
         self.lower_tiers = false;
         self.any_taint = false;
     }
@@ -156,6 +167,7 @@ impl CandidateTable {
         self.ttft.push(row.predicted_ttft_s.unwrap_or(f64::NAN));
         self.prefill
             .push(row.predicted_prefill_s.unwrap_or(f64::NAN));
+        self.recent.push(row.recent_selections.unwrap_or(f64::NAN));
         self.lower_tiers |= has_lower_tiers(&row.cache);
         self.any_taint |= row.preferred_taint_multiplier.is_some();
     }
@@ -232,6 +244,7 @@ impl CandidateTable {
             preferred_taint_multiplier: (!taint.is_nan()).then_some(taint),
             predicted_ttft_s: Some(self.ttft[row]).filter(|t| !t.is_nan()),
             predicted_prefill_s: Some(self.prefill[row]).filter(|t| !t.is_nan()),
+            recent_selections: Some(self.recent[row]).filter(|r| !r.is_nan()),
         }
     }
 
@@ -267,6 +280,7 @@ impl CandidateTable {
         take(&mut self.taint, &src.taint, rows);
         take(&mut self.ttft, &src.ttft, rows);
         take(&mut self.prefill, &src.prefill, rows);
+        take(&mut self.recent, &src.recent, rows);
     }
 }
 

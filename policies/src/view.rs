@@ -229,6 +229,15 @@ impl<'a> WorkerCandidates<'a> {
             .then_some(&self.table.prefill[..])
     }
 
+    /// The requests the host sent each candidate lately (a count halving
+    /// every [`crate::table::RECENT_HALF_LIFE_MS`]; NaN = not known), part
+    /// of `TTFT`, if declared.
+    pub fn recent_column(&self) -> Option<&'a [f64]> {
+        self.grant
+            .contains(WorkerInputs::TTFT)
+            .then_some(&self.table.recent[..])
+    }
+
     /// `PREFERRED_TAINT` column (NaN = no multiplier), if declared.
     pub fn preferred_taint_column(&self) -> Option<&'a [f64]> {
         self.grant

@@ -349,6 +349,72 @@ fn predicted_ttft_takes_the_lowest_prediction_whatever_the_overlap_or_load() {
 }
 
 #[test]
+fn predicted_ttft_prices_own_prefill_and_new_work_by_recent_traffic() {
+    // cost = ttft + recompute_weight * own + balance_weight * share * new,
+    // with `new` the smallest own prefill and `share` the candidate's recent
+    // selections over their mean.
+    let costs = |params: &str, rows: &[W]| {
+        let mut p = policy("predicted-ttft", params);
+        let mut out = Vec::new();
+        p.costs_into(&ctx(64), &table(rows), &mut out).unwrap();
+        out
+    };
+    let close = |got: &[f64], want: &[f64]| {
+        got.len() == want.len() && got.iter().zip(want).all(|(g, w)| (g - w).abs() < 1e-9)
+    };
+    // A cold prompt (0.2 s of prefill everywhere): worker 1 is idle but got
+    // 6 of the last 8 requests (share 6 / (8/3) = 2.25), worker 2 waits
+    // 0.1 s and got 2 (share 0.75), worker 3 waits 0.2 s and got none.
+    let rows = [
+        w(1).ttft(0.2).own(0.2).recent(6.0),
+        w(2).ttft(0.3).own(0.2).recent(2.0),
+        w(3).ttft(0.4).own(0.2).recent(0.0),
+    ];
+    let got = costs("{}", &rows);
+    let want = [0.2 + 0.4 + 0.2 * 2.25, 0.3 + 0.4 + 0.2 * 0.75, 0.4 + 0.4];
+    assert!(close(&got, &want), "{got:?} vs {want:?}");
+    assert_eq!(
+        pick(&mut policy("predicted-ttft", "{}"), &ctx(64), &rows),
+        3
+    );
+    // Without the balance the momentarily idle worker wins.
+    let got = costs("{balance_weight: 0}", &rows);
+    assert!(close(&got, &[0.6, 0.7, 0.8]), "{got:?}");
+    assert_eq!(
+        pick(
+            &mut policy("predicted-ttft", "{balance_weight: 0}"),
+            &ctx(64),
+            &rows
+        ),
+        1
+    );
+    // A warm request: cached on worker 1 (own 0.01 s), new elsewhere. The
+    // new work is 0.01 s, so the balance barely moves it: it stays.
+    let rows = [
+        w(1).ttft(0.05).own(0.01).recent(6.0),
+        w(2).ttft(0.3).own(0.2).recent(2.0),
+        w(3).ttft(0.4).own(0.2).recent(0.0),
+    ];
+    assert_eq!(
+        pick(&mut policy("predicted-ttft", "{}"), &ctx(64), &rows),
+        1
+    );
+    // A host that counts no recent selections (NaN) balances nothing: every
+    // share is 1.
+    let rows = [w(1).ttft(0.2).own(0.2), w(2).ttft(0.3).own(0.2)];
+    let got = costs("{recompute_weight: 1, balance_weight: 3}", &rows);
+    assert!(close(&got, &[0.2 + 0.2 + 0.6, 0.3 + 0.2 + 0.6]), "{got:?}");
+    // Negative weights are refused.
+    let registry = kvedge_policies::router_plugin_registry();
+    let yaml = "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n      parameters: { balance_weight: -1 }\n";
+    let config = kvedge_policies::WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
+    let e = registry
+        .resolve_plugins(&config, &Default::default(), &Default::default())
+        .unwrap_err();
+    assert!(e.to_string().contains("balance_weight"), "{e}");
+}
+
+#[test]
 fn predicted_ttft_fails_cleanly_without_a_prediction() {
     let mut p = policy("predicted-ttft", "{}");
     let rows = [w(1).ttft(0.5), w(2)];

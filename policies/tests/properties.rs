@@ -63,6 +63,9 @@ fn any_worker() -> impl Strategy<Value = W> {
                 ttft: Some(
                     (prefill as f64 + 16.0 * f64::from(64u32.saturating_sub(device))) / 10_000.0,
                 ),
+                own: Some(16.0 * f64::from(64u32.saturating_sub(device)) / 10_000.0),
+                // Recent selections, as the host counts them: some history.
+                recent: Some(f64::from(active) * 1.5),
             },
         )
 }

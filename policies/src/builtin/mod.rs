@@ -82,7 +82,7 @@ pub fn builtin_policy(
             partition.worker_type,
             partition,
             config.seed,
-            predicted_ttft::DEFAULT_RECOMPUTE_WEIGHT,
+            predicted_ttft::PredictedTtftScorer::default(),
         ),
         _ => {
             default_cost::default_cost_policy(config, &DefaultCostParameters::default(), partition)
@@ -222,22 +222,33 @@ struct PredictedTtftParameters {
     seed: Option<u64>,
     #[serde(default = "default_recompute_weight")]
     recompute_weight: f64,
+    #[serde(default = "default_balance_weight")]
+    balance_weight: f64,
 }
 
 fn default_recompute_weight() -> f64 {
     predicted_ttft::DEFAULT_RECOMPUTE_WEIGHT
 }
 
+fn default_balance_weight() -> f64 {
+    predicted_ttft::DEFAULT_BALANCE_WEIGHT
+}
+
 fn predicted_ttft_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
     let p: PredictedTtftParameters = parameters.deserialize()?;
     non_negative("recompute_weight", p.recompute_weight)?;
+    non_negative("balance_weight", p.balance_weight)?;
+    let scorer = predicted_ttft::PredictedTtftScorer {
+        recompute_weight: p.recompute_weight,
+        balance_weight: p.balance_weight,
+    };
     Ok(Arc::new(move |config, worker_type, partition| {
         predicted_ttft_policy(
             config,
             worker_type,
             partition,
             p.seed.unwrap_or(config.seed),
-            p.recompute_weight,
+            scorer,
         )
     }))
 }
@@ -247,14 +258,12 @@ fn predicted_ttft_policy(
     worker_type: crate::context::WorkerType,
     partition: &crate::context::RoutingPartition,
     seed: u64,
-    recompute_weight: f64,
+    scorer: predicted_ttft::PredictedTtftScorer,
 ) -> WorkerSelectionPolicy {
     WorkerSelectionPolicy::new(
         config.clone(),
         worker_type.as_str(),
-        vec![Box::new(predicted_ttft::PredictedTtftScorer {
-            recompute_weight,
-        })],
+        vec![Box::new(scorer)],
         Box::new(LowestCostRandomTiesPicker::new(PolicyRng::for_partition(
             seed, partition,
         ))),

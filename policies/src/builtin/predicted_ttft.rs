@@ -12,7 +12,9 @@
 //! policy and the rules never disagree about a worker.
 //!
 //! ```text
-//! cost = ttft + recompute_weight · own_prefill
+//! new   = min own_prefill over the candidates        (the work no worker has cached)
+//! share = recent_selections / their mean over the candidates   (1 when none)
+//! cost  = ttft + recompute_weight · own_prefill + balance_weight · share · new
 //! ```
 //!
 //! TTFT alone is indifferent between waiting behind the prefill that is
@@ -23,7 +25,20 @@
 //! in two caches instead of one. `recompute_weight` (default 2) prices the
 //! request's own prefill that much again, so a prompt goes where its
 //! prefix is (or is being computed) unless the queue there costs more than
-//! `1 + recompute_weight` times computing it elsewhere. With 0 the cost is
+//! `1 + recompute_weight` times computing it elsewhere.
+//!
+//! TTFT is also blind to what a prefill starts. The part of a prompt no
+//! worker holds makes the worker that computes it the home of every later
+//! request that shares it: a new system prompt or a conversation's first
+//! turn brings a stream. A worker that is momentarily idle but already
+//! home to the busiest streams is the wrong place for another one, and its
+//! queue says so only when the stream has come. `balance_weight`
+//! (default 1) prices that new part by how much of the recent traffic the
+//! worker got (`recent_selections`, the requests the host sent it, a count that
+//! halves every 10 s, over the candidates' mean): a cold prompt goes to a
+//! worker with less recent traffic unless its queue costs more than the
+//! difference; a request whose prefix is cached somewhere brings little
+//! new work, so the term barely moves it. With both weights 0 the cost is
 //! exactly the rules' `PredictedTTFT`.
 
 use crate::context::WorkerSelectionContext;
@@ -35,17 +50,24 @@ use crate::view::WorkerCandidates;
 /// `recompute_weight` by default.
 pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 2.0;
 
-/// Scores each candidate with its predicted TTFT plus `recompute_weight`
-/// times its own predicted prefill, seconds.
+/// `balance_weight` by default.
+pub const DEFAULT_BALANCE_WEIGHT: f64 = 1.0;
+
+/// Scores each candidate with its predicted TTFT, plus its own predicted
+/// prefill priced by `recompute_weight`, plus the prefill no candidate has
+/// cached priced by `balance_weight` times the candidate's share of recent
+/// traffic; seconds.
 #[derive(Clone, Copy, Debug)]
 pub struct PredictedTtftScorer {
     pub recompute_weight: f64,
+    pub balance_weight: f64,
 }
 
 impl Default for PredictedTtftScorer {
     fn default() -> Self {
         PredictedTtftScorer {
             recompute_weight: DEFAULT_RECOMPUTE_WEIGHT,
+            balance_weight: DEFAULT_BALANCE_WEIGHT,
         }
     }
 }
@@ -65,15 +87,36 @@ impl WorkerScorer for PredictedTtftScorer {
             .ttft_column()
             .ok_or_else(|| WorkerSelectionPolicyError::failed("ttft input unavailable"))?;
         let prefill = candidates.prefill_column().unwrap_or(&[]);
+        // A host that predicts TTFT but not its parts prices no work; one
+        // that does not count recent selections balances nothing.
+        let own = |i: usize| prefill.get(i).copied().filter(|p| !p.is_nan());
+        let recent = candidates.recent_column().unwrap_or(&[]);
+        let mut new = f64::INFINITY;
+        let (mut total, mut known) = (0.0, 0usize);
+        for i in 0..costs.len() {
+            new = new.min(own(i).unwrap_or(0.0));
+            if let Some(&r) = recent.get(i).filter(|r| r.is_finite() && **r >= 0.0) {
+                total += r;
+                known += 1;
+            }
+        }
+        let mean = total / known.max(1) as f64;
+        if !new.is_finite() {
+            new = 0.0;
+        }
         for (i, (cost, &t)) in costs.iter_mut().zip(ttft).enumerate() {
             if t.is_nan() {
                 return Err(WorkerSelectionPolicyError::failed(
                     "the host predicted no TTFT for a candidate",
                 ));
             }
-            // A host that predicts TTFT but not its parts prices no work.
-            let own = prefill.get(i).copied().filter(|p| !p.is_nan());
-            *cost = t + self.recompute_weight * own.unwrap_or(0.0);
+            let share = match recent.get(i) {
+                Some(&r) if mean > 0.0 && r.is_finite() && r >= 0.0 => r / mean,
+                _ => 1.0,
+            };
+            *cost = t
+                + self.recompute_weight * own(i).unwrap_or(0.0)
+                + self.balance_weight * share * new;
         }
         Ok(())
     }

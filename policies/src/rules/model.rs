@@ -119,6 +119,7 @@ impl<'a> RuleCandidate<'a> {
             preferred_taint_multiplier: None,
             predicted_ttft_s: ttft.map(|t| t.total_s()),
             predicted_prefill_s: ttft.map(|t| t.prefill_s),
+            recent_selections: None,
         }
     }
 

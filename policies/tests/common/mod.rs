@@ -24,6 +24,9 @@ pub struct W {
     pub kv_total: u64,
     pub taint: Option<f64>,
     pub ttft: Option<f64>,
+    /// The request's own prefill, seconds (0 when `ttft` is set alone).
+    pub own: Option<f64>,
+    pub recent: Option<f64>,
 }
 
 pub fn w(id: u64) -> W {
@@ -73,6 +76,16 @@ impl W {
         self.ttft = Some(s);
         self
     }
+    /// Of the predicted TTFT, the request's own prefill, seconds.
+    pub fn own(mut self, s: f64) -> Self {
+        self.own = Some(s);
+        self
+    }
+    /// The host's decayed count of recent selections.
+    pub fn recent(mut self, n: f64) -> Self {
+        self.recent = Some(n);
+        self
+    }
     pub fn taint(mut self, m: f64) -> Self {
         self.taint = Some(m);
         self
@@ -98,7 +111,8 @@ impl W {
             },
             preferred_taint_multiplier: self.taint,
             predicted_ttft_s: self.ttft,
-            predicted_prefill_s: self.ttft.map(|_| 0.0),
+            predicted_prefill_s: self.own.or(self.ttft.map(|_| 0.0)),
+            recent_selections: self.recent,
         }
     }
 }
