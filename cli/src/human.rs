@@ -68,7 +68,7 @@ fn select(out: &mut String, r: &Value) {
         );
         let _ = writeln!(
             out,
-            "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14} {:>10} {:>10} {:>8} {:>10} {:>9}",
+            "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14} {:>8} {:>10} {:>10} {:>8} {:>10} {:>9}",
             "worker",
             "dp",
             "cost",
@@ -77,6 +77,7 @@ fn select(out: &mut String, r: &Value) {
             "disk",
             "active",
             "prefill tokens",
+            "recent",
             "ttft ms",
             "queue ms",
             "own ms",
@@ -95,7 +96,7 @@ fn select(out: &mut String, r: &Value) {
             };
             let _ = writeln!(
                 out,
-                "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14} {:>10} {:>10} {:>8} {:>10} {:>9}",
+                "{:>10} {:>4} {:>10} {:>8} {:>6} {:>6} {:>8} {:>14} {:>8} {:>10} {:>10} {:>8} {:>10} {:>9}",
                 text(&w["worker_id"]),
                 text(&w["dp_rank"]),
                 cost,
@@ -104,6 +105,7 @@ fn select(out: &mut String, r: &Value) {
                 text(&o["disk"]),
                 text(&w["active_requests"]),
                 text(&w["active_prefill_tokens"]),
+                ms(&w["recent_selections"]),
                 ms(&t["total_ms"]),
                 ms(&t["queue_ms"]),
                 ms(&t["prefill_ms"]),

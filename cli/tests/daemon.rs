@@ -92,6 +92,11 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     let chosen = c.ask(dry.clone())["cost"].as_f64().unwrap();
     assert_eq!(chosen, a_cost);
     assert!(c.ask(dry.clone())["explain"].is_null(), "only when asked");
+    // A got the one real select (a count halving every 10 s), B none; dry
+    // runs count nothing.
+    let recent = |row: &Value| row["recent_selections"].as_f64().unwrap();
+    assert!(recent(a_row) > 0.5 && recent(a_row) <= 1.0, "{a_row}");
+    assert_eq!(recent(b_row), 0.0);
     // And each candidate's predicted TTFT, term by term: A holds the
     // prefix, so its own prefill is shorter; the terms add up.
     let t = |row: &Value, k: &str| row["ttft"][k].as_f64().unwrap();

@@ -469,6 +469,7 @@ impl Core {
                         active_requests: load.active_requests,
                         active_prefill_tokens: load.active_prefill_tokens,
                         active_decode_blocks: load.active_decode_blocks,
+                        recent_selections: self.router.last_recent(slot),
                         ttft: {
                             let t = self.router.last_ttft(slot);
                             kvedge_wire::TtftExplained {

@@ -278,6 +278,8 @@ struct Explained {
     /// Per slot: the TTFT prediction at the last explained selection, made
     /// before the chosen worker was reserved.
     ttft: [TtftTerms; MAX_WORKERS],
+    /// Per slot: its recent selections then, likewise.
+    recent: [f64; MAX_WORKERS],
 }
 
 impl Router {
@@ -320,6 +322,7 @@ impl Router {
                 cost_buf: Vec::with_capacity(MAX_WORKERS),
                 costs: [f64::NAN; MAX_WORKERS],
                 ttft: [TtftTerms::default(); MAX_WORKERS],
+                recent: [0.0; MAX_WORKERS],
             },
         }
     }
@@ -365,6 +368,13 @@ impl Router {
     pub fn last_cost(&self, slot: Slot) -> Option<f64> {
         let c = self.explained.costs[slot.index()];
         (!c.is_nan()).then_some(c)
+    }
+
+    /// The recent selections of `slot` (the `TTFT` group's
+    /// `recent_selections`) at the last explained selection, before the
+    /// chosen worker was counted.
+    pub fn last_recent(&self, slot: Slot) -> f64 {
+        self.explained.recent[slot.index()]
     }
 
     /// Overlap of `slot` computed by the last selection, per tier.
@@ -640,9 +650,9 @@ impl Router {
 
     /// With explain costs on, notes every worker's TTFT prediction for the
     /// request being decided (before its reservation changes one of them).
-    fn explain_ttft(&mut self, prompt_tokens: u32) {
+    fn explain_ttft(&mut self, prompt_tokens: u32, now_ms: u64) {
         if self.explained.costs_on {
-            self.record_ttft(prompt_tokens);
+            self.record_ttft(prompt_tokens, now_ms);
         }
     }
 
@@ -650,7 +660,10 @@ impl Router {
     /// should not carry room for every worker's terms.
     #[cold]
     #[inline(never)]
-    fn record_ttft(&mut self, prompt_tokens: u32) {
+    fn record_ttft(&mut self, prompt_tokens: u32, now_ms: u64) {
+        for (recent, count) in self.explained.recent.iter_mut().zip(&self.recent) {
+            *recent = count.at(now_ms);
+        }
         Predicting {
             ttft: &self.prefill.ttft,
             load: &self.load,
@@ -878,7 +891,7 @@ impl Router {
         let selection = policy.select(&ctx, &self.table)?;
         self.explained.last.survivors = selection.candidates;
         let slot = self.rows[selection.row];
-        self.explain_ttft(req.prompt_tokens);
+        self.explain_ttft(req.prompt_tokens, req.now_ms);
         let overlap_blocks = self.commit(req, request_id, slot)?;
         Ok(Some(SelectResult {
             request_id,
@@ -916,7 +929,7 @@ impl Router {
             &mut self.overlap,
         );
         // The TTFT terms `explain` shows, before a reservation changes them.
-        self.explain_ttft(req.prompt_tokens);
+        self.explain_ttft(req.prompt_tokens, req.now_ms);
         // Reuse the retained allocation for this request's candidates.
         let mut candidates: Vec<RuleCandidate<'_>> = std::mem::take(&mut self.rule_buf);
         // What each candidate stands for: a worker slot or a provider index.

@@ -468,6 +468,7 @@ mod tests {
                     active_requests: 1,
                     active_prefill_tokens: 2,
                     active_decode_blocks: 3,
+                    recent_selections: 2.5,
                     ttft: Default::default(),
                 }],
                 ..Explanation::default()

@@ -213,6 +213,9 @@ pub struct ExplainedWorker {
     pub active_requests: u32,
     pub active_prefill_tokens: u64,
     pub active_decode_blocks: u64,
+    /// The requests kvedge sent it lately, a count halving every 10 s (what
+    /// `predicted-ttft`'s `balance_weight` compares), before this one.
+    pub recent_selections: f64,
     /// Its predicted time to first token for this request, term by term.
     pub ttft: TtftExplained,
 }
