@@ -23,7 +23,9 @@ impl WorkerInputs {
     /// KV-cache occupancy: used and total blocks.
     pub const OCCUPANCY: WorkerInputs = WorkerInputs(1 << 3);
     /// The host's predicted time to first token on each candidate, seconds
-    /// (see [`crate::predict`]).
+    /// (see [`crate::predict`]), the request's own prefill within it, and
+    /// the requests the host sent the candidate lately (a count halving
+    /// every [`crate::table::RECENT_HALF_LIFE_MS`]).
     pub const TTFT: WorkerInputs = WorkerInputs(1 << 4);
     /// Every group.
     pub const ALL: WorkerInputs = WorkerInputs(0b1_1111);
