@@ -91,11 +91,17 @@ impl WorkerScorer for PredictedTtftScorer {
         // that does not count recent selections balances nothing.
         let own = |i: usize| prefill.get(i).copied().filter(|p| !p.is_nan());
         let recent = candidates.recent_column().unwrap_or(&[]);
+        let count = |i: usize| {
+            recent
+                .get(i)
+                .copied()
+                .filter(|r| r.is_finite() && *r >= 0.0)
+        };
         let mut new = f64::INFINITY;
         let (mut total, mut known) = (0.0, 0usize);
         for i in 0..costs.len() {
             new = new.min(own(i).unwrap_or(0.0));
-            if let Some(&r) = recent.get(i).filter(|r| r.is_finite() && **r >= 0.0) {
+            if let Some(r) = count(i) {
                 total += r;
                 known += 1;
             }
@@ -110,8 +116,8 @@ impl WorkerScorer for PredictedTtftScorer {
                     "the host predicted no TTFT for a candidate",
                 ));
             }
-            let share = match recent.get(i) {
-                Some(&r) if mean > 0.0 && r.is_finite() && r >= 0.0 => r / mean,
+            let share = match count(i) {
+                Some(r) if mean > 0.0 => r / mean,
                 _ => 1.0,
             };
             *cost = t
