@@ -405,13 +405,8 @@ fn predicted_ttft_prices_own_prefill_and_new_work_by_recent_traffic() {
     let got = costs("{recompute_weight: 1, balance_weight: 3}", &rows);
     assert!(close(&got, &[0.2 + 0.2 + 0.6, 0.3 + 0.2 + 0.6]), "{got:?}");
     // Negative weights are refused.
-    let registry = kvedge_policies::router_plugin_registry();
-    let yaml = "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n      parameters: { balance_weight: -1 }\n";
-    let config = kvedge_policies::WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
-    let e = registry
-        .resolve_plugins(&config, &Default::default(), &Default::default())
-        .unwrap_err();
-    assert!(e.to_string().contains("balance_weight"), "{e}");
+    let e = refused("predicted-ttft", "{ balance_weight: -1 }");
+    assert!(e.contains("balance_weight"), "{e}");
 }
 
 #[test]
@@ -421,13 +416,8 @@ fn predicted_ttft_fails_cleanly_without_a_prediction() {
     let e = p.select(&ctx(64), &table(&rows)).unwrap_err();
     assert!(e.to_string().contains("predicted no TTFT"), "{e}");
     // Unknown parameters are refused.
-    let registry = kvedge_policies::router_plugin_registry();
-    let yaml = "worker_selection:\n  aggregated: p\n  instances:\n    - name: p\n      type: predicted-ttft\n      parameters: { speed: 3 }\n";
-    let config = kvedge_policies::WorkerSelectionConfig::from_yaml_str(yaml).unwrap();
-    let e = registry
-        .resolve_plugins(&config, &Default::default(), &Default::default())
-        .unwrap_err();
-    assert!(e.to_string().contains("speed"), "{e}");
+    let e = refused("predicted-ttft", "{ speed: 3 }");
+    assert!(e.contains("speed"), "{e}");
 }
 
 // ---- cache-aware ----

@@ -4,9 +4,9 @@
 #![allow(dead_code)]
 
 use kvedge_policies::{
-    CacheRow, CandidateRow, CandidateTable, LoadRow, OccupancyRow, RouterConfig, RoutingPartition,
-    SelectionOverrides, WorkerInputs, WorkerSelectionConfig, WorkerSelectionPolicy, WorkerType,
-    WorkerWithDpRank, router_plugin_registry,
+    CacheRow, CandidateRow, CandidateTable, LoadRow, OccupancyRow, PolicyConfigError, RouterConfig,
+    RouterPlugins, RoutingPartition, SelectionOverrides, WorkerInputs, WorkerSelectionConfig,
+    WorkerSelectionPolicy, WorkerType, WorkerWithDpRank, router_plugin_registry,
 };
 
 /// One candidate, by the fields tests care about.
@@ -142,14 +142,35 @@ pub fn policy_for(
     role: WorkerType,
     router: RouterConfig,
 ) -> WorkerSelectionPolicy {
+    resolve(type_name, params, role, &router)
+        .unwrap()
+        .build(&RoutingPartition::new(role, "model"))
+}
+
+/// Why one instance of `type_name` with `params` is refused at load.
+pub fn refused(type_name: &str, params: &str) -> String {
+    match resolve(
+        type_name,
+        params,
+        WorkerType::Aggregated,
+        &RouterConfig::default(),
+    ) {
+        Ok(_) => panic!("{type_name} with {params} was accepted"),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn resolve(
+    type_name: &str,
+    params: &str,
+    role: WorkerType,
+    router: &RouterConfig,
+) -> Result<RouterPlugins, PolicyConfigError> {
     let yaml = format!(
         "worker_selection:\n  {role}: p\n  instances:\n    - name: p\n      type: {type_name}\n      parameters: {params}\n"
     );
     let config = WorkerSelectionConfig::from_yaml_str(&yaml).unwrap();
-    let plugins = router_plugin_registry()
-        .resolve_plugins(&config, &SelectionOverrides::default(), &router)
-        .unwrap();
-    plugins.build(&RoutingPartition::new(role, "model"))
+    router_plugin_registry().resolve_plugins(&config, &SelectionOverrides::default(), router)
 }
 
 /// Deterministic Fisher-Yates.
