@@ -1384,3 +1384,97 @@ fn the_http_front_door_holds_a_pick_while_tokens_flow_and_releases_it_when_they_
     read_until(&mut client, "\"t10\"");
     engine.join().unwrap();
 }
+
+/// `kvedge_epp_prompts_total{kind="KIND"}` as the metrics say now.
+fn prompts_read(d: &Daemon, kind: &str) -> u64 {
+    let text = ask(&d.query(), json!({"op": "metrics"}))["text"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let line = format!("kvedge_epp_prompts_total{{kind=\"{kind}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&line))
+        .map_or(0, |n| n.parse().unwrap())
+}
+
+#[test]
+fn a_long_ascii_prompt_is_read_on_the_serving_thread_and_any_other_on_the_pool() {
+    let dir = common::temp_dir("epp-inline");
+    let tokenizer = train_tokenizer(&dir.join("tokenizer.json"));
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start(
+        "epp-inline-d",
+        &format!(
+            "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{epp_port}\n  http_listen: 127.0.0.1:{http_port}\n  max_prompt_tokens: 16384\n  debug_header: x-debug\n  models:\n    - name: m\n      tokenizer: {}\n",
+            dir.join("tokenizer.json").display(),
+        ),
+    );
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let (engines, mut publishers) = nodes(&d, 2, false);
+    // Two prompts of about 20 KB (over the 8 KiB every body may be read
+    // inline, under the 32 KiB an ASCII one may): the docs' ASCII text,
+    // and the same with a non-ASCII word in each line (one the tokenizer
+    // knows, so the two prompts' tokens differ).
+    let docs = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/policies.md"))
+        .unwrap()
+        + &std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/daemon.md"))
+            .unwrap();
+    let ascii: String = docs.chars().filter(char::is_ascii).take(20_000).collect();
+    let accented = ascii.replace('\n', " 3 µs\n");
+    let ids = |s: &str| tokenizer.encode_fast(s, true).unwrap().get_ids().to_vec();
+    let (ascii_ids, accented_ids) = (ids(&ascii), ids(&accented));
+    assert_ne!(ascii_ids[..16], accented_ids[..16]);
+    hold(&mut publishers[0], &ascii_ids);
+    hold(&mut publishers[1], &accented_ids);
+    let expected = (ascii_ids.len() / 16 + accented_ids.len() / 16) as u64;
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == expected,
+        "the engines' blocks",
+    );
+    for round in 0..2 {
+        for (holder, text) in [(0, &ascii), (1, &accented)] {
+            let (inline, pooled) = (prompts_read(&d, "inline"), prompts_read(&d, "pool"));
+            let before = engines[holder].hits();
+            let body = json!({"model": "m", "prompt": text, "max_tokens": 4}).to_string();
+            assert!(
+                body.len() > 16 << 10 && body.len() < 32 << 10,
+                "{}",
+                body.len()
+            );
+            let (status, head, reply) = kvedge_epp::testing::post(
+                door,
+                "/v1/completions",
+                body.as_bytes(),
+                &[("x-debug", "1")],
+            );
+            assert_eq!(status, 200, "{head}\n{reply}");
+            assert_eq!(
+                engines[holder].hits(),
+                before + 1,
+                "round {round}: engine {holder} holds the prompt's tokens\n{head}"
+            );
+            // The picker's counts reach the metrics once a second.
+            let read = || {
+                (
+                    prompts_read(&d, "inline") - inline,
+                    prompts_read(&d, "pool") - pooled,
+                )
+            };
+            wait_for(|| read().0 + read().1 == 1, "the prompt counted");
+            let read = read();
+            let want = if holder == 0 { (1, 0) } else { (0, 1) };
+            assert_eq!(
+                read, want,
+                "round {round}: (inline, pool) for engine {holder}'s prompt"
+            );
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

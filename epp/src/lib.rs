@@ -11,6 +11,8 @@
 //! - [`picker`]: one stream's exchange with Envoy, without I/O.
 //! - [`prefix`], [`text`]: the per-model cache of tokenized prompts, cut
 //!   at a chat's special tokens or at plain text's piece boundaries.
+//! - [`ascii`]: the pre-tokenizers' expressions matched by hand on ASCII
+//!   text.
 //! - [`pool`]: the threads that read large prompts off the serving thread.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
 //!   the routing core.
@@ -21,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 pub mod approx;
+pub mod ascii;
 pub mod body;
 pub mod http;
 pub mod picker;

@@ -48,6 +48,7 @@ use aho_corasick::AhoCorasick;
 use tokenizers::Model as _;
 use xxhash_rust::xxh3::Xxh3;
 
+use crate::ascii::Expr;
 use crate::prefix::{Plan, PrefixCache, PrefixStats, lookup};
 
 /// The cut candidates are the last piece boundary at or before each
@@ -150,6 +151,9 @@ impl Pieces {
 /// shape this cache is exact for.
 pub struct Splitter {
     pattern: Pattern,
+    /// The same expression matched by hand on ASCII text, when it is one
+    /// of those [`crate::ascii`] knows.
+    fast: Option<Expr>,
     /// Whether the text between two matches is a piece too (`Split` with
     /// `Isolated` and `ByteLevel` keep it; `Whitespace` drops it).
     gaps: bool,
@@ -222,14 +226,16 @@ impl Splitter {
         let byte_level_plain = |v: &serde_json::Value| {
             v["type"] == "ByteLevel" && v["add_prefix_space"] == false && v["use_regex"] == false
         };
-        let (pattern, gaps, byte_level) = match pre["type"].as_str()? {
+        let (pattern, fast, gaps, byte_level) = match pre["type"].as_str()? {
             "Whitespace" => (
                 Pattern::Plain(regex::Regex::new(WHITESPACE_PATTERN).ok()?),
+                Some(Expr::Whitespace),
                 false,
                 false,
             ),
             "ByteLevel" if pre["add_prefix_space"] == false && pre["use_regex"] == true => (
                 Pattern::Fancy(fancy_regex::Regex::new(GPT2_PATTERN).ok()?),
+                Some(Expr::Gpt2),
                 true,
                 true,
             ),
@@ -246,6 +252,7 @@ impl Splitter {
                 }
                 (
                     Pattern::Fancy(fancy_regex::Regex::new(regex).ok()?),
+                    Expr::of(regex),
                     true,
                     true,
                 )
@@ -285,6 +292,7 @@ impl Splitter {
         }
         Some(Splitter {
             pattern,
+            fast,
             gaps,
             byte_level,
             added,
@@ -310,7 +318,9 @@ impl Splitter {
             }
             at = e;
         };
+        let by_hand = self.fast.is_some_and(|e| e.pieces(text, &mut push));
         match &self.pattern {
+            _ if by_hand => {}
             Pattern::Plain(r) => r.find_iter(text).for_each(|m| push(m.start(), m.end())),
             Pattern::Fancy(r) => {
                 for m in r.find_iter(text) {
@@ -402,6 +412,12 @@ impl Splitter {
         self.pieces
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Whether ASCII text is split by hand ([`crate::ascii`]), tens of
+    /// times faster than by the expression's engine.
+    pub fn by_hand(&self) -> bool {
+        self.fast.is_some()
     }
 
     /// Bytes the piece memory holds.
@@ -562,11 +578,9 @@ mod tests {
     use tokenizers::{AddedToken, SplitDelimiterBehavior, Tokenizer};
 
     use super::*;
+    use crate::ascii::LLAMA3_PATTERN;
     use crate::body::Prompt;
     use crate::tokenize::{ModelSpec, Models, Tokens};
-
-    /// Llama 3's pre-tokenizing expression.
-    const LLAMA3: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
     fn docs() -> Vec<String> {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs");
@@ -610,7 +624,7 @@ mod tests {
         );
         let gpt2 = trained(ByteLevel::new(false, true, true).into(), true, false);
         let split = Split::new(
-            SplitPattern::Regex(LLAMA3.into()),
+            SplitPattern::Regex(LLAMA3_PATTERN.into()),
             SplitDelimiterBehavior::Isolated,
             false,
         )
@@ -830,7 +844,7 @@ mod tests {
         assert!(looks_around(r"\bword"));
         assert!(looks_around(r"^start"));
         assert!(looks_around(r"end$"));
-        assert!(!looks_around(LLAMA3));
+        assert!(!looks_around(LLAMA3_PATTERN));
         assert!(!looks_around(GPT2_PATTERN));
         // A lookbehind in the split expression, a prefix space, a
         // normalizer: no splitter.

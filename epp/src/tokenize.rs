@@ -250,6 +250,16 @@ impl Models {
         }
     }
 
+    /// Whether every model reads an ASCII prompt in tens of microseconds
+    /// per 10 KiB: it has no tokenizer (the prompt is hashed), or its
+    /// tokenizer's pieces are split by hand and cached
+    /// ([`crate::text::Splitter::by_hand`]).
+    pub fn quick_on_ascii(&self) -> bool {
+        self.by_name
+            .values()
+            .all(|m| m.tokenizer.is_none() || m.splitter.as_ref().is_some_and(|s| s.by_hand()))
+    }
+
     /// The served models' names, sorted.
     pub fn names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.by_name.keys().map(String::as_str).collect();
