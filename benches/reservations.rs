@@ -29,17 +29,17 @@ fn main() {
     for live in [1_000u64, 10_000, 100_000] {
         let mut t = LoadTable::new(600_000);
         let slot = Slot::new(0).unwrap();
-        t.reserve(u64::MAX, slot, 1, 1, 0, 0.0);
+        t.reserve(u64::MAX, slot, 1, 1, 0, 0.0, 0.0);
         let mut id = 1;
         for _ in 0..live {
-            t.reserve(id, slot, 1, 1, 0, 0.0);
+            t.reserve(id, slot, 1, 1, 0, 0.0, 0.0);
             id += 1;
         }
         let mut times = [const { Vec::new() }; 3];
         for step in 0..steps {
             let now = 1 + step / 100;
             let t0 = Instant::now();
-            t.reserve(id, slot, 1, 1, now, 0.0);
+            t.reserve(id, slot, 1, 1, now, 0.0, 0.0);
             let t1 = Instant::now();
             t.finish(id - live).unwrap();
             let t2 = Instant::now();

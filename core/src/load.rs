@@ -13,6 +13,14 @@
 //! Reservations nobody releases expire after a TTL. Time comes from the
 //! caller.
 //!
+//! The prefill queued ahead of a new request ([`LoadTable::queued_prefill`])
+//! is less than the reservations' prefill tokens: the worker has been
+//! computing them since they were made. Per worker a backlog counts them in
+//! as they are reserved and falls at the worker's prefill speed (as the
+//! caller learned it), never below zero and never above the reservations
+//! still pending; so a worker two long prompts into a prefill that is
+//! nearly done looks nearly free, not two prompts away.
+//!
 //! Neither a report nor the expiry scans the reservations: a report bumps
 //! its worker's epochs (a part of a reservation counts while its epoch is
 //! current; requests, prefill tokens and blocks have one each),
@@ -139,11 +147,35 @@ fn prefaulted_vec<T: Clone>(fill: T) -> Vec<T> {
     v
 }
 
+/// A worker's reserved prefill as it computes it: `tokens` left at
+/// `at_ms`, falling at its prefill speed.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+struct Backlog {
+    tokens: f64,
+    at_ms: u64,
+}
+
+impl Backlog {
+    /// What is left at `now_ms` at `tokens_per_second` (a clock that went
+    /// back computes nothing).
+    fn at(self, now_ms: u64, tokens_per_second: f64) -> f64 {
+        let elapsed = now_ms.saturating_sub(self.at_ms) as f64 / 1e3;
+        let done = elapsed * tokens_per_second;
+        if done.is_finite() && done > 0.0 {
+            (self.tokens - done).max(0.0)
+        } else {
+            self.tokens
+        }
+    }
+}
+
 /// Per-worker reports plus outstanding reservations.
 #[derive(Debug)]
 pub struct LoadTable {
     reports: [LoadReport; MAX_WORKERS],
     extra: [(u32, u64, u64); MAX_WORKERS],
+    /// Per worker, the reservations' prefill not yet computed.
+    backlog: [Backlog; MAX_WORKERS],
     /// Request id -> its node.
     index: HashMap<u64, usize>,
     /// The reservations, linked oldest (`head`) to newest (`tail`); the
@@ -163,6 +195,7 @@ impl LoadTable {
         LoadTable {
             reports: [LoadReport::default(); MAX_WORKERS],
             extra: [(0, 0, 0); MAX_WORKERS],
+            backlog: [Backlog::default(); MAX_WORKERS],
             index: prefaulted_index(),
             nodes: prefaulted_vec(Node {
                 request_id: 0,
@@ -246,6 +279,7 @@ impl LoadTable {
             report.active_prefill_tokens = 0;
         } else {
             self.extra[i].1 = 0;
+            self.backlog[i] = Backlog::default();
             self.epochs[i].prefill += 1;
         }
         if report.active_decode_blocks == NOT_MEASURED {
@@ -258,7 +292,10 @@ impl LoadTable {
     }
 
     /// Reserves a selected request on `slot`; `work_tokens` is the
-    /// prefill work predicted for it (see [`PrefillTiming`]).
+    /// prefill work predicted for it (see [`PrefillTiming`]), and
+    /// `tokens_per_second` the worker's prefill speed, at which its
+    /// backlog falls.
+    #[allow(clippy::too_many_arguments)]
     pub fn reserve(
         &mut self,
         request_id: u64,
@@ -267,10 +304,16 @@ impl LoadTable {
         blocks: u64,
         now_ms: u64,
         work_tokens: f64,
+        tokens_per_second: f64,
     ) {
         if let Some(old) = self.index.remove(&request_id) {
             self.release(old);
         }
+        let left = self.backlog_at(slot, now_ms, tokens_per_second);
+        self.backlog[slot.index()] = Backlog {
+            tokens: left + prefill_tokens as f64,
+            at_ms: now_ms.max(self.backlog[slot.index()].at_ms),
+        };
         let e = &mut self.extra[slot.index()];
         e.0 += 1;
         e.1 += prefill_tokens;
@@ -378,6 +421,26 @@ impl LoadTable {
         }
         self.reports[slot.index()] = LoadReport::default();
         self.extra[slot.index()] = (0, 0, 0);
+        self.backlog[slot.index()] = Backlog::default();
+    }
+
+    /// The reservations' prefill tokens on `slot` not yet computed at
+    /// `now_ms`, the worker computing at `tokens_per_second`: at most those
+    /// still pending.
+    fn backlog_at(&self, slot: Slot, now_ms: u64, tokens_per_second: f64) -> f64 {
+        let pending = self.extra[slot.index()].1 as f64;
+        self.backlog[slot.index()]
+            .at(now_ms, tokens_per_second)
+            .min(pending)
+    }
+
+    /// The prefill queued ahead of a new request on `slot` at `now_ms`,
+    /// tokens: the engine's report plus the reservations' part it does not
+    /// count, less what the worker computed of them since at
+    /// `tokens_per_second`.
+    pub fn queued_prefill(&self, slot: Slot, now_ms: u64, tokens_per_second: f64) -> u64 {
+        let reported = self.reports[slot.index()].active_prefill_tokens;
+        reported.saturating_add(self.backlog_at(slot, now_ms, tokens_per_second).round() as u64)
     }
 
     /// The projected load of `slot`: report plus pending reservations.
@@ -429,8 +492,8 @@ mod tests {
     fn reservations_project_until_released() {
         let mut t = LoadTable::new(60_000);
         t.report(s(0), report(2, 100, 10));
-        t.reserve(1, s(0), 500, 32, 0, 0.0);
-        t.reserve(2, s(0), 300, 16, 0, 0.0);
+        t.reserve(1, s(0), 500, 32, 0, 0.0, 0.0);
+        t.reserve(2, s(0), 300, 16, 0, 0.0, 0.0);
         let p = t.projected(s(0));
         assert_eq!(
             (
@@ -459,7 +522,7 @@ mod tests {
     #[test]
     fn a_report_supersedes_earlier_reservations() {
         let mut t = LoadTable::new(60_000);
-        t.reserve(1, s(1), 500, 32, 0, 0.0);
+        t.reserve(1, s(1), 500, 32, 0, 0.0, 0.0);
         // The engine now counts request 1 itself.
         t.report(s(1), report(1, 500, 32));
         assert_eq!(t.projected(s(1)).active_requests, 1, "not counted twice");
@@ -474,9 +537,9 @@ mod tests {
     #[test]
     fn a_reservation_after_a_report_counts_until_the_next_one() {
         let mut t = LoadTable::new(60_000);
-        t.reserve(1, s(1), 500, 32, 0, 0.0);
+        t.reserve(1, s(1), 500, 32, 0, 0.0, 0.0);
         t.report(s(1), report(1, 500, 32));
-        t.reserve(2, s(1), 100, 8, 0, 0.0);
+        t.reserve(2, s(1), 100, 8, 0, 0.0, 0.0);
         assert_eq!(t.projected(s(1)).active_requests, 2);
         t.prefill_done(1).unwrap(); // superseded: changes nothing
         assert_eq!(t.projected(s(1)).active_prefill_tokens, 600);
@@ -488,10 +551,42 @@ mod tests {
     }
 
     #[test]
+    fn the_queued_prefill_falls_at_the_workers_speed_and_never_past_what_is_pending() {
+        let mut t = LoadTable::new(60_000);
+        // 1,000 tokens a second.
+        t.reserve(1, s(1), 1_000, 8, 0, 0.0, 1_000.0);
+        assert_eq!(t.queued_prefill(s(1), 0, 1_000.0), 1_000);
+        assert_eq!(t.queued_prefill(s(1), 400, 1_000.0), 600);
+        t.reserve(2, s(1), 300, 8, 500, 0.0, 1_000.0);
+        assert_eq!(t.queued_prefill(s(1), 500, 1_000.0), 800);
+        assert_eq!(
+            t.queued_prefill(s(1), 5_000, 1_000.0),
+            0,
+            "never below zero"
+        );
+        // At 600 ms 700 tokens are left by the speed, but request 1's
+        // prefill is done (the engine was faster): at most request 2's 300
+        // can be.
+        assert_eq!(t.queued_prefill(s(1), 600, 1_000.0), 700);
+        t.prefill_done(1).unwrap();
+        assert_eq!(t.queued_prefill(s(1), 600, 1_000.0), 300);
+        // A slower engine still: a report of what it measures replaces it.
+        t.report(s(1), report(2, NOT_MEASURED, NOT_MEASURED));
+        assert_eq!(t.queued_prefill(s(1), 1_000, 1_000.0), 300);
+        t.report(s(1), report(2, 700, 16));
+        assert_eq!(t.queued_prefill(s(1), 1_000, 1_000.0), 700);
+        // Unknown speed drains nothing; a leaving worker takes it along.
+        t.reserve(3, s(2), 100, 8, 0, 0.0, f64::NAN);
+        assert_eq!(t.queued_prefill(s(2), 9_000, f64::NAN), 100);
+        t.remove_worker(s(2));
+        assert_eq!(t.queued_prefill(s(2), 9_000, 1_000.0), 0);
+    }
+
+    #[test]
     fn a_report_that_counts_only_requests_leaves_reserved_tokens_and_blocks_counted() {
         let mut t = LoadTable::new(60_000);
-        t.reserve(1, s(1), 500, 32, 0, 0.0);
-        t.reserve(2, s(1), 200, 20, 0, 0.0);
+        t.reserve(1, s(1), 500, 32, 0, 0.0, 0.0);
+        t.reserve(2, s(1), 200, 20, 0, 0.0, 0.0);
         // A metrics scrape: two requests running, tokens and blocks unknown.
         t.report(s(1), report(2, NOT_MEASURED, NOT_MEASURED));
         let p = t.projected(s(1));
@@ -538,9 +633,9 @@ mod tests {
     fn expiry_follows_reservation_order_and_finished_ids_do_not_pile_up() {
         let mut t = LoadTable::new(1_000);
         // One forgotten reservation, then 5,000 that finish.
-        t.reserve(1, s(0), 1, 1, 0, 0.0);
+        t.reserve(1, s(0), 1, 1, 0, 0.0, 0.0);
         for id in 2..5_002 {
-            t.reserve(id, s(0), 1, 1, 10, 0.0);
+            t.reserve(id, s(0), 1, 1, 10, 0.0, 0.0);
             t.finish(id).unwrap();
             t.expire(10);
         }
@@ -552,8 +647,8 @@ mod tests {
             (0, 0)
         );
         // Reserved again under the same id: the later expiry stands.
-        t.reserve(7, s(0), 1, 1, 2_000, 0.0);
-        t.reserve(7, s(0), 1, 1, 2_500, 0.0);
+        t.reserve(7, s(0), 1, 1, 2_000, 0.0, 0.0);
+        t.reserve(7, s(0), 1, 1, 2_500, 0.0, 0.0);
         assert_eq!(t.expire(3_000), 0);
         assert_eq!(t.expire(3_500), 1);
         assert_eq!(t.expired(), 2);
@@ -562,13 +657,13 @@ mod tests {
     #[test]
     fn forgotten_reservations_expire_and_workers_leave_cleanly() {
         let mut t = LoadTable::new(1_000);
-        t.reserve(1, s(2), 10, 1, 0, 0.0);
-        t.reserve(2, s(2), 10, 1, 500, 0.0);
+        t.reserve(1, s(2), 10, 1, 0, 0.0, 0.0);
+        t.reserve(2, s(2), 10, 1, 500, 0.0, 0.0);
         assert_eq!(t.expire(999), 0);
         assert_eq!(t.expire(1_000), 1);
         assert_eq!((t.projected(s(2)).active_requests, t.expired()), (1, 1));
         t.report(s(3), report(5, 0, 0));
-        t.reserve(3, s(3), 1, 1, 0, 0.0);
+        t.reserve(3, s(3), 1, 1, 0, 0.0, 0.0);
         t.remove_worker(s(3));
         assert_eq!(t.projected(s(3)), LoadRow::default());
         assert_eq!(t.finish(3), Err(LoadError::UnknownRequest(3)));
@@ -638,7 +733,7 @@ mod tests {
             for op in ops {
                 match op {
                     Op::Reserve(id, slot, p, b) => {
-                        t.reserve(id, s(slot), p, b, now, 0.0);
+                        t.reserve(id, s(slot), p, b, now, 0.0, 0.0);
                         m.live.retain(|l| l.0 != id);
                         m.live.push((id, slot, p, b, m.epochs[slot], true, now + TTL));
                     }

@@ -629,7 +629,7 @@ impl Router {
     /// The prefill speed the TTFT predictions of `slot` use, and where it
     /// comes from.
     pub fn prefill_speed(&self, slot: Slot) -> (f64, kvedge_policies::predict::SpeedSource) {
-        let t = self.predict(slot, 1, [0; 3]);
+        let t = self.predict(slot, 1, [0; 3], 0);
         (t.tokens_per_second, t.speed_source)
     }
 
@@ -669,6 +669,7 @@ impl Router {
             load: &self.load,
             speed: &self.prefill.speed,
             peer_speed: self.prefill.peer_speed,
+            now_ms,
         }
         .all_into(
             &mut self.explained.ttft,
@@ -678,21 +679,18 @@ impl Router {
         );
     }
 
-    fn predict(&self, slot: Slot, prompt_tokens: u32, overlap: [u32; 3]) -> TtftTerms {
+    fn predict(&self, slot: Slot, prompt_tokens: u32, overlap: [u32; 3], now_ms: u64) -> TtftTerms {
         let block_size = self.workers[slot.index()]
             .as_ref()
             .map_or(1, |w| w.block_size);
-        self.predicting()
-            .terms(slot, block_size, prompt_tokens, overlap)
-    }
-
-    fn predicting(&self) -> Predicting<'_> {
         Predicting {
             ttft: &self.prefill.ttft,
             load: &self.load,
             speed: &self.prefill.speed,
             peer_speed: self.prefill.peer_speed,
+            now_ms,
         }
+        .terms(slot, block_size, prompt_tokens, overlap)
     }
 
     /// Chooses a worker for `req`, reserves it (unless a dry run) and
@@ -822,6 +820,7 @@ impl Router {
                     load: &self.load,
                     speed: &self.prefill.speed,
                     peer_speed: self.prefill.peer_speed,
+                    now_ms: req.now_ms,
                 }
                 .terms(slot, w.block_size, req.prompt_tokens, overlap)
             });
@@ -1065,7 +1064,7 @@ impl Router {
             return Ok(overlap_blocks);
         }
         // The work its prefill will measure, from the load before it.
-        let terms = self.predict(slot, req.prompt_tokens, overlap_blocks);
+        let terms = self.predict(slot, req.prompt_tokens, overlap_blocks, req.now_ms);
         let work_tokens = terms.work_tokens();
         let w = self.workers[slot.index()]
             .as_ref()
@@ -1076,8 +1075,15 @@ impl Router {
         let cached_tokens = u64::from(overlap_blocks[0]) * block_size;
         let uncached = u64::from(req.prompt_tokens).saturating_sub(cached_tokens);
         let blocks = u64::from(req.prompt_tokens).div_ceil(block_size);
-        self.load
-            .reserve(request_id, slot, uncached, blocks, req.now_ms, work_tokens);
+        self.load.reserve(
+            request_id,
+            slot,
+            uncached,
+            blocks,
+            req.now_ms,
+            work_tokens,
+            terms.tokens_per_second,
+        );
         let picks = &mut self.picks[slot.index()];
         picks.requests += 1;
         picks.prompt_blocks += u64::from(req.prompt_tokens) / block_size;
@@ -1131,12 +1137,13 @@ fn overlap_into(
 
 /// What a TTFT prediction reads of the router (see
 /// [`kvedge_policies::predict`]): the predictor, the projected loads, the
-/// learned speeds.
+/// learned speeds, the time.
 struct Predicting<'a> {
     ttft: &'a TtftPredictor,
     load: &'a LoadTable,
     speed: &'a [PrefillSpeedLearner; MAX_WORKERS],
     peer_speed: Option<f64>,
+    now_ms: u64,
 }
 
 impl Predicting<'_> {
@@ -1152,16 +1159,18 @@ impl Predicting<'_> {
         let anchor = self
             .peer_speed
             .unwrap_or(self.ttft.prefill_tokens_per_second);
+        let learned = self.speed[slot.index()].tokens_per_second(anchor);
+        let (speed, _) = self.ttft.speed(learned, self.peer_speed);
         self.ttft.terms(&TtftInputs {
             prompt_tokens,
             block_size,
             device_blocks: overlap[0],
             host_blocks: overlap[1],
             disk_blocks: overlap[2],
-            queued_prefill_tokens: projected.active_prefill_tokens,
+            queued_prefill_tokens: self.load.queued_prefill(slot, self.now_ms, speed),
             waiting_requests: projected.waiting_requests,
             decode_blocks: projected.active_decode_blocks,
-            learned_tokens_per_second: self.speed[slot.index()].tokens_per_second(anchor),
+            learned_tokens_per_second: learned,
             peer_tokens_per_second: self.peer_speed,
         })
     }

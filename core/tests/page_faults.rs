@@ -12,13 +12,21 @@ fn reserving_takes_no_page_fault() {
     let (a, b) = (Slot::new(0).unwrap(), Slot::new(1).unwrap());
     let mut t = LoadTable::new(60_000);
     // The code and stack of a reserve, touched once.
-    t.reserve(u64::MAX, a, 1, 1, 0, 0.0);
+    t.reserve(u64::MAX, a, 1, 1, 0, 0.0, 0.0);
     let before = minor_faults();
     // Up to the most the table holds without growing its map (which grows
     // at half full). Before the table's memory was written when it was
     // made, about 90 of these took a page fault.
     for id in 0..3_000u64 {
-        t.reserve(id.wrapping_mul(0x9E37_79B9_7F4A_7C15), b, 10, 1, 1, 0.0);
+        t.reserve(
+            id.wrapping_mul(0x9E37_79B9_7F4A_7C15),
+            b,
+            10,
+            1,
+            1,
+            0.0,
+            0.0,
+        );
     }
     let faults = minor_faults() - before;
     assert!(

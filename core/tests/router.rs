@@ -866,6 +866,68 @@ fn a_conversation_stays_with_its_history_until_the_queue_costs_three_times_recom
 }
 
 #[test]
+fn a_worker_deep_in_a_long_prefill_costs_only_what_is_left_of_it() {
+    // As above: a 1,024-token history on worker 1, then 8,192 tokens of
+    // other prompts behind it, none through its prefill (an engine read
+    // from its metrics, whose reports do not count prefill tokens). Every
+    // worker computes at the prior 10,000 tokens a second. Right away the
+    // queue is 9,216 tokens, far over the 2,816 the next turn stays for.
+    // 700 ms later the worker has computed about 7,000 of them: 2,216 are
+    // left, and the turn stays with its history.
+    let mut router = Router::with_defaults();
+    let _engines = four_idle(&mut router);
+    router.set_explain_costs(true);
+    let history = prompt(5, 1024);
+    let mut home = None;
+    let mut filler = None;
+    for (tokens, now_ms) in [(&history, 1_000), (&prompt(9, 8_192), 1_000)] {
+        let hashes = sequence_hashes(tokens, 16, None, None);
+        let r = router
+            .select(&SelectRequest {
+                pinned: Some(WorkerWithDpRank::new(1, 0)),
+                now_ms,
+                ..req(&hashes, tokens.len() as u32)
+            })
+            .unwrap();
+        home = r.slot;
+        filler = Some(r.request_id);
+    }
+    let home = home.unwrap();
+    let mut turn = history;
+    turn.extend(prompt(6, 64));
+    let hashes = sequence_hashes(&turn, 16, None, None);
+    let at = |router: &mut Router, now_ms: u64, dry_run: bool| {
+        let r = router
+            .select(&SelectRequest {
+                now_ms,
+                dry_run,
+                ..req(&hashes, 1088)
+            })
+            .unwrap();
+        (r.worker.worker_id, router.last_ttft(home).queue_s)
+    };
+    let (went, queue_s) = at(&mut router, 1_002, true);
+    assert!((queue_s - 0.9196).abs() < 1e-9, "{queue_s}");
+    assert_ne!(went, 1, "a 9,196-token queue is worth leaving");
+    let (went, queue_s) = at(&mut router, 1_700, true);
+    assert!((queue_s - 0.2216).abs() < 1e-9, "{queue_s}");
+    assert_eq!(went, 1, "2,216 tokens left: the turn stays");
+    // A prefill done takes its tokens out of what can be left: only the
+    // history's 1,024 remain pending, so no more than that is queued.
+    router.prefill_done(filler.unwrap(), 1_100).unwrap();
+    let (went, queue_s) = at(&mut router, 1_100, false);
+    assert!(queue_s <= 0.1024 + 1e-9, "{queue_s}");
+    assert_eq!(went, 1);
+    // A clock that went back computes nothing; and what is left never
+    // falls below zero.
+    let (_, now) = at(&mut router, 1_100, true);
+    let (_, before) = at(&mut router, 1_050, true);
+    assert!(now > 0.0 && before == now, "{before} then {now}");
+    let (_, queue_s) = at(&mut router, 5_000, true);
+    assert_eq!(queue_s, 0.0);
+}
+
+#[test]
 fn a_new_prompt_goes_to_a_worker_with_little_recent_traffic_not_the_idle_home_of_a_busy_stream() {
     // Worker 1 is the home of a hot system prompt: it served eight of its
     // requests, all finished, so it is idle right now. Workers 2-4 got one

@@ -13,7 +13,7 @@
 //! disk_tokens   = min(max(K − max(D, H), 0)·B, P − 1 − device_tokens − host_tokens)
 //! uncached      = P − device_tokens − host_tokens − disk_tokens
 //! own_work      = uncached + host_hit_cost·host_tokens + disk_hit_cost·disk_tokens
-//! queue_s       = queued_prefill_tokens / speed          (engine report + kvedge's reservations)
+//! queue_s       = queued_prefill_tokens / speed          (engine report + kvedge's reservations not yet computed)
 //! prefill_s     = own_work / speed
 //! wait_s        = waiting_requests · queue_wait_per_request
 //! steps         = 1 + floor((queued_prefill_tokens + own_work) / step_tokens)
@@ -147,6 +147,18 @@ impl TtftTerms {
 }
 
 impl TtftPredictor {
+    /// The prefill speed a prediction uses, and where it comes from: the
+    /// worker's learned one, else its peers' mean, else the prior.
+    #[inline]
+    pub fn speed(&self, learned: Option<f64>, peers: Option<f64>) -> (f64, SpeedSource) {
+        let usable = |s: Option<f64>| s.filter(|s| s.is_finite() && *s > 0.0);
+        match (usable(learned), usable(peers)) {
+            (Some(s), _) => (s, SpeedSource::Learned),
+            (None, Some(s)) => (s, SpeedSource::Peers),
+            (None, None) => (self.prefill_tokens_per_second, SpeedSource::Prior),
+        }
+    }
+
     /// The prediction for one candidate.
     #[inline]
     pub fn terms(&self, i: &TtftInputs) -> TtftTerms {
@@ -163,15 +175,8 @@ impl TtftPredictor {
         );
         let disk = (disk_beyond * bs).min(cacheable - device - host);
         let uncached = prompt - device - host - disk;
-        let usable = |s: Option<f64>| s.filter(|s| s.is_finite() && *s > 0.0);
-        let (speed, speed_source) = match (
-            usable(i.learned_tokens_per_second),
-            usable(i.peer_tokens_per_second),
-        ) {
-            (Some(s), _) => (s, SpeedSource::Learned),
-            (None, Some(s)) => (s, SpeedSource::Peers),
-            (None, None) => (self.prefill_tokens_per_second, SpeedSource::Prior),
-        };
+        let (speed, speed_source) =
+            self.speed(i.learned_tokens_per_second, i.peer_tokens_per_second);
         let own =
             uncached as f64 + self.host_hit_cost * host as f64 + self.disk_hit_cost * disk as f64;
         // The steps the queue and the request's own prefill span: each one

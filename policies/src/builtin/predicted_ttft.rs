@@ -5,8 +5,9 @@
 //! The prediction is the host's `TTFT` signal, made by the one predictor
 //! the rule language's `PredictedTTFT` objective also uses
 //! ([`crate::predict`]): the prefill queued ahead of the request (the
-//! engine's report plus the host's reservations not yet in one), the
-//! request's own prefill with device, host and disk hits priced apart, over
+//! engine's report plus what is left of the host's reservations not yet in
+//! one, as the worker computes them at its speed), the request's own
+//! prefill with device, host and disk hits priced apart, over
 //! the worker's learned prefill speed, plus a wait per queued request. The
 //! predictor's parameters are the configuration's `ttft:` section, so the
 //! policy and the rules never disagree about a worker.
