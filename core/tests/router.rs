@@ -817,20 +817,21 @@ fn a_hot_prefix_spreads_only_when_the_queue_makes_it_pay() {
 }
 
 #[test]
-fn a_conversation_stays_with_its_history_until_the_queue_costs_three_times_recomputing_it() {
-    // The built-in policy (recompute weight 2), nothing learned: every
+fn a_conversation_stays_with_its_history_until_the_queue_costs_five_times_recomputing_it() {
+    // The built-in policy (recompute weight 4), nothing learned: every
     // worker at the prior speed of 10,000 tokens a second. A 1,024-token
     // history went to worker 1, then `filler` more tokens of new prompts,
     // none of them through their prefill yet. The next turn adds 64 tokens:
     // on worker 1 it waits for the queue (1,024 + filler tokens) and
     // computes 64, elsewhere it computes all 1,088. The cost prices the
-    // request's own prefill three times over, so it stays while
-    // queue + 3 x 64 < 3 x 1,088, i.e. while the queue is under 3,072
-    // tokens (with a weight of 1 it would leave at 2,048). The balance
+    // request's own prefill five times over, so it stays while
+    // queue + 5 x 64 < 5 x 1,088, i.e. while the queue is under 5,120
+    // tokens (with a weight of 2 it would leave at 3,072). The balance
     // term moves that little: the turn's new work is its 64 tokens, priced
     // by worker 1's share of recent traffic (4: it got both requests), so
-    // the queue it stays behind is under 3,072 - 4 x 64 = 2,816 tokens.
-    for (filler, stays) in [(1_536u32, true), (2_560, false)] {
+    // the queue it stays behind is under 5,120 - 4 x 64 = 4,864 tokens.
+    // (The worker computes 10-20 of them in the 1-2 ms the test takes.)
+    for (filler, stays) in [(3_584u32, true), (4_096, false)] {
         let mut router = Router::with_defaults();
         let _engines = four_idle(&mut router);
         let history = prompt(5, 1024);
@@ -871,7 +872,7 @@ fn a_worker_deep_in_a_long_prefill_costs_only_what_is_left_of_it() {
     // other prompts behind it, none through its prefill (an engine read
     // from its metrics, whose reports do not count prefill tokens). Every
     // worker computes at the prior 10,000 tokens a second. Right away the
-    // queue is 9,216 tokens, far over the 2,816 the next turn stays for.
+    // queue is 9,216 tokens, far over the 4,864 the next turn stays for.
     // 700 ms later the worker has computed about 7,000 of them: 2,216 are
     // left, and the turn stays with its history.
     let mut router = Router::with_defaults();
@@ -1008,9 +1009,9 @@ fn a_new_prompt_goes_to_a_worker_with_little_recent_traffic_not_the_idle_home_of
 #[test]
 fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
     // The built-in policy for aggregated workers is predicted-ttft with a
-    // recompute weight of 2 and a balance weight of 1: with no traffic yet
+    // recompute weight of 4 and a balance weight of 1: with no traffic yet
     // (every share 1) and a prompt nobody holds (its own prefill is all
-    // new), its cost is the predicted TTFT plus three times the request's
+    // new), its cost is the predicted TTFT plus five times the request's
     // own prefill.
     let mut router = Router::with_defaults();
     assert_eq!(
@@ -1033,7 +1034,7 @@ fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
     let terms = router.last_ttft(r.slot.unwrap());
     assert!(terms.prefill_s > 0.0);
     assert!(
-        (r.cost - (terms.total_s() + 3.0 * terms.prefill_s)).abs() < 1e-12,
+        (r.cost - (terms.total_s() + 5.0 * terms.prefill_s)).abs() < 1e-12,
         "{} vs {terms:?}",
         r.cost
     );

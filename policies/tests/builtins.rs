@@ -371,7 +371,8 @@ fn predicted_ttft_prices_own_prefill_and_new_work_by_recent_traffic() {
         w(3).ttft(0.4).own(0.2).recent(0.0),
     ];
     let got = costs("{}", &rows);
-    let want = [0.2 + 0.4 + 0.2 * 2.25, 0.3 + 0.4 + 0.2 * 0.75, 0.4 + 0.4];
+    // The default weights: recompute 4, balance 1.
+    let want = [0.2 + 0.8 + 0.2 * 2.25, 0.3 + 0.8 + 0.2 * 0.75, 0.4 + 0.8];
     assert!(close(&got, &want), "{got:?} vs {want:?}");
     assert_eq!(
         pick(&mut policy("predicted-ttft", "{}"), &ctx(64), &rows),
@@ -379,7 +380,7 @@ fn predicted_ttft_prices_own_prefill_and_new_work_by_recent_traffic() {
     );
     // Without the balance the momentarily idle worker wins.
     let got = costs("{balance_weight: 0}", &rows);
-    assert!(close(&got, &[0.6, 0.7, 0.8]), "{got:?}");
+    assert!(close(&got, &[1.0, 1.1, 1.2]), "{got:?}");
     assert_eq!(
         pick(
             &mut policy("predicted-ttft", "{balance_weight: 0}"),

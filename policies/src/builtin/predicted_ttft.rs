@@ -23,7 +23,7 @@
 //! again, in parallel, on an idle one: both give the first token at about
 //! the same time. They are not equal for the fleet: the second spends a
 //! worker's prefill time on work already being done and keeps the prefix
-//! in two caches instead of one. `recompute_weight` (default 2) prices the
+//! in two caches instead of one. `recompute_weight` (default 4) prices the
 //! request's own prefill that much again, so a prompt goes where its
 //! prefix is (or is being computed) unless the queue there costs more than
 //! `1 + recompute_weight` times computing it elsewhere.
@@ -49,7 +49,7 @@ use crate::policy::WorkerScorer;
 use crate::view::WorkerCandidates;
 
 /// `recompute_weight` by default.
-pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 2.0;
+pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 4.0;
 
 /// `balance_weight` by default.
 pub const DEFAULT_BALANCE_WEIGHT: f64 = 1.0;
