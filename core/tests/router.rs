@@ -816,6 +816,25 @@ fn a_hot_prefix_spreads_only_when_the_queue_makes_it_pay() {
     assert!(workers.len() >= 2);
 }
 
+/// `tokens` sent to `worker` at `now_ms` (a pinned select).
+fn sent_to(
+    router: &mut Router,
+    worker: u64,
+    tokens: &[u32],
+    now_ms: u64,
+) -> kvedge_core::router::SelectResult {
+    let hashes = sequence_hashes(tokens, 16, None, None);
+    let r = router
+        .select(&SelectRequest {
+            pinned: Some(WorkerWithDpRank::new(worker, 0)),
+            now_ms,
+            ..req(&hashes, tokens.len() as u32)
+        })
+        .unwrap();
+    assert_eq!(r.worker.worker_id, worker);
+    r
+}
+
 #[test]
 fn a_conversation_stays_with_its_history_until_the_queue_costs_five_times_recomputing_it() {
     // The built-in policy (recompute weight 4), nothing learned: every
@@ -836,15 +855,7 @@ fn a_conversation_stays_with_its_history_until_the_queue_costs_five_times_recomp
         let _engines = four_idle(&mut router);
         let history = prompt(5, 1024);
         for (tokens, now_ms) in [(&history, 1_000), (&prompt(9, filler), 1_001)] {
-            let hashes = sequence_hashes(tokens, 16, None, None);
-            let r = router
-                .select(&SelectRequest {
-                    pinned: Some(WorkerWithDpRank::new(1, 0)),
-                    now_ms,
-                    ..req(&hashes, tokens.len() as u32)
-                })
-                .unwrap();
-            assert_eq!(r.worker.worker_id, 1);
+            sent_to(&mut router, 1, tokens, now_ms);
         }
         let mut turn = history;
         turn.extend(prompt(6, 64));
@@ -881,15 +892,8 @@ fn a_worker_deep_in_a_long_prefill_costs_only_what_is_left_of_it() {
     let history = prompt(5, 1024);
     let mut home = None;
     let mut filler = None;
-    for (tokens, now_ms) in [(&history, 1_000), (&prompt(9, 8_192), 1_000)] {
-        let hashes = sequence_hashes(tokens, 16, None, None);
-        let r = router
-            .select(&SelectRequest {
-                pinned: Some(WorkerWithDpRank::new(1, 0)),
-                now_ms,
-                ..req(&hashes, tokens.len() as u32)
-            })
-            .unwrap();
+    for tokens in [&history, &prompt(9, 8_192)] {
+        let r = sent_to(&mut router, 1, tokens, 1_000);
         home = r.slot;
         filler = Some(r.request_id);
     }
