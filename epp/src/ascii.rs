@@ -236,23 +236,21 @@ fn llama3(t: &[u8], at: usize, digits: usize) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::{GPT2_PATTERN, WHITESPACE_PATTERN};
     use proptest::prelude::*;
-
-    const GPT2: &str =
-        r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 
     /// The matches the expression's own engine finds (the one the
     /// tokenizer runs it with).
     fn engine(expr: Expr, text: &str) -> Vec<(usize, usize)> {
         let pattern = match expr {
             Expr::Whitespace => {
-                return regex::Regex::new(r"\w+|[^\w\s]+")
+                return regex::Regex::new(WHITESPACE_PATTERN)
                     .unwrap()
                     .find_iter(text)
                     .map(|m| (m.start(), m.end()))
                     .collect();
             }
-            Expr::Gpt2 => GPT2,
+            Expr::Gpt2 => GPT2_PATTERN,
             Expr::Llama3 { digits: 3 } => LLAMA3_PATTERN,
             Expr::Llama3 { .. } => QWEN2_PATTERN,
         };

@@ -57,10 +57,10 @@ pub const CUT_EVERY_BYTES: usize = 128;
 
 /// GPT-2's pre-tokenizing expression, as `ByteLevel` with `use_regex`
 /// applies it (tokenizers 0.22).
-const GPT2_PATTERN: &str =
+pub(crate) const GPT2_PATTERN: &str =
     r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
 /// `Whitespace`'s expression (tokenizers 0.22).
-const WHITESPACE_PATTERN: &str = r"\w+|[^\w\s]+";
+pub(crate) const WHITESPACE_PATTERN: &str = r"\w+|[^\w\s]+";
 
 /// The expression, in the engine the tokenizer itself runs it with.
 enum Pattern {
