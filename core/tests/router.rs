@@ -959,30 +959,21 @@ fn a_new_prompt_goes_to_a_worker_with_little_recent_traffic_not_the_idle_home_of
         let with_question = |q: u32| {
             let mut tokens = system.clone();
             tokens.extend(prompt(700 + q, 64));
-            sequence_hashes(&tokens, 16, None, None)
+            tokens
         };
         let mut now_ms = 1_000;
         for q in 0..8 {
-            let hashes = with_question(q);
-            let r = router
-                .select(&SelectRequest {
-                    pinned: Some(WorkerWithDpRank::new(1, 0)),
-                    now_ms,
-                    ..req(&hashes, 1088)
-                })
-                .unwrap();
+            let r = sent_to(&mut router, 1, &with_question(q), now_ms);
             router.finish(r.request_id).unwrap();
             now_ms += 10;
         }
         for worker in 2..=4 {
-            let hashes = sequence_hashes(&prompt(20 + worker as u32, queued), 16, None, None);
-            router
-                .select(&SelectRequest {
-                    pinned: Some(WorkerWithDpRank::new(worker, 0)),
-                    now_ms,
-                    ..req(&hashes, queued)
-                })
-                .unwrap();
+            sent_to(
+                &mut router,
+                worker,
+                &prompt(20 + worker as u32, queued),
+                now_ms,
+            );
         }
         let cold = sequence_hashes(&prompt(9, 2048), 16, None, None);
         let r = router
@@ -999,7 +990,7 @@ fn a_new_prompt_goes_to_a_worker_with_little_recent_traffic_not_the_idle_home_of
         );
         // The hot prompt's next request stays home whatever the balance:
         // what it brings that no worker holds is its 64-token question.
-        let hashes = with_question(99);
+        let hashes = sequence_hashes(&with_question(99), 16, None, None);
         let r = router
             .select(&SelectRequest {
                 now_ms: now_ms + 2,
