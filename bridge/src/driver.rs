@@ -30,9 +30,9 @@ use bytes::Bytes;
 use kvedge_config::{EngineRank, EngineSpec};
 use kvedge_schema::messages::control::{Hello, Label};
 use kvedge_schema::messages::{StoredBlock, Tier, notice};
-use kvedge_shm::Publisher;
 use kvedge_shm::ratelimit::{RateLimit, held_back};
 use kvedge_shm::session::{Action, Session};
+use kvedge_shm::{Fencing, Publisher};
 use kvedge_zmtp::{Allow, Dealer, Limits, Options, Sub, SubEvent};
 use tokio::sync::{Notify, mpsc, watch};
 use tokio::task::JoinSet;
@@ -438,8 +438,17 @@ async fn register(rank: &EngineRank, settings: &Settings, session: &mut Session)
         if let Some(Action::Register) = session.poll_action(Instant::now()) {
             let control = settings.control_socket.clone();
             let h = hello(rank);
+            // Full fences: the bridge commits an engine's messages and
+            // load reads, about as often as the routing loop sleeps, which
+            // would otherwise run a membarrier (an interrupt on every CPU
+            // running the daemon) before each sleep.
             let done = tokio::task::spawn_blocking(move || {
-                Publisher::connect(&control, &h, kvedge_shm::session::REGISTER_TIMEOUT)
+                Publisher::connect_with(
+                    &control,
+                    &h,
+                    kvedge_shm::session::REGISTER_TIMEOUT,
+                    Fencing::Full,
+                )
             })
             .await;
             match done {

@@ -23,7 +23,7 @@ use rustix::net::{
 };
 
 use crate::error::ControlError;
-use crate::ring::{Consumer, Producer};
+use crate::ring::{Consumer, Fencing, Producer};
 use crate::segment::Segment;
 use kvedge_schema::messages::control::{self, Hello, Reject, ResyncRequest, Welcome};
 use kvedge_schema::messages::{Ser, encode};
@@ -346,11 +346,22 @@ impl ProducerSession {
         hello: &Hello,
         timeout: Duration,
     ) -> Result<(ProducerSession, Producer), ControlError> {
+        Self::connect_with(path, hello, timeout, Fencing::Asymmetric)
+    }
+
+    /// [`ProducerSession::connect`], with the ring's commits fenced as
+    /// `fencing` says.
+    pub fn connect_with(
+        path: impl AsRef<Path>,
+        hello: &Hello,
+        timeout: Duration,
+        fencing: Fencing,
+    ) -> Result<(ProducerSession, Producer), ControlError> {
         let path = path.as_ref();
         let start = std::time::Instant::now();
         let mut backoff = Duration::from_millis(1);
         loop {
-            match Self::connect_once(path, hello, timeout) {
+            match Self::connect_once(path, hello, timeout, fencing) {
                 Err(e) if e.is_displaced() && start.elapsed() + backoff < timeout => {
                     std::thread::sleep(backoff);
                     backoff = (backoff * 2).min(Duration::from_millis(50));
@@ -364,6 +375,7 @@ impl ProducerSession {
         path: &Path,
         hello: &Hello,
         timeout: Duration,
+        fencing: Fencing,
     ) -> Result<(ProducerSession, Producer), ControlError> {
         let stream = UnixStream::connect(path)?;
         stream.set_read_timeout(Some(timeout))?;
@@ -395,7 +407,7 @@ impl ProducerSession {
         }
         let wake = frame.fds.pop().expect("two fds");
         let memfd = frame.fds.pop().expect("two fds");
-        let producer = Producer::new(Segment::open(memfd)?, Some(wake))?;
+        let producer = Producer::with_fencing(Segment::open(memfd)?, Some(wake), fencing)?;
         stream.set_nonblocking(true)?;
         Ok((ProducerSession { stream, welcome }, producer))
     }

@@ -37,5 +37,5 @@ pub mod testing;
 
 pub use error::{ControlError, RingError, SegmentError};
 pub use publisher::{PublishError, Publisher};
-pub use ring::{Consumer, Producer, Push, PushError, Record};
+pub use ring::{Consumer, Fencing, Producer, Push, PushError, Record};
 pub use session::{Link, Session};

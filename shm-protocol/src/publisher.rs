@@ -12,7 +12,7 @@ use rkyv::util::AlignedVec;
 
 use crate::control::ProducerSession;
 use crate::error::ControlError;
-use crate::ring::{Producer, Push, PushError};
+use crate::ring::{Fencing, Producer, Push, PushError};
 use kvedge_schema::hash;
 use kvedge_schema::messages::control::{Hello, ResyncRequest};
 use kvedge_schema::messages::{
@@ -70,7 +70,19 @@ impl Publisher {
         hello: &Hello,
         timeout: Duration,
     ) -> Result<Self, ControlError> {
-        let (session, ring) = ProducerSession::connect(control_socket, hello, timeout)?;
+        Self::connect_with(control_socket, hello, timeout, Fencing::Asymmetric)
+    }
+
+    /// [`Publisher::connect`], with the ring's commits fenced as `fencing`
+    /// says.
+    pub fn connect_with(
+        control_socket: impl AsRef<Path>,
+        hello: &Hello,
+        timeout: Duration,
+        fencing: Fencing,
+    ) -> Result<Self, ControlError> {
+        let (session, ring) =
+            ProducerSession::connect_with(control_socket, hello, timeout, fencing)?;
         Ok(Self::new(Some(session), ring))
     }
 

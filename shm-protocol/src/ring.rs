@@ -49,6 +49,23 @@ pub enum PushError {
     ReservedType(u16),
 }
 
+/// How a producer orders each commit against the consumer's going to
+/// sleep (the Dekker pair in [`Producer::try_push`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Fencing {
+    /// A compiler fence per commit, when the kernel allows: the consumer
+    /// runs `membarrier(GLOBAL_EXPEDITED)` before it sleeps, which
+    /// interrupts every CPU running the producer's process. For a producer
+    /// that commits far more often than the consumer sleeps: an engine.
+    #[default]
+    Asymmetric,
+    /// A full fence per commit (a few nanoseconds), and no barrier for
+    /// the consumer to run. For a producer that commits about as often as
+    /// the consumer sleeps: a bridge relaying an engine's events and load,
+    /// where every membarrier would cost more than the fences it saves.
+    Full,
+}
+
 /// The writing end. Owned by exactly one thread of the engine process.
 #[derive(Debug)]
 pub struct Producer {
@@ -71,8 +88,20 @@ pub struct Producer {
 
 impl Producer {
     /// Takes the producer side of a validated segment. `wake` is the eventfd
-    /// the consumer sleeps on, if any.
+    /// the consumer sleeps on, if any. Commits are fenced asymmetrically
+    /// where the kernel allows ([`Fencing::Asymmetric`]).
     pub fn new(seg: Segment, wake: Option<OwnedFd>) -> Result<Self, SegmentError> {
+        Self::with_fencing(seg, wake, Fencing::Asymmetric)
+    }
+
+    /// [`Producer::new`], with commits fenced as `fencing` says. Chosen
+    /// once, before the first commit: the consumer reads the choice from
+    /// the segment's header each time it goes to sleep.
+    pub fn with_fencing(
+        seg: Segment,
+        wake: Option<OwnedFd>,
+        fencing: Fencing,
+    ) -> Result<Self, SegmentError> {
         let h = seg.header();
         let tail = h.tail.0.load(Ordering::Acquire);
         let head = h.head.0.load(Ordering::Acquire);
@@ -85,9 +114,11 @@ impl Producer {
             .store(std::process::id(), Ordering::Relaxed);
         // With the process registered, the consumer's membarrier before it
         // sleeps stands in for our full fence after every commit.
-        let asymmetric =
-            rustix::thread::membarrier(rustix::thread::MembarrierCommand::RegisterGlobalExpedited)
-                .is_ok();
+        let asymmetric = fencing == Fencing::Asymmetric
+            && rustix::thread::membarrier(
+                rustix::thread::MembarrierCommand::RegisterGlobalExpedited,
+            )
+            .is_ok();
         h.identity.0.producer_flags.store(
             if asymmetric {
                 PRODUCER_ASYMMETRIC_FENCE

@@ -10,14 +10,21 @@ use kvedge_schema::messages::{EventRef, Load, StoredBlock, Tier, kind};
 use kvedge_shm::layout::{HEADER_SIZE, PADDING_TYPE, RecordHeader};
 use kvedge_shm::segment::Segment;
 use kvedge_shm::testing::{FAULT_ALLOWANCE, minor_faults};
-use kvedge_shm::{Consumer, Producer, Publisher, Push, PushError, RingError};
+use kvedge_shm::{Consumer, Fencing, Producer, Publisher, Push, PushError, RingError};
 use proptest::prelude::*;
 
 fn pair(capacity: u64) -> (Producer, Consumer) {
+    pair_with(capacity, Fencing::Asymmetric)
+}
+
+fn pair_with(capacity: u64, fencing: Fencing) -> (Producer, Consumer) {
     let consumer = Consumer::create(capacity, 3).unwrap();
     let seg = Segment::open(consumer.segment_fd().try_clone_to_owned().unwrap()).unwrap();
     let wake = consumer.wake_fd().try_clone_to_owned().unwrap();
-    (Producer::new(seg, Some(wake)).unwrap(), consumer)
+    (
+        Producer::with_fencing(seg, Some(wake), fencing).unwrap(),
+        consumer,
+    )
 }
 
 fn pattern(seq: u64, len: usize) -> Vec<u8> {
@@ -354,11 +361,47 @@ fn producer_registers_for_asymmetric_fences_where_the_kernel_allows() {
 }
 
 #[test]
+fn a_fully_fenced_producer_asks_the_sleeping_consumer_for_no_barrier() {
+    use kvedge_shm::layout::CONSUMER_SLEEPING;
+    let (mut p, mut c) = pair_with(4096, Fencing::Full);
+    assert!(!p.asymmetric_fence());
+    let flags = |c: &Consumer| {
+        let h = c.segment().header();
+        (
+            h.identity.0.producer_flags.load(Ordering::Relaxed),
+            h.consumer_sleeping.0.load(Ordering::Relaxed),
+        )
+    };
+    assert_eq!(flags(&c), (0, 0));
+    // No barrier is asked for, and sleeping without one does not make the
+    // consumer ask the producer to change how it fences.
+    assert!(!c.announce_sleep());
+    assert!(c.confirm_sleep(false));
+    assert_eq!(flags(&c), (0, CONSUMER_SLEEPING));
+    // A commit still finds the consumer asleep and wakes it.
+    p.try_push(1, 0, b"wake").unwrap();
+    assert_eq!(p.wakes(), 1);
+    assert!(c.wait(Duration::ZERO, Duration::from_secs(30)));
+    c.end_sleep();
+    assert_eq!(c.poll().unwrap().unwrap().payload, b"wake");
+    assert!(!p.asymmetric_fence());
+}
+
+#[test]
 fn no_wake_up_is_lost_across_thousands_of_sleeps() {
+    no_wake_up_is_lost(Fencing::Asymmetric);
+}
+
+#[test]
+fn no_wake_up_is_lost_across_thousands_of_sleeps_with_full_fences() {
+    no_wake_up_is_lost(Fencing::Full);
+}
+
+fn no_wake_up_is_lost(fencing: Fencing) {
     // The consumer sleeps before every record; the producer commits at
     // varying moments around that. A lost wake-up would leave the consumer
     // asleep for the whole 20 s timeout, so every wait must end well before.
-    let (mut p, mut c) = pair(1 << 16);
+    let (mut p, mut c) = pair_with(1 << 16, fencing);
     let rounds = 3000u64;
     let producer = std::thread::spawn(move || {
         for i in 0..rounds {
