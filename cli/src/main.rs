@@ -4,6 +4,11 @@
 
 #![forbid(unsafe_code)]
 
+/// mimalloc rather than glibc's malloc: see the dependency's note in
+/// Cargo.toml and BENCHMARKS.md (Gateway shoot-out).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     kvedge_cli::main_with_registry(kvedge_policies::router_plugin_registry())
 }
