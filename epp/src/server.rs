@@ -279,14 +279,16 @@ impl Picker {
         let mut out = Vec::with_capacity(256);
         binary::encode_request(&mut out, request)
             .map_err(|e| format!("the request cannot be sent to the routing core: {e}"))?;
+        // The frame's length goes: the backend takes the body.
+        out.drain(..4);
         let (tx, rx) = oneshot::channel();
         self.backend.call(
-            out.split_off(4),
+            out,
             Box::new(move |r| {
                 let _ = tx.send(r);
             }),
         );
-        let frame = rx
+        let mut frame = rx
             .await
             .map_err(|_| "the routing core is gone".to_owned())?;
         if frame.len() < 8 {
@@ -294,7 +296,8 @@ impl Picker {
         }
         let code = u16::from_le_bytes([frame[4], frame[5]]);
         let status = Status::from_code(code).ok_or("an unknown status from the routing core")?;
-        Ok((status, frame[8..].to_vec()))
+        frame.drain(..8);
+        Ok((status, frame))
     }
 
     /// The core's pick for `args` (reserved).
@@ -408,14 +411,14 @@ impl Picker {
             tracing::warn!("{request:?}: {e}");
             return;
         }
-        let what = format!("{request:?}");
+        out.drain(..4);
         self.backend.call(
-            out.split_off(4),
+            out,
             Box::new(move |frame| {
                 let code = frame.get(4..6).map(|c| u16::from_le_bytes([c[0], c[1]]));
                 if code != Some(Status::Ok.code()) {
                     tracing::debug!(
-                        "{what} answered {:?}: {}",
+                        "{request:?} answered {:?}: {}",
                         code.and_then(Status::from_code),
                         String::from_utf8_lossy(frame.get(8..).unwrap_or_default())
                     );

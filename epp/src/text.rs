@@ -498,6 +498,49 @@ fn plan(text: &str, bounds: &[usize]) -> Plan {
     plan
 }
 
+/// A thread's buffers for a text's pieces and boundaries. A long prompt's
+/// are hundreds of kilobytes; allocated afresh for every prompt they were
+/// fresh pages, and the page faults cost more than splitting the text.
+/// Buffers grown past [`SCRATCH_KEEP_BYTES`] are not kept.
+#[derive(Default)]
+struct Scratch {
+    pieces: Vec<(usize, usize)>,
+    bounds: Vec<usize>,
+}
+
+/// The most a thread keeps in each of its [`Scratch`] buffers.
+const SCRATCH_KEEP_BYTES: usize = 1 << 20;
+
+thread_local! {
+    static SCRATCH: std::cell::RefCell<Scratch> = std::cell::RefCell::default();
+}
+
+impl Scratch {
+    /// This thread's buffers (empty ones if they are out already).
+    fn take() -> Scratch {
+        SCRATCH.with_borrow_mut(std::mem::take)
+    }
+}
+
+impl Drop for Scratch {
+    /// Hands the buffers back to the thread, unless they grew too large.
+    fn drop(&mut self) {
+        let keep = |bytes: usize| bytes <= SCRATCH_KEEP_BYTES;
+        let pieces = std::mem::take(&mut self.pieces);
+        let bounds = std::mem::take(&mut self.bounds);
+        let _ = SCRATCH.try_with(|s| {
+            if let Ok(mut s) = s.try_borrow_mut() {
+                if keep(pieces.capacity() * size_of::<(usize, usize)>()) {
+                    s.pieces = pieces;
+                }
+                if keep(bounds.capacity() * size_of::<usize>()) {
+                    s.bounds = bounds;
+                }
+            }
+        });
+    }
+}
+
 /// Tokenizes plain-text `text` (special tokens added as the tokenizer adds
 /// them) with `cache`; `None` when this text is not for the cache (it
 /// holds an added token's text, or the expression failed): the caller
@@ -512,14 +555,16 @@ pub fn encode_with(
     if splitter.added.as_ref().is_some_and(|a| a.is_match(text)) {
         return None;
     }
+    let mut scratch = Scratch::take();
+    let Scratch { pieces, bounds } = &mut scratch;
     // About a piece every four bytes of prose.
-    let mut pieces = Vec::with_capacity(text.len() / 4);
-    if !splitter.pieces(text, &mut pieces) {
+    pieces.reserve(text.len() / 4);
+    if !splitter.pieces(text, pieces) {
         return None;
     }
-    let mut bounds = Vec::with_capacity(2 * pieces.len());
-    boundaries(text.len(), &pieces, &mut bounds);
-    let plan = plan(text, &bounds);
+    bounds.reserve(2 * pieces.len());
+    boundaries(text.len(), pieces, bounds);
+    let plan = plan(text, bounds);
     let (from, mut ids) = lookup(cache, stats, text, &plan);
     // The ids up to the last two cuts are kept (the next prompt goes on
     // from about the end of this one), and up to the 1st, 2nd, 4th, 8th,
@@ -581,6 +626,30 @@ mod tests {
     use crate::ascii::LLAMA3_PATTERN;
     use crate::body::Prompt;
     use crate::tokenize::{ModelSpec, Models, Tokens};
+
+    #[test]
+    fn a_threads_scratch_buffers_come_back_and_oversized_ones_are_let_go() {
+        let pair = size_of::<(usize, usize)>();
+        {
+            let mut s = Scratch::take();
+            s.pieces.reserve(1000);
+            s.bounds.reserve(2000);
+        }
+        let s = Scratch::take();
+        assert!(s.pieces.capacity() >= 1000 && s.bounds.capacity() >= 2000);
+        // While they are out, another taker gets empty ones.
+        let other = Scratch::take();
+        assert_eq!((other.pieces.capacity(), other.bounds.capacity()), (0, 0));
+        drop(other);
+        drop(s);
+        {
+            let mut s = Scratch::take();
+            s.pieces.reserve(SCRATCH_KEEP_BYTES / pair + 1);
+        }
+        let s = Scratch::take();
+        assert!(s.pieces.capacity() < SCRATCH_KEEP_BYTES / pair);
+        assert!(s.bounds.capacity() >= 2000, "the other buffer is kept");
+    }
 
     fn docs() -> Vec<String> {
         let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/../docs");
