@@ -109,7 +109,7 @@ fn main() {
         for i in 0..n + 100 {
             let prompt = prompt(i);
             let t = Instant::now();
-            let ids = models.tokens("m", &prompt, 1 << 20).unwrap();
+            let ids = models.tokens("m", prompt, 1 << 20).unwrap();
             if i >= 100 {
                 samples.push(t.elapsed());
             }
@@ -121,7 +121,7 @@ fn main() {
     // the token-id row.
     let tokens = match Models::load_with(std::slice::from_ref(&spec), 0)
         .unwrap()
-        .tokens("m", &Prompt::Messages(messages(0, true)), 1 << 20)
+        .tokens("m", Prompt::Messages(messages(0, true)), 1 << 20)
         .unwrap()
     {
         kvedge_epp::tokenize::Tokens::Ids(ids) => ids,

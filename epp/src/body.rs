@@ -3,7 +3,10 @@
 //! render with the model's template, or token ids already). Nothing else in
 //! the body matters to the pick, and the body is forwarded unchanged.
 
-use serde::Deserialize;
+use std::fmt;
+
+use serde::de::{self, MapAccess, SeqAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 /// Which OpenAI route a request is on (from its `:path`).
@@ -64,21 +67,37 @@ pub enum BodyError {
 }
 
 #[derive(Deserialize)]
-struct Body {
+struct Body<P> {
     model: Option<String>,
-    prompt: Option<Value>,
+    prompt: Option<P>,
     messages: Option<Value>,
 }
 
 /// Reads `body` for `route`.
 pub fn parse(route: Route, body: &[u8]) -> Result<Parsed, BodyError> {
-    let b: Body = serde_json::from_slice(body).map_err(|e| BodyError::NotJson(e.to_string()))?;
+    // A prompt that is a text or a list of token ids, as nearly all are,
+    // is read in one pass; any other shape fails that reading, and the
+    // body is read again to say what is wrong with it.
+    let b = match serde_json::from_slice::<Body<Strict>>(body) {
+        Ok(b) => Body {
+            model: b.model,
+            prompt: b.prompt.map(|p| p.0),
+            messages: b.messages,
+        },
+        Err(_) => serde_json::from_slice::<Body<PromptField>>(body)
+            .map_err(|e| BodyError::NotJson(e.to_string()))?,
+    };
     let model = b
         .model
         .filter(|m| !m.is_empty())
         .ok_or(BodyError::NoModel)?;
     let prompt = match route {
-        Route::Completions => completion_prompt(b.prompt.ok_or(BodyError::NoPrompt)?)?,
+        Route::Completions => match b.prompt.ok_or(BodyError::NoPrompt)? {
+            PromptField::Text(s) => Prompt::Text(s),
+            PromptField::Ids(ids) => Prompt::Tokens(ids),
+            PromptField::Batch(n) => return Err(BodyError::Batch(n)),
+            PromptField::Bad => return Err(BodyError::BadPrompt),
+        },
         Route::Chat => match b.messages {
             Some(Value::Array(m))
                 if !m.is_empty()
@@ -93,33 +112,219 @@ pub fn parse(route: Route, body: &[u8]) -> Result<Parsed, BodyError> {
     Ok(Parsed { model, prompt })
 }
 
-fn completion_prompt(p: Value) -> Result<Prompt, BodyError> {
-    match p {
-        Value::String(s) => Ok(Prompt::Text(s)),
-        Value::Array(items) => {
-            if items.iter().all(Value::is_number) {
-                return token_ids(&items).map(Prompt::Tokens);
-            }
-            match items.as_slice() {
-                [Value::String(s)] => Ok(Prompt::Text(s.clone())),
-                [Value::Array(ids)] => token_ids(ids).map(Prompt::Tokens),
-                [] => Err(BodyError::BadPrompt),
-                more => Err(BodyError::Batch(more.len())),
-            }
-        }
-        _ => Err(BodyError::BadPrompt),
+/// A completion's `prompt` as the body has it, read without a JSON tree
+/// in between: token ids go straight into their list (a tree of 2,000
+/// numbers cost more than the rest of a decision). A prompt of the wrong
+/// shape is read to its end and said to be one, so that the body's other
+/// errors and this one are told apart as before.
+enum PromptField {
+    Text(String),
+    Ids(Vec<u32>),
+    /// A list of `n` > 1 prompts.
+    Batch(usize),
+    /// Anything else: not a string, a list of token ids, or a list holding
+    /// one of either.
+    Bad,
+}
+
+impl<'de> Deserialize<'de> for PromptField {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(FieldVisitor)
     }
 }
 
-fn token_ids(items: &[Value]) -> Result<Vec<u32>, BodyError> {
-    items
-        .iter()
-        .map(|v| {
-            v.as_u64()
-                .and_then(|n| u32::try_from(n).ok())
-                .ok_or(BodyError::BadPrompt)
+/// A prompt that is a text or a non-empty list of token ids, or an error
+/// (which [`PromptField`] then explains). Token ids are read as `u32`s by
+/// the parser's own integer path: a third faster than asking each element
+/// what it is.
+struct Strict(PromptField);
+
+impl<'de> Deserialize<'de> for Strict {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> Visitor<'de> for V {
+            type Value = Strict;
+
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a text or a list of token ids")
+            }
+
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Strict, E> {
+                Ok(Strict(PromptField::Text(s.to_owned())))
+            }
+
+            fn visit_string<E: de::Error>(self, s: String) -> Result<Strict, E> {
+                Ok(Strict(PromptField::Text(s)))
+            }
+
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Strict, A::Error> {
+                let mut ids = Vec::with_capacity(256);
+                while let Some(id) = seq.next_element::<u32>()? {
+                    ids.push(id);
+                }
+                if ids.is_empty() {
+                    return Err(de::Error::invalid_length(0, &self));
+                }
+                Ok(Strict(PromptField::Ids(ids)))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// One element of a `prompt` list.
+enum Item {
+    /// A number: a token id, or `None` for one that is not a `u32`.
+    Id(Option<u32>),
+    Text(String),
+    /// A list: of token ids, or `None` when anything else is in it.
+    Ids(Option<Vec<u32>>),
+    Other,
+}
+
+impl<'de> Deserialize<'de> for Item {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(ItemVisitor)
+    }
+}
+
+/// Token ids from the rest of `seq` onto `ids`; whether every one was one.
+fn read_ids<'de, A: SeqAccess<'de>>(mut seq: A, ids: &mut Vec<u32>) -> Result<bool, A::Error> {
+    let mut all = true;
+    while let Some(item) = seq.next_element::<Item>()? {
+        match item {
+            Item::Id(Some(id)) if all => ids.push(id),
+            _ => all = false,
+        }
+    }
+    Ok(all)
+}
+
+struct FieldVisitor;
+
+impl<'de> Visitor<'de> for FieldVisitor {
+    type Value = PromptField;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a prompt")
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<PromptField, E> {
+        Ok(PromptField::Text(s.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, s: String) -> Result<PromptField, E> {
+        Ok(PromptField::Text(s))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<PromptField, A::Error> {
+        let first = match seq.next_element::<Item>()? {
+            None => return Ok(PromptField::Bad),
+            Some(Item::Id(Some(id))) => {
+                let mut ids = Vec::with_capacity(256);
+                ids.push(id);
+                let all = read_ids(seq, &mut ids)?;
+                return Ok(if all {
+                    PromptField::Ids(ids)
+                } else {
+                    PromptField::Bad
+                });
+            }
+            Some(first) => first,
+        };
+        let mut n = 1;
+        while seq.next_element::<de::IgnoredAny>()?.is_some() {
+            n += 1;
+        }
+        Ok(match first {
+            // A list of several numbers, the first not a token id.
+            Item::Id(_) | Item::Other => PromptField::Bad,
+            _ if n > 1 => PromptField::Batch(n),
+            Item::Text(s) => PromptField::Text(s),
+            Item::Ids(Some(ids)) => PromptField::Ids(ids),
+            Item::Ids(None) => PromptField::Bad,
         })
-        .collect()
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PromptField, A::Error> {
+        while map
+            .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
+            .is_some()
+        {}
+        Ok(PromptField::Bad)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<PromptField, E> {
+        Ok(PromptField::Bad)
+    }
+
+    fn visit_i64<E: de::Error>(self, _: i64) -> Result<PromptField, E> {
+        Ok(PromptField::Bad)
+    }
+
+    fn visit_u64<E: de::Error>(self, _: u64) -> Result<PromptField, E> {
+        Ok(PromptField::Bad)
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<PromptField, E> {
+        Ok(PromptField::Bad)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<PromptField, E> {
+        Ok(PromptField::Bad)
+    }
+}
+
+struct ItemVisitor;
+
+impl<'de> Visitor<'de> for ItemVisitor {
+    type Value = Item;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a prompt's element")
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Item, E> {
+        Ok(Item::Id(u32::try_from(n).ok()))
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<Item, E> {
+        Ok(Item::Id(u32::try_from(n).ok()))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Item, E> {
+        Ok(Item::Id(None))
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Item, E> {
+        Ok(Item::Text(s.to_owned()))
+    }
+
+    fn visit_string<E: de::Error>(self, s: String) -> Result<Item, E> {
+        Ok(Item::Text(s))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Item, A::Error> {
+        let mut ids = Vec::with_capacity(256);
+        let all = read_ids(seq, &mut ids)?;
+        Ok(Item::Ids(all.then_some(ids)))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Item, A::Error> {
+        while map
+            .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
+            .is_some()
+        {}
+        Ok(Item::Other)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Item, E> {
+        Ok(Item::Other)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Item, E> {
+        Ok(Item::Other)
+    }
 }
 
 #[cfg(test)]
@@ -137,6 +342,110 @@ mod tests {
         assert_eq!(p.prompt, Prompt::Tokens(vec![4, 5]));
         let p = parse(Route::Completions, br#"{"model":"m","prompt":["x"]}"#).unwrap();
         assert_eq!(p.prompt, Prompt::Text("x".into()));
+    }
+
+    #[test]
+    fn prompts_of_the_wrong_shape_are_told_apart() {
+        let e = |b: &str| parse(Route::Completions, b.as_bytes()).unwrap_err();
+        for bad in [
+            "[1.5]",
+            "[1, \"x\"]",
+            "[[1, \"x\"]]",
+            "[[1, [2]]]",
+            "[]",
+            "true",
+            "7",
+            "{\"a\": [1]}",
+            "[{\"a\": 1}]",
+            "[null]",
+        ] {
+            assert_eq!(
+                e(&format!(r#"{{"model":"m","prompt":{bad}}}"#)),
+                BodyError::BadPrompt,
+                "{bad}"
+            );
+        }
+        assert_eq!(
+            e(r#"{"model":"m","prompt":[[1,2],[3]]}"#),
+            BodyError::Batch(2)
+        );
+        assert_eq!(
+            e(r#"{"model":"m","prompt":["a",[1],3]}"#),
+            BodyError::Batch(3)
+        );
+        assert_eq!(e(r#"{"model":"m","prompt":null}"#), BodyError::NoPrompt);
+        // Broken JSON inside the prompt is still broken JSON.
+        assert!(matches!(
+            e(r#"{"model":"m","prompt":[1,2"#),
+            BodyError::NotJson(_)
+        ));
+        let p = parse(Route::Completions, br#"{"model":"m","prompt":[[]]}"#).unwrap();
+        assert_eq!(p.prompt, Prompt::Tokens(vec![]));
+    }
+
+    /// The prompt as a JSON tree reads it: the reference the direct
+    /// reader is held to.
+    fn by_tree(p: Value) -> Result<Prompt, BodyError> {
+        let ids = |items: &[Value]| -> Result<Vec<u32>, BodyError> {
+            items
+                .iter()
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|n| u32::try_from(n).ok())
+                        .ok_or(BodyError::BadPrompt)
+                })
+                .collect()
+        };
+        match p {
+            Value::String(s) => Ok(Prompt::Text(s)),
+            Value::Array(items) if !items.is_empty() && items.iter().all(Value::is_number) => {
+                ids(&items).map(Prompt::Tokens)
+            }
+            Value::Array(items) => match items.as_slice() {
+                [Value::String(s)] => Ok(Prompt::Text(s.clone())),
+                [Value::Array(inner)] => ids(inner).map(Prompt::Tokens),
+                [] | [_] => Err(BodyError::BadPrompt),
+                [
+                    Value::Number(_) | Value::Bool(_) | Value::Null | Value::Object(_),
+                    ..,
+                ] => Err(BodyError::BadPrompt),
+                more => Err(BodyError::Batch(more.len())),
+            },
+            _ => Err(BodyError::BadPrompt),
+        }
+    }
+
+    fn json_prompt() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            (0u64..10).prop_map(Value::from),
+            any::<u32>().prop_map(Value::from),
+            (u64::from(u32::MAX)..u64::MAX).prop_map(Value::from),
+            (i64::MIN..0).prop_map(Value::from),
+            any::<f64>()
+                .prop_filter("finite", |f| f.is_finite())
+                .prop_map(Value::from),
+            "[a-z\\\\\"é]{0,4}".prop_map(Value::from),
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::from),
+        ];
+        leaf.prop_recursive(3, 24, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                proptest::collection::vec(("[a-c]", inner), 0..3)
+                    .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+            ]
+        })
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn the_direct_reader_reads_every_prompt_as_a_json_tree_would(p in json_prompt()) {
+            let body = serde_json::json!({"model": "m", "prompt": p}).to_string();
+            let direct = parse(Route::Completions, body.as_bytes()).map(|p| p.prompt);
+            let expected = if p.is_null() { Err(BodyError::NoPrompt) } else { by_tree(p) };
+            proptest::prop_assert_eq!(direct, expected);
+        }
     }
 
     #[test]

@@ -194,7 +194,7 @@ pub fn read_request(
 pub fn prompt(body: &Body, models: &Models, limits: &Limits) -> Result<Prompted, Refusal> {
     let parsed = body::parse(body.route, &body.bytes)
         .map_err(|e| refuse(400, "bad_request", &e.to_string()))?;
-    let tokens = match models.tokens(&parsed.model, &parsed.prompt, limits.max_prompt_tokens) {
+    let tokens = match models.tokens(&parsed.model, parsed.prompt, limits.max_prompt_tokens) {
         Ok(t) => t,
         Err(e @ PromptError::UnknownModel(_)) => {
             return Err(refuse(404, "model_not_found", &e.to_string()));

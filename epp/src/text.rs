@@ -737,7 +737,7 @@ mod tests {
     }
 
     fn ids(m: &Models, text: &str) -> Vec<u32> {
-        match m.tokens("m", &Prompt::Text(text.into()), 1 << 20).unwrap() {
+        match m.tokens("m", Prompt::Text(text.into()), 1 << 20).unwrap() {
             Tokens::Ids(ids) => ids,
             Tokens::Text(_) => panic!("the model has a tokenizer"),
         }

@@ -273,34 +273,29 @@ impl Models {
     }
 
     /// The token ids of `prompt` for `model`, at most `limit` of them.
-    pub fn tokens(
-        &self,
-        model: &str,
-        prompt: &Prompt,
-        limit: usize,
-    ) -> Result<Tokens, PromptError> {
+    /// Ids, and a text without a tokenizer, pass through without a copy.
+    pub fn tokens(&self, model: &str, prompt: Prompt, limit: usize) -> Result<Tokens, PromptError> {
         let m = self
             .by_name
             .get(model)
             .ok_or_else(|| PromptError::UnknownModel(model.to_owned()))?;
         let tokens = match prompt {
-            Prompt::Tokens(ids) => Tokens::Ids(ids.clone()),
+            Prompt::Tokens(ids) => Tokens::Ids(ids),
             Prompt::Text(text) => match &m.tokenizer {
                 Some(t) => {
-                    let cached = m
-                        .splitter
-                        .as_ref()
-                        .and_then(|s| crate::text::encode_with(t, s, &m.cache, &self.prefix, text));
+                    let cached = m.splitter.as_ref().and_then(|s| {
+                        crate::text::encode_with(t, s, &m.cache, &self.prefix, &text)
+                    });
                     match cached {
                         Some(ids) => Tokens::Ids(ids.map_err(PromptError::Tokenize)?),
-                        None => Tokens::Ids(encode(t, text, true)?),
+                        None => Tokens::Ids(encode(t, &text, true)?),
                     }
                 }
-                None => Tokens::Text(text.clone()),
+                None => Tokens::Text(text),
             },
             Prompt::Messages(messages) => match (&m.tokenizer, &m.template) {
                 (Some(t), Some(env)) => {
-                    let text = render(env, messages, &m.bos_token, &m.eos_token)?;
+                    let text = render(env, &messages, &m.bos_token, &m.eos_token)?;
                     match &m.cuts {
                         Some(cuts) => Tokens::Ids(
                             crate::prefix::encode_with(
@@ -316,7 +311,7 @@ impl Models {
                         None => Tokens::Ids(encode(t, &text, false)?),
                     }
                 }
-                _ => Tokens::Text(plain_text(messages)),
+                _ => Tokens::Text(plain_text(&messages)),
             },
         };
         if let Tokens::Ids(ids) = &tokens

@@ -325,7 +325,7 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
             false,
         );
     }
-    let tokens = match models.tokens(&parsed.model, &parsed.prompt, MAX_PROMPT_TOKENS) {
+    let tokens = match models.tokens(&parsed.model, parsed.prompt, MAX_PROMPT_TOKENS) {
         Ok(Tokens::Ids(ids)) => ids,
         Ok(Tokens::Text(_)) => {
             return error(
