@@ -65,6 +65,31 @@ pub const INLINE_ASCII_PROMPT_BYTES: usize = 32 << 10;
 /// closed (HTTP/2 begins with the client's preface).
 pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long the serving thread checks for the routing core's reply,
+/// yielding its CPU between checks, before it parks until the reply wakes
+/// it. The core answers a select within microseconds of waking, and a
+/// parked serving thread paid a wake-up of its own for each reply: the
+/// round trip to the core took 24-25 µs at the median parked and 10-11
+/// checking (BENCHMARKS.md, "Endpoint picker"). A reply that takes longer
+/// costs the thread no more than this. The query clients wait the same way.
+pub const REPLY_WAIT: Duration = Duration::from_micros(50);
+
+/// The routing core's reply on `rx`, checked for up to [`REPLY_WAIT`]
+/// before the task parks; `None` when the core dropped the request.
+async fn core_reply(mut rx: oneshot::Receiver<Vec<u8>>) -> Option<Vec<u8>> {
+    let start = std::time::Instant::now();
+    loop {
+        match rx.try_recv() {
+            Ok(frame) => return Some(frame),
+            Err(oneshot::error::TryRecvError::Closed) => return None,
+            Err(oneshot::error::TryRecvError::Empty) if start.elapsed() < REPLY_WAIT => {
+                std::thread::yield_now();
+            }
+            Err(oneshot::error::TryRecvError::Empty) => return rx.await.ok(),
+        }
+    }
+}
+
 /// The server's bounds (`epp:` in the configuration).
 #[derive(Clone, Debug)]
 pub struct Settings {
@@ -288,9 +313,9 @@ impl Picker {
                 let _ = tx.send(r);
             }),
         );
-        let mut frame = rx
+        let mut frame = core_reply(rx)
             .await
-            .map_err(|_| "the routing core is gone".to_owned())?;
+            .ok_or_else(|| "the routing core is gone".to_owned())?;
         if frame.len() < 8 {
             return Err("a short reply frame from the routing core".into());
         }
@@ -369,7 +394,7 @@ impl Picker {
                 let _ = tx.send(r);
             }),
         );
-        let Ok(reply) = rx.await else {
+        let Some(reply) = core_reply(rx).await else {
             return Picked::Refused {
                 status: "internal",
                 message: "the routing core is gone".into(),
@@ -963,4 +988,72 @@ pub async fn serve(
 /// The address a listener is bound to, for logs.
 pub fn describe(addr: SocketAddr) -> String {
     format!("ext_proc on {addr} ({EXT_PROC_SERVICE}, grpc.health.v1)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn run<T>(f: impl std::future::Future<Output = T>) -> T {
+        tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap()
+            .block_on(f)
+    }
+
+    #[test]
+    fn a_reply_is_taken_however_late_it_comes_and_a_dropped_request_is_none() {
+        // Already there.
+        let (tx, rx) = oneshot::channel();
+        tx.send(vec![1]).unwrap();
+        assert_eq!(run(core_reply(rx)), Some(vec![1]));
+        // Within the wait, from another thread.
+        let (tx, rx) = oneshot::channel();
+        let t = std::thread::spawn(move || tx.send(vec![2]).unwrap());
+        assert_eq!(run(core_reply(rx)), Some(vec![2]));
+        t.join().unwrap();
+        // Long after the wait: the task parks, and the reply wakes it.
+        let (tx, rx) = oneshot::channel();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(REPLY_WAIT * 20);
+            tx.send(vec![3]).unwrap();
+        });
+        let start = std::time::Instant::now();
+        assert_eq!(run(core_reply(rx)), Some(vec![3]));
+        assert!(start.elapsed() >= REPLY_WAIT * 20);
+        t.join().unwrap();
+        // Dropped at once, and after the wait.
+        let (tx, rx) = oneshot::channel::<Vec<u8>>();
+        drop(tx);
+        assert_eq!(run(core_reply(rx)), None);
+        let (tx, rx) = oneshot::channel::<Vec<u8>>();
+        let t = std::thread::spawn(move || {
+            std::thread::sleep(REPLY_WAIT * 20);
+            drop(tx);
+        });
+        assert_eq!(run(core_reply(rx)), None);
+        t.join().unwrap();
+    }
+
+    #[test]
+    fn other_tasks_run_while_a_late_reply_is_awaited() {
+        // Past the wait the serving thread is free again: a second task on
+        // the same single-threaded runtime finishes before the late reply.
+        let order = run(async {
+            let (tx, rx) = oneshot::channel();
+            let done = Arc::new(std::sync::Mutex::new(Vec::new()));
+            let d = Arc::clone(&done);
+            let other = tokio::spawn(async move { d.lock().unwrap().push("other") });
+            let t = std::thread::spawn(move || {
+                std::thread::sleep(REPLY_WAIT * 40);
+                tx.send(vec![]).unwrap();
+            });
+            core_reply(rx).await.unwrap();
+            done.lock().unwrap().push("reply");
+            other.await.unwrap();
+            t.join().unwrap();
+            done.lock().unwrap().clone()
+        });
+        assert_eq!(order, ["other", "reply"]);
+    }
 }
