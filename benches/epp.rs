@@ -12,6 +12,12 @@
 //! new or continued, is tokenized alone too. The prefix cache is on (its
 //! default size) in every row.
 //!
+//! Each decision is followed by the same exchange with a processor that
+//! answers at once, in the same process: the gRPC floor, so that the
+//! picker's own part is each decision less the floor's exchange after it
+//! (the machine's moods weigh on both alike). The process runs with the
+//! kvedge binary's allocator (mimalloc).
+//!
 //! Not criterion: the figures wanted are p50 and p99 per decision, so each
 //! decision is timed on the monotonic clock and the samples sorted.
 //!
@@ -21,13 +27,24 @@
 
 mod support;
 
+/// The kvedge binary's allocator, so that the daemon in this process
+/// allocates as the shipped one does.
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
+use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
+    ExternalProcessor, ExternalProcessorServer,
+};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
-use envoy_types::pb::envoy::service::ext_proc::v3::{HttpBody, HttpHeaders, ProcessingRequest};
+use envoy_types::pb::envoy::service::ext_proc::v3::{
+    BodyResponse, CommonResponse, HeadersResponse, HttpBody, HttpHeaders, ProcessingRequest,
+    ProcessingResponse,
+};
 use kvedge_epp::body::Prompt;
 use kvedge_epp::{ModelSpec, Models};
 use kvedge_testkit::Percentiles;
@@ -158,13 +175,18 @@ fn main() {
     let ids_body = serde_json::json!({"model": "m", "stream": true, "prompt": tokens})
         .to_string()
         .into_bytes();
+    let floor_port = answers_at_once();
     let (chat_new, chat_seen, with_ids) = rt.block_on(async {
-        let mut client = ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"))
-            .await
-            .unwrap();
-        let new = decisions(&mut client, "/v1/chat/completions", |i| body(i, false), n).await;
-        let seen = decisions(&mut client, "/v1/chat/completions", |i| body(i, true), n).await;
-        let ids = decisions(&mut client, "/v1/completions", |_| ids_body.clone(), n).await;
+        let connect =
+            |port: u16| ExternalProcessorClient::connect(format!("http://127.0.0.1:{port}"));
+        let mut clients = [
+            connect(port).await.unwrap(),
+            connect(floor_port).await.unwrap(),
+        ];
+        let chat = "/v1/chat/completions";
+        let new = decisions(&mut clients, chat, |i| body(i, false), n).await;
+        let seen = decisions(&mut clients, chat, |i| body(i, true), n).await;
+        let ids = decisions(&mut clients, "/v1/completions", |_| ids_body.clone(), n).await;
         (new, seen, ids)
     });
     drop(engine);
@@ -175,6 +197,22 @@ fn main() {
     let row = |what: &str, samples: Vec<Duration>| {
         let (p50, p99) = Percentiles::of(samples).p50_p99_us();
         println!("| {what} | {p50:.1} µs | {p99:.1} µs |");
+    };
+    // A decision's rows: over ext_proc, the floor's exchange beside it,
+    // and the picker's own part.
+    let rows = |what: &str, d: Paired| {
+        row(
+            &format!("the picker's decision over ext_proc, {what}"),
+            d.picker,
+        );
+        row(
+            "  the same exchange with a processor that answers at once (the gRPC floor)",
+            d.floor,
+        );
+        row(
+            "  the picker's part (each decision less the floor's exchange after it)",
+            d.own,
+        );
     };
     println!(
         "a chat request of {chat_tokens} tokens ({} bytes of body), {n} decisions each:",
@@ -198,32 +236,127 @@ fn main() {
         "a plain-text prompt, tokenizer alone, the text before its last line seen",
         text_seen,
     );
-    row(
-        "the picker's decision over ext_proc (headers, body, pick), a new conversation",
-        chat_new,
-    );
-    row(
-        "the picker's decision over ext_proc, earlier turns seen",
-        chat_seen,
-    );
-    row(
+    rows("a new conversation (headers, body, pick)", chat_new);
+    rows("earlier turns seen", chat_seen);
+    rows(
         &format!(
-            "the same decision, the prompt sent as token ids (no template or tokenizer; {} bytes of body)",
+            "the prompt sent as token ids (no template or tokenizer; {} bytes of body)",
             ids_body.len()
         ),
         with_ids,
     );
 }
 
-/// `n` decisions (after 100 to warm the connection and caches), each a
+/// An ext_proc processor on its own thread and single-threaded runtime,
+/// as the picker's, that answers each message at once: what the gRPC
+/// exchanges alone cost. Its port.
+fn answers_at_once() -> u16 {
+    #[derive(Clone, Copy)]
+    struct AtOnce;
+    #[tonic::async_trait]
+    impl ExternalProcessor for AtOnce {
+        type ProcessStream =
+            tokio_stream::wrappers::ReceiverStream<Result<ProcessingResponse, tonic::Status>>;
+        async fn process(
+            &self,
+            request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
+        ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
+            let mut inbound = request.into_inner();
+            let (tx, rx) = tokio::sync::mpsc::channel(4);
+            tokio::spawn(async move {
+                while let Ok(Some(m)) = inbound.message().await {
+                    let common = Some(CommonResponse {
+                        clear_route_cache: true,
+                        ..Default::default()
+                    });
+                    let response = match m.request {
+                        Some(Msg::RequestHeaders(_)) => {
+                            Response::RequestHeaders(HeadersResponse { response: None })
+                        }
+                        _ => Response::RequestBody(BodyResponse { response: common }),
+                    };
+                    let r = ProcessingResponse {
+                        response: Some(response),
+                        ..Default::default()
+                    };
+                    if tx.send(Ok(r)).await.is_err() {
+                        break;
+                    }
+                }
+            });
+            Ok(tonic::Response::new(
+                tokio_stream::wrappers::ReceiverStream::new(rx),
+            ))
+        }
+    }
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    listener.set_nonblocking(true).unwrap();
+    std::thread::spawn(move || {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+            // Without Nagle's algorithm, as the picker's accept loop sets.
+            let incoming = tokio_stream::StreamExt::map(
+                tokio_stream::wrappers::TcpListenerStream::new(listener),
+                |s| s.inspect(|s| s.set_nodelay(true).unwrap()),
+            );
+            tonic::transport::Server::builder()
+                .add_service(ExternalProcessorServer::new(AtOnce))
+                .serve_with_incoming(incoming)
+                .await
+                .unwrap();
+        });
+    });
+    port
+}
+
+/// A decision's samples: the picker's, the floor's, and their differences.
+struct Paired {
+    picker: Vec<Duration>,
+    floor: Vec<Duration>,
+    own: Vec<Duration>,
+}
+
+/// `n` decisions (after 100 to warm the connections and caches), each a
 /// gRPC stream of the request headers for `path` and the buffered `body`,
-/// timed until the pick arrives.
+/// timed until the pick arrives; each followed by the same exchange with
+/// the processor that answers at once (`clients[1]`), so that the
+/// machine's moods weigh on both alike.
 async fn decisions(
-    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    clients: &mut [ExternalProcessorClient<tonic::transport::Channel>; 2],
     path: &str,
     body: impl Fn(usize) -> Vec<u8>,
     n: usize,
-) -> Vec<Duration> {
+) -> Paired {
+    let mut d = Paired {
+        picker: Vec::with_capacity(n),
+        floor: Vec::with_capacity(n),
+        own: Vec::with_capacity(n),
+    };
+    for i in 0..n + 100 {
+        let body = body(i);
+        let picker = exchange(&mut clients[0], path, body.clone()).await;
+        let floor = exchange(&mut clients[1], path, body).await;
+        if i >= 100 {
+            d.picker.push(picker);
+            d.floor.push(floor);
+            d.own.push(picker.saturating_sub(floor));
+        }
+    }
+    d
+}
+
+/// One ext_proc stream: the request headers for `path` and the buffered
+/// `body`, timed until the answer to the body (a pick) arrives.
+async fn exchange(
+    client: &mut ExternalProcessorClient<tonic::transport::Channel>,
+    path: &str,
+    body: Vec<u8>,
+) -> Duration {
     let headers = HttpHeaders {
         headers: Some(HeaderMap {
             headers: vec![HeaderValue {
@@ -234,43 +367,36 @@ async fn decisions(
         }),
         ..Default::default()
     };
-    let mut samples = Vec::with_capacity(n);
-    for i in 0..n + 100 {
-        let body = body(i);
-        let t = Instant::now();
-        let (tx, rx) = tokio::sync::mpsc::channel(2);
-        tx.send(ProcessingRequest {
-            request: Some(Msg::RequestHeaders(headers.clone())),
+    let t = Instant::now();
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    tx.send(ProcessingRequest {
+        request: Some(Msg::RequestHeaders(headers)),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    tx.send(ProcessingRequest {
+        request: Some(Msg::RequestBody(HttpBody {
+            body,
+            end_of_stream: true,
             ..Default::default()
-        })
+        })),
+        ..Default::default()
+    })
+    .await
+    .unwrap();
+    let mut stream = client
+        .process(tokio_stream::wrappers::ReceiverStream::new(rx))
         .await
-        .unwrap();
-        tx.send(ProcessingRequest {
-            request: Some(Msg::RequestBody(HttpBody {
-                body,
-                end_of_stream: true,
-                ..Default::default()
-            })),
-            ..Default::default()
-        })
-        .await
-        .unwrap();
-        let mut stream = client
-            .process(tokio_stream::wrappers::ReceiverStream::new(rx))
-            .await
-            .unwrap()
-            .into_inner();
-        let _headers = stream.message().await.unwrap().unwrap();
-        let pick = stream.message().await.unwrap().unwrap();
-        let elapsed = t.elapsed();
-        let Some(Response::RequestBody(b)) = pick.response else {
-            panic!("a pick: {pick:?}");
-        };
-        assert!(b.response.is_some_and(|c| c.clear_route_cache));
-        drop(tx);
-        if i >= 100 {
-            samples.push(elapsed);
-        }
-    }
-    samples
+        .unwrap()
+        .into_inner();
+    let _headers = stream.message().await.unwrap().unwrap();
+    let pick = stream.message().await.unwrap().unwrap();
+    let elapsed = t.elapsed();
+    let Some(Response::RequestBody(b)) = pick.response else {
+        panic!("a pick: {pick:?}");
+    };
+    assert!(b.response.is_some_and(|c| c.clear_route_cache));
+    drop(tx);
+    elapsed
 }
