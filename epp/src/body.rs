@@ -246,11 +246,8 @@ impl<'de> Visitor<'de> for FieldVisitor {
         })
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<PromptField, A::Error> {
-        while map
-            .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
-            .is_some()
-        {}
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<PromptField, A::Error> {
+        skip_map(map)?;
         Ok(PromptField::Bad)
     }
 
@@ -273,6 +270,15 @@ impl<'de> Visitor<'de> for FieldVisitor {
     fn visit_unit<E: de::Error>(self) -> Result<PromptField, E> {
         Ok(PromptField::Bad)
     }
+}
+
+/// Reads past an object where a prompt or its element was expected.
+fn skip_map<'de, A: MapAccess<'de>>(mut map: A) -> Result<(), A::Error> {
+    while map
+        .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
+        .is_some()
+    {}
+    Ok(())
 }
 
 struct ItemVisitor;
@@ -310,11 +316,8 @@ impl<'de> Visitor<'de> for ItemVisitor {
         Ok(Item::Ids(all.then_some(ids)))
     }
 
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Item, A::Error> {
-        while map
-            .next_entry::<de::IgnoredAny, de::IgnoredAny>()?
-            .is_some()
-        {}
+    fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<Item, A::Error> {
+        skip_map(map)?;
         Ok(Item::Other)
     }
 
