@@ -195,6 +195,9 @@ struct Figures {
     ttft: [f64; 3],
     e2e: [f64; 2],
     cpu_ms_per_request: f64,
+    /// The same, per process the router is (with its descendants), by
+    /// name, when it is more than one: `kvedge` and `envoy`.
+    cpu_split: Vec<(String, f64)>,
     peak_rss_mib: f64,
     ttfts: Vec<f64>,
     /// Every request in trace order: engine, prompt and cached tokens, TTFT
@@ -258,9 +261,29 @@ fn run_one(
             dir.display()
         ));
     }
-    let cpu0 = routers::cpu_ms(&running.pids);
+    let per_process = |pids: &[u32]| {
+        pids.iter()
+            .map(|&p| routers::cpu_ms(&[p]))
+            .collect::<Vec<_>>()
+    };
+    let cpu0 = per_process(&running.pids);
     let outcomes = client::replay(running.addr, "m", sends);
-    let cpu = routers::cpu_ms(&running.pids) - cpu0;
+    let split: Vec<f64> = per_process(&running.pids)
+        .iter()
+        .zip(&cpu0)
+        .map(|(after, before)| after - before)
+        .collect();
+    let cpu: f64 = split.iter().sum();
+    let cpu_split = if split.len() > 1 {
+        running
+            .pids
+            .iter()
+            .zip(&split)
+            .map(|(&pid, ms)| (routers::name(pid), ms / outcomes.len() as f64))
+            .collect()
+    } else {
+        Vec::new()
+    };
     let rss = routers::peak_rss_mib(&running.pids);
     drop(running);
     drop(procs);
@@ -287,6 +310,7 @@ fn run_one(
         ttft: [0.5, 0.9, 0.99].map(|q| percentile(&ttft, q)),
         e2e: [0.5, 0.99].map(|q| percentile(&e2e, q)),
         cpu_ms_per_request: cpu / outcomes.len() as f64,
+        cpu_split,
         peak_rss_mib: rss,
         ttfts: ttft,
         requests_seen: outcomes
@@ -308,9 +332,20 @@ fn table(figures: &[Figures]) -> String {
         "| trace | rate/s | router | run | hit rate | TTFT p50 / p90 / p99 (ms) | e2e p50 / p99 (ms) | errors | router CPU ms/request | router peak RSS MiB |\n|---|---|---|---|---|---|---|---|---|---|\n",
     );
     for f in figures {
+        // A router of several processes: its CPU as the sum of theirs.
+        let split: Vec<String> = f
+            .cpu_split
+            .iter()
+            .map(|(name, ms)| format!("{name} {ms:.2}"))
+            .collect();
+        let split = if split.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", split.join(" + "))
+        };
         let _ = writeln!(
             t,
-            "| {} | {} | {} | {} | {:.1} % | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} | {} | {:.2} | {:.0} |",
+            "| {} | {} | {} | {} | {:.1} % | {:.0} / {:.0} / {:.0} | {:.0} / {:.0} | {} | {:.2}{split} | {:.0} |",
             f.shape,
             f.rate,
             f.router,
@@ -410,7 +445,9 @@ fn real_main() -> Result<(), String> {
             json!({"trace": f.shape, "rate": f.rate, "router": f.router, "run": f.run,
                    "requests": f.requests, "errors": f.errors, "first_error": f.first_error,
                    "hit_rate": f.hit_rate, "ttft_ms": f.ttft, "e2e_ms": f.e2e,
-                   "cpu_ms_per_request": f.cpu_ms_per_request, "peak_rss_mib": f.peak_rss_mib,
+                   "cpu_ms_per_request": f.cpu_ms_per_request,
+                   "cpu_ms_per_request_by_process": f.cpu_split.iter().map(|(n, ms)| json!({"process": n, "cpu_ms_per_request": ms})).collect::<Vec<_>>(),
+                   "peak_rss_mib": f.peak_rss_mib,
                    "ttft_samples_ms": f.ttfts,
                    "per_request": {"fields": ["engine", "prompt_tokens", "cached_tokens", "ttft_ms"],
                                    "rows": f.requests_seen}})

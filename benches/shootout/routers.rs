@@ -376,6 +376,13 @@ fn tree(roots: &[u32]) -> Vec<u32> {
     out
 }
 
+/// A process's name (`/proc/<pid>/comm`), or its pid when it is gone.
+pub fn name(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/comm"))
+        .map(|n| n.trim().to_owned())
+        .unwrap_or_else(|_| pid.to_string())
+}
+
 /// CPU time (user and system, all threads) of `roots` and their
 /// descendants, in ms.
 pub fn cpu_ms(roots: &[u32]) -> f64 {
