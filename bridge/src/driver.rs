@@ -349,6 +349,21 @@ async fn run_scraper(
     }
 }
 
+/// A rank's housekeeping tick (liveness, notices, heartbeats, the
+/// session), four times a heartbeat timeout and at least every 250 ms, on
+/// the process's grid as the scrapers' reads are: every rank's tick comes
+/// in the same wake-up of the bridge's thread, and their heartbeats in one
+/// of the daemon's, rather than one each. A late tick is skipped, not
+/// shifted off the grid.
+fn housekeeping(timeout: Duration) -> tokio::time::Interval {
+    let period = (timeout / 4)
+        .min(Duration::from_millis(250))
+        .max(Duration::from_millis(1));
+    let mut tick = tokio::time::interval_at(on_grid(tokio::time::Instant::now(), period), period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    tick
+}
+
 /// The first instant at or after `at` on a grid of `step` shared by every
 /// scraper of the process: engines whose reads fall due in the same step
 /// are read together, one wake-up of the bridge's thread for all of them
@@ -862,8 +877,7 @@ async fn run_rank(
     let mut reported = Reported::default();
     let mut logs = Logs::default();
     let mut scraper_gone = false;
-    let mut tick = tokio::time::interval((timeout / 4).min(Duration::from_millis(250)));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = housekeeping(timeout);
     loop {
         if sub.is_none() {
             match open_sub(&rank, &allow).await {
@@ -1277,6 +1291,45 @@ mod tests {
             let got = grid_point(at, epoch, step);
             assert!(got >= at && got - at < step, "{due}");
         }
+    }
+
+    /// Ranks started at different instants tick at the same instants, and
+    /// one that missed ticks comes back on the same grid.
+    #[tokio::test(start_paused = true)]
+    async fn every_ranks_housekeeping_ticks_in_the_same_wake_up() {
+        let ms = Duration::from_millis;
+        let timeout = Duration::from_secs(30);
+        let mut a = housekeeping(timeout);
+        tokio::time::sleep(ms(70)).await;
+        let mut b = housekeeping(timeout);
+        tokio::time::sleep(ms(45)).await;
+        let mut c = housekeeping(timeout);
+        let mut at_a = Vec::new();
+        for _ in 0..12 {
+            at_a.push(a.tick().await);
+        }
+        let period = at_a[1] - at_a[0];
+        assert_eq!(period, ms(250));
+        assert!(at_a.windows(2).all(|w| w[1] - w[0] == period), "{at_a:?}");
+        let on_grid = |t: tokio::time::Instant| {
+            t.checked_duration_since(at_a[0])
+                .is_some_and(|d| d.as_nanos() % period.as_nanos() == 0)
+        };
+        for _ in 0..6 {
+            let t = b.tick().await;
+            assert!(on_grid(t), "{t:?} off the grid of {at_a:?}");
+        }
+        // `c` ticks once, then misses two ticks' worth of time (its
+        // thread was busy): its next ticks are on the grid, not 250 ms
+        // apart from the late one.
+        c.tick().await;
+        tokio::time::sleep(ms(610)).await;
+        let before = tokio::time::Instant::now();
+        for _ in 0..3 {
+            let t = c.tick().await;
+            assert!(on_grid(t), "{t:?} off the grid of {at_a:?}");
+        }
+        assert!(tokio::time::Instant::now() - before < period * 3);
     }
 
     #[test]
