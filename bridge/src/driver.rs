@@ -294,8 +294,11 @@ async fn run_scraper(
     let interval = Duration::from_millis(spec.scrape_interval_ms);
     // No redirects: a metrics endpoint that sends kvedge elsewhere is
     // misconfigured, and following it would let it point kvedge at any
-    // host. The page and the time are capped.
+    // host. No proxy either: an `HTTP_PROXY` in the daemon's environment
+    // (set for model downloads, say) would otherwise carry every read of a
+    // local engine through it, or fail it. The page and the time are capped.
     let client = match reqwest::Client::builder()
+        .no_proxy()
         .timeout(interval.max(Duration::from_millis(500)))
         .connect_timeout(CONNECT_TIMEOUT)
         .redirect(reqwest::redirect::Policy::none())

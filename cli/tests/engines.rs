@@ -10,7 +10,7 @@ mod common;
 use std::time::Duration;
 
 use common::fake_engine::{FakeEngine, notice, overlap, tokens, wait, wait_nudging, worker};
-use common::{Conn, start};
+use common::{Conn, start, start_with_env};
 use serde_json::json;
 
 fn config(engine: &FakeEngine, extra: &str) -> String {
@@ -256,6 +256,36 @@ fn a_dead_exporter_takes_its_worker_out_of_routing() {
                 && l.contains("code=\"load_unreadable\"")
                 && l.ends_with(" 0")),
         "{text}"
+    );
+}
+
+/// An operator's `HTTP_PROXY` (say, for model downloads) is not used for
+/// the engines' metrics: they are read directly, and a proxy sees nothing.
+#[test]
+fn the_engines_metrics_are_read_directly_whatever_proxy_the_environment_names() {
+    let proxy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    proxy.set_nonblocking(true).unwrap();
+    let url = format!("http://{}", proxy.local_addr().unwrap());
+    let mut e = FakeEngine::spawn(&["--no-events"]);
+    let d = start_with_env(
+        "engines-proxy",
+        &config(&e, ""),
+        &[
+            ("HTTP_PROXY", &url),
+            ("http_proxy", &url),
+            ("ALL_PROXY", &url),
+            ("all_proxy", &url),
+        ],
+    );
+    let mut c = Conn::connect(&d.query());
+    e.send(json!({"op": "load", "running": 1, "waiting": 3, "usage": 0.5}));
+    wait(
+        || worker(&mut c, 10)["waiting_requests"] == 3,
+        "the load read from the engine itself",
+    );
+    assert!(
+        matches!(proxy.accept(), Err(ref err) if err.kind() == std::io::ErrorKind::WouldBlock),
+        "the proxy named in the environment was connected to"
     );
 }
 

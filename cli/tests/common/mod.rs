@@ -94,9 +94,21 @@ pub fn start_logging(name: &str, yaml: &str, stderr: impl Into<Stdio>) -> Daemon
     start_in(temp_dir(name), yaml, stderr.into())
 }
 
+/// [`start`], with `env` added to the daemon's environment.
+pub fn start_with_env(name: &str, yaml: &str, env: &[(&str, &str)]) -> Daemon {
+    let dir = temp_dir(name);
+    let log = std::fs::File::create(dir.join("daemon.log")).unwrap();
+    start_in_env(dir, yaml, log.into(), env)
+}
+
 fn start_in(dir: PathBuf, yaml: &str, stderr: Stdio) -> Daemon {
+    start_in_env(dir, yaml, stderr, &[])
+}
+
+fn start_in_env(dir: PathBuf, yaml: &str, stderr: Stdio, env: &[(&str, &str)]) -> Daemon {
     std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .envs(env.iter().copied())
         .arg("run")
         .arg("--config")
         .arg(dir.join("kvedge.yaml"))
