@@ -61,16 +61,6 @@ fn names(kind: EngineKind) -> Names {
     }
 }
 
-/// The names of the families of `names`, in the order of [`Family`].
-fn families(names: &Names) -> [Option<&'static str>; 4] {
-    [
-        Some(names.running),
-        Some(names.waiting),
-        Some(names.usage),
-        names.info,
-    ]
-}
-
 /// Which figure a sample line gives.
 #[derive(Clone, Copy)]
 enum Family {
@@ -80,22 +70,29 @@ enum Family {
     Info,
 }
 
-const FAMILIES: [Family; 4] = [
-    Family::Running,
-    Family::Waiting,
-    Family::Usage,
-    Family::Info,
-];
+/// Each family read, by its name in `names` (none: the kind has no such
+/// metric).
+fn families(names: &Names) -> [(Option<&'static str>, Family); 4] {
+    [
+        (Some(names.running), Family::Running),
+        (Some(names.waiting), Family::Waiting),
+        (Some(names.usage), Family::Usage),
+        (names.info, Family::Info),
+    ]
+}
 
-/// The family of a line whose sample is one of `names`' (the name followed
-/// by its labels or a space), and the rest of the line after the name.
-/// Every other line (a comment, another metric, a longer name that starts
-/// with one of these) is passed over after a comparison of its first bytes:
-/// a real page is hundreds of lines of which four are read.
-fn family<'a>(line: &'a str, names: &[Option<&'static str>; 4]) -> Option<(Family, &'a str)> {
+/// The family of a line whose sample is one of `families` (the name
+/// followed by its labels or a space), and the rest of the line after the
+/// name. Every other line (a comment, another metric, a longer name that
+/// starts with one of these) is passed over after a comparison of its
+/// first bytes: a real page is hundreds of lines of which four are read.
+fn family<'a>(
+    line: &'a str,
+    families: &[(Option<&'static str>, Family); 4],
+) -> Option<(Family, &'a str)> {
     let line = line.trim_start();
-    names.iter().zip(FAMILIES).find_map(|(name, family)| {
-        let rest = line.strip_prefix((*name)?)?;
+    families.iter().find_map(|&(name, family)| {
+        let rest = line.strip_prefix(name?)?;
         (rest.starts_with('{') || rest.starts_with(char::is_whitespace)).then_some((family, rest))
     })
 }
