@@ -353,7 +353,7 @@ async fn run_scraper(
 }
 
 /// A rank's housekeeping tick (liveness, notices, heartbeats, the
-/// session), four times a heartbeat timeout and at least every 250 ms, on
+/// session), four times in a heartbeat timeout and at least every 250 ms, on
 /// the process's grid as the scrapers' reads are: every rank's tick comes
 /// in the same wake-up of the bridge's thread, and their heartbeats in one
 /// of the daemon's, rather than one each. A late tick is skipped, not
