@@ -73,7 +73,10 @@ class Proxy:
     ) -> None:
         self.kvedge = kvedge.AsyncClient(runtime_dir, rings=True)
         self.tokenize = tokenize
-        self.http = http or httpx.AsyncClient(timeout=None)
+        # trust_env=False: the engines are this node's; an HTTP_PROXY set
+        # in the environment (for model downloads, say) must not carry
+        # their traffic.
+        self.http = http or httpx.AsyncClient(timeout=None, trust_env=False)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

@@ -53,8 +53,14 @@ def fake_engine() -> Iterator[Tuple[str, http.server.HTTPServer]]:
     server.shutdown()
 
 
-def test_the_proxy_routes_streams_and_reports_prefill_done_and_finish(daemon: Daemon, fake_engine) -> None:
+def test_the_proxy_routes_streams_and_reports_prefill_done_and_finish(
+    daemon: Daemon, fake_engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
     url, _ = fake_engine
+    # A proxy named in the environment (nothing listens there) is not used
+    # for the engines: they are this node's.
+    for name in ("HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy"):
+        monkeypatch.setenv(name, "http://127.0.0.1:9")
     engine = kvedge.Publisher(daemon.control, 1, "m", block_size=16, endpoint=url)
     prompt = "You are a helpful assistant. " * 80  # 2,320 bytes
     with kvedge.Client(daemon.dir) as c:
