@@ -71,7 +71,7 @@ pub fn start(name: &str, yaml: &str) -> Daemon {
     }
     let dir = temp_dir(name);
     let log = std::fs::File::create(dir.join("daemon.log")).unwrap();
-    start_in(dir, yaml, log.into())
+    start_in(dir, yaml, log.into(), &[])
 }
 
 /// [`start`] with the endpoint picker on (a free loopback port) for model
@@ -91,21 +91,17 @@ pub fn start_with_picker(name: &str) -> (Daemon, tokenizers::Tokenizer) {
 
 /// [`start`], with the daemon's log going to `stderr`.
 pub fn start_logging(name: &str, yaml: &str, stderr: impl Into<Stdio>) -> Daemon {
-    start_in(temp_dir(name), yaml, stderr.into())
+    start_in(temp_dir(name), yaml, stderr.into(), &[])
 }
 
 /// [`start`], with `env` added to the daemon's environment.
 pub fn start_with_env(name: &str, yaml: &str, env: &[(&str, &str)]) -> Daemon {
     let dir = temp_dir(name);
     let log = std::fs::File::create(dir.join("daemon.log")).unwrap();
-    start_in_env(dir, yaml, log.into(), env)
+    start_in(dir, yaml, log.into(), env)
 }
 
-fn start_in(dir: PathBuf, yaml: &str, stderr: Stdio) -> Daemon {
-    start_in_env(dir, yaml, stderr, &[])
-}
-
-fn start_in_env(dir: PathBuf, yaml: &str, stderr: Stdio, env: &[(&str, &str)]) -> Daemon {
+fn start_in(dir: PathBuf, yaml: &str, stderr: Stdio, env: &[(&str, &str)]) -> Daemon {
     std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
         .envs(env.iter().copied())
