@@ -69,6 +69,9 @@ pub fn start_engines(
                 ])
                 .args(["--step-base-us", &shape.step_base_us.to_string()])
                 .args(["--max-running", &shape.max_running.to_string()])
+                // Prompts rendered into token ids on request, which
+                // vllm-router's `kv_aware` needs from its engines.
+                .arg("--enable-scale-out")
                 .stdout(Stdio::null())
                 .stderr(log)
                 .spawn()

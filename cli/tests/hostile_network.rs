@@ -920,3 +920,96 @@ fn the_mock_engine_does_not_leak_a_descriptor_per_request() {
     let _ = engine.wait();
     assert!(open < 64, "{open} descriptors after 300 requests");
 }
+
+/// `kvedge mock-engine --http --enable-scale-out` renders a request into
+/// its prompt's token ids without running it, as vLLM started with that
+/// flag does (vllm-router's `kv_aware` asks engines for this); without the
+/// flag the render paths answer 403, as a default vLLM's do, and a bad
+/// body gets a 400 either way.
+#[test]
+fn the_mock_engine_renders_prompts_only_with_scale_out_on() {
+    let d = start(
+        "hostile-mock-render",
+        "daemon:\n  heartbeat_timeout_ms: 600000\n",
+    );
+    let spawn = |worker: &str, scale_out: bool| {
+        let http = free_port(Ipv4Addr::LOCALHOST);
+        let mut c = Command::new(env!("CARGO_BIN_EXE_kvedge"));
+        c.arg("mock-engine")
+            .args(["--worker-id", worker, "--model", "m"])
+            .arg("--listen")
+            .arg(d.dir.join(format!("engine-{worker}.sock")))
+            .arg("--runtime-dir")
+            .arg(&d.dir)
+            .args(["--http", &format!("127.0.0.1:{http}")])
+            .args(["--speed", "50", "--block-size", "16"])
+            .stderr(Stdio::null());
+        if scale_out {
+            c.arg("--enable-scale-out");
+        }
+        let child = c.spawn().unwrap();
+        wait(
+            || TcpStream::connect(("127.0.0.1", http)).is_ok(),
+            "the mock engine's HTTP port",
+        );
+        (child, http)
+    };
+    let post = |http: u16, path: &str, body: &str| -> (u16, Value) {
+        let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+        write!(
+            s,
+            "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+        let mut out = String::new();
+        let _ = s.read_to_string(&mut out);
+        let status = out[9..12].parse().unwrap();
+        let json = out.split_once("\r\n\r\n").map_or(Value::Null, |(_, b)| {
+            serde_json::from_str(b).unwrap_or(Value::Null)
+        });
+        (status, json)
+    };
+    let prompt = tokens(7, 40);
+    let body = json!({"model": "m", "prompt": prompt, "max_tokens": 5, "stream": true}).to_string();
+
+    let (mut on, http) = spawn("1", true);
+    let (status, rendered) = post(http, "/v1/completions/render", &body);
+    assert_eq!(status, 200, "{rendered}");
+    let one = &rendered.as_array().expect("a list")[..];
+    assert_eq!(one.len(), 1, "{rendered}");
+    assert_eq!(one[0]["token_ids"], json!(prompt), "{rendered}");
+    assert_eq!(one[0]["model"], "m");
+    assert_eq!(one[0]["stream"], true);
+    assert_eq!(one[0]["sampling_params"]["max_tokens"], 5);
+    let chat = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    let (status, e) = post(http, "/v1/chat/completions/render", &chat);
+    assert_eq!(status, 400, "no tokenizer, no text: {e}");
+    let (status, e) = post(http, "/v1/completions/render", "{\"model\": \"m\"}");
+    assert_eq!(status, 400, "{e}");
+    let (status, e) = post(
+        http,
+        "/v1/completions/render",
+        &body.replace("\"m\"", "\"x\""),
+    );
+    assert_eq!(status, 404, "another model: {e}");
+    // The engine still serves.
+    let (status, done) = post(http, "/v1/completions", &body.replace("true", "false"));
+    assert_eq!(status, 200, "{done}");
+
+    let (mut off, http) = spawn("2", false);
+    let (status, e) = post(http, "/v1/completions/render", &body);
+    assert_eq!(status, 403, "{e}");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--enable-scale-out"),
+        "{e}"
+    );
+    for c in [&mut on, &mut off] {
+        let _ = c.kill();
+        let _ = c.wait();
+    }
+}

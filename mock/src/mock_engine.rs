@@ -81,6 +81,11 @@ pub struct MockEngineArgs {
     /// With `--http`: the model's Jinja chat template.
     #[arg(long, requires = "http")]
     pub chat_template: Option<PathBuf>,
+    /// With `--http`: also render requests into their prompts' token ids
+    /// (`POST /v1/completions/render` and `/v1/chat/completions/render`),
+    /// as vLLM started with this flag does; without it they answer 403.
+    #[arg(long, requires = "http")]
+    pub enable_scale_out: bool,
     /// `bos_token` and `eos_token` for the chat template.
     #[arg(long, default_value = "", requires = "http")]
     pub bos_token: String,
@@ -165,6 +170,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
                 block_size: params.block_size,
                 engine: args.listen.clone(),
                 blocks: Arc::clone(&blocks),
+                scale_out: args.enable_scale_out,
             },
             models,
         )?;

@@ -13,6 +13,13 @@
 //! real token ids and kvedge, hashing them, finds the same blocks the
 //! picker finds in a later prompt.
 //!
+//! With `--enable-scale-out`, as vLLM with that flag, it also renders a
+//! request into its prompt's token ids without running it (`POST
+//! /v1/completions/render`, `/v1/chat/completions/render`: a list of one
+//! `GenerateRequest`), which routers such as vllm-router's `kv_aware` ask
+//! for; without it those paths answer 403, as a vLLM started without it
+//! does.
+//!
 //! Responses carry `x-kvedge-worker: <worker id>` (and the same in
 //! `system_fingerprint`), and `usage.prompt_tokens_details.cached_tokens`
 //! says how much of the prompt the engine found cached.
@@ -97,6 +104,8 @@ pub struct Front {
     /// The engine's request socket.
     pub engine: PathBuf,
     pub blocks: Arc<Mutex<BlockTokens>>,
+    /// Whether the render endpoints are served (vLLM's `--enable-scale-out`).
+    pub scale_out: bool,
 }
 
 /// Loads the model's tokenizer and template (`tokenizer` may be absent:
@@ -249,6 +258,7 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Result<Option<HttpRequest>, Rea
 /// An OpenAI-style error response.
 fn error(w: &mut TcpStream, status: u16, message: &str, close: bool) -> io::Result<()> {
     let kind = match status {
+        403 => "permission_denied",
         404 => "not_found",
         413 => "body_too_large",
         503 => "unavailable",
@@ -267,6 +277,7 @@ fn error(w: &mut TcpStream, status: u16, message: &str, close: bool) -> io::Resu
 fn reason(status: u16) -> &'static str {
     match status {
         200 => "OK",
+        403 => "Forbidden",
         404 => "Not Found",
         413 => "Payload Too Large",
         503 => "Service Unavailable",
@@ -302,6 +313,19 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
             _ => {}
         }
     }
+    let render = req
+        .path
+        .split('?')
+        .next()
+        .unwrap_or_default()
+        .trim_end_matches('/');
+    if let Some(route) = render
+        .strip_suffix("/render")
+        .and_then(Route::of)
+        .filter(|_| req.method == "POST")
+    {
+        return self::render(w, req, route, front, models);
+    }
     let Some(route) = Route::of(&req.path).filter(|_| req.method == "POST") else {
         return error(
             w,
@@ -313,34 +337,10 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
             false,
         );
     };
-    let parsed = match body::parse(route, &req.body) {
-        Ok(p) => p,
-        Err(e) => return error(w, 400, &e.to_string(), false),
+    let tokens = match prompt_tokens(req, route, front, models) {
+        Ok(t) => t,
+        Err((status, message)) => return error(w, status, &message, false),
     };
-    if parsed.model != front.model {
-        return error(
-            w,
-            404,
-            &format!("model `{}` is not served here", parsed.model),
-            false,
-        );
-    }
-    let tokens = match models.tokens(&parsed.model, parsed.prompt, MAX_PROMPT_TOKENS) {
-        Ok(Tokens::Ids(ids)) => ids,
-        Ok(Tokens::Text(_)) => {
-            return error(
-                w,
-                400,
-                "this engine has no tokenizer (--tokenizer): send token ids",
-                false,
-            );
-        }
-        Err(e @ PromptError::UnknownModel(_)) => return error(w, 404, &e.to_string(), false),
-        Err(e) => return error(w, 400, &e.to_string(), false),
-    };
-    if tokens.is_empty() {
-        return error(w, 400, "the prompt is empty", false);
-    }
     let request: Value = serde_json::from_slice(&req.body).unwrap_or_default();
     let stream = request["stream"] == true;
     let max_tokens = request["max_tokens"]
@@ -439,6 +439,76 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
         front.worker_id
     )?;
     w.flush()
+}
+
+/// The token ids of a request's prompt, as the engine runs it, or the
+/// status and message to answer with.
+fn prompt_tokens(
+    req: &HttpRequest,
+    route: Route,
+    front: &Front,
+    models: &Models,
+) -> Result<Vec<u32>, (u16, String)> {
+    let parsed = body::parse(route, &req.body).map_err(|e| (400, e.to_string()))?;
+    if parsed.model != front.model {
+        let message = format!("model `{}` is not served here", parsed.model);
+        return Err((404, message));
+    }
+    let tokens = match models.tokens(&parsed.model, parsed.prompt, MAX_PROMPT_TOKENS) {
+        Ok(Tokens::Ids(ids)) => ids,
+        Ok(Tokens::Text(_)) => {
+            let message = "this engine has no tokenizer (--tokenizer): send token ids";
+            return Err((400, message.to_owned()));
+        }
+        Err(e @ PromptError::UnknownModel(_)) => return Err((404, e.to_string())),
+        Err(e) => return Err((400, e.to_string())),
+    };
+    if tokens.is_empty() {
+        return Err((400, "the prompt is empty".to_owned()));
+    }
+    Ok(tokens)
+}
+
+/// A request rendered, not run: a list of one `GenerateRequest` with the
+/// prompt's token ids, as vLLM's render endpoints answer.
+fn render(
+    w: &mut TcpStream,
+    req: &HttpRequest,
+    route: Route,
+    front: &Front,
+    models: &Models,
+) -> io::Result<()> {
+    if !front.scale_out {
+        let message = "Scale-out endpoints are disabled. Restart the engine with \
+                       --enable-scale-out to enable them.";
+        return error(w, 403, message, false);
+    }
+    let tokens = match prompt_tokens(req, route, front, models) {
+        Ok(t) => t,
+        Err((status, message)) => return error(w, status, &message, false),
+    };
+    let request: Value = serde_json::from_slice(&req.body).unwrap_or_default();
+    let max_tokens = request["max_tokens"]
+        .as_u64()
+        .or_else(|| request["max_completion_tokens"].as_u64())
+        .map_or(DEFAULT_MAX_TOKENS, |n| {
+            n.clamp(1, u64::from(MAX_MAX_TOKENS)) as u32
+        });
+    let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
+    let stream = request["stream"] == true;
+    let body = json!([{
+        "request_id": format!("cmpl-{id}"),
+        "token_ids": tokens,
+        "features": null,
+        "sampling_params": {"max_tokens": max_tokens},
+        "model": front.model,
+        "stream": stream,
+        "stream_options": if stream { request["stream_options"].clone() } else { Value::Null },
+        "cache_salt": request["cache_salt"],
+        "priority": request["priority"].as_i64().unwrap_or(0),
+        "token_offsets": null,
+    }]);
+    ok_json(w, &body.to_string())
 }
 
 /// One server-sent event as one HTTP chunk.
