@@ -9,6 +9,7 @@
 //! ```text
 //! -> {"id":7,"hashes":[..],"prompt_tokens":2048,"output_tokens":64}
 //! <- {"id":7,"event":"first_token","ttft_ms":41.2,"cached_tokens":1024}
+//! <- {"id":7,"event":"token"}         (with --http: each later token)
 //! <- {"id":7,"event":"finished","e2e_ms":512.9}
 //! <- {"id":7,"error":"..."}            (refused; nothing else changes)
 //! ```
@@ -197,6 +198,8 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
         }
     };
     let mut engine = EngineModel::new(params);
+    // The OpenAI front streams one event a token, as vLLM does.
+    engine.report_tokens(args.http.is_some());
     let start = Instant::now();
     let sim_now = |speed: f64| (start.elapsed().as_secs_f64() * 1e6 * speed) as u64;
     // Connections by a number of their own (never reused), so that one
@@ -301,6 +304,7 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
                                 "cached_tokens": cached_tokens}),
                         )
                     }
+                    Completion::Token { id, .. } => (id, json!({"id": id, "event": "token"})),
                     Completion::Finished { id, at_us } => {
                         let arrival = owners.get(&id).map_or(at_us, |o| o.1);
                         (

@@ -400,8 +400,13 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
                    "choices": [choice]})
         };
         sse(w, &piece(" tok", None).to_string())?;
-        // The rest comes when the engine finishes.
-        let done = read_event(&mut engine);
+        // Then one event a token as the engine makes it, as vLLM streams.
+        let done = loop {
+            match read_event(&mut engine) {
+                Ok(v) if v["event"] == "token" => sse(w, &piece(" tok", None).to_string())?,
+                other => break other,
+            }
+        };
         if let Err(e) = &done {
             // The engine went away mid-stream: end the stream as an error.
             sse(
@@ -409,8 +414,7 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
                 &json!({"error": {"message": e, "type": "unavailable"}}).to_string(),
             )?;
         } else {
-            let rest = " tok".repeat(max_tokens.saturating_sub(1) as usize);
-            sse(w, &piece(&rest, Some("length")).to_string())?;
+            sse(w, &piece("", Some("length")).to_string())?;
             let mut last = piece("", Some("length"));
             last["choices"] = json!([]);
             last["usage"] = usage;
@@ -420,8 +424,13 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
         w.write_all(b"0\r\n\r\n")?;
         return w.flush();
     }
-    if let Err(e) = read_event(&mut engine) {
-        return error(w, 503, &e, false);
+    // The tokens' events, then the end.
+    loop {
+        match read_event(&mut engine) {
+            Ok(v) if v["event"] == "token" => {}
+            Ok(_) => break,
+            Err(e) => return error(w, 503, &e, false),
+        }
     }
     let text = " tok".repeat(max_tokens as usize);
     let choice = if chat {
@@ -514,7 +523,8 @@ fn render(
 /// One server-sent event as one HTTP chunk.
 fn sse(w: &mut TcpStream, data: &str) -> io::Result<()> {
     let event = format!("data: {data}\n\n");
-    write!(w, "{:x}\r\n{event}\r\n", event.len())?;
+    // One write: the chunk goes out in one segment, as a server's would.
+    w.write_all(format!("{:x}\r\n{event}\r\n", event.len()).as_bytes())?;
     w.flush()
 }
 

@@ -126,6 +126,10 @@ pub enum Completion {
         /// Prompt tokens served from the prefix cache (either tier).
         cached_tokens: u32,
     },
+    /// A later output token came out, one a decode step (reported only
+    /// when asked for: [`EngineModel::report_tokens`]); the last one comes
+    /// just before the request's `Finished`.
+    Token { id: u64, at_us: u64 },
     /// The last output token came out; the request left the engine.
     Finished { id: u64, at_us: u64 },
 }
@@ -308,6 +312,8 @@ pub struct EngineModel {
     /// When the last step ended (or the engine went idle).
     clock: u64,
     steps: u64,
+    /// Whether every decode step's tokens are reported ([`Completion::Token`]).
+    tokens: bool,
 }
 
 impl EngineModel {
@@ -334,8 +340,16 @@ impl EngineModel {
             plan: Vec::new(),
             clock: 0,
             steps: 0,
+            tokens: false,
             params,
         }
+    }
+
+    /// Reports each output token after the first as it comes out
+    /// ([`Completion::Token`]), as an engine streaming one event a token
+    /// does; off by default (a simulation needs only the first and last).
+    pub fn report_tokens(&mut self, on: bool) {
+        self.tokens = on;
     }
 
     pub fn params(&self) -> &EngineParams {
@@ -654,6 +668,12 @@ impl EngineModel {
                 }
             } else {
                 self.running[i].generated += 1;
+                if self.tokens {
+                    out.completions.push(Completion::Token {
+                        id: self.running[i].id,
+                        at_us: end,
+                    });
+                }
             }
             let s = &self.running[i];
             if s.generated >= s.output_tokens {

@@ -42,6 +42,40 @@ fn run(e: &mut EngineModel, from: u64, out: &mut Outputs) -> u64 {
     now
 }
 
+/// Asked to, the engine reports every later output token at the end of
+/// the decode step that made it, the last just before `Finished`.
+#[test]
+fn each_output_token_is_reported_when_asked_for() {
+    let mut e = EngineModel::new(params(16, 0));
+    e.report_tokens(true);
+    let mut out = Outputs::default();
+    let prompt: Vec<u32> = (0..10).collect();
+    e.submit(req(1, &prompt, 3), 0).unwrap();
+    run(&mut e, 0, &mut out);
+    assert_eq!(
+        out.completions,
+        vec![
+            Completion::FirstToken {
+                id: 1,
+                at_us: 10_200,
+                cached_tokens: 0
+            },
+            Completion::Token {
+                id: 1,
+                at_us: 10_311
+            },
+            Completion::Token {
+                id: 1,
+                at_us: 10_423
+            },
+            Completion::Finished {
+                id: 1,
+                at_us: 10_423
+            },
+        ]
+    );
+}
+
 #[test]
 fn step_arithmetic_gives_ttft_and_finish() {
     let mut e = EngineModel::new(params(16, 0));
@@ -185,7 +219,7 @@ fn identical_concurrent_prompts_publish_their_blocks_once() {
         .iter()
         .filter_map(|c| match c {
             Completion::FirstToken { cached_tokens, .. } => Some(*cached_tokens),
-            Completion::Finished { .. } => None,
+            Completion::Token { .. } | Completion::Finished { .. } => None,
         })
         .collect();
     assert_eq!(hits, vec![0, 0]);
