@@ -875,6 +875,30 @@ fn the_scraper_follows_no_redirect() {
     );
 }
 
+/// A `kvedge mock-engine --http` for the daemon `d` (token-id prompts only,
+/// no tokenizer), with `extra` flags; returned once its port answers.
+fn mock_engine_over_http(d: &Daemon, worker: &str, extra: &[&str]) -> (std::process::Child, u16) {
+    let http = free_port(Ipv4Addr::LOCALHOST);
+    let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .arg("mock-engine")
+        .args(["--worker-id", worker, "--model", "m"])
+        .arg("--listen")
+        .arg(d.dir.join(format!("engine-{worker}.sock")))
+        .arg("--runtime-dir")
+        .arg(&d.dir)
+        .args(["--http", &format!("127.0.0.1:{http}")])
+        .args(["--speed", "50", "--block-size", "16"])
+        .args(extra)
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    wait(
+        || TcpStream::connect(("127.0.0.1", http)).is_ok(),
+        "the mock engine's HTTP port",
+    );
+    (child, http)
+}
+
 /// `kvedge mock-engine --http` keeps a bounded number of descriptors over
 /// hundreds of requests (it used to keep one per request).
 #[test]
@@ -883,23 +907,7 @@ fn the_mock_engine_does_not_leak_a_descriptor_per_request() {
         "hostile-mock-fds",
         "daemon:\n  heartbeat_timeout_ms: 600000\n",
     );
-    let http = free_port(Ipv4Addr::LOCALHOST);
-    let mut engine = Command::new(env!("CARGO_BIN_EXE_kvedge"))
-        .arg("mock-engine")
-        .args(["--worker-id", "1", "--model", "m"])
-        .arg("--listen")
-        .arg(d.dir.join("engine.sock"))
-        .arg("--runtime-dir")
-        .arg(&d.dir)
-        .args(["--http", &format!("127.0.0.1:{http}")])
-        .args(["--speed", "50", "--block-size", "16"])
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    wait(
-        || TcpStream::connect(("127.0.0.1", http)).is_ok(),
-        "the mock engine's HTTP port",
-    );
+    let (mut engine, http) = mock_engine_over_http(&d, "1", &[]);
     let body = json!({"model": "m", "prompt": tokens(0, 64), "max_tokens": 2}).to_string();
     for _ in 0..300 {
         let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
@@ -932,28 +940,6 @@ fn the_mock_engine_renders_prompts_only_with_scale_out_on() {
         "hostile-mock-render",
         "daemon:\n  heartbeat_timeout_ms: 600000\n",
     );
-    let spawn = |worker: &str, scale_out: bool| {
-        let http = free_port(Ipv4Addr::LOCALHOST);
-        let mut c = Command::new(env!("CARGO_BIN_EXE_kvedge"));
-        c.arg("mock-engine")
-            .args(["--worker-id", worker, "--model", "m"])
-            .arg("--listen")
-            .arg(d.dir.join(format!("engine-{worker}.sock")))
-            .arg("--runtime-dir")
-            .arg(&d.dir)
-            .args(["--http", &format!("127.0.0.1:{http}")])
-            .args(["--speed", "50", "--block-size", "16"])
-            .stderr(Stdio::null());
-        if scale_out {
-            c.arg("--enable-scale-out");
-        }
-        let child = c.spawn().unwrap();
-        wait(
-            || TcpStream::connect(("127.0.0.1", http)).is_ok(),
-            "the mock engine's HTTP port",
-        );
-        (child, http)
-    };
     let post = |http: u16, path: &str, body: &str| -> (u16, Value) {
         let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
         s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
@@ -974,7 +960,7 @@ fn the_mock_engine_renders_prompts_only_with_scale_out_on() {
     let prompt = tokens(7, 40);
     let body = json!({"model": "m", "prompt": prompt, "max_tokens": 5, "stream": true}).to_string();
 
-    let (mut on, http) = spawn("1", true);
+    let (mut on, http) = mock_engine_over_http(&d, "1", &["--enable-scale-out"]);
     let (status, rendered) = post(http, "/v1/completions/render", &body);
     assert_eq!(status, 200, "{rendered}");
     let one = &rendered.as_array().expect("a list")[..];
@@ -998,7 +984,7 @@ fn the_mock_engine_renders_prompts_only_with_scale_out_on() {
     let (status, done) = post(http, "/v1/completions", &body.replace("true", "false"));
     assert_eq!(status, 200, "{done}");
 
-    let (mut off, http) = spawn("2", false);
+    let (mut off, http) = mock_engine_over_http(&d, "2", &[]);
     let (status, e) = post(http, "/v1/completions/render", &body);
     assert_eq!(status, 403, "{e}");
     assert!(
