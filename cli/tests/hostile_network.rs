@@ -899,6 +899,21 @@ fn mock_engine_over_http(d: &Daemon, worker: &str, extra: &[&str]) -> (std::proc
     (child, http)
 }
 
+/// One JSON POST on a connection of its own; the whole response.
+fn post_once(http: u16, path: &str, body: &str) -> String {
+    let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
+    write!(
+        s,
+        "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
 /// `kvedge mock-engine --http` keeps a bounded number of descriptors over
 /// hundreds of requests (it used to keep one per request).
 #[test]
@@ -910,16 +925,7 @@ fn the_mock_engine_does_not_leak_a_descriptor_per_request() {
     let (mut engine, http) = mock_engine_over_http(&d, "1", &[]);
     let body = json!({"model": "m", "prompt": tokens(0, 64), "max_tokens": 2}).to_string();
     for _ in 0..300 {
-        let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        write!(
-            s,
-            "POST /v1/completions HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
+        let out = post_once(http, "/v1/completions", &body);
         assert!(out.starts_with("HTTP/1.1 200"), "{out}");
     }
     std::thread::sleep(Duration::from_millis(300));
@@ -941,16 +947,7 @@ fn the_mock_engine_renders_prompts_only_with_scale_out_on() {
         "daemon:\n  heartbeat_timeout_ms: 600000\n",
     );
     let post = |http: u16, path: &str, body: &str| -> (u16, Value) {
-        let mut s = TcpStream::connect(("127.0.0.1", http)).unwrap();
-        s.set_read_timeout(Some(Duration::from_secs(20))).unwrap();
-        write!(
-            s,
-            "POST {path} HTTP/1.1\r\nhost: e\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
-            body.len()
-        )
-        .unwrap();
-        let mut out = String::new();
-        let _ = s.read_to_string(&mut out);
+        let out = post_once(http, path, body);
         let status = out[9..12].parse().unwrap();
         let json = out.split_once("\r\n\r\n").map_or(Value::Null, |(_, b)| {
             serde_json::from_str(b).unwrap_or(Value::Null)
