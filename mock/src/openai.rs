@@ -343,12 +343,7 @@ fn respond(w: &mut TcpStream, req: &HttpRequest, front: &Front, models: &Models)
     };
     let request: Value = serde_json::from_slice(&req.body).unwrap_or_default();
     let stream = request["stream"] == true;
-    let max_tokens = request["max_tokens"]
-        .as_u64()
-        .or_else(|| request["max_completion_tokens"].as_u64())
-        .map_or(DEFAULT_MAX_TOKENS, |n| {
-            n.clamp(1, u64::from(MAX_MAX_TOKENS)) as u32
-        });
+    let max_tokens = max_tokens(&request);
     let bs = front.block_size as usize;
     let hashes = kvedge_schema::hash::sequence_hashes(&tokens, bs, None, None);
     if let Ok(mut b) = front.blocks.lock() {
@@ -478,6 +473,17 @@ fn prompt_tokens(
     Ok(tokens)
 }
 
+/// The output tokens a request asks for (`max_tokens`, or a chat's
+/// `max_completion_tokens`), within the engine's bounds.
+fn max_tokens(request: &Value) -> u32 {
+    request["max_tokens"]
+        .as_u64()
+        .or_else(|| request["max_completion_tokens"].as_u64())
+        .map_or(DEFAULT_MAX_TOKENS, |n| {
+            n.clamp(1, u64::from(MAX_MAX_TOKENS)) as u32
+        })
+}
+
 /// A request rendered, not run: a list of one `GenerateRequest` with the
 /// prompt's token ids, as vLLM's render endpoints answer.
 fn render(
@@ -497,12 +503,7 @@ fn render(
         Err((status, message)) => return error(w, status, &message, false),
     };
     let request: Value = serde_json::from_slice(&req.body).unwrap_or_default();
-    let max_tokens = request["max_tokens"]
-        .as_u64()
-        .or_else(|| request["max_completion_tokens"].as_u64())
-        .map_or(DEFAULT_MAX_TOKENS, |n| {
-            n.clamp(1, u64::from(MAX_MAX_TOKENS)) as u32
-        });
+    let max_tokens = max_tokens(&request);
     let id = NEXT_ID.fetch_add(1, Ordering::Relaxed);
     let stream = request["stream"] == true;
     let body = json!([{
