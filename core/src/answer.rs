@@ -586,6 +586,7 @@ impl Core {
             query_channels: self.query_channels() as u64,
             reservations: self.router.load.reservations() as u64,
             reservations_expired: self.router.load.expired(),
+            prefills_from_events: self.router.prefills_from_events(),
             reloads: c.reloads,
             reload_failures: c.reload_failures,
             refused_connections: c.refused_connections,

@@ -420,6 +420,7 @@ impl Core {
     /// load table, its gap (if any) noted. Records of an engine that is
     /// not registered are ignored.
     pub fn handle_engine_record(&mut self, now: Instant, id: EngineId, record: &Record<'_>) {
+        let now_ms = self.ms(now);
         let Some(e) = self.engines.get_mut(id.index, id.generation) else {
             return;
         };
@@ -441,7 +442,7 @@ impl Core {
         // still counted, so it is no gap.
         if let Ok(event) = decode(record.kind, record.payload) {
             self.counters.events[event_kind(&event)] += 1;
-            self.router.apply(slot, &event);
+            self.router.apply(slot, &event, now_ms);
             match &event {
                 EventRef::SnapshotBegin(b) => e.snapshot_begun(b.snapshot_id.to_native()),
                 EventRef::SnapshotEnd(end) if e.snapshot_ended(end.snapshot_id.to_native()) => {

@@ -28,6 +28,7 @@ mod mask_table;
 pub mod metrics;
 pub mod pacing;
 pub mod pending;
+pub mod prefill_watch;
 pub mod recent;
 pub mod router;
 mod table;

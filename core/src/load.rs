@@ -360,6 +360,15 @@ impl LoadTable {
         }))
     }
 
+    /// Whether `request_id` is a reservation on `slot` made at
+    /// `reserved_ms` whose prefill is not yet done.
+    pub fn prefill_pending(&self, request_id: u64, slot: Slot, reserved_ms: u64) -> bool {
+        self.index.get(&request_id).is_some_and(|&i| {
+            let r = &self.nodes[i].r;
+            r.slot == slot && r.reserved_ms == reserved_ms && r.prefill_pending
+        })
+    }
+
     /// The request finished: it leaves the projection entirely.
     pub fn finish(&mut self, request_id: u64) -> Result<(), LoadError> {
         let i = self

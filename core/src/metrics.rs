@@ -44,6 +44,9 @@ pub struct Snapshot {
     pub query_channels: u64,
     pub reservations: u64,
     pub reservations_expired: u64,
+    /// Prefills marked done by their engine's Stored event of the prompt's
+    /// last block.
+    pub prefills_from_events: u64,
     pub reloads: u64,
     pub reload_failures: u64,
     pub refused_connections: u64,
@@ -518,6 +521,11 @@ pub fn render(s: &Snapshot) -> String {
         "reservations_expired",
         "Reservations that expired without finish",
         counter(s.reservations_expired),
+    );
+    r.register(
+        "prefills_from_kv_events",
+        "Reservations whose prefill was marked done by their engine storing the prompt's last new block, before any prefill_done",
+        counter(s.prefills_from_events),
     );
     r.register(
         "reloads",

@@ -23,6 +23,7 @@ use kvedge_schema::messages::{EventRef, Tier};
 use crate::index::{KvIndex, MAX_WORKERS, Overlap, Slot};
 use crate::load::{LoadError, LoadReport, LoadTable};
 use crate::pending::PendingPrefixes;
+use crate::prefill_watch::PrefillWatch;
 
 /// A registered worker (one engine rank).
 #[derive(Clone, Debug, PartialEq)]
@@ -190,6 +191,12 @@ pub struct Router {
     /// (prefix reservations): counted as its overlap meanwhile.
     pub pending: PendingPrefixes,
     pub load: LoadTable,
+    /// Per reservation, the prompt block whose Stored event marks its
+    /// prefill done.
+    watch: PrefillWatch,
+    /// Prefills marked done by their engine's Stored event (before any
+    /// client's `prefill_done`).
+    prefills_from_events: u64,
     plugins: RouterPlugins,
     /// Per model, a policy per role, built on first use. Hashed with
     /// foldhash: SipHash's code alone is a dozen cache lines that a cold
@@ -296,6 +303,8 @@ impl Router {
             approx: KvIndex::new((index_capacity / APPROX_CAPACITY_DIVISOR).max(1024)).quiet(),
             load: LoadTable::new(reservation_ttl_ms),
             pending: PendingPrefixes::new(kvedge_config::DEFAULT_PREFIX_RESERVATION_MS),
+            watch: PrefillWatch::default(),
+            prefills_from_events: 0,
             plugins,
             policies: HashMap::default(),
             affinity,
@@ -492,6 +501,7 @@ impl Router {
         self.approx.remove_worker(slot);
         self.load.remove_worker(slot);
         self.pending.forget(slot);
+        self.watch.forget(slot);
         self.affinity.forget_worker(info.worker.worker_id);
         Some(info)
     }
@@ -537,13 +547,18 @@ impl Router {
         self.syncing & (1u64 << slot.index()) != 0
     }
 
-    /// Applies one ring event of the worker in `slot`.
-    pub fn apply(&mut self, slot: Slot, event: &EventRef<'_>) {
+    /// Applies one ring event of the worker in `slot`, received at
+    /// `now_ms`.
+    pub fn apply(&mut self, slot: Slot, event: &EventRef<'_>, now_ms: u64) {
         match event {
             EventRef::Stored(s) => {
                 let tier = s.tier.to_native();
                 for b in s.blocks.iter() {
-                    self.apply_stored(slot, tier, &[b.sequence_hash.to_native()]);
+                    let hash = b.sequence_hash.to_native();
+                    self.apply_stored(slot, tier, &[hash]);
+                    if tier == Tier::Device {
+                        self.prefill_stored(slot, hash, now_ms);
+                    }
                 }
             }
             EventRef::Removed(r) => {
@@ -577,6 +592,27 @@ impl Router {
     /// Stored event, used by the simulator).
     pub fn apply_stored(&mut self, slot: Slot, tier: Tier, hashes: &[u64]) {
         self.index.store(slot, tier, hashes);
+    }
+
+    /// The worker in `slot` stored the block `hash` on its device at
+    /// `now_ms`: the prefill of the reservation that watched for it is
+    /// done, if it still waits for it (see `prefill_watch.rs`).
+    fn prefill_stored(&mut self, slot: Slot, hash: u64, now_ms: u64) {
+        let Some(seen) = self.watch.stored(slot, hash) else {
+            return;
+        };
+        if self
+            .load
+            .prefill_pending(seen.request_id, slot, seen.reserved_ms)
+            && self.prefill_done(seen.request_id, now_ms).is_ok()
+        {
+            self.prefills_from_events += 1;
+        }
+    }
+
+    /// Prefills marked done by their engine's Stored event since start.
+    pub fn prefills_from_events(&self) -> u64 {
+        self.prefills_from_events
     }
 
     /// The worker in `slot` removed `hashes` from `tier`.
@@ -1084,6 +1120,14 @@ impl Router {
             work_tokens,
             terms.tokens_per_second,
         );
+        // A prompt with a full block the worker does not hold yet: its
+        // engine's Stored event of the last one is its prefill's end.
+        if !req.approximate
+            && let Some(&last) = req.hashes.last()
+            && (overlap_blocks[0] as usize) < req.hashes.len()
+        {
+            self.watch.watch(slot, last, request_id, req.now_ms);
+        }
         let picks = &mut self.picks[slot.index()];
         picks.requests += 1;
         picks.prompt_blocks += u64::from(req.prompt_tokens) / block_size;

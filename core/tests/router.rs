@@ -48,9 +48,14 @@ fn engine(router: &mut Router, id: u64) -> Engine {
 
 /// The daemon's ingest step: drain the ring into the router.
 fn ingest(router: &mut Router, e: &mut Engine) {
+    ingest_at(router, e, 0);
+}
+
+/// [`ingest`] at `now_ms`.
+fn ingest_at(router: &mut Router, e: &mut Engine, now_ms: u64) {
     while let Some(r) = e.consumer.poll().unwrap() {
         let event = kvedge_schema::decode(r.kind, r.payload).unwrap();
-        router.apply(e.slot, &event);
+        router.apply(e.slot, &event, now_ms);
     }
 }
 
@@ -585,6 +590,113 @@ fn prefill_speed_is_learned_from_prefill_done_and_the_policy_and_rules_agree() {
         .unwrap();
     assert_eq!(by_rule.worker, r.worker);
     assert_eq!(by_rules.last_ttft(by_rule.slot.unwrap()), terms);
+}
+
+#[test]
+fn an_engine_storing_a_prompts_last_block_marks_its_prefill_done() {
+    let mut router = predicted_ttft_router();
+    let mut a = engine(&mut router, 1);
+    let mut b = engine(&mut router, 2);
+    let slot = a.slot;
+    let prefill = |router: &Router| router.load.projected(slot).active_prefill_tokens;
+    let prior = router.prefill_speed(slot).0;
+    // Worker 1 computes a new 4,096-token prompt in 200 ms, thirty times:
+    // its engine stores the prompt's blocks, the last one 200 ms after
+    // the pick. No client says prefill_done.
+    let mut clock = 0;
+    for i in 0..30 {
+        let hashes = sequence_hashes(&prompt(100 + i, 4096), 16, None, None);
+        let r = router
+            .select(&SelectRequest {
+                pinned: Some(WorkerWithDpRank::new(1, 0)),
+                now_ms: clock,
+                ..req(&hashes, 4096)
+            })
+            .unwrap();
+        assert_eq!(prefill(&router), 4096);
+        let (last, first) = hashes.split_last().unwrap();
+        a.publisher
+            .publish_stored_hashes(Tier::Device, None, first)
+            .unwrap();
+        // The last block on another tier, or on another worker, is not it.
+        a.publisher
+            .publish_stored_hashes(Tier::Host, None, &[*last])
+            .unwrap();
+        b.publisher
+            .publish_stored_hashes(Tier::Device, None, &[*last])
+            .unwrap();
+        ingest_at(&mut router, &mut a, clock + 100);
+        ingest_at(&mut router, &mut b, clock + 100);
+        assert_eq!(prefill(&router), 4096, "the prefill is not over yet");
+        clock += 200;
+        a.publisher
+            .publish_stored_hashes(Tier::Device, None, &[*last])
+            .unwrap();
+        ingest_at(&mut router, &mut a, clock);
+        assert_eq!(prefill(&router), 0, "the last block came: prefill done");
+        // A client's word after the event changes nothing.
+        router.prefill_done(r.request_id, clock + 5_000).unwrap();
+        router.finish(r.request_id).unwrap();
+    }
+    assert_eq!(router.prefills_from_events(), 30);
+    // The only worker that learned: its speed is its peers' (the pooled).
+    let (learned, _) = router.prefill_speed(slot);
+    assert!(
+        (learned - 4096.0 / 0.2).abs() < 1_000.0,
+        "4,096 tokens in 200 ms: {learned} (the prior: {prior})"
+    );
+    assert!((prior - learned).abs() > 5_000.0);
+
+    // A client's prefill_done first: the block's event later is inert.
+    let hashes = sequence_hashes(&prompt(900, 256), 16, None, None);
+    let r = router
+        .select(&SelectRequest {
+            pinned: Some(WorkerWithDpRank::new(1, 0)),
+            now_ms: clock,
+            ..req(&hashes, 256)
+        })
+        .unwrap();
+    router.prefill_done(r.request_id, clock + 10).unwrap();
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest_at(&mut router, &mut a, clock + 10_000);
+    assert_eq!(router.prefills_from_events(), 30);
+    assert_eq!(router.prefill_speed(slot).0, learned);
+    router.finish(r.request_id).unwrap();
+
+    // A prompt the worker holds whole has nothing to store, and no watch:
+    // it waits for its prefill_done or finish as before.
+    let r = router
+        .select(&SelectRequest {
+            pinned: Some(WorkerWithDpRank::new(1, 0)),
+            now_ms: clock,
+            ..req(&hashes, 256 + 8)
+        })
+        .unwrap();
+    assert_eq!(r.overlap_blocks[0], 16);
+    assert_eq!(prefill(&router), 8);
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest_at(&mut router, &mut a, clock + 20_000);
+    assert_eq!(prefill(&router), 8);
+    assert_eq!(router.prefills_from_events(), 30);
+    // A reservation that finished before its block came: inert too.
+    let hashes = sequence_hashes(&prompt(901, 256), 16, None, None);
+    let r = router
+        .select(&SelectRequest {
+            pinned: Some(WorkerWithDpRank::new(1, 0)),
+            now_ms: clock,
+            ..req(&hashes, 256)
+        })
+        .unwrap();
+    router.finish(r.request_id).unwrap();
+    a.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest_at(&mut router, &mut a, clock + 30_000);
+    assert_eq!(router.prefills_from_events(), 30);
 }
 
 #[test]
