@@ -8,7 +8,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use kvedge_epp::testing::{Envoy, VllmNode, free_port, round_robin_config};
+use kvedge_epp::testing::{Bodies, Envoy, VllmNode, free_port, round_robin_config};
 
 /// The engines' shape: the same for every router.
 #[derive(Clone, Debug)]
@@ -106,6 +106,9 @@ pub enum Router {
     /// kvedge's picker behind Envoy; `None` is the default policy, else
     /// `TYPE` or `TYPE:key=value,...` (the policy's parameters).
     Kvedge(Option<String>),
+    /// kvedge's picker behind Envoy with the response body streamed to it
+    /// too (`response_body_mode: STREAMED`), for its first token.
+    KvedgeStreamed(Option<String>),
     /// kvedge's own HTTP front door, no Envoy (the policy as above).
     KvedgeHttp(Option<String>),
     EnvoyRoundRobin,
@@ -121,6 +124,7 @@ impl Router {
         let policy = (!policy.is_empty()).then(|| policy.to_owned());
         match name {
             "kvedge" => Ok(Router::Kvedge(policy)),
+            "kvedge-streamed" => Ok(Router::KvedgeStreamed(policy)),
             "kvedge-http" => Ok(Router::KvedgeHttp(policy)),
             "envoy-rr" => Ok(Router::EnvoyRoundRobin),
             "sglang" => Ok(Router::Sglang(
@@ -128,7 +132,7 @@ impl Router {
             )),
             "vllm" => Ok(Router::Vllm(policy.unwrap_or_else(|| "cache_aware".into()))),
             _ => Err(format!(
-                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], kvedge-http[:POLICY...], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
+                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], kvedge-streamed[:POLICY...], kvedge-http[:POLICY...], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
             )),
         }
     }
@@ -137,6 +141,8 @@ impl Router {
         match self {
             Router::Kvedge(None) => "kvedge".into(),
             Router::Kvedge(Some(p)) => format!("kvedge:{p}"),
+            Router::KvedgeStreamed(None) => "kvedge-streamed".into(),
+            Router::KvedgeStreamed(Some(p)) => format!("kvedge-streamed:{p}"),
             Router::KvedgeHttp(None) => "kvedge-http".into(),
             Router::KvedgeHttp(Some(p)) => format!("kvedge-http:{p}"),
             Router::EnvoyRoundRobin => "envoy-rr".into(),
@@ -192,7 +198,7 @@ pub fn start(
             .ok_or("no Envoy: set KVEDGE_ENVOY or pass --envoy")
     };
     let running = match router {
-        Router::Kvedge(policy) | Router::KvedgeHttp(policy) => {
+        Router::Kvedge(policy) | Router::KvedgeStreamed(policy) | Router::KvedgeHttp(policy) => {
             let epp = free_port(Ipv4Addr::LOCALHOST);
             // The front door's port, when it is kvedge's own.
             let door =
@@ -273,7 +279,12 @@ pub fn start(
                     _envoy: None,
                 });
             }
-            let envoy = Envoy::start(&envoy_bin()?, dir, epp, false);
+            let bodies = if matches!(router, Router::KvedgeStreamed(_)) {
+                Bodies::StreamedResponse
+            } else {
+                Bodies::Shipped
+            };
+            let envoy = Envoy::start_with(&envoy_bin()?, dir, epp, false, bodies);
             Running {
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),
                 pids: vec![daemon, envoy.pid()],

@@ -20,7 +20,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use common::{Daemon, ask, envoy_binary, grpc, start, wait_for};
-use kvedge_epp::testing::{Envoy, HttpEngine, VllmNode, free_port};
+use kvedge_epp::testing::{Bodies, Envoy, HttpEngine, VllmNode, free_port};
 use kvedge_schema::messages::Tier;
 use kvedge_schema::messages::control::Hello;
 use kvedge_shm::Publisher;
@@ -569,7 +569,7 @@ fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
     let epp_port = free_port(Ipv4Addr::LOCALHOST);
     let d = start("epp-duplex", &config(epp_port));
     let (engines, _publishers) = nodes(&d, 3, true);
-    let envoy = Envoy::start_with(&envoy_bin, &d.dir, epp_port, false, true);
+    let envoy = Envoy::start_with(&envoy_bin, &d.dir, epp_port, false, Bodies::FullDuplex);
     for round in 0..2u32 {
         for (i, e) in engines.iter().enumerate() {
             let mut tokens = prefix(i as u32 + 1);
@@ -596,6 +596,137 @@ fn full_duplex_streamed_bodies_are_picked_and_passed_through_whole() {
     );
     let (status, reply) = envoy.post("/v1/completions", b"{broken", &[]);
     assert_eq!(status, 400, "{reply}");
+}
+
+/// An engine on a fresh port of 127.0.0.1 that answers one request with a
+/// stream of server-sent events, one every 100 ms, until told to end it
+/// (then `[DONE]` and the end), or until its client is gone.
+fn slow_streaming_engine() -> (
+    String,
+    std::sync::mpsc::Sender<()>,
+    std::thread::JoinHandle<()>,
+) {
+    let listener = std::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
+    let endpoint = format!("http://{}", listener.local_addr().unwrap());
+    let (end, ended) = std::sync::mpsc::channel::<()>();
+    let engine = std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut buf = [0u8; 4096];
+        let _ = conn.read(&mut buf).unwrap();
+        conn.write_all(
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n",
+        )
+        .unwrap();
+        let chunk = |conn: &mut std::net::TcpStream, e: &str| {
+            write!(conn, "{:x}\r\n{e}\r\n", e.len()).is_ok()
+        };
+        for i in 0.. {
+            let e = format!("data: {{\"choices\":[{{\"text\":\"t{i}\"}}]}}\n\n");
+            if !chunk(&mut conn, &e) {
+                return;
+            }
+            match ended.recv_timeout(Duration::from_millis(100)) {
+                Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {}
+                _ => break,
+            }
+        }
+        chunk(&mut conn, "data: [DONE]\n\n");
+        let _ = conn.write_all(b"0\r\n\r\n");
+    });
+    (endpoint, end, engine)
+}
+
+/// Reads `client` until what it read contains `what`.
+fn read_until(client: &mut TcpStream, seen: &mut Vec<u8>, what: &str) {
+    let mut buf = [0u8; 1024];
+    while !String::from_utf8_lossy(seen).contains(what) {
+        let n = client.read(&mut buf).unwrap();
+        assert!(n > 0, "the stream ended before {what}");
+        seen.extend_from_slice(&buf[..n]);
+    }
+}
+
+#[test]
+fn envoy_holds_a_pick_while_its_response_streams_and_releases_it_when_it_ends() {
+    let Some(envoy_bin) = envoy_binary() else {
+        return;
+    };
+    let metric = |d: &Daemon, name: &str| -> u64 {
+        let text = ask(&d.query(), json!({"op": "metrics"}))["text"]
+            .as_str()
+            .unwrap()
+            .to_owned();
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("{name} in {text}"))
+    };
+    // The shipped configuration (the response's end learned from the
+    // ext_proc stream's end) and the one that streams the response body
+    // to the picker too.
+    for bodies in [Bodies::Shipped, Bodies::StreamedResponse] {
+        let epp_port = free_port(Ipv4Addr::LOCALHOST);
+        let d = start("epp-held", &config(epp_port));
+        let stats = || ask(&d.query(), json!({"op": "stats"}));
+        let envoy = Envoy::start_with(&envoy_bin, &d.dir, epp_port, false, bodies);
+        let gateway = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port));
+
+        // A response that streams for a while and then ends.
+        let (endpoint, end, engine) = slow_streaming_engine();
+        let mut first = register(&d, 1, &endpoint);
+        hold(&mut first, &prefix(1));
+        wait_for(|| stats()["index_entries"] == 4, "the engine's blocks");
+        // The prompt: the engine's four blocks and one new.
+        let mut prompt = prefix(1);
+        prompt.extend(500..516);
+        let mut client = stream_completion(gateway, &completion(&prompt, true), true);
+        let mut seen = Vec::new();
+        read_until(&mut client, &mut seen, "\"t5\"");
+        assert_eq!(
+            stats()["reservations"],
+            1,
+            "the pick is held while the response streams ({bodies:?})"
+        );
+        // The engine stores the new block. Without the response's body
+        // that is the prefill's end; with it, its first chunk was.
+        hold(&mut first, &prompt);
+        wait_for(|| stats()["index_entries"] == 5, "the new block");
+        let from_events = u64::from(bodies == Bodies::Shipped);
+        wait_for(
+            || metric(&d, "kvedge_prefills_from_kv_events_total") == from_events,
+            "the prefill seen where no first chunk came",
+        );
+        end.send(()).unwrap();
+        read_until(&mut client, &mut seen, "[DONE]");
+        wait_for(
+            || stats()["reservations"] == 0,
+            "the pick released at the response's end",
+        );
+        engine.join().unwrap();
+
+        // A client that leaves mid-response releases its pick too.
+        let (endpoint, _end, engine) = slow_streaming_engine();
+        let mut second = register(&d, 2, &endpoint);
+        hold(&mut second, &prefix(2));
+        wait_for(
+            || stats()["index_entries"] == 9,
+            "the second engine's blocks",
+        );
+        let mut client = stream_completion(gateway, &completion(&prefix(2), true), true);
+        let mut seen = Vec::new();
+        read_until(&mut client, &mut seen, "\"t2\"");
+        assert_eq!(stats()["reservations"], 1);
+        drop(client);
+        wait_for(
+            || stats()["reservations"] == 0,
+            "the pick released when the client left",
+        );
+        engine.join().unwrap();
+        assert_eq!(
+            metric(&d, "kvedge_epp_picks_expired_total"),
+            0,
+            "the ends released the picks, not the pick timeout"
+        );
+    }
 }
 
 #[test]
@@ -1350,24 +1481,16 @@ fn the_http_front_door_holds_a_pick_while_tokens_flow_and_releases_it_when_they_
     });
     let mut client = stream_completion(door, &completion(&prefix(1), true), true);
     let mut seen = Vec::new();
-    let mut buf = [0u8; 1024];
-    let mut read_until = |client: &mut TcpStream, what: &str| {
-        while !String::from_utf8_lossy(&seen).contains(what) {
-            let n = client.read(&mut buf).unwrap();
-            assert!(n > 0, "the stream ended before {what}");
-            seen.extend_from_slice(&buf[..n]);
-        }
-    };
-    read_until(&mut client, "\"t0\"");
+    read_until(&mut client, &mut seen, "\"t0\"");
     let started = std::time::Instant::now();
-    read_until(&mut client, "\"t8\"");
+    read_until(&mut client, &mut seen, "\"t8\"");
     assert!(started.elapsed() > Duration::from_millis(1500));
     assert_eq!(
         stats()["reservations"],
         1,
         "tokens kept flowing: the pick is held past the pick timeout"
     );
-    read_until(&mut client, "\"t9\"");
+    read_until(&mut client, &mut seen, "\"t9\"");
     wait_for(
         || stats()["reservations"] == 0,
         "the pick released once the engine fell silent",
@@ -1381,7 +1504,7 @@ fn the_http_front_door_holds_a_pick_while_tokens_flow_and_releases_it_when_they_
     };
     wait_for(expired, "the expiry counted once");
     go_on.send(()).unwrap();
-    read_until(&mut client, "\"t10\"");
+    read_until(&mut client, &mut seen, "\"t10\"");
     engine.join().unwrap();
 }
 

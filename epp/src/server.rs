@@ -26,7 +26,8 @@ use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
     ExternalProcessor, ExternalProcessorServer,
 };
 use envoy_types::pb::envoy::service::ext_proc::v3::{
-    ProcessingRequest, ProcessingResponse, processing_request::Request as Msg,
+    ProcessingRequest, ProcessingResponse, ProtocolConfiguration,
+    processing_request::Request as Msg,
 };
 use kvedge_shm::ratelimit::{RateLimit, held_back};
 use kvedge_wire::{Pairs, Request, Status, Strs, binary};
@@ -517,6 +518,9 @@ impl Picker {
             let ex = ex.get_or_insert_with(|| {
                 let duplex = BodySendMode::FullDuplexStreamed as i32;
                 let c = msg.protocol_config.as_ref();
+                if c.is_some_and(ends_with_the_request) {
+                    warn_end_unseen();
+                }
                 Exchange::new(
                     c.is_some_and(|c| c.request_body_mode == duplex),
                     c.is_some_and(|c| c.response_body_mode == duplex),
@@ -599,6 +603,29 @@ impl Picker {
             self.release(Request::Finish { request_id: id });
         }
     }
+}
+
+/// Whether Envoy, configured as `c` says, closes the stream once the
+/// request is processed rather than when the response ends: it sends no
+/// response body and streams the request body, and Envoy (1.37 and later)
+/// closes an ext_proc stream as soon as nothing more is to be sent on it.
+/// With a `BUFFERED` request body it keeps the stream to the end.
+fn ends_with_the_request(c: &ProtocolConfiguration) -> bool {
+    let streamed = [BodySendMode::Streamed, BodySendMode::FullDuplexStreamed].map(|m| m as i32);
+    c.response_body_mode == BodySendMode::None as i32 && streamed.contains(&c.request_body_mode)
+}
+
+/// Says once per process that the responses' ends cannot be seen.
+fn warn_end_unseen() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        tracing::warn!(
+            "Envoy streams request bodies to the picker and sends no response body: it closes each \
+             ext_proc stream once the request is processed, so picks are released then, not when \
+             their responses end. Use request_body_mode: BUFFERED, or send the response body \
+             (docs/gateway.md, \"Envoy\")"
+        );
+    });
 }
 
 /// A stream's share of the body budget, given back when it is done with
@@ -999,6 +1026,31 @@ mod tests {
             .build()
             .unwrap()
             .block_on(f)
+    }
+
+    #[test]
+    fn only_a_streamed_request_without_a_response_body_ends_with_the_request() {
+        use BodySendMode::*;
+        let config = |request: BodySendMode, response: BodySendMode| ProtocolConfiguration {
+            request_body_mode: request as i32,
+            response_body_mode: response as i32,
+            ..Default::default()
+        };
+        for (request, response, early) in [
+            (Buffered, None, false),
+            (BufferedPartial, None, false),
+            (Streamed, None, true),
+            (FullDuplexStreamed, None, true),
+            (Buffered, Streamed, false),
+            (Streamed, Streamed, false),
+            (FullDuplexStreamed, FullDuplexStreamed, false),
+        ] {
+            assert_eq!(
+                ends_with_the_request(&config(request, response)),
+                early,
+                "{request:?} {response:?}"
+            );
+        }
     }
 
     #[test]

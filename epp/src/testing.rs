@@ -178,6 +178,43 @@ fn serve_http(conn: TcpStream, hits: &AtomicUsize) {
     }
 }
 
+/// Which bodies Envoy's ext_proc filter sends the picker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Bodies {
+    /// As shipped: the request body `BUFFERED`, no response body (the
+    /// picker learns the response's end from its stream's end).
+    Shipped,
+    /// The response body `STREAMED` as well (its first chunk is the
+    /// request's first token: `prefill_done`).
+    StreamedResponse,
+    /// Both bodies `FULL_DUPLEX_STREAMED`, trailers too (as the Gateway API
+    /// Inference Extension's gateways configure it).
+    FullDuplex,
+}
+
+/// The shipped configuration with the picker on `epp_port` and the bodies
+/// sent to it as `bodies` says (the listener still on 8081).
+pub fn shipped_config(epp_port: u16, bodies: Bodies) -> String {
+    let config = SHIPPED_CONFIG.replace("port_value: 9002", &format!("port_value: {epp_port}"));
+    let response = |mode: &str| {
+        config.replace(
+            "response_body_mode: NONE",
+            &format!("response_body_mode: {mode}"),
+        )
+    };
+    match bodies {
+        Bodies::Shipped => config,
+        Bodies::StreamedResponse => response("STREAMED"),
+        Bodies::FullDuplex => response("FULL_DUPLEX_STREAMED")
+            .replace(
+                "request_body_mode: BUFFERED",
+                "request_body_mode: FULL_DUPLEX_STREAMED",
+            )
+            .replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
+            .replace("response_trailer_mode: SKIP", "response_trailer_mode: SEND"),
+    }
+}
+
 /// A real Envoy in front of the picker and the engines.
 #[derive(Debug)]
 pub struct Envoy {
@@ -202,39 +239,22 @@ impl Envoy {
         epp_port: u16,
         failure_mode_allow: bool,
     ) -> Envoy {
-        Envoy::start_with(binary, dir, epp_port, failure_mode_allow, false)
+        Envoy::start_with(binary, dir, epp_port, failure_mode_allow, Bodies::Shipped)
     }
 
-    /// With `duplex`, both bodies go to the picker `FULL_DUPLEX_STREAMED`
-    /// (as the Gateway API Inference Extension's gateways configure it).
+    /// The shipped configuration with the picker on `epp_port` and the
+    /// bodies sent to it as `bodies` says.
     pub fn start_with(
         binary: &str,
         dir: &std::path::Path,
         epp_port: u16,
         failure_mode_allow: bool,
-        duplex: bool,
+        bodies: Bodies,
     ) -> Envoy {
-        let config = SHIPPED_CONFIG
-            .replace("port_value: 9002", &format!("port_value: {epp_port}"))
-            .replace(
-                "failure_mode_allow: false",
-                &format!("failure_mode_allow: {failure_mode_allow}"),
-            );
-        let config = if duplex {
-            config
-                .replace(
-                    "request_body_mode: BUFFERED",
-                    "request_body_mode: FULL_DUPLEX_STREAMED",
-                )
-                .replace(
-                    "response_body_mode: STREAMED",
-                    "response_body_mode: FULL_DUPLEX_STREAMED",
-                )
-                .replace("request_trailer_mode: SKIP", "request_trailer_mode: SEND")
-                .replace("response_trailer_mode: SKIP", "response_trailer_mode: SEND")
-        } else {
-            config
-        };
+        let config = shipped_config(epp_port, bodies).replace(
+            "failure_mode_allow: false",
+            &format!("failure_mode_allow: {failure_mode_allow}"),
+        );
         Envoy::start_config(binary, dir, &config)
     }
 
