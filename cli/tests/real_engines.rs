@@ -522,9 +522,22 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
 
     // Through the picker, behind Envoy and at kvedge's own HTTP front
     // door: a chat whose system prompt one server computed goes to that
-    // server, and the picker's tokens are vLLM's tokens.
+    // server, and the picker's tokens are vLLM's tokens. Behind Envoy,
+    // which sends the picker no response body, vLLM's own event of the
+    // prompt's last new block marks the pick's prefill done.
     let envoy_bin = common::envoy_binary().expect("the real-vLLM test needs KVEDGE_ENVOY");
     let envoy = Envoy::start(&envoy_bin, &dir, epp, false);
+    let from_events = |c: &mut Conn| -> u64 {
+        let metrics = c.ask(json!({"op": "metrics"}));
+        let text = metrics["text"].as_str().unwrap();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("kvedge_prefills_from_kv_events_total ")?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("the counter in {text}"))
+    };
     for (via, server, id, seed) in [
         (envoy.port, &b, 20, 1),
         (envoy.port, &a, 10, 2),
@@ -543,11 +556,19 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         let first_tokens = serde_json::from_str::<Value>(&body).unwrap()["usage"]["prompt_tokens"]
             .as_u64()
             .unwrap() as usize;
+        let seen = from_events(&mut c);
         let (picked, usage) = chat(via, &conversation(seed, 3));
         assert_eq!(
             picked, id,
             "the conversation went to the server holding its prefix ({usage})"
         );
+        if via == envoy.port {
+            wait(
+                Duration::from_secs(5),
+                "vLLM's event of the prompt's last block",
+                || from_events(&mut c) == seen + 1,
+            );
+        }
         let decisions = c.ask(json!({"op": "decisions"}));
         let last = &decisions["decisions"][0];
         let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap() as usize;
