@@ -5,7 +5,9 @@
 #![forbid(unsafe_code)]
 
 use kvedge_core::index::Slot;
-use kvedge_core::router::{RegisterError, Router, RouterError, SelectRequest, WorkerInfo};
+use kvedge_core::router::{
+    RegisterError, Router, RouterError, SelectRequest, SelectResult, WorkerInfo,
+};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
@@ -592,6 +594,26 @@ fn prefill_speed_is_learned_from_prefill_done_and_the_policy_and_rules_agree() {
     assert_eq!(by_rules.last_ttft(by_rule.slot.unwrap()), terms);
 }
 
+/// A select pinned to worker 1 at `now_ms`.
+fn on_worker_1(router: &mut Router, hashes: &[u64], tokens: u32, now_ms: u64) -> SelectResult {
+    router
+        .select(&SelectRequest {
+            pinned: Some(WorkerWithDpRank::new(1, 0)),
+            now_ms,
+            ..req(hashes, tokens)
+        })
+        .unwrap()
+}
+
+/// Engine `e` stores `hashes` on its device; the router reads it at
+/// `now_ms`.
+fn store(router: &mut Router, e: &mut Engine, hashes: &[u64], now_ms: u64) {
+    e.publisher
+        .publish_stored_hashes(Tier::Device, None, hashes)
+        .unwrap();
+    ingest_at(router, e, now_ms);
+}
+
 #[test]
 fn an_engine_storing_a_prompts_last_block_marks_its_prefill_done() {
     let mut router = predicted_ttft_router();
@@ -606,13 +628,7 @@ fn an_engine_storing_a_prompts_last_block_marks_its_prefill_done() {
     let mut clock = 0;
     for i in 0..30 {
         let hashes = sequence_hashes(&prompt(100 + i, 4096), 16, None, None);
-        let r = router
-            .select(&SelectRequest {
-                pinned: Some(WorkerWithDpRank::new(1, 0)),
-                now_ms: clock,
-                ..req(&hashes, 4096)
-            })
-            .unwrap();
+        let r = on_worker_1(&mut router, &hashes, 4096, clock);
         assert_eq!(prefill(&router), 4096);
         let (last, first) = hashes.split_last().unwrap();
         a.publisher
@@ -629,10 +645,7 @@ fn an_engine_storing_a_prompts_last_block_marks_its_prefill_done() {
         ingest_at(&mut router, &mut b, clock + 100);
         assert_eq!(prefill(&router), 4096, "the prefill is not over yet");
         clock += 200;
-        a.publisher
-            .publish_stored_hashes(Tier::Device, None, &[*last])
-            .unwrap();
-        ingest_at(&mut router, &mut a, clock);
+        store(&mut router, &mut a, &[*last], clock);
         assert_eq!(prefill(&router), 0, "the last block came: prefill done");
         // A client's word after the event changes nothing.
         router.prefill_done(r.request_id, clock + 5_000).unwrap();
@@ -649,53 +662,26 @@ fn an_engine_storing_a_prompts_last_block_marks_its_prefill_done() {
 
     // A client's prefill_done first: the block's event later is inert.
     let hashes = sequence_hashes(&prompt(900, 256), 16, None, None);
-    let r = router
-        .select(&SelectRequest {
-            pinned: Some(WorkerWithDpRank::new(1, 0)),
-            now_ms: clock,
-            ..req(&hashes, 256)
-        })
-        .unwrap();
+    let r = on_worker_1(&mut router, &hashes, 256, clock);
     router.prefill_done(r.request_id, clock + 10).unwrap();
-    a.publisher
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
-    ingest_at(&mut router, &mut a, clock + 10_000);
+    store(&mut router, &mut a, &hashes, clock + 10_000);
     assert_eq!(router.prefills_from_events(), 30);
     assert_eq!(router.prefill_speed(slot).0, learned);
     router.finish(r.request_id).unwrap();
 
     // A prompt the worker holds whole has nothing to store, and no watch:
     // it waits for its prefill_done or finish as before.
-    let r = router
-        .select(&SelectRequest {
-            pinned: Some(WorkerWithDpRank::new(1, 0)),
-            now_ms: clock,
-            ..req(&hashes, 256 + 8)
-        })
-        .unwrap();
+    let r = on_worker_1(&mut router, &hashes, 256 + 8, clock);
     assert_eq!(r.overlap_blocks[0], 16);
     assert_eq!(prefill(&router), 8);
-    a.publisher
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
-    ingest_at(&mut router, &mut a, clock + 20_000);
+    store(&mut router, &mut a, &hashes, clock + 20_000);
     assert_eq!(prefill(&router), 8);
     assert_eq!(router.prefills_from_events(), 30);
     // A reservation that finished before its block came: inert too.
     let hashes = sequence_hashes(&prompt(901, 256), 16, None, None);
-    let r = router
-        .select(&SelectRequest {
-            pinned: Some(WorkerWithDpRank::new(1, 0)),
-            now_ms: clock,
-            ..req(&hashes, 256)
-        })
-        .unwrap();
+    let r = on_worker_1(&mut router, &hashes, 256, clock);
     router.finish(r.request_id).unwrap();
-    a.publisher
-        .publish_stored_hashes(Tier::Device, None, &hashes)
-        .unwrap();
-    ingest_at(&mut router, &mut a, clock + 30_000);
+    store(&mut router, &mut a, &hashes, clock + 30_000);
     assert_eq!(router.prefills_from_events(), 30);
 }
 
