@@ -479,6 +479,32 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         c.ask(json!({"op": "finish", "request_id": s["request_id"]}));
     }
 
+    // A pick's prefill is marked done by vLLM's own event of the prompt's
+    // last new block, with no word from whoever carries the response (a
+    // gateway that passes the picker no response body sends none).
+    let from_events = |c: &mut Conn| -> u64 {
+        let metrics = c.ask(json!({"op": "metrics"}));
+        let text = metrics["text"].as_str().unwrap();
+        text.lines()
+            .find_map(|l| {
+                l.strip_prefix("kvedge_prefills_from_kv_events_total ")?
+                    .parse()
+                    .ok()
+            })
+            .unwrap_or_else(|| panic!("the counter in {text}"))
+    };
+    let seen = from_events(&mut c);
+    let prompt = cat(&ext, &tokens(14, 2 * BLOCK + 3));
+    let s = c.ask(json!({"op": "select", "model": "tiny", "tokens": prompt}));
+    assert_eq!(s["worker_id"], 10, "{s}");
+    a.complete(&prompt, 1);
+    wait(
+        Duration::from_secs(10),
+        "vLLM's event of the prompt's last block",
+        || from_events(&mut c) == seen + 1,
+    );
+    c.ask(json!({"op": "finish", "request_id": s["request_id"]}));
+
     // Load from `/metrics`: a long generation shows as running on B, with
     // KV in use, and is gone when it ends.
     let long = {
@@ -522,22 +548,9 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
 
     // Through the picker, behind Envoy and at kvedge's own HTTP front
     // door: a chat whose system prompt one server computed goes to that
-    // server, and the picker's tokens are vLLM's tokens. Behind Envoy,
-    // which sends the picker no response body, vLLM's own event of the
-    // prompt's last new block marks the pick's prefill done.
+    // server, and the picker's tokens are vLLM's tokens.
     let envoy_bin = common::envoy_binary().expect("the real-vLLM test needs KVEDGE_ENVOY");
     let envoy = Envoy::start(&envoy_bin, &dir, epp, false);
-    let from_events = |c: &mut Conn| -> u64 {
-        let metrics = c.ask(json!({"op": "metrics"}));
-        let text = metrics["text"].as_str().unwrap();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvedge_prefills_from_kv_events_total ")?
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or_else(|| panic!("the counter in {text}"))
-    };
     for (via, server, id, seed) in [
         (envoy.port, &b, 20, 1),
         (envoy.port, &a, 10, 2),
@@ -556,19 +569,11 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         let first_tokens = serde_json::from_str::<Value>(&body).unwrap()["usage"]["prompt_tokens"]
             .as_u64()
             .unwrap() as usize;
-        let seen = from_events(&mut c);
         let (picked, usage) = chat(via, &conversation(seed, 3));
         assert_eq!(
             picked, id,
             "the conversation went to the server holding its prefix ({usage})"
         );
-        if via == envoy.port {
-            wait(
-                Duration::from_secs(5),
-                "vLLM's event of the prompt's last block",
-                || from_events(&mut c) == seen + 1,
-            );
-        }
         let decisions = c.ask(json!({"op": "decisions"}));
         let last = &decisions["decisions"][0];
         let prompt_tokens = usage["prompt_tokens"].as_u64().unwrap() as usize;
