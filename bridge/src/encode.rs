@@ -71,9 +71,9 @@ fn key(b: &mut ByteBuf, layout: Layout, name: &str) {
     }
 }
 
-/// Appends one batch `[ts, events, dp_rank]` to `out`. In the array
-/// layout the bytes are msgspec's for vLLM's structures (the test
-/// `kvedge_writes_the_array_layout_byte_for_byte_as_msgspec`).
+/// Appends one batch `[ts, events, dp_rank]` to `out`. In either layout
+/// the bytes are msgspec's for vLLM's structures (the test
+/// `kvedge_writes_both_layouts_byte_for_byte_as_msgspec`).
 pub fn write_batch(
     out: &mut Vec<u8>,
     ts: f64,
@@ -87,12 +87,13 @@ pub fn write_batch(
     ok(encode::write_array_len(&mut b, len(events.len())));
     for e in events {
         // Positional events carry every field of vLLM's structs, absent
-        // ones as nil (msgspec writes them so); maps leave absent ones out.
+        // ones as nil (msgspec writes them so); maps carry the fields
+        // without a default (nil when absent) and leave out the ones at
+        // their default (msgspec's `omit_defaults`), as vLLM 0.32 declares
+        // them.
         let (tag, fields) = match (e, layout) {
             (EventOut::Stored { .. }, Layout::Array) => ("BlockStored", 11),
-            (EventOut::Stored { parent, .. }, Layout::Map) => {
-                ("BlockStored", 4 + usize::from(parent.is_some()))
-            }
+            (EventOut::Stored { .. }, Layout::Map) => ("BlockStored", 7),
             (EventOut::Removed { .. }, Layout::Array) => ("BlockRemoved", 3),
             (EventOut::Removed { .. }, Layout::Map) => ("BlockRemoved", 2),
             (EventOut::Cleared, _) => ("AllBlocksCleared", 0),
@@ -113,27 +114,25 @@ pub fn write_batch(
             } => {
                 key(&mut b, layout, "block_hashes");
                 uints(&mut b, hashes.iter().copied());
-                match (parent, layout) {
-                    (Some(p), _) => {
-                        key(&mut b, layout, "parent_block_hash");
-                        ok(encode::write_uint(&mut b, p));
-                    }
-                    (None, Layout::Array) => nil(&mut b),
-                    (None, Layout::Map) => {}
+                key(&mut b, layout, "parent_block_hash");
+                match parent {
+                    Some(p) => drop(ok(encode::write_uint(&mut b, p))),
+                    None => nil(&mut b),
                 }
                 key(&mut b, layout, "token_ids");
                 uints(&mut b, tokens.iter().map(|&t| u64::from(t)));
                 key(&mut b, layout, "block_size");
                 ok(encode::write_uint(&mut b, block_size.into()));
-                if layout == Layout::Array {
-                    nil(&mut b); // lora_id
-                }
+                key(&mut b, layout, "lora_id");
+                nil(&mut b);
                 key(&mut b, layout, "medium");
                 ok(encode::write_str(&mut b, medium));
+                key(&mut b, layout, "lora_name");
+                nil(&mut b);
                 if layout == Layout::Array {
-                    // lora_name, extra_keys, group_idx, kv_cache_spec_kind,
+                    // extra_keys, group_idx, kv_cache_spec_kind,
                     // kv_cache_spec_sliding_window
-                    (0..5).for_each(|_| nil(&mut b));
+                    (0..4).for_each(|_| nil(&mut b));
                 }
             }
             EventOut::Removed { hashes, medium } => {

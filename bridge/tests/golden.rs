@@ -192,54 +192,45 @@ fn a_wrong_block_size_is_counted_and_never_indexed() {
 }
 
 #[test]
-fn kvedge_writes_the_array_layout_byte_for_byte_as_msgspec() {
+fn kvedge_writes_both_layouts_byte_for_byte_as_msgspec() {
     use kvedge_bridge::encode::{EventOut, Layout, write_batch};
     let first = tokens(100..132);
     let second = tokens(132..148);
-    let mut out = Vec::new();
-    write_batch(
-        &mut out,
-        1767225600.25,
-        &[
-            EventOut::Stored {
-                hashes: &[BIG, 7],
-                parent: None,
-                tokens: &first,
-                block_size: 16,
-                medium: "GPU",
-            },
-            EventOut::Stored {
-                hashes: &[9],
-                parent: Some(7),
-                tokens: &second,
-                block_size: 16,
-                medium: "CPU",
-            },
-            EventOut::Removed {
-                hashes: &[7],
-                medium: "GPU",
-            },
-            EventOut::Cleared,
-        ],
-        Layout::Array,
-        Some(0),
-    );
-    assert_eq!(out, golden("vllm_array_int.msgpack"));
-    // The map layout carries the same events.
-    let mut map = Vec::new();
-    write_batch(
-        &mut map,
-        1.0,
-        &[EventOut::Stored {
+    let events = [
+        EventOut::Stored {
             hashes: &[BIG, 7],
             parent: None,
             tokens: &first,
             block_size: 16,
             medium: "GPU",
-        }],
-        Layout::Map,
-        None,
-    );
+        },
+        EventOut::Stored {
+            hashes: &[9],
+            parent: Some(7),
+            tokens: &second,
+            block_size: 16,
+            medium: "CPU",
+        },
+        EventOut::Removed {
+            hashes: &[7],
+            medium: "GPU",
+        },
+        EventOut::Cleared,
+    ];
+    // Positional events, as vLLM released them before mid-2026; maps
+    // tagged by "type", as vLLM 0.32 writes them (every field without a
+    // default present, null or not: a reader may insist on them).
+    for (layout, file) in [
+        (Layout::Array, "vllm_array_int.msgpack"),
+        (Layout::Map, "vllm_map_int.msgpack"),
+    ] {
+        let mut out = Vec::new();
+        write_batch(&mut out, 1767225600.25, &events, layout, Some(0));
+        assert_eq!(out, golden(file), "{layout:?}");
+    }
+    // The map layout carries the same events.
+    let mut map = Vec::new();
+    write_batch(&mut map, 1.0, &events[..1], Layout::Map, None);
     let mut t = Translator::new(16, 1 << 20);
     let mut rec = Recorder::default();
     Decoder::new()

@@ -580,6 +580,7 @@ fn the_mock_engine_publishes_vllms_own_block_hashes() {
     );
     assert_eq!(n("matched"), n("stored"), "{summary}");
     assert_eq!(n("unknown_parents"), 0, "{summary}");
+    assert_eq!(n("other_topics"), 0, "vLLM's default topic: {summary}");
     assert!(n("removed") > 0, "the device pool evicted: {summary}");
     assert_eq!(n("removed_known"), n("removed"), "{summary}");
 }

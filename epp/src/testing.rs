@@ -397,7 +397,9 @@ pub fn round_robin_config(endpoints: &[SocketAddr]) -> String {
 
 /// A `kvedge mock-engine` as a node of its own: on `127.0.0.(1 + worker)`,
 /// serving HTTP and publishing as vLLM does (ZeroMQ events and replay,
-/// Prometheus metrics), each on a free port.
+/// Prometheus metrics), each on a free port. Its events go out on vLLM's
+/// default topic, the empty one (a reader that matches topics exactly,
+/// such as vllm-router's static event sources, reads them).
 #[derive(Clone, Copy, Debug)]
 pub struct VllmNode {
     pub worker: u64,
@@ -436,6 +438,7 @@ impl VllmNode {
             .arg("--runtime-dir")
             .arg(dir)
             .args(["--vllm-events", &format!("tcp://{ip}:{}", self.events)])
+            .arg("--vllm-topic=")
             .args(["--vllm-replay", &format!("tcp://{ip}:{}", self.replay)])
             .args(["--vllm-metrics", &format!("{ip}:{}", self.metrics)])
             .args(["--http", &self.http.to_string()])
@@ -448,7 +451,7 @@ impl VllmNode {
     pub fn entry(&self, block_size: u32) -> String {
         let (ip, w, http) = (self.ip, self.worker, self.http);
         format!(
-            "  - kind: vllm\n    model: m\n    worker_id: {w}\n    block_size: {block_size}\n    endpoint: http://{http}\n    events: tcp://{ip}:{}\n    replay: tcp://{ip}:{}\n    topic: kv-events\n    metrics: http://{ip}:{}/metrics\n",
+            "  - kind: vllm\n    model: m\n    worker_id: {w}\n    block_size: {block_size}\n    endpoint: http://{http}\n    events: tcp://{ip}:{}\n    replay: tcp://{ip}:{}\n    topic: \"\"\n    metrics: http://{ip}:{}/metrics\n",
             self.events, self.replay, self.metrics
         )
     }

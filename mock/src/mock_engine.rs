@@ -66,6 +66,10 @@ pub struct MockEngineArgs {
     /// With `--vllm-events`: vLLM's replay ROUTER socket, bound here.
     #[arg(long, requires = "vllm_events")]
     pub vllm_replay: Option<String>,
+    /// With `--vllm-events`: the topic of its batches (vLLM's
+    /// `kv_events_config.topic`; vLLM's default is empty).
+    #[arg(long, requires = "vllm_events", default_value = "kv-events")]
+    pub vllm_topic: String,
     /// With `--vllm-events`: serve vLLM's metric names over HTTP at
     /// host:port (`/metrics`).
     #[arg(long, requires = "vllm_events")]
@@ -178,9 +182,12 @@ pub fn run(args: MockEngineArgs) -> Result<(), String> {
     }
     let mut feed = match &args.vllm_events {
         Some(events) => Feed::Vllm(Box::new(crate::vllm_feed::VllmFeed::bind(
-            events,
-            args.vllm_replay.as_deref(),
-            args.vllm_metrics.as_deref(),
+            &crate::vllm_feed::Sockets {
+                events,
+                replay: args.vllm_replay.as_deref(),
+                metrics: args.vllm_metrics.as_deref(),
+                topic: &args.vllm_topic,
+            },
             params.block_size,
             u64::from(params.device_blocks),
             args.worker_id,

@@ -102,13 +102,22 @@ impl std::fmt::Debug for VllmFeed {
     }
 }
 
+/// Where a [`VllmFeed`] serves, and the topic its batches go out on.
+#[derive(Clone, Copy, Debug)]
+pub struct Sockets<'a> {
+    pub events: &'a str,
+    pub replay: Option<&'a str>,
+    pub metrics: Option<&'a str>,
+    /// vLLM's `kv_events_config.topic` (its default is empty).
+    pub topic: &'a str,
+}
+
 impl VllmFeed {
-    /// Binds the PUB socket at `events`, the replay ROUTER at `replay`
-    /// (optional) and the metrics page at `metrics` (host:port, optional).
+    /// Binds the PUB socket at `sockets.events` (its batches on
+    /// `sockets.topic`), the replay ROUTER at `sockets.replay` (optional)
+    /// and the metrics page at `sockets.metrics` (host:port, optional).
     pub fn bind(
-        events: &str,
-        replay: Option<&str>,
-        metrics: Option<&str>,
+        sockets: &Sockets<'_>,
         block_size: u32,
         total_blocks: u64,
         worker_id: u64,
@@ -131,11 +140,11 @@ impl VllmFeed {
             ..Options::default()
         };
         let socket = rt
-            .block_on(Pub::bind(events, &options))
-            .map_err(|e| format!("--vllm-events {events}: {e}"))?;
-        let topic = Bytes::from_static(b"kv-events");
+            .block_on(Pub::bind(sockets.events, &options))
+            .map_err(|e| format!("--vllm-events {}: {e}", sockets.events))?;
+        let topic = Bytes::copy_from_slice(sockets.topic.as_bytes());
         let buffer: Buffer = Arc::new(Mutex::new(VecDeque::new()));
-        if let Some(replay) = replay {
+        if let Some(replay) = sockets.replay {
             let mut router = rt
                 .block_on(Router::bind(replay, &options))
                 .map_err(|e| format!("--vllm-replay {replay}: {e}"))?;
@@ -178,7 +187,7 @@ impl VllmFeed {
             });
         }
         let page = Arc::new(Mutex::new(String::new()));
-        if let Some(addr) = metrics {
+        if let Some(addr) = sockets.metrics {
             kvedge_daemon::metrics_http::serve_http(addr, Arc::clone(&page))
                 .map_err(|e| format!("--vllm-metrics {addr}: {e}"))?;
         }

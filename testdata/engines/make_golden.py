@@ -92,6 +92,33 @@ class MapBlockStored(MapEvent, tag="BlockStored"):
     brand_new_field: Optional[dict[str, Any]] = None
 
 
+# The map layout's events as vLLM 0.32 declares them: the fields without a
+# default are written even when None (omit_defaults drops defaults only).
+class MapBlockStoredV032(MapEvent, tag="BlockStored"):
+    block_hashes: list[Union[int, bytes]]
+    parent_block_hash: Union[int, bytes, None]
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]
+    medium: Optional[str]
+    lora_name: Optional[str]
+    extra_keys: Optional[list[Optional[tuple[Any, ...]]]] = None
+    group_idx: Optional[int] = None
+    kv_cache_spec_kind: Optional[str] = None
+    kv_cache_spec_sliding_window: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+    session_id: Optional[str] = None
+
+
+class MapBlockRemovedV032(MapEvent, tag="BlockRemoved"):
+    block_hashes: list[Union[int, bytes]]
+    medium: Optional[str]
+    group_idx: Optional[int] = None
+    locality: Optional[str] = None
+    ownership: Optional[str] = None
+
+
 class MapBlockRemoved(MapEvent, tag="BlockRemoved"):
     block_hashes: list[Union[int, bytes]]
     medium: Optional[str] = None
@@ -178,6 +205,19 @@ files = {
             MapBlockRemoved([digest(7)], "GPU"),
             MapAllBlocksCleared(),
         ],
+    ),
+    # Map layout as vLLM 0.32 writes it, integer hashes: stored two blocks,
+    # a child on the host, removed one, cleared (what kvedge's mock engine
+    # writes, byte for byte).
+    "vllm_map_int.msgpack": ArrayBatch(
+        TS,
+        [
+            MapBlockStoredV032([BIG, 7], None, TOKENS, 16, None, "GPU", None),
+            MapBlockStoredV032([9], 7, list(range(132, 148)), 16, None, "CPU", None),
+            MapBlockRemovedV032([7], "GPU"),
+            MapAllBlocksCleared(),
+        ],
+        0,
     ),
     # LoRA by name and a cache salt on the first block (map layout), then a
     # child on disk storage.
