@@ -213,6 +213,24 @@ fn percentile(sorted: &[f64], q: f64) -> f64 {
     sorted[i]
 }
 
+/// A router's name as a directory name: `:` as `-`, and one longer than
+/// 24 bytes cut to 16 and a hash of the whole, so that the sockets under it
+/// (the daemon's, the engines') stay within a Unix socket path's 108 bytes.
+fn dir_label(name: &str) -> String {
+    let label = name.replace(':', "-");
+    if label.len() <= 24 {
+        return label;
+    }
+    let cut = (0..=16)
+        .rev()
+        .find(|&i| label.is_char_boundary(i))
+        .unwrap_or(0);
+    let hash = label.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {
+        (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3)
+    });
+    format!("{}-{:08x}", &label[..cut], hash as u32)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn run_one(
     args: &Args,
@@ -226,7 +244,7 @@ fn run_one(
     let dir = args.out.join(format!(
         "{}-{rate}-{}-{run}",
         shape.name(),
-        router.name().replace(':', "-")
+        dir_label(&router.name())
     ));
     let _ = std::fs::remove_dir_all(&dir);
     std::fs::create_dir_all(dir.join("run")).map_err(|e| e.to_string())?;
