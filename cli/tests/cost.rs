@@ -12,7 +12,7 @@ use std::net::Ipv4Addr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use common::{Conn, ask, start, temp_dir};
+use common::{Conn, ask, metric, start, temp_dir};
 use kvedge_epp::testing::free_port;
 use serde_json::{Value, json};
 
@@ -140,13 +140,6 @@ fn an_idle_daemon_with_engines_and_the_picker_uses_almost_no_cpu() {
     );
     // Still serving: the engines are up, and it answers.
     assert_eq!(available(&d.query()), 4);
-}
-
-/// The value of an unlabelled metric in the `metrics` op's text.
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines()
-        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
 fn metrics(conn: &mut Conn) -> String {

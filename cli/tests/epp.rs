@@ -651,14 +651,9 @@ fn envoy_holds_a_pick_while_its_response_streams_and_releases_it_when_it_ends() 
     let Some(envoy_bin) = envoy_binary() else {
         return;
     };
-    let metric = |d: &Daemon, name: &str| -> u64 {
-        let text = ask(&d.query(), json!({"op": "metrics"}))["text"]
-            .as_str()
-            .unwrap()
-            .to_owned();
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("{name} in {text}"))
+    let metric = |d: &Daemon, name: &str| {
+        let text = ask(&d.query(), json!({"op": "metrics"}));
+        common::metric(text["text"].as_str().unwrap(), name) as u64
     };
     // The shipped configuration (the response's end learned from the
     // ext_proc stream's end) and the one that streams the response body

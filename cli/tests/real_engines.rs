@@ -482,16 +482,10 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
     // A pick's prefill is marked done by vLLM's own event of the prompt's
     // last new block, with no word from whoever carries the response (a
     // gateway that passes the picker no response body sends none).
-    let from_events = |c: &mut Conn| -> u64 {
+    let from_events = |c: &mut Conn| {
         let metrics = c.ask(json!({"op": "metrics"}));
         let text = metrics["text"].as_str().unwrap();
-        text.lines()
-            .find_map(|l| {
-                l.strip_prefix("kvedge_prefills_from_kv_events_total ")?
-                    .parse()
-                    .ok()
-            })
-            .unwrap_or_else(|| panic!("the counter in {text}"))
+        common::metric(text, "kvedge_prefills_from_kv_events_total") as u64
     };
     let seen = from_events(&mut c);
     let prompt = cat(&ext, &tokens(14, 2 * BLOCK + 3));

@@ -186,6 +186,14 @@ impl Conn {
 }
 
 /// One request on a connection of its own.
+/// The value of an unlabelled metric in the `metrics` op's text; a metric
+/// that is not there fails the test.
+pub fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
 pub fn ask(path: &Path, v: impl Borrow<Value>) -> Value {
     Conn::connect(path).ask(v)
 }
