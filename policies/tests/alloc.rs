@@ -11,7 +11,7 @@ use kvedge_policies::{
     AffinityMode, InputTrigger, SessionAffinityTable, SessionContext, WorkerSelectionContext,
 };
 
-const TYPES: [(&str, &str); 12] = [
+const TYPES: [(&str, &str); 13] = [
     ("dynamo-default-cost-fn", "{}"),
     ("dynamo-default-cost-fn", "{router_temperature: 0.7}"),
     (
@@ -27,6 +27,7 @@ const TYPES: [(&str, &str); 12] = [
     ("soft-pin", "{max_active_requests: 3}"),
     ("tool-result-cache-local", "{}"),
     ("predicted-ttft", "{}"),
+    ("prefill-times-requests", "{}"),
 ];
 
 fn rows(n: u64) -> Vec<W> {

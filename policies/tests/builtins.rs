@@ -421,6 +421,133 @@ fn predicted_ttft_fails_cleanly_without_a_prediction() {
     assert!(e.contains("speed"), "{e}");
 }
 
+// ---- prefill-times-requests ----
+
+/// The product without a price on recomputing (`kv_aware`'s shape).
+const PLAIN: &str = "{recompute_weight: 0}";
+
+#[test]
+fn prefill_times_requests_multiplies_prefill_work_by_the_batch_it_joins() {
+    // 640 prompt tokens (40 blocks of 16). cost = (uncached + queued
+    // prefill) * (active + waiting + 1).
+    let costs = |params: &str, rows: &[W]| {
+        let mut p = policy("prefill-times-requests", params);
+        let mut out = Vec::new();
+        p.costs_into(&ctx(640), &table(rows), &mut out).unwrap();
+        out
+    };
+    let rows = [
+        // 30 blocks cached, 3 requests running and 1 queued, 100 tokens of
+        // prefill queued: (160 + 100) * 5.
+        w(1).device(30).active(3).waiting(1).prefill(100),
+        // Nothing cached, idle: 640 * 1.
+        w(2),
+        // 10 blocks cached, 1 request: (480 + 0) * 2.
+        w(3).device(10).active(1),
+    ];
+    assert_eq!(costs(PLAIN, &rows), [1300.0, 640.0, 960.0]);
+    // The product spreads the prefix off the busy worker where a sum of the
+    // same terms (260 + 4 against 640 + 0) would keep it there.
+    assert_eq!(
+        pick(
+            &mut policy("prefill-times-requests", PLAIN),
+            &ctx(640),
+            &rows
+        ),
+        2
+    );
+    // With one request on it instead of four, the cached worker wins:
+    // (160 + 100) * 2 = 520.
+    let rows = [
+        w(1).device(30).active(1).prefill(100),
+        w(2),
+        w(3).device(10).active(1),
+    ];
+    assert_eq!(
+        pick(
+            &mut policy("prefill-times-requests", PLAIN),
+            &ctx(640),
+            &rows
+        ),
+        1
+    );
+}
+
+#[test]
+fn prefill_times_requests_recompute_weight_waits_for_a_prefix_being_computed() {
+    // A new 1,600-token prompt went to worker 1 a moment ago: its 100
+    // blocks are reserved there and still queued as prefill. A second
+    // request with the same prompt and 64 tokens more (104 blocks):
+    // worker 1 costs (64 + 1,600) * 2, an idle worker 1,664 * 1, so the
+    // plain product computes the prefix a second time.
+    let rows = [w(1).device(100).active(1).prefill(1600), w(2)];
+    assert_eq!(
+        pick(
+            &mut policy("prefill-times-requests", PLAIN),
+            &ctx(1664),
+            &rows
+        ),
+        2
+    );
+    // Priced at four times again: (5 * 64 + 1,600) * 2 = 3,840 against
+    // 5 * 1,664 = 8,320, so it waits where the prefix is being computed.
+    let mut p = policy("prefill-times-requests", "{recompute_weight: 4}");
+    let mut out = Vec::new();
+    p.costs_into(&ctx(1664), &table(&rows), &mut out).unwrap();
+    assert_eq!(out, [3840.0, 8320.0]);
+    assert_eq!(pick(&mut p, &ctx(1664), &rows), 1);
+    // The default prices it once again: (2 * 64 + 1,600) * 2 = 3,456
+    // against 2 * 1,664 = 3,328, just short of waiting.
+    p = policy("prefill-times-requests", "{}");
+    p.costs_into(&ctx(1664), &table(&rows), &mut out).unwrap();
+    assert_eq!(out, [3456.0, 3328.0]);
+    let e = refused("prefill-times-requests", "{ recompute_weight: -0.5 }");
+    assert!(e.contains("recompute_weight"), "{e}");
+}
+
+#[test]
+fn prefill_times_requests_counts_at_least_one_token_so_load_still_decides() {
+    // The prompt is cached whole on both: the engine still computes its last
+    // token, so the worker with fewer requests wins, every time.
+    let rows = [w(1).device(4).active(7), w(2).device(4).active(2)];
+    let mut p = policy("prefill-times-requests", PLAIN);
+    let mut out = Vec::new();
+    p.costs_into(&ctx(64), &table(&rows), &mut out).unwrap();
+    assert_eq!(out, [8.0, 3.0]);
+    for _ in 0..50 {
+        assert_eq!(pick(&mut p, &ctx(64), &rows), 2);
+    }
+    // Exact ties go to either, by the seeded RNG.
+    let rows = [w(1).active(1), w(2).active(1), w(3).active(2)];
+    let mut seen = [false; 4];
+    for _ in 0..200 {
+        seen[pick(&mut p, &ctx(64), &rows) as usize] = true;
+    }
+    assert_eq!(seen, [false, true, true, false]);
+}
+
+#[test]
+fn prefill_times_requests_credits_host_and_disk_blocks_at_their_weights() {
+    // 10 blocks of 16. Host 8 blocks at the router's 0.75: 6 blocks cached,
+    // 64 tokens left; disk 8 blocks at 0.25: 2 cached, 128 left.
+    let rows = [w(1).host(8), w(2).disk(8)];
+    let mut p = policy("prefill-times-requests", PLAIN);
+    let mut out = Vec::new();
+    p.costs_into(&ctx(160), &table(&rows), &mut out).unwrap();
+    assert_eq!(out, [64.0, 128.0]);
+    let mut p = policy(
+        "prefill-times-requests",
+        "{recompute_weight: 0, host_cache_hit_weight: 0, disk_cache_hit_weight: 1}",
+    );
+    p.costs_into(&ctx(160), &table(&rows), &mut out).unwrap();
+    assert_eq!(out, [160.0, 32.0]);
+    // Negative weights and unknown parameters are refused.
+    let e = refused("prefill-times-requests", "{ host_cache_hit_weight: -1 }");
+    assert!(e.contains("host_cache_hit_weight"), "{e}");
+    let e = refused("prefill-times-requests", "{ balance_weight: 1 }");
+    assert!(e.contains("balance_weight"), "{e}");
+}
+
 // ---- cache-aware ----
 
 #[test]
@@ -543,6 +670,7 @@ fn a_warm_up_between_selects_changes_no_pick_of_any_shipped_policy() {
         ("soft-pin", "{max_active_requests: 0, seed: 3}"),
         ("tool-result-cache-local", "{seed: 3}"),
         ("predicted-ttft", "{seed: 3}"),
+        ("prefill-times-requests", "{seed: 3}"),
     ];
     for (type_name, params) in types {
         let mut plain = policy(type_name, params);

@@ -12,7 +12,7 @@ use kvedge_policies::{
 };
 use proptest::prelude::*;
 
-const TYPES: [(&str, &str); 11] = [
+const TYPES: [(&str, &str); 12] = [
     ("dynamo-default-cost-fn", "{}"),
     (
         "dynamo-default-cost-fn",
@@ -27,6 +27,7 @@ const TYPES: [(&str, &str); 11] = [
     ("soft-pin", "{max_active_requests: 1}"),
     ("tool-result-cache-local", "{}"),
     ("predicted-ttft", "{}"),
+    ("prefill-times-requests", "{}"),
 ];
 
 fn any_worker() -> impl Strategy<Value = W> {

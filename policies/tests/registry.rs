@@ -14,7 +14,7 @@ use kvedge_policies::{
     WorkerSelectionPolicyRegistryError, router_plugin_registry,
 };
 
-const TYPES: [(&str, &str); 10] = [
+const TYPES: [(&str, &str); 11] = [
     (
         "dynamo-default-cost-fn",
         "{overlap_score_credit: 0.5, router_temperature: 0.2}",
@@ -28,6 +28,7 @@ const TYPES: [(&str, &str); 10] = [
     ("soft-pin", "{max_active_requests: 2}"),
     ("tool-result-cache-local", "{}"),
     ("predicted-ttft", "{seed: 1}"),
+    ("prefill-times-requests", "{seed: 1}"),
 ];
 
 fn registration_case(type_name: &str, params: &str) {
@@ -62,6 +63,7 @@ registration_tests! {
     registers_soft_pin => 7,
     registers_tool_result_cache_local => 8,
     registers_predicted_ttft => 9,
+    registers_prefill_times_requests => 10,
 }
 
 #[test]

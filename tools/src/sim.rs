@@ -38,6 +38,7 @@ pub const PRESETS: &[(&str, &str)] = &[
     ("soft-pin", "max_active_requests: 16"),
     ("tool-result-cache-local", ""),
     ("predicted-ttft", ""),
+    ("prefill-times-requests", ""),
 ];
 
 /// The configuration that runs `name`, one of [`PRESETS`], as the

@@ -14,9 +14,11 @@
 //! | `soft-pin` | keep the soft-affinity target until overloaded |
 //! | `tool-result-cache-local` | default cost, but tool-result turns go to the most device overlap |
 //! | `predicted-ttft` | the host's predicted time to first token plus a price on the request's own prefill (`recompute_weight`) + lowest cost (seeded ties); the built-in for aggregated and prefill workers |
+//! | `prefill-times-requests` | ((1 + `recompute_weight`) × uncached prompt tokens + queued prefill tokens) × (requests + 1) + lowest cost (seeded ties) |
 
 pub mod default_cost;
 pub mod predicted_ttft;
+pub mod prefill_times_requests;
 pub mod simple;
 
 use std::sync::Arc;
@@ -55,6 +57,9 @@ pub const DEFAULT_COST_FN: &str = "dynamo-default-cost-fn";
 
 /// Type name of the predicted-TTFT policy.
 pub const PREDICTED_TTFT: &str = "predicted-ttft";
+
+/// Type name of the prefill-times-requests policy.
+pub const PREFILL_TIMES_REQUESTS: &str = "prefill-times-requests";
 
 /// The type of the built-in policy (the `default` selection) for `role`:
 /// `predicted-ttft` where the worker computes the prompt (aggregated and
@@ -105,6 +110,10 @@ pub fn register_builtins(
     registry
         .register_worker_selection("tool-result-cache-local", Arc::new(tool_result_provider))?;
     registry.register_worker_selection(PREDICTED_TTFT, Arc::new(predicted_ttft_provider))?;
+    registry.register_worker_selection(
+        PREFILL_TIMES_REQUESTS,
+        Arc::new(prefill_times_requests_provider),
+    )?;
     Ok(())
 }
 
@@ -268,6 +277,53 @@ fn predicted_ttft_policy(
             seed, partition,
         ))),
     )
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PrefillTimesRequestsParameters {
+    seed: Option<u64>,
+    #[serde(default = "default_product_recompute_weight")]
+    recompute_weight: f64,
+    host_cache_hit_weight: Option<f64>,
+    disk_cache_hit_weight: Option<f64>,
+}
+
+fn default_product_recompute_weight() -> f64 {
+    prefill_times_requests::DEFAULT_RECOMPUTE_WEIGHT
+}
+
+fn prefill_times_requests_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
+    let p: PrefillTimesRequestsParameters = parameters.deserialize()?;
+    non_negative("recompute_weight", p.recompute_weight)?;
+    for (name, value) in [
+        ("host_cache_hit_weight", p.host_cache_hit_weight),
+        ("disk_cache_hit_weight", p.disk_cache_hit_weight),
+    ] {
+        if let Some(v) = value {
+            non_negative(name, v)?;
+        }
+    }
+    Ok(Arc::new(move |config, worker_type, partition| {
+        let scorer = prefill_times_requests::PrefillTimesRequestsScorer {
+            recompute_weight: p.recompute_weight,
+            host_cache_hit_weight: p
+                .host_cache_hit_weight
+                .unwrap_or(config.host_cache_hit_weight),
+            disk_cache_hit_weight: p
+                .disk_cache_hit_weight
+                .unwrap_or(config.disk_cache_hit_weight),
+        };
+        WorkerSelectionPolicy::new(
+            config.clone(),
+            worker_type.as_str(),
+            vec![Box::new(scorer)],
+            Box::new(LowestCostRandomTiesPicker::new(PolicyRng::for_partition(
+                p.seed.unwrap_or(config.seed),
+                partition,
+            ))),
+        )
+    }))
 }
 
 fn least_kv_usage_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {

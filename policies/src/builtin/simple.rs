@@ -12,11 +12,11 @@ use crate::view::{WorkerCandidate, WorkerCandidates, WorkerInputView};
 
 use super::default_cost::argmin_random_ties;
 
-fn load_unavailable() -> WorkerSelectionPolicyError {
+pub(super) fn load_unavailable() -> WorkerSelectionPolicyError {
     WorkerSelectionPolicyError::failed("load input unavailable")
 }
 
-fn cache_unavailable() -> WorkerSelectionPolicyError {
+pub(super) fn cache_unavailable() -> WorkerSelectionPolicyError {
     WorkerSelectionPolicyError::failed("cache input unavailable")
 }
 
