@@ -563,6 +563,29 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
         let first_tokens = serde_json::from_str::<Value>(&body).unwrap()["usage"]["prompt_tokens"]
             .as_u64()
             .unwrap() as usize;
+        // The server's events of the first turn reach the index a moment
+        // after its answer: the chat is routed once they have. The first
+        // turn's token ids are the server's own (its `/tokenize`).
+        let (status, _, body) = http(
+            server.http,
+            "POST",
+            "/tokenize",
+            &json!({"model": "tiny", "messages": conversation(seed, 1)}).to_string(),
+            &[],
+        );
+        assert_eq!(status, 200, "{body}");
+        let ids: Vec<u32> = serde_json::from_str::<Value>(&body).unwrap()["tokens"]
+            .as_array()
+            .unwrap_or_else(|| panic!("token ids in {body}"))
+            .iter()
+            .map(|t| t.as_u64().unwrap() as u32)
+            .collect();
+        assert_eq!(ids.len(), first_tokens, "{body}");
+        wait(
+            Duration::from_secs(10),
+            &format!("the first turn's blocks indexed on worker {id}"),
+            || overlap(&mut c, id, &ids) == first_tokens / BLOCK,
+        );
         let (picked, usage) = chat(via, &conversation(seed, 3));
         assert_eq!(
             picked, id,
