@@ -22,12 +22,18 @@
 //! clears its cache is removed from every entry, so a slot reused by a new
 //! engine inherits nothing, and a block its engine reports removed from
 //! the device tier leaves its reservations.
+//!
+//! An entry also counts the picks that sent its block while it lived
+//! ([`PendingPrefixes::picks`]): a block many recent prompts shared (a
+//! system prompt) has a high count, the history of one conversation a
+//! count of one or none. The router tells the policy that count for the
+//! deepest block some candidate holds (`prefix_sharers`).
 
 use crate::index::{MAX_WORKERS, Slot};
 
 use std::hash::BuildHasher;
 
-/// Entries in the table (a power of two): 24 bytes each, 768 KiB.
+/// Entries in the table (a power of two): 32 bytes each, 1 MiB.
 pub const CAPACITY: usize = 1 << 15;
 
 /// Blocks noted per pick at most: beyond them a prompt's tail is left to
@@ -41,6 +47,9 @@ struct Entry {
     /// Workers sent a prompt with this block; 0 marks a free entry.
     mask: u64,
     until_ms: u64,
+    /// Picks that noted it since the entry was made (it lives while one
+    /// comes within the window of the last).
+    picks: u32,
 }
 
 impl Entry {
@@ -119,24 +128,35 @@ impl PendingPrefixes {
                     hash,
                     mask: 0,
                     until_ms,
+                    picks: 0,
                 };
                 victim
             };
             let entry = &mut self.entries[at];
             entry.mask |= bit;
             entry.until_ms = entry.until_ms.max(until_ms);
+            entry.picks = entry.picks.saturating_add(1);
             self.noted += 1;
         }
     }
 
-    /// The workers with a live reservation of `hash`.
-    pub fn mask(&self, hash: u64, now_ms: u64) -> u64 {
-        let [a, b] = self.ways(hash);
-        [a, b]
+    /// How many picks noted `hash` since its entry was made (0 when it
+    /// has none live).
+    pub fn picks(&self, hash: u64, now_ms: u64) -> u32 {
+        self.live(hash, now_ms).map_or(0, |e| e.picks)
+    }
+
+    /// The live entry of `hash`, if any.
+    fn live(&self, hash: u64, now_ms: u64) -> Option<&Entry> {
+        self.ways(hash)
             .into_iter()
             .map(|i| &self.entries[i])
             .find(|e| e.hash == hash && e.live(now_ms))
-            .map_or(0, |e| e.mask)
+    }
+
+    /// The workers with a live reservation of `hash`.
+    pub fn mask(&self, hash: u64, now_ms: u64) -> u64 {
+        self.live(hash, now_ms).map_or(0, |e| e.mask)
     }
 
     /// Raises `device[slot]`, for every slot in `candidates`, to the depth
@@ -234,6 +254,26 @@ mod tests {
         assert_eq!(depths(&p, &[10, 11], 999), [0, 2, 1, 0]);
         assert_eq!(depths(&p, &[10, 11], 1000), [0, 1, 1, 0]);
         assert_eq!(depths(&p, &[10, 20], 1005), [0, 0, 0, 0]);
+    }
+
+    #[test]
+    fn a_block_counts_the_picks_that_sent_it_while_its_entry_lives() {
+        let mut p = PendingPrefixes::new(1000);
+        p.note(s(1), &[10, 11], 0);
+        p.note(s(2), &[10], 500);
+        p.note(s(1), &[10, 12], 1400);
+        assert_eq!(
+            (p.picks(10, 1400), p.picks(11, 900), p.picks(12, 1400)),
+            (3, 1, 1)
+        );
+        // Kept alive by each pick within the window of the last; gone after.
+        assert_eq!(
+            (p.picks(11, 1000), p.picks(10, 2399), p.picks(10, 2400)),
+            (0, 3, 0)
+        );
+        // A new entry starts again at one.
+        p.note(s(2), &[10], 3000);
+        assert_eq!(p.picks(10, 3000), 1);
     }
 
     #[test]

@@ -840,6 +840,7 @@ impl Router {
             self.overlap = Overlap::default();
         }
         self.table.reset(required | WorkerInputs::LOAD);
+        let mut deepest = 0u32;
         for &slot in &self.rows {
             let w = self.workers[slot.index()]
                 .as_ref()
@@ -850,6 +851,7 @@ impl Router {
                 self.overlap.get(slot, Tier::Host),
                 self.overlap.get(slot, Tier::Disk),
             ];
+            deepest = deepest.max(overlap[0]);
             let predicted = predict_ttft.then(|| {
                 Predicting {
                     ttft: &self.prefill.ttft,
@@ -890,9 +892,17 @@ impl Router {
         let request_id = self.next_request_id;
         let mut id_buf = [0u8; 20];
         let id_str = format_u64(request_id, &mut id_buf);
+        let sharers = match deepest.checked_sub(1) {
+            Some(d) if !req.approximate => req
+                .hashes
+                .get(d as usize)
+                .map_or(0, |&h| self.pending.picks(h, req.now_ms)),
+            _ => 0,
+        };
         let mut ctx = WorkerSelectionContext::new(id_str, req.prompt_tokens, block_size)
             .with_now_ms(req.now_ms)
-            .with_priority(req.priority);
+            .with_priority(req.priority)
+            .with_prefix_sharers(sharers);
         if let Some(h) = req.headers {
             ctx = ctx.with_agent_headers(h);
         }

@@ -9,7 +9,7 @@ use kvedge_core::router::{
     RegisterError, Router, RouterError, SelectRequest, SelectResult, WorkerInfo,
 };
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
 
 use kvedge_policies::plugins::worker_selection::{
     RouterConfig, RoutingPartition, WorkerInputView, WorkerPicker, WorkerSelectionContext,
@@ -1131,4 +1131,75 @@ fn the_default_policy_prices_recomputation_and_the_rules_see_pure_ttft() {
         "{} vs {terms:?}",
         r.cost
     );
+}
+
+/// A picker that takes the first row and keeps what the last pick's
+/// context said of the prompt's sharers.
+struct Sharers(Arc<AtomicU32>);
+
+impl WorkerPicker for Sharers {
+    fn required_worker_inputs(&self) -> kvedge_policies::WorkerInputs {
+        kvedge_policies::WorkerInputs::CACHE
+    }
+
+    fn pick(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        _input: WorkerInputView<'_>,
+    ) -> Result<usize, WorkerSelectionPolicyError> {
+        self.0.store(context.prefix_sharers(), Ordering::Relaxed);
+        Ok(0)
+    }
+}
+
+#[test]
+fn a_policy_is_told_how_many_recent_picks_sent_the_deepest_prefix_a_worker_holds() {
+    let seen = Arc::new(AtomicU32::new(u32::MAX));
+    let mut registry = kvedge_policies::router_plugin_registry();
+    let s = Arc::clone(&seen);
+    registry
+        .register_worker_selection(
+            "sharers",
+            Arc::new(move |_parameters| {
+                let s = Arc::clone(&s);
+                let factory: WorkerSelectionPolicyFactory = Arc::new(
+                    move |config: &RouterConfig, role: WorkerType, _: &RoutingPartition| {
+                        WorkerSelectionPolicy::new(
+                            config.clone(),
+                            role.as_str(),
+                            Vec::new(),
+                            Box::new(Sharers(Arc::clone(&s))),
+                        )
+                    },
+                );
+                Ok(factory)
+            }),
+        )
+        .unwrap();
+    let mut router = router_of(&registry, "sharers");
+    let mut e = engine(&mut router, 1);
+    let p = sequence_hashes(&prompt(1, 256), 16, None, None);
+    // The same 16 blocks, then 8 of them with another tail.
+    let mut branch = sequence_hashes(&prompt(1, 128), 16, None, None);
+    branch.extend(
+        sequence_hashes(&prompt(2, 256), 16, None, None)
+            .into_iter()
+            .skip(8),
+    );
+    let q = sequence_hashes(&prompt(3, 256), 16, None, None);
+    // Nothing held; then the prompt the first pick sent (its reservation),
+    // then two; the branch's deepest held block is the eighth, which all
+    // three sent; a prompt nobody sent has none.
+    let mut said = Vec::new();
+    for hashes in [&p, &p, &p, &branch, &q] {
+        router.select(&req(hashes, 256)).unwrap();
+        said.push(seen.load(Ordering::Relaxed));
+    }
+    assert_eq!(said, [0, 1, 2, 3, 0]);
+    // A prefix the engine reported, that no pick sent, has no sharers.
+    let r = sequence_hashes(&prompt(4, 256), 16, None, None);
+    store(&mut router, &mut e, &r, 0);
+    seen.store(u32::MAX, Ordering::Relaxed);
+    router.select(&req(&r, 256)).unwrap();
+    assert_eq!(seen.load(Ordering::Relaxed), 0);
 }

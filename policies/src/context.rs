@@ -195,6 +195,7 @@ pub struct WorkerSelectionContext<'a> {
     affinity_target: Option<AffinityTarget>,
     agent_headers: Option<&'a AgentHeaders>,
     now_ms: u64,
+    prefix_sharers: u32,
 }
 
 impl<'a> WorkerSelectionContext<'a> {
@@ -213,6 +214,7 @@ impl<'a> WorkerSelectionContext<'a> {
             affinity_target: None,
             agent_headers: None,
             now_ms: 0,
+            prefix_sharers: 0,
         }
     }
 
@@ -251,6 +253,19 @@ impl<'a> WorkerSelectionContext<'a> {
     pub fn with_now_ms(mut self, now_ms: u64) -> Self {
         self.now_ms = now_ms;
         self
+    }
+
+    /// How many recent picks (the host's prefix-reservation window) sent
+    /// the deepest prefix of this prompt that some candidate holds: 0 when
+    /// no candidate holds any of it or the host does not count.
+    pub fn with_prefix_sharers(mut self, picks: u32) -> Self {
+        self.prefix_sharers = picks;
+        self
+    }
+
+    /// See [`Self::with_prefix_sharers`].
+    pub fn prefix_sharers(&self) -> u32 {
+        self.prefix_sharers
     }
 
     pub fn request_id(&self) -> &'a str {

@@ -11,7 +11,7 @@ use kvedge_policies::{
     AffinityMode, InputTrigger, SessionAffinityTable, SessionContext, WorkerSelectionContext,
 };
 
-const TYPES: [(&str, &str); 13] = [
+const TYPES: [(&str, &str); 14] = [
     ("dynamo-default-cost-fn", "{}"),
     ("dynamo-default-cost-fn", "{router_temperature: 0.7}"),
     (
@@ -28,6 +28,7 @@ const TYPES: [(&str, &str); 13] = [
     ("tool-result-cache-local", "{}"),
     ("predicted-ttft", "{}"),
     ("prefill-times-requests", "{}"),
+    ("prefill-times-requests", "{min_sharers: 0}"),
 ];
 
 fn rows(n: u64) -> Vec<W> {

@@ -423,8 +423,9 @@ fn predicted_ttft_fails_cleanly_without_a_prediction() {
 
 // ---- prefill-times-requests ----
 
-/// The product without a price on recomputing (`kv_aware`'s shape).
-const PLAIN: &str = "{recompute_weight: 0}";
+/// The product without a price on recomputing (`kv_aware`'s shape), for
+/// every request.
+const PLAIN: &str = "{recompute_weight: 0, min_sharers: 0}";
 
 #[test]
 fn prefill_times_requests_multiplies_prefill_work_by_the_batch_it_joins() {
@@ -491,18 +492,60 @@ fn prefill_times_requests_recompute_weight_waits_for_a_prefix_being_computed() {
     );
     // Priced at four times again: (5 * 64 + 1,600) * 2 = 3,840 against
     // 5 * 1,664 = 8,320, so it waits where the prefix is being computed.
-    let mut p = policy("prefill-times-requests", "{recompute_weight: 4}");
+    let mut p = policy(
+        "prefill-times-requests",
+        "{recompute_weight: 4, min_sharers: 0}",
+    );
     let mut out = Vec::new();
     p.costs_into(&ctx(1664), &table(&rows), &mut out).unwrap();
     assert_eq!(out, [3840.0, 8320.0]);
     assert_eq!(pick(&mut p, &ctx(1664), &rows), 1);
     // The default prices it once again: (2 * 64 + 1,600) * 2 = 3,456
     // against 2 * 1,664 = 3,328, just short of waiting.
-    p = policy("prefill-times-requests", "{}");
+    p = policy("prefill-times-requests", "{min_sharers: 0}");
     p.costs_into(&ctx(1664), &table(&rows), &mut out).unwrap();
     assert_eq!(out, [3456.0, 3328.0]);
     let e = refused("prefill-times-requests", "{ recompute_weight: -0.5 }");
     assert!(e.contains("recompute_weight"), "{e}");
+}
+
+#[test]
+fn prefill_times_requests_scores_a_private_prefix_as_predicted_ttft() {
+    // Worker 1 holds the prompt's prefix behind a queue (0.3 s) with four
+    // requests; worker 2 is idle and would compute the prompt (0.2 s own,
+    // predicted 0.2 s).
+    let rows = [
+        w(1).device(30).active(4).prefill(600).ttft(0.35).own(0.05),
+        w(2).ttft(0.2).own(0.2),
+    ];
+    let costs = |params: &str, sharers: u32| {
+        let mut p = policy("prefill-times-requests", params);
+        let mut out = Vec::new();
+        let c = ctx(640).with_prefix_sharers(sharers);
+        p.costs_into(&c, &table(&rows), &mut out).unwrap();
+        (out, pick(&mut p, &c, &rows))
+    };
+    // Sent by fewer than four recent picks (the default `min_sharers`): a
+    // conversation's own history, a prefix only just shared, or nothing
+    // held. `predicted-ttft`'s cost
+    // (ttft + 4 own + 1 * share * new, every share 1 here): worker 1 0.35 +
+    // 0.2 + 0.05 = 0.6, worker 2 0.2 + 0.8 + 0.05 = 1.05. It stays.
+    let (out, picked) = costs("{}", 3);
+    assert!(
+        (out[0] - 0.6).abs() < 1e-9 && (out[1] - 1.05).abs() < 1e-9,
+        "{out:?}"
+    );
+    assert_eq!(picked, 1);
+    // Sent by four or more: a shared prefix. The product: worker 1
+    // (2 * 160 + 600) * 5 = 4,600, worker 2 2 * 640 * 1 = 1,280. The
+    // prefix gets a second home.
+    let (out, picked) = costs("{}", 4);
+    assert_eq!((out, picked), (vec![4600.0, 1280.0], 2));
+    // `min_sharers: 0` takes the product for every request; a higher one
+    // for fewer.
+    assert_eq!(costs("{min_sharers: 0}", 0).1, 2);
+    assert_eq!(costs("{min_sharers: 5}", 4).1, 1);
+    assert_eq!(costs("{min_sharers: 2}", 2).1, 2);
 }
 
 #[test]
@@ -537,7 +580,7 @@ fn prefill_times_requests_credits_host_and_disk_blocks_at_their_weights() {
     assert_eq!(out, [64.0, 128.0]);
     let mut p = policy(
         "prefill-times-requests",
-        "{recompute_weight: 0, host_cache_hit_weight: 0, disk_cache_hit_weight: 1}",
+        "{recompute_weight: 0, min_sharers: 0, host_cache_hit_weight: 0, disk_cache_hit_weight: 1}",
     );
     p.costs_into(&ctx(160), &table(&rows), &mut out).unwrap();
     assert_eq!(out, [160.0, 32.0]);

@@ -12,7 +12,7 @@ use kvedge_policies::{
 };
 use proptest::prelude::*;
 
-const TYPES: [(&str, &str); 12] = [
+const TYPES: [(&str, &str); 13] = [
     ("dynamo-default-cost-fn", "{}"),
     (
         "dynamo-default-cost-fn",
@@ -28,6 +28,7 @@ const TYPES: [(&str, &str); 12] = [
     ("tool-result-cache-local", "{}"),
     ("predicted-ttft", "{}"),
     ("prefill-times-requests", "{}"),
+    ("prefill-times-requests", "{min_sharers: 0}"),
 ];
 
 fn any_worker() -> impl Strategy<Value = W> {

@@ -285,12 +285,18 @@ struct PrefillTimesRequestsParameters {
     seed: Option<u64>,
     #[serde(default = "default_product_recompute_weight")]
     recompute_weight: f64,
+    #[serde(default = "default_min_sharers")]
+    min_sharers: u32,
     host_cache_hit_weight: Option<f64>,
     disk_cache_hit_weight: Option<f64>,
 }
 
 fn default_product_recompute_weight() -> f64 {
     prefill_times_requests::DEFAULT_RECOMPUTE_WEIGHT
+}
+
+fn default_min_sharers() -> u32 {
+    prefill_times_requests::DEFAULT_MIN_SHARERS
 }
 
 fn prefill_times_requests_provider(parameters: &WorkerSelectionPolicyParameters) -> ProviderResult {
@@ -313,6 +319,8 @@ fn prefill_times_requests_provider(parameters: &WorkerSelectionPolicyParameters)
             disk_cache_hit_weight: p
                 .disk_cache_hit_weight
                 .unwrap_or(config.disk_cache_hit_weight),
+            min_sharers: p.min_sharers,
+            private: predicted_ttft::PredictedTtftScorer::default(),
         };
         WorkerSelectionPolicy::new(
             config.clone(),

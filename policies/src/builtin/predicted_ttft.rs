@@ -58,7 +58,7 @@ pub const DEFAULT_BALANCE_WEIGHT: f64 = 1.0;
 /// prefill priced by `recompute_weight`, plus the prefill no candidate has
 /// cached priced by `balance_weight` times the candidate's share of recent
 /// traffic; seconds.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PredictedTtftScorer {
     pub recompute_weight: f64,
     pub balance_weight: f64,

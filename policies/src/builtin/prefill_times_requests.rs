@@ -1,6 +1,7 @@
-//! `prefill-times-requests`: the candidate whose prefill work times its
-//! request count is lowest wins (exact ties broken by the instance's seeded
-//! RNG).
+//! `prefill-times-requests`: for a request whose prefix recent requests
+//! shared, the candidate whose prefill work times its request count is
+//! lowest wins; for any other, the `predicted-ttft` cost decides (exact
+//! ties broken by the instance's seeded RNG).
 //!
 //! For each candidate, with `B` the block size and `P` the prompt's tokens:
 //!
@@ -33,6 +34,17 @@
 //! prefill that much again (as `predicted-ttft` does), so a prompt waits
 //! for the prefix being computed unless the queue there costs more.
 //!
+//! The product pays where many requests share a prefix: the copy it makes
+//! on a less busy worker serves the prefix's later requests. Where one
+//! conversation owns its history it does not: the conversation leaves the
+//! worker that holds it whenever that worker is busy, and its cache is
+//! lost. So a request whose deepest held prefix fewer than `min_sharers`
+//! recent picks sent (the host's `prefix_sharers`: picks that noted that
+//! block within its prefix-reservation window of each other) is scored as
+//! `predicted-ttft` scores it, with that policy's default weights; a
+//! shared one by the product. `min_sharers` 0 scores every request by the
+//! product.
+//!
 //! `uncached` is at least one token because an engine computes at least
 //! the prompt's last token, however much of it is cached: with a prompt
 //! cached whole on two idle workers, the one with fewer requests wins
@@ -49,6 +61,9 @@ use super::simple::{cache_unavailable, load_unavailable};
 /// `recompute_weight` by default.
 pub const DEFAULT_RECOMPUTE_WEIGHT: f64 = 1.0;
 
+/// `min_sharers` by default.
+pub const DEFAULT_MIN_SHARERS: u32 = 4;
+
 /// The cost of the module docs, as a scorer.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct PrefillTimesRequestsScorer {
@@ -59,11 +74,19 @@ pub struct PrefillTimesRequestsScorer {
     pub host_cache_hit_weight: f64,
     /// Credit for a block held on disk.
     pub disk_cache_hit_weight: f64,
+    /// A request whose deepest held prefix fewer recent picks sent is
+    /// scored by this instead (0: never).
+    pub min_sharers: u32,
+    pub private: super::predicted_ttft::PredictedTtftScorer,
 }
 
 impl WorkerScorer for PrefillTimesRequestsScorer {
     fn required_worker_inputs(&self) -> WorkerInputs {
-        WorkerInputs::LOAD | WorkerInputs::CACHE
+        if self.min_sharers > 0 {
+            WorkerInputs::LOAD | WorkerInputs::CACHE | WorkerInputs::TTFT
+        } else {
+            WorkerInputs::LOAD | WorkerInputs::CACHE
+        }
     }
 
     fn score(
@@ -72,6 +95,9 @@ impl WorkerScorer for PrefillTimesRequestsScorer {
         candidates: WorkerCandidates<'_>,
         costs: &mut [f64],
     ) -> Result<(), WorkerSelectionPolicyError> {
+        if context.prefix_sharers() < self.min_sharers {
+            return self.private.score(context, candidates, costs);
+        }
         let load = candidates.load_columns().ok_or_else(load_unavailable)?;
         let cache = candidates.cache_columns().ok_or_else(cache_unavailable)?;
         let block = f64::from(context.block_size());
