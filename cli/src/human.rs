@@ -58,13 +58,14 @@ fn select(out: &mut String, r: &Value) {
     if !e.is_null() {
         let _ = writeln!(
             out,
-            "candidates {}, survivors {}, tier {}, considered {}, after exclude {}, fell through {}",
+            "candidates {}, survivors {}, tier {}, considered {}, after exclude {}, fell through {}, prefix sharers {}",
             text(&e["candidates"]),
             text(&e["survivors"]),
             text(&e["tier"]),
             text(&e["considered"]),
             text(&e["after_exclude"]),
-            text(&e["fell_through"])
+            text(&e["fell_through"]),
+            text(&e["prefix_sharers"])
         );
         let _ = writeln!(
             out,

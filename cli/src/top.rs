@@ -277,6 +277,7 @@ impl View {
             "by",
             "tier",
             "cached",
+            "sharers",
             "candidates",
         ];
         let text = crate::human::text;
@@ -316,6 +317,7 @@ impl View {
                         text(&d["overlap_blocks"]),
                         text(&d["prompt_blocks"])
                     ),
+                    text(&d["prefix_sharers"]),
                     format!(
                         "{} ({} left)",
                         text(&d["candidates"]),
@@ -607,7 +609,7 @@ mod tests {
             decisions: vec![
                 json!({"age_ms": 1500, "worker_id": 2, "dp_rank": 0, "provider": null,
                        "outcome": "ok", "stage": "rule", "rule": "agents", "policy": "default",
-                       "tier": 0, "overlap_blocks": 3, "prompt_blocks": 4, "candidates": 2,
+                       "tier": 0, "overlap_blocks": 3, "prompt_blocks": 4, "prefix_sharers": 5, "candidates": 2,
                        "survivors": 1, "dry_run": false}),
                 json!({"age_ms": 2000, "worker_id": null, "dp_rank": null, "provider": null,
                        "outcome": "no_worker", "stage": "policy", "rule": null,
@@ -659,7 +661,7 @@ mod tests {
         assert_eq!(
             first,
             [
-                "1.5", "s", "ok", "2/0", "rule", "agents", "0", "3/4", "2", "(1", "left)"
+                "1.5", "s", "ok", "2/0", "rule", "agents", "0", "3/4", "5", "2", "(1", "left)"
             ]
         );
         assert!(recent.contains("no_worker (dry run)"), "{recent}");

@@ -81,6 +81,8 @@ fn engines_publish_frontends_select_and_a_killed_engine_leaves_at_once() {
     // A holds 24 of the prompt's blocks, and the select above sent it all
     // 32: until A reports them, they count as about to be cached there.
     assert_eq!(a_row["overlap_blocks"]["device"], 32);
+    // That block was sent by one recent pick (the select above).
+    assert_eq!(e["prefix_sharers"], 1);
     // Each candidate's cost under the policy; the chosen one is the lowest
     // (temperature 0) and equals the reply's cost.
     let b_row = rows.iter().find(|w| w["worker_id"] == 2).unwrap();

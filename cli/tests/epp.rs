@@ -541,13 +541,15 @@ fn a_debug_header_gets_the_decision_explained_only_when_enabled() {
         }
         let first = decision(&head).unwrap_or_else(|| panic!("explained: {head}"));
         assert!(first.starts_with("worker=1/0; rule=everyone;"), "{first}");
-        assert!(first.contains("overlap=4/0/0"), "{first}");
+        assert!(first.contains("overlap=4/0/0; sharers=0;"), "{first}");
         assert!(first.contains("candidates=2"), "{first}");
         let second = decision(&head2).unwrap();
         assert!(
             second.starts_with("worker=2/0; rule=agents-on-worker-2;"),
             "{second}"
         );
+        // The first request's pick sent the prefix the first engine holds.
+        assert!(second.contains("; sharers=1;"), "{second}");
         // Without the header: nothing explained, and a forged one removed.
         let (status, head, _) =
             envoy.post_full("/v1/completions", &body, &[("x-kvedge-decision", "forged")]);

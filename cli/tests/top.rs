@@ -141,6 +141,11 @@ fn top_once_shows_every_worker_and_the_totals_the_daemon_reports() {
     );
     assert_eq!(rows[1][7], "0/3", "cached/prompt blocks: {recent}");
     assert!(rows[2..].iter().all(|r| r[3] == "1/0"), "{recent}");
+    // The same prompt three times: each pick saw the picks before it send
+    // its deepest held block (the newest first); the other model's prompt
+    // none.
+    let sharers: Vec<&str> = rows[1..].iter().map(|r| r[8]).collect();
+    assert_eq!(sharers, ["0", "2", "1", "0"], "{recent}");
     let d = ask(&q, json!({"op": "decisions"}));
     assert_eq!(d["decisions"][0]["outcome"], "no_worker", "{d}");
     // What that refusal saw, not what the pick before it did.

@@ -328,6 +328,7 @@ impl Core {
             survivors: e.survivors,
             prompt_blocks: u32::try_from(hashes.len()).unwrap_or(u32::MAX),
             overlap_blocks: 0,
+            prefix_sharers: e.prefix_sharers,
             dry_run: s.dry_run,
             generation: self.counters.reloads,
         };
@@ -438,6 +439,7 @@ impl Core {
                     survivors: d.survivors,
                     prompt_blocks: d.prompt_blocks,
                     overlap_blocks: d.overlap_blocks,
+                    prefix_sharers: d.prefix_sharers,
                     dry_run: d.dry_run,
                 }
             })
@@ -454,6 +456,7 @@ impl Core {
             considered: e.considered,
             after_exclude: e.after_exclude,
             fell_through: e.fell_through,
+            prefix_sharers: e.prefix_sharers,
             workers: self
                 .router
                 .workers()

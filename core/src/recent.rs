@@ -28,6 +28,8 @@ pub struct Decision {
     pub survivors: usize,
     pub prompt_blocks: u32,
     pub overlap_blocks: u32,
+    /// Recent picks that sent the deepest prompt block a candidate held.
+    pub prefix_sharers: u32,
     pub dry_run: bool,
     /// Reloads before it (indices mean something in that configuration).
     pub generation: u64,
@@ -78,6 +80,7 @@ mod tests {
             survivors: 1,
             prompt_blocks: 4,
             overlap_blocks: 2,
+            prefix_sharers: 0,
             dry_run: false,
             generation: 0,
         }

@@ -168,6 +168,9 @@ pub struct Explain {
     pub considered: usize,
     pub after_exclude: usize,
     pub fell_through: usize,
+    /// Recent picks that sent the deepest prompt block some candidate
+    /// holds (the policy's `prefix_sharers`).
+    pub prefix_sharers: u32,
 }
 
 /// The approximate index holds `daemon.index_capacity` divided by this
@@ -801,7 +804,7 @@ impl Router {
                     .find(|w| w.role == req.role)
                     .map_or(16, |w| w.block_size);
                 return self
-                    .select_by_rules(req, self.next_request_id, block_size)
+                    .select_by_rules(req, self.next_request_id, block_size, 0)
                     .map(Some);
             }
             return Err(RouterError::NoWorkers {
@@ -918,10 +921,13 @@ impl Router {
             return Ok(None);
         }
         if ctx.pinned_worker().is_none() && self.rules.is_some() {
-            return self.select_by_rules(req, request_id, block_size).map(Some);
+            return self
+                .select_by_rules(req, request_id, block_size, sharers)
+                .map(Some);
         }
         self.explained.last = Explain {
             candidates: self.rows.len(),
+            prefix_sharers: sharers,
             ..Explain::default()
         };
         if self.explained.costs_on
@@ -957,6 +963,7 @@ impl Router {
         req: &SelectRequest<'_>,
         request_id: u64,
         block_size: u32,
+        prefix_sharers: u32,
     ) -> Result<SelectResult, RouterError> {
         // Overlap for every available worker of the role.
         let mut mask = 0u64;
@@ -1038,6 +1045,7 @@ impl Router {
             considered: decision.considered,
             after_exclude: decision.after_exclude,
             fell_through: decision.fell_through,
+            prefix_sharers,
         };
         candidates.clear();
         self.rule_buf = candidates

@@ -696,13 +696,14 @@ fn decision(v: &serde_json::Value) -> String {
         })
         .collect();
     let mut out = format!(
-        "{chosen}; rule={}; policy={}; tier={}; overlap={}/{}/{}; cost={}; candidates={}; survivors={}; costs={}",
+        "{chosen}; rule={}; policy={}; tier={}; overlap={}/{}/{}; sharers={}; cost={}; candidates={}; survivors={}; costs={}",
         text(&v["rule"]),
         text(&v["policy"]),
         text(&e["tier"]),
         text(&o["device"]),
         text(&o["host"]),
         text(&o["disk"]),
+        text(&e["prefix_sharers"]),
         text(&v["cost"]),
         text(&e["candidates"]),
         text(&e["survivors"]),

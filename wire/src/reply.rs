@@ -59,6 +59,9 @@ pub struct DecisionRow {
     /// The prompt's full blocks and those cached on the chosen worker.
     pub prompt_blocks: u32,
     pub overlap_blocks: u32,
+    /// Recent picks that sent the deepest prompt block a candidate held
+    /// (a prefix many requests share has many; a conversation's own, few).
+    pub prefix_sharers: u32,
     /// A dry run (nothing reserved).
     pub dry_run: bool,
 }
@@ -194,6 +197,9 @@ pub struct Explanation {
     pub considered: usize,
     pub after_exclude: usize,
     pub fell_through: usize,
+    /// Recent picks that sent the deepest prompt block some candidate holds
+    /// (what `prefill-times-requests` compares with `min_sharers`).
+    pub prefix_sharers: u32,
     /// Every available worker of the request's role, with its signals.
     pub workers: Vec<ExplainedWorker>,
 }
