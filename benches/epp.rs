@@ -18,6 +18,14 @@
 //! (the machine's moods weigh on both alike). The process runs with the
 //! kvedge binary's allocator (mimalloc).
 //!
+//! The same bodies through kvedge's own HTTP front door (`epp.http_listen`),
+//! where no gRPC floor stands between the client and the pick: each
+//! request is timed from the client's write until an engine (a plain
+//! socket server in this process) has read the whole forwarded request,
+//! and is followed by the same request sent to that engine directly (the
+//! kernel's loopback floor), so that the front door's part is the
+//! difference.
+//!
 //! Not criterion: the figures wanted are p50 and p99 per decision, so each
 //! decision is timed on the monotonic clock and the samples sorted.
 //!
@@ -152,19 +160,25 @@ fn main() {
         timed(&|i| Prompt::Text(format!("Conversation {i}. {half}{rest}\nAnd question {i}?")));
     let text_seen = timed(&|i| Prompt::Text(format!("{half}{rest}\nAnd question {i}?")));
 
-    // The daemon with its picker, and an engine holding the blocks.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // The daemon with its picker and front door, and an engine holding
+    // the blocks (its HTTP side a socket server that notes when each
+    // request has arrived whole).
+    let free = || {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port()
+    };
+    let (port, door) = (free(), free());
     let yaml = format!(
-        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{port}\n  models:\n    - name: m\n      tokenizer: {}\n      chat_template: {}\n",
+        "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{port}\n  http_listen: 127.0.0.1:{door}\n  models:\n    - name: m\n      tokenizer: {}\n      chat_template: {}\n",
         tokenizer_path.display(),
         template_path.display()
     );
     let daemon = kvedge_testkit::Bound::at(dir.join("run"), kvedge_testkit::config(&yaml)).run();
-    let engine = support::engine(&daemon.control(), 1, "http://127.0.0.2:8000", &tokens);
+    let (upstream, arrivals) = upstream();
+    let engine = support::engine(&daemon.control(), 1, &format!("http://{upstream}"), &tokens);
 
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -189,6 +203,20 @@ fn main() {
         let ids = decisions(&mut clients, "/v1/completions", |_| ids_body.clone(), n).await;
         (new, seen, ids)
     });
+    // The front door: the same bodies, without streaming (the engine
+    // answers with one small JSON body).
+    let unstreamed = |b: Vec<u8>| {
+        let mut v: serde_json::Value = serde_json::from_slice(&b).unwrap();
+        v["stream"] = serde_json::Value::Bool(false);
+        v.to_string().into_bytes()
+    };
+    let door = std::net::SocketAddr::from(([127, 0, 0, 1], door));
+    let mut via = FrontDoor::new(door, upstream, arrivals);
+    let chat = "/v1/chat/completions";
+    let door_new = via.decisions(chat, |i| unstreamed(body(i, false)), n);
+    let door_seen = via.decisions(chat, |i| unstreamed(body(i, true)), n);
+    let door_ids = via.decisions("/v1/completions", |_| unstreamed(ids_body.clone()), n);
+    drop(via);
     drop(engine);
     daemon.stop();
     let _ = std::fs::remove_dir_all(&dir);
@@ -245,6 +273,174 @@ fn main() {
         ),
         with_ids,
     );
+    // The front door's rows: the request's way to the engine through it,
+    // sent directly, and the front door's part.
+    let door_rows = |what: &str, d: Paired| {
+        row(
+            &format!("through the front door until the engine has the request, {what}"),
+            d.picker,
+        );
+        row(
+            "  the same request sent to the engine directly (the loopback floor)",
+            d.floor,
+        );
+        row(
+            "  the front door's part (each request less the direct one after it)",
+            d.own,
+        );
+    };
+    door_rows("a new conversation", door_new);
+    door_rows("earlier turns seen", door_seen);
+    door_rows("the prompt sent as token ids", door_ids);
+}
+
+/// The engine's HTTP side: a socket server on 127.0.0.2 that reads each
+/// request whole (headers and a `content-length` body), sends the instant
+/// it had it, and answers `200 {}`. Its address, and the instants.
+fn upstream() -> (std::net::SocketAddr, std::sync::mpsc::Receiver<Instant>) {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for conn in listener.incoming() {
+            let Ok(conn) = conn else { return };
+            conn.set_nodelay(true).unwrap();
+            let tx = tx.clone();
+            std::thread::spawn(move || {
+                let mut w = conn.try_clone().unwrap();
+                let mut r = BufReader::new(conn);
+                let mut line = String::new();
+                loop {
+                    // The head, then the body its content-length says.
+                    let mut length = 0usize;
+                    loop {
+                        line.clear();
+                        if r.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                        let lower = line.to_ascii_lowercase();
+                        if let Some(v) = lower.strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap();
+                        }
+                        assert!(!lower.starts_with("transfer-encoding"), "{line}");
+                    }
+                    let mut body = vec![0; length];
+                    r.read_exact(&mut body).unwrap();
+                    let _ = tx.send(Instant::now());
+                    let answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
+                    if w.write_all(answer).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// A client of the front door and, beside it, of the engine directly,
+/// each over one kept-alive connection.
+struct FrontDoor {
+    door: std::io::BufReader<std::net::TcpStream>,
+    direct: std::io::BufReader<std::net::TcpStream>,
+    arrivals: std::sync::mpsc::Receiver<Instant>,
+}
+
+impl FrontDoor {
+    fn new(
+        door: std::net::SocketAddr,
+        engine: std::net::SocketAddr,
+        arrivals: std::sync::mpsc::Receiver<Instant>,
+    ) -> FrontDoor {
+        let connect = |a| {
+            let s = std::net::TcpStream::connect(a).unwrap();
+            s.set_nodelay(true).unwrap();
+            std::io::BufReader::new(s)
+        };
+        FrontDoor {
+            door: connect(door),
+            direct: connect(engine),
+            arrivals,
+        }
+    }
+
+    /// `n` requests through the front door (after 100 for warm-up), each
+    /// followed by the same request to the engine directly.
+    fn decisions(&mut self, path: &str, body: impl Fn(usize) -> Vec<u8>, n: usize) -> Paired {
+        let mut d = Paired {
+            picker: Vec::with_capacity(n),
+            floor: Vec::with_capacity(n),
+            own: Vec::with_capacity(n),
+        };
+        for i in 0..n + 100 {
+            let body = body(i);
+            let through = Self::request(&mut self.door, &self.arrivals, path, &body);
+            let direct = Self::request(&mut self.direct, &self.arrivals, path, &body);
+            if i >= 100 {
+                d.picker.push(through);
+                d.floor.push(direct);
+                d.own.push(through.saturating_sub(direct));
+            }
+        }
+        d
+    }
+
+    /// One request on `conn`: the time from its write until the engine
+    /// had it whole; then its `200` read.
+    fn request(
+        conn: &mut std::io::BufReader<std::net::TcpStream>,
+        arrivals: &std::sync::mpsc::Receiver<Instant>,
+        path: &str,
+        body: &[u8],
+    ) -> Duration {
+        use std::io::{BufRead, Read, Write};
+        let mut req = format!(
+            "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+            body.len()
+        )
+        .into_bytes();
+        req.extend_from_slice(body);
+        let t = Instant::now();
+        conn.get_mut().write_all(&req).unwrap();
+        let arrived = arrivals.recv_timeout(Duration::from_secs(10)).unwrap();
+        let mut line = String::new();
+        let (mut length, mut chunked) = (0usize, false);
+        conn.read_line(&mut line).unwrap();
+        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
+        loop {
+            line.clear();
+            conn.read_line(&mut line).unwrap();
+            if line == "\r\n" {
+                break;
+            }
+            let lower = line.to_ascii_lowercase();
+            if let Some(v) = lower.strip_prefix("content-length:") {
+                length = v.trim().parse().unwrap();
+            }
+            chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
+        }
+        if chunked {
+            // Chunks until the last, empty one and its blank line.
+            loop {
+                line.clear();
+                conn.read_line(&mut line).unwrap();
+                let size = usize::from_str_radix(line.trim(), 16).unwrap();
+                let mut chunk = vec![0; size + 2];
+                conn.read_exact(&mut chunk).unwrap();
+                if size == 0 {
+                    break;
+                }
+            }
+        } else {
+            let mut answer = vec![0; length];
+            conn.read_exact(&mut answer).unwrap();
+        }
+        arrived.saturating_duration_since(t)
+    }
 }
 
 /// An ext_proc processor on its own thread and single-threaded runtime,
