@@ -371,19 +371,13 @@ impl FrontDoor {
     /// `n` requests through the front door (after 100 for warm-up), each
     /// followed by the same request to the engine directly.
     fn decisions(&mut self, path: &str, body: impl Fn(usize) -> Vec<u8>, n: usize) -> Paired {
-        let mut d = Paired {
-            picker: Vec::with_capacity(n),
-            floor: Vec::with_capacity(n),
-            own: Vec::with_capacity(n),
-        };
+        let mut d = Paired::with_capacity(n);
         for i in 0..n + 100 {
             let body = body(i);
             let through = Self::request(&mut self.door, &self.arrivals, path, &body);
             let direct = Self::request(&mut self.direct, &self.arrivals, path, &body);
             if i >= 100 {
-                d.picker.push(through);
-                d.floor.push(direct);
-                d.own.push(through.saturating_sub(direct));
+                d.push(through, direct);
             }
         }
         d
@@ -517,6 +511,23 @@ struct Paired {
     own: Vec<Duration>,
 }
 
+impl Paired {
+    fn with_capacity(n: usize) -> Paired {
+        Paired {
+            picker: Vec::with_capacity(n),
+            floor: Vec::with_capacity(n),
+            own: Vec::with_capacity(n),
+        }
+    }
+
+    /// One pair: the measured path's time and the floor's after it.
+    fn push(&mut self, measured: Duration, floor: Duration) {
+        self.picker.push(measured);
+        self.floor.push(floor);
+        self.own.push(measured.saturating_sub(floor));
+    }
+}
+
 /// `n` decisions (after 100 to warm the connections and caches), each a
 /// gRPC stream of the request headers for `path` and the buffered `body`,
 /// timed until the pick arrives; each followed by the same exchange with
@@ -528,19 +539,13 @@ async fn decisions(
     body: impl Fn(usize) -> Vec<u8>,
     n: usize,
 ) -> Paired {
-    let mut d = Paired {
-        picker: Vec::with_capacity(n),
-        floor: Vec::with_capacity(n),
-        own: Vec::with_capacity(n),
-    };
+    let mut d = Paired::with_capacity(n);
     for i in 0..n + 100 {
         let body = body(i);
         let picker = exchange(&mut clients[0], path, body.clone()).await;
         let floor = exchange(&mut clients[1], path, body).await;
         if i >= 100 {
-            d.picker.push(picker);
-            d.floor.push(floor);
-            d.own.push(picker.saturating_sub(floor));
+            d.push(picker, floor);
         }
     }
     d
