@@ -163,13 +163,7 @@ fn main() {
     // The daemon with its picker and front door, and an engine holding
     // the blocks (its HTTP side a socket server that notes when each
     // request has arrived whole).
-    let free = || {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    };
+    let free = || kvedge_epp::testing::free_port(std::net::Ipv4Addr::LOCALHOST);
     let (port, door) = (free(), free());
     let yaml = format!(
         "daemon:\n  heartbeat_timeout_ms: 600000\nepp:\n  listen: 127.0.0.1:{port}\n  http_listen: 127.0.0.1:{door}\n  models:\n    - name: m\n      tokenizer: {}\n      chat_template: {}\n",
@@ -228,20 +222,21 @@ fn main() {
     };
     // A decision's rows: over ext_proc, the floor's exchange beside it,
     // and the picker's own part.
-    let rows = |what: &str, d: Paired| {
-        row(
-            &format!("the picker's decision over ext_proc, {what}"),
-            d.picker,
-        );
-        row(
-            "  the same exchange with a processor that answers at once (the gRPC floor)",
-            d.floor,
-        );
-        row(
-            "  the picker's part (each decision less the floor's exchange after it)",
-            d.own,
-        );
+    // A paired measurement's rows: the path measured, the floor measured
+    // beside it, and the difference (`labels`: the floor's, the part's).
+    let rows = |head: &str, labels: [&str; 2], d: Paired| {
+        row(head, d.picker);
+        row(labels[0], d.floor);
+        row(labels[1], d.own);
     };
+    let grpc = [
+        "  the same exchange with a processor that answers at once (the gRPC floor)",
+        "  the picker's part (each decision less the floor's exchange after it)",
+    ];
+    let loopback = [
+        "  the same request sent to the engine directly (the loopback floor)",
+        "  the front door's part (each request less the direct one after it)",
+    ];
     println!(
         "a chat request of {chat_tokens} tokens ({} bytes of body), {n} decisions each:",
         body(0, true).len()
@@ -264,41 +259,38 @@ fn main() {
         "a plain-text prompt, tokenizer alone, the text before its last line seen",
         text_seen,
     );
-    rows("a new conversation (headers, body, pick)", chat_new);
-    rows("earlier turns seen", chat_seen);
-    rows(
-        &format!(
-            "the prompt sent as token ids (no template or tokenizer; {} bytes of body)",
-            ids_body.len()
-        ),
-        with_ids,
+    let ids_what = format!(
+        "the prompt sent as token ids (no template or tokenizer; {} bytes of body)",
+        ids_body.len()
     );
-    // The front door's rows: the request's way to the engine through it,
-    // sent directly, and the front door's part.
-    let door_rows = |what: &str, d: Paired| {
-        row(
-            &format!("through the front door until the engine has the request, {what}"),
-            d.picker,
+    for (what, d) in [
+        ("a new conversation (headers, body, pick)", chat_new),
+        ("earlier turns seen", chat_seen),
+        (ids_what.as_str(), with_ids),
+    ] {
+        rows(
+            &format!("the picker's decision over ext_proc, {what}"),
+            grpc,
+            d,
         );
-        row(
-            "  the same request sent to the engine directly (the loopback floor)",
-            d.floor,
-        );
-        row(
-            "  the front door's part (each request less the direct one after it)",
-            d.own,
-        );
-    };
-    door_rows("a new conversation", door_new);
-    door_rows("earlier turns seen", door_seen);
-    door_rows("the prompt sent as token ids", door_ids);
+    }
+    // The front door's: the request's way to the engine through it, sent
+    // directly, and the front door's part.
+    for (what, d) in [
+        ("a new conversation", door_new),
+        ("earlier turns seen", door_seen),
+        ("the prompt sent as token ids", door_ids),
+    ] {
+        let head = format!("through the front door until the engine has the request, {what}");
+        rows(&head, loopback, d);
+    }
 }
 
 /// The engine's HTTP side: a socket server on 127.0.0.2 that reads each
-/// request whole (headers and a `content-length` body), sends the instant
-/// it had it, and answers `200 {}`. Its address, and the instants.
+/// request whole, sends the instant it had it, and answers `200 {}`. Its
+/// address, and the instants.
 fn upstream() -> (std::net::SocketAddr, std::sync::mpsc::Receiver<Instant>) {
-    use std::io::{BufRead, BufReader, Read, Write};
+    use std::io::Write;
     let listener = std::net::TcpListener::bind("127.0.0.2:0").unwrap();
     let addr = listener.local_addr().unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
@@ -309,27 +301,8 @@ fn upstream() -> (std::net::SocketAddr, std::sync::mpsc::Receiver<Instant>) {
             let tx = tx.clone();
             std::thread::spawn(move || {
                 let mut w = conn.try_clone().unwrap();
-                let mut r = BufReader::new(conn);
-                let mut line = String::new();
-                loop {
-                    // The head, then the body its content-length says.
-                    let mut length = 0usize;
-                    loop {
-                        line.clear();
-                        if r.read_line(&mut line).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if line == "\r\n" {
-                            break;
-                        }
-                        let lower = line.to_ascii_lowercase();
-                        if let Some(v) = lower.strip_prefix("content-length:") {
-                            length = v.trim().parse().unwrap();
-                        }
-                        assert!(!lower.starts_with("transfer-encoding"), "{line}");
-                    }
-                    let mut body = vec![0; length];
-                    r.read_exact(&mut body).unwrap();
+                let mut r = std::io::BufReader::new(conn);
+                while kvedge_epp::testing::read_message(&mut r).is_some() {
                     let _ = tx.send(Instant::now());
                     let answer = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n{}";
                     if w.write_all(answer).is_err() {
@@ -391,7 +364,7 @@ impl FrontDoor {
         path: &str,
         body: &[u8],
     ) -> Duration {
-        use std::io::{BufRead, Read, Write};
+        use std::io::Write;
         let mut req = format!(
             "POST {path} HTTP/1.1\r\nhost: bench\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
             body.len()
@@ -401,38 +374,8 @@ impl FrontDoor {
         let t = Instant::now();
         conn.get_mut().write_all(&req).unwrap();
         let arrived = arrivals.recv_timeout(Duration::from_secs(10)).unwrap();
-        let mut line = String::new();
-        let (mut length, mut chunked) = (0usize, false);
-        conn.read_line(&mut line).unwrap();
-        assert!(line.starts_with("HTTP/1.1 200"), "{line}");
-        loop {
-            line.clear();
-            conn.read_line(&mut line).unwrap();
-            if line == "\r\n" {
-                break;
-            }
-            let lower = line.to_ascii_lowercase();
-            if let Some(v) = lower.strip_prefix("content-length:") {
-                length = v.trim().parse().unwrap();
-            }
-            chunked |= lower.starts_with("transfer-encoding:") && lower.contains("chunked");
-        }
-        if chunked {
-            // Chunks until the last, empty one and its blank line.
-            loop {
-                line.clear();
-                conn.read_line(&mut line).unwrap();
-                let size = usize::from_str_radix(line.trim(), 16).unwrap();
-                let mut chunk = vec![0; size + 2];
-                conn.read_exact(&mut chunk).unwrap();
-                if size == 0 {
-                    break;
-                }
-            }
-        } else {
-            let mut answer = vec![0; length];
-            conn.read_exact(&mut answer).unwrap();
-        }
+        let (status, _) = kvedge_epp::testing::read_message(conn).expect("an answer");
+        assert!(status.starts_with("HTTP/1.1 200"), "{status}");
         arrived.saturating_duration_since(t)
     }
 }

@@ -98,12 +98,15 @@ impl Drop for HttpEngine {
     }
 }
 
-/// Reads one HTTP/1.1 request; its body (content-length or chunked).
-fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
+/// Reads one HTTP/1.1 message, a request or a response: its start line
+/// (without the line end) and its body (content-length or chunked);
+/// `None` at the end of the stream or on a malformed message.
+pub fn read_message(r: &mut BufReader<TcpStream>) -> Option<(String, Vec<u8>)> {
     let mut line = String::new();
     if r.read_line(&mut line).ok()? == 0 {
         return None;
     }
+    let start = line.trim_end().to_owned();
     let mut headers = Vec::new();
     loop {
         let mut h = String::new();
@@ -131,7 +134,7 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
             let mut chunk = vec![0; size + 2];
             r.read_exact(&mut chunk).ok()?;
             if size == 0 {
-                return Some(body);
+                return Some((start, body));
             }
             body.extend_from_slice(&chunk[..size]);
         }
@@ -141,7 +144,7 @@ fn read_request(r: &mut BufReader<TcpStream>) -> Option<Vec<u8>> {
         .unwrap_or(0);
     let mut body = vec![0; len];
     r.read_exact(&mut body).ok()?;
-    Some(body)
+    Some((start, body))
 }
 
 fn serve_http(conn: TcpStream, hits: &AtomicUsize) {
@@ -150,7 +153,7 @@ fn serve_http(conn: TcpStream, hits: &AtomicUsize) {
     let _ = conn.set_nodelay(true);
     let mut r = BufReader::new(conn.try_clone().unwrap());
     let mut w = conn;
-    while let Some(body) = read_request(&mut r) {
+    while let Some((_, body)) = read_message(&mut r) {
         hits.fetch_add(1, Ordering::SeqCst);
         let req: Value = serde_json::from_slice(&body).unwrap_or_default();
         if req["stream"] == true {
