@@ -215,6 +215,11 @@ fn put_short(o: &mut Vec<u8>, s: &str) {
 
 fn put_words<T: Word>(o: &mut Vec<u8>, w: &Words<'_, T>) {
     match *w {
+        // The frame's byte order is the machine's: one copy (a 2,000-id
+        // prompt was 2,000 small appends).
+        Words::Slice(s) if cfg!(target_endian = "little") => {
+            o.extend_from_slice(bytemuck::cast_slice(s))
+        }
         Words::Slice(s) => s.iter().for_each(|v| v.put_le(o)),
         Words::Le(b) => o.extend_from_slice(b),
     }
@@ -449,6 +454,22 @@ mod tests {
         assert_eq!(d.tags.iter().collect::<Vec<_>>(), tags);
         assert_eq!(d.headers.iter().collect::<Vec<_>>(), headers);
         assert!(d.subset.is_empty());
+    }
+
+    #[test]
+    fn id_lists_are_written_little_endian() {
+        let tokens = [0x0403_0201u32, 7];
+        let hashes = [0x0807_0605_0403_0201u64];
+        for (ids, bytes) in [
+            (Ids::tokens(&tokens), &[1u8, 2, 3, 4, 7, 0, 0, 0][..]),
+            (Ids::hashes(&hashes), &[1, 2, 3, 4, 5, 6, 7, 8][..]),
+        ] {
+            let body = round_trip(&Request::Select(Select::new("m", Role::Prefill, ids)));
+            assert!(
+                body.windows(bytes.len()).any(|w| w == bytes),
+                "{bytes:?} not in {body:?}"
+            );
+        }
     }
 
     #[test]

@@ -154,8 +154,9 @@ impl<'a> Ids<'a> {
     }
 }
 
-/// A fixed-width integer of an id list.
-pub trait Word: Copy + std::fmt::Debug {
+/// A fixed-width integer of an id list (plain old data, so that a list of
+/// them is written to a frame as one copy on a little-endian machine).
+pub trait Word: bytemuck::Pod + std::fmt::Debug {
     const WIDTH: usize;
     fn from_le(bytes: &[u8]) -> Self;
     fn put_le(self, out: &mut Vec<u8>);
