@@ -1518,7 +1518,7 @@ fn prompts_read(d: &Daemon, kind: &str) -> u64 {
 }
 
 #[test]
-fn a_long_ascii_prompt_is_read_on_the_serving_thread_and_any_other_on_the_pool() {
+fn a_long_ascii_or_token_id_prompt_is_read_on_the_serving_thread_and_any_other_on_the_pool() {
     let dir = common::temp_dir("epp-inline");
     let tokenizer = train_tokenizer(&dir.join("tokenizer.json"));
     let (epp_port, http_port) = (
@@ -1558,16 +1558,32 @@ fn a_long_ascii_prompt_is_read_on_the_serving_thread_and_any_other_on_the_pool()
         || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == expected,
         "the engines' blocks",
     );
+    // The accented prompt's token ids, twice over: a body of over 32 KiB,
+    // read on the serving thread all the same (no template or tokenizer).
+    let twice = [&accented_ids[..], &accented_ids[..]].concat();
+    let accented_ids_body = json!({"model": "m", "prompt": twice, "max_tokens": 4}).to_string();
+    assert!(
+        accented_ids_body.len() > 32 << 10 && accented_ids_body.len() < 64 << 10,
+        "{}",
+        accented_ids_body.len()
+    );
     for round in 0..2 {
-        for (holder, text) in [(0, &ascii), (1, &accented)] {
+        for (holder, body, want) in [
+            (
+                0,
+                json!({"model": "m", "prompt": ascii, "max_tokens": 4}).to_string(),
+                (1, 0),
+            ),
+            (
+                1,
+                json!({"model": "m", "prompt": accented, "max_tokens": 4}).to_string(),
+                (0, 1),
+            ),
+            (1, accented_ids_body.clone(), (1, 0)),
+        ] {
             let (inline, pooled) = (prompts_read(&d, "inline"), prompts_read(&d, "pool"));
             let before = engines[holder].hits();
-            let body = json!({"model": "m", "prompt": text, "max_tokens": 4}).to_string();
-            assert!(
-                body.len() > 16 << 10 && body.len() < 32 << 10,
-                "{}",
-                body.len()
-            );
+            assert!(body.len() > 16 << 10, "{}", body.len());
             let (status, head, reply) = kvedge_epp::testing::post(
                 door,
                 "/v1/completions",
@@ -1588,11 +1604,11 @@ fn a_long_ascii_prompt_is_read_on_the_serving_thread_and_any_other_on_the_pool()
                 )
             };
             wait_for(|| read().0 + read().1 == 1, "the prompt counted");
-            let read = read();
-            let want = if holder == 0 { (1, 0) } else { (0, 1) };
             assert_eq!(
-                read, want,
-                "round {round}: (inline, pool) for engine {holder}'s prompt"
+                read(),
+                want,
+                "round {round}: (inline, pool) for {}",
+                &body[..40]
             );
         }
     }
