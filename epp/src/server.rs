@@ -314,7 +314,13 @@ impl Picker {
 
     /// One request to the core; its reply's status and payload.
     async fn call(&self, request: &Request<'_>) -> Result<(Status, Vec<u8>), String> {
-        let mut out = Vec::with_capacity(256);
+        // Room for the prompt's ids at once: a 2,000-token frame grown
+        // from a small buffer was a fresh allocation and a copy.
+        let ids = match request {
+            Request::Select(s) => s.ids.len() * 8,
+            _ => 0,
+        };
+        let mut out = Vec::with_capacity(256 + ids);
         binary::encode_request(&mut out, request)
             .map_err(|e| format!("the request cannot be sent to the routing core: {e}"))?;
         // The frame's length goes: the backend takes the body.
