@@ -207,7 +207,9 @@ fn main() {
     let door = std::net::SocketAddr::from(([127, 0, 0, 1], door));
     let mut via = FrontDoor::new(door, upstream, arrivals);
     let chat = "/v1/chat/completions";
-    let door_new = via.decisions(chat, |i| unstreamed(body(i, false)), n);
+    // New conversations the picker has not seen over ext_proc either
+    // (its prefix cache would hold those).
+    let door_new = via.decisions(chat, |i| unstreamed(body(n + 100 + i, false)), n);
     let door_seen = via.decisions(chat, |i| unstreamed(body(i, true)), n);
     let door_ids = via.decisions("/v1/completions", |_| unstreamed(ids_body.clone()), n);
     drop(via);
