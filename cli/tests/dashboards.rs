@@ -145,6 +145,8 @@ fn the_dashboard_and_the_alerts_query_only_what_the_daemon_exports() {
         "kvedge_index_evicted",
         "kvedge_selection_duration_seconds",
         "kvedge_epp_overloaded",
+        "kvedge_epp_prompt_duration_seconds",
+        "kvedge_epp_select_duration_seconds",
     ] {
         assert!(
             used.iter()

@@ -1507,14 +1507,19 @@ fn the_http_front_door_holds_a_pick_while_tokens_flow_and_releases_it_when_they_
 
 /// `kvedge_epp_prompts_total{kind="KIND"}` as the metrics say now.
 fn prompts_read(d: &Daemon, kind: &str) -> u64 {
+    metric(d, &format!("kvedge_epp_prompts_total{{kind=\"{kind}\"}}")) as u64
+}
+
+/// The value of the series `series` as the metrics say now (0 if absent).
+fn metric(d: &Daemon, series: &str) -> f64 {
     let text = ask(&d.query(), json!({"op": "metrics"}))["text"]
         .as_str()
         .unwrap()
         .to_owned();
-    let line = format!("kvedge_epp_prompts_total{{kind=\"{kind}\"}} ");
+    let line = format!("{series} ");
     text.lines()
         .find_map(|l| l.strip_prefix(&line))
-        .map_or(0, |n| n.parse().unwrap())
+        .map_or(0.0, |n| n.parse().unwrap())
 }
 
 #[test]
@@ -1611,6 +1616,16 @@ fn a_long_ascii_or_token_id_prompt_is_read_on_the_serving_thread_and_any_other_o
                 &body[..40]
             );
         }
+    }
+    // Every prompt's reading and every select was timed.
+    for stage in ["prompt", "select"] {
+        let name = format!("kvedge_epp_{stage}_duration_seconds");
+        wait_for(
+            || metric(&d, &format!("{name}_count")) == 6.0,
+            "six requests timed",
+        );
+        assert!(metric(&d, &format!("{name}_sum")) > 0.0, "{name}");
+        assert_eq!(metric(&d, &format!("{name}_bucket{{le=\"+Inf\"}}")), 6.0);
     }
     let _ = std::fs::remove_dir_all(&dir);
 }

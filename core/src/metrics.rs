@@ -105,6 +105,39 @@ pub struct PickerStats {
     pub prefix_tokens_encoded: u64,
     /// Bytes the prefix caches hold.
     pub prefix_bytes: u64,
+    /// How long reading a prompt took, and a select's round trip to the
+    /// routing core.
+    pub prompt_durations: StageDurations,
+    pub select_durations: StageDurations,
+}
+
+/// One of the picker's stages: how many took at most each of `bounds_ns`
+/// (not cumulative), then how many took longer, their count and sum.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StageDurations {
+    pub bounds_ns: Vec<u64>,
+    /// One per bound, then one past them all.
+    pub buckets: Vec<u64>,
+    pub count: u64,
+    pub sum_ns: u64,
+}
+
+impl StageDurations {
+    fn metric(&self) -> LatencyMetric {
+        let mut buckets: Vec<(f64, u64)> = self
+            .bounds_ns
+            .iter()
+            .zip(&self.buckets)
+            .map(|(&ns, &n)| (ns as f64 / 1e9, n))
+            .collect();
+        let bounded: u64 = buckets.iter().map(|b| b.1).sum();
+        buckets.push((f64::INFINITY, self.count.saturating_sub(bounded)));
+        LatencyMetric {
+            sum: self.sum_ns as f64 / 1e9,
+            count: self.count,
+            buckets,
+        }
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -317,6 +350,16 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
         "epp_prefix_cache_bytes",
         "Bytes the picker's prefix caches hold (epp.prefix_cache_bytes per model)",
         gauge(p.prefix_bytes),
+    );
+    r.register(
+        "epp_prompt_duration_seconds",
+        "Time the endpoint picker took to read a request's prompt: the body parsed, the chat template rendered, the tokenizer run, with any wait for the tokenizer pool",
+        p.prompt_durations.metric(),
+    );
+    r.register(
+        "epp_select_duration_seconds",
+        "Time the endpoint picker's select took, the round trip to the routing core",
+        p.select_durations.metric(),
     );
 }
 
@@ -614,6 +657,38 @@ mod tests {
             "kvedge_selection_duration_seconds_bucket{le=\"0.000002\"} 2",
             "kvedge_selection_duration_seconds_bucket{le=\"+Inf\"} 4",
             "# EOF",
+        ] {
+            assert!(
+                text.lines().any(|l| l == line),
+                "missing `{line}` in:\n{text}"
+            );
+        }
+    }
+
+    #[test]
+    fn renders_the_pickers_stage_durations_as_histograms() {
+        let s = Snapshot {
+            picker: Some(PickerStats {
+                prompt_durations: StageDurations {
+                    bounds_ns: vec![10_000, 100_000],
+                    buckets: vec![3, 1, 2],
+                    count: 6,
+                    sum_ns: 2_500_000_000,
+                },
+                ..PickerStats::default()
+            }),
+            ..Snapshot::default()
+        };
+        let text = render(&s);
+        for line in [
+            "kvedge_epp_prompt_duration_seconds_count 6",
+            "kvedge_epp_prompt_duration_seconds_sum 2.5",
+            "kvedge_epp_prompt_duration_seconds_bucket{le=\"0.00001\"} 3",
+            "kvedge_epp_prompt_duration_seconds_bucket{le=\"0.0001\"} 4",
+            "kvedge_epp_prompt_duration_seconds_bucket{le=\"+Inf\"} 6",
+            // No select yet: a histogram of nothing.
+            "kvedge_epp_select_duration_seconds_count 0",
+            "kvedge_epp_select_duration_seconds_bucket{le=\"+Inf\"} 0",
         ] {
             assert!(
                 text.lines().any(|l| l == line),

@@ -196,6 +196,18 @@ fn snapshot(s: &Stats, prefix: kvedge_epp::tokenize::PrefixCounts) -> PickerStat
         prefix_tokens_reused: prefix.tokens_reused,
         prefix_tokens_encoded: prefix.tokens_encoded,
         prefix_bytes: prefix.bytes,
+        prompt_durations: durations(&s.prompt_durations),
+        select_durations: durations(&s.select_durations),
+    }
+}
+
+fn durations(d: &kvedge_epp::stage::Durations) -> kvedge_core::metrics::StageDurations {
+    let read = d.read();
+    kvedge_core::metrics::StageDurations {
+        bounds_ns: kvedge_epp::stage::BOUNDS_NS.to_vec(),
+        buckets: read.buckets,
+        count: read.count,
+        sum_ns: read.sum_ns,
     }
 }
 
@@ -281,7 +293,7 @@ pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<Addrs> {
                         tick.tick().await;
                         let now = snapshot(&stats, counted.prefix_counts());
                         if last.as_ref() != Some(&now) {
-                            tx.send(Job::PickerStats(now.clone()));
+                            tx.send(Job::PickerStats(Box::new(now.clone())));
                             last = Some(now);
                         }
                     }

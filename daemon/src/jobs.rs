@@ -54,7 +54,7 @@ pub enum Job {
     /// An admitted connection closed.
     Disconnect { client: ClientId },
     /// The endpoint picker's counts, for the metrics.
-    PickerStats(kvedge_core::metrics::PickerStats),
+    PickerStats(Box<kvedge_core::metrics::PickerStats>),
 }
 
 impl std::fmt::Debug for Job {
@@ -191,7 +191,7 @@ impl Jobs {
                     core.handle_client_closed(client);
                     self.closers.retain(|(id, _)| *id != client);
                 }
-                Job::PickerStats(stats) => core.handle_picker_stats(stats),
+                Job::PickerStats(stats) => core.handle_picker_stats(*stats),
             }
         }
         any

@@ -16,6 +16,8 @@
 //! - [`pool`]: the threads that read large prompts off the serving thread.
 //! - [`server`]: the tonic services, and the [`server::Backend`] seam to
 //!   the routing core.
+//! - [`stage`]: how long reading a prompt and the select take, for the
+//!   metrics.
 //! - [`http`]: kvedge's own OpenAI-compatible HTTP front door, the
 //!   picker with no gateway in front.
 //! - [`testing`]: a tokenizer trained locally, for tests and benches.
@@ -30,6 +32,7 @@ pub mod picker;
 pub mod pool;
 pub mod prefix;
 pub mod server;
+pub mod stage;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod text;

@@ -163,6 +163,11 @@ pub struct Stats {
     /// Requests the HTTP front door could not proxy: the engine refused
     /// the connection, failed, or did not answer in time (502 or 504).
     pub http_upstream_errors: AtomicU64,
+    /// How long reading a prompt took (parsing, template, tokenizer, and
+    /// any wait for the pool), refusals included.
+    pub prompt_durations: crate::stage::Durations,
+    /// How long a select's round trip to the routing core took.
+    pub select_durations: crate::stage::Durations,
 }
 
 /// The routing core, as the picker reaches it.
@@ -242,6 +247,13 @@ impl Picker {
     /// prompt is token ids, on the pool when it is not (refused at once
     /// when the pool is full, and after its deadline when it is slow).
     pub(crate) async fn read_prompt(&self, body: Body) -> Result<Prompted, Refusal> {
+        let started = std::time::Instant::now();
+        let read = self.read_prompt_untimed(body).await;
+        self.stats.prompt_durations.record(started.elapsed());
+        read
+    }
+
+    async fn read_prompt_untimed(&self, body: Body) -> Result<Prompted, Refusal> {
         let n = body.bytes.len();
         if n <= INLINE_PROMPT_BYTES
             || (n <= INLINE_ASCII_PROMPT_BYTES && self.quick_on_ascii && body.bytes.is_ascii())
@@ -346,6 +358,13 @@ impl Picker {
 
     /// The core's pick for `args` (reserved).
     pub async fn select(&self, args: &SelectArgs) -> Picked {
+        let started = std::time::Instant::now();
+        let picked = self.select_untimed(args).await;
+        self.stats.select_durations.record(started.elapsed());
+        picked
+    }
+
+    async fn select_untimed(&self, args: &SelectArgs) -> Picked {
         let headers: BTreeMap<String, String> = args.headers.iter().cloned().collect();
         let mut s = picker::prompt_select(
             &args.model,
