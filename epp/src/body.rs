@@ -78,23 +78,34 @@ struct Body<P> {
 /// Reads `body` for `route`.
 pub fn parse(route: Route, body: &[u8]) -> Result<Parsed, BodyError> {
     // A body as nearly all are is read in one pass, its token ids (if
-    // the prompt is a list of them) by a byte loop ([`scan`]), any other
-    // prompt that is a text or a list of token ids by serde_json; any
-    // other shape fails that reading, and the body is read again to say
-    // what is wrong with it.
+    // the prompt is a list of them) by a byte loop ([`scan`]); any other
+    // by serde_json.
     let b = match scan::read(body, scan::Want::Any) {
         Some(b) => b,
-        None => match serde_json::from_slice::<Body<Strict>>(body) {
-            Ok(b) => Body {
-                model: b.model,
-                prompt: b.prompt.map(|p| p.0),
-                messages: b.messages,
-            },
-            Err(_) => serde_json::from_slice::<Body<PromptField>>(body)
-                .map_err(|e| BodyError::NotJson(e.to_string()))?,
-        },
+        None => by_serde(body)?,
     };
     fields(route, b)
+}
+
+/// [`parse`] by serde_json alone: the reference [`scan`] is held to.
+#[cfg(any(test, feature = "fuzzing"))]
+pub(crate) fn parse_by_serde(route: Route, body: &[u8]) -> Result<Parsed, BodyError> {
+    fields(route, by_serde(body)?)
+}
+
+/// `body` read by serde_json: a prompt that is a text or a list of token
+/// ids, as nearly all are, in one pass; any other shape fails that
+/// reading, and the body is read again to say what is wrong with it.
+fn by_serde(body: &[u8]) -> Result<Body<PromptField>, BodyError> {
+    match serde_json::from_slice::<Body<Strict>>(body) {
+        Ok(b) => Ok(Body {
+            model: b.model,
+            prompt: b.prompt.map(|p| p.0),
+            messages: b.messages,
+        }),
+        Err(_) => serde_json::from_slice::<Body<PromptField>>(body)
+            .map_err(|e| BodyError::NotJson(e.to_string())),
+    }
 }
 
 /// A completion body whose prompt is a list of token ids, read as

@@ -21,12 +21,15 @@
 //! - [`http`]: kvedge's own OpenAI-compatible HTTP front door, the
 //!   picker with no gateway in front.
 //! - [`testing`]: a tokenizer trained locally, for tests and benches.
+//! - `fuzzing` (feature `fuzzing`): the body reader's fuzz entry point.
 
 #![forbid(unsafe_code)]
 
 pub mod approx;
 pub mod ascii;
 pub mod body;
+#[cfg(any(test, feature = "fuzzing"))]
+pub mod fuzzing;
 pub mod http;
 pub mod picker;
 pub mod pool;
