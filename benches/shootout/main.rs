@@ -303,6 +303,16 @@ fn run_one(
         Vec::new()
     };
     let rss = routers::peak_rss_mib(&running.pids);
+    if router.is_kvedge() {
+        // kvedge's own counters after the run (the picker's stage
+        // durations among them), beside its log.
+        let metrics = Command::new(&args.tools.kvedge)
+            .args(["stats", "--prometheus", "--runtime-dir"])
+            .arg(dir.join("run"))
+            .output()
+            .map_err(|e| e.to_string())?;
+        std::fs::write(dir.join("metrics.txt"), metrics.stdout).map_err(|e| e.to_string())?;
+    }
     drop(running);
     drop(procs);
     let ok: Vec<&client::Outcome> = outcomes.iter().filter(|o| o.error.is_none()).collect();

@@ -119,6 +119,14 @@ pub enum Router {
 }
 
 impl Router {
+    /// Whether this is a kvedge daemon (behind Envoy or its front door).
+    pub fn is_kvedge(&self) -> bool {
+        matches!(
+            self,
+            Router::Kvedge(_) | Router::KvedgeStreamed(_) | Router::KvedgeHttp(_)
+        )
+    }
+
     pub fn parse(s: &str) -> Result<Router, String> {
         let (name, policy) = s.split_once(':').unwrap_or((s, ""));
         let policy = (!policy.is_empty()).then(|| policy.to_owned());
