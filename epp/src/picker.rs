@@ -210,7 +210,8 @@ pub fn prompt_of_ids(
     Some(prompted(body::token_ids(&body.bytes)?, models, limits))
 }
 
-/// The prompt of a body read by [`body::parse`], or the refusal to send.
+/// The prompt of a body read by [`body::parse`] or [`body::token_ids`],
+/// or the refusal to send.
 fn prompted(
     parsed: Result<body::Parsed, body::BodyError>,
     models: &Models,
