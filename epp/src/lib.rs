@@ -20,7 +20,8 @@
 //!   metrics.
 //! - [`http`]: kvedge's own OpenAI-compatible HTTP front door, the
 //!   picker with no gateway in front.
-//! - [`testing`]: a tokenizer trained locally, for tests and benches.
+//! - `testing` (feature `testing`): a tokenizer trained locally, for
+//!   tests and benches.
 //! - `fuzzing` (feature `fuzzing`): the body reader's fuzz entry point.
 
 #![forbid(unsafe_code)]
