@@ -326,8 +326,9 @@ impl Picker {
 
     /// One request to the core; its reply's status and payload.
     async fn call(&self, request: &Request<'_>) -> Result<(Status, Vec<u8>), String> {
-        // Room for the prompt's ids at once: a 2,000-token frame grown
-        // from a small buffer was a fresh allocation and a copy.
+        // Room for the prompt's ids at once (eight bytes an id covers
+        // hashes and token ids alike): a 2,000-token frame grown from a
+        // small buffer was a fresh allocation and a copy.
         let ids = match request {
             Request::Select(s) => s.ids.len() * 8,
             _ => 0,

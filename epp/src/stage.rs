@@ -1,10 +1,10 @@
 //! How long the picker's stages take, for the metrics: a fixed-bucket
-//! histogram of atomics per stage, recorded by whichever thread did the
-//! work (the serving thread, a tokenizer thread) and read once a second.
-//! Two stages are timed, the two a request always passes through: reading
-//! its prompt (the body parsed, the template rendered, the tokenizer run,
-//! with any wait for the pool) and its select (the round trip to the
-//! routing core).
+//! histogram of atomics per stage (kept with the picker's other counters
+//! in [`crate::server::Stats`]), recorded on the serving thread and read
+//! once a second. Two stages are timed, the two a request always passes
+//! through: reading its prompt (the body parsed, the template rendered,
+//! the tokenizer run, with any wait for the pool and on it) and its
+//! select (the round trip to the routing core).
 
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::time::Duration;
