@@ -1510,16 +1510,11 @@ fn prompts_read(d: &Daemon, kind: &str) -> u64 {
     metric(d, &format!("kvedge_epp_prompts_total{{kind=\"{kind}\"}}")) as u64
 }
 
-/// The value of the series `series` as the metrics say now (0 if absent).
+/// The value of the series `series` as the metrics say now (0 until the
+/// picker's counts first reach them).
 fn metric(d: &Daemon, series: &str) -> f64 {
-    let text = ask(&d.query(), json!({"op": "metrics"}))["text"]
-        .as_str()
-        .unwrap()
-        .to_owned();
-    let line = format!("{series} ");
-    text.lines()
-        .find_map(|l| l.strip_prefix(&line))
-        .map_or(0.0, |n| n.parse().unwrap())
+    let text = ask(&d.query(), json!({"op": "metrics"}));
+    common::find_metric(text["text"].as_str().unwrap(), series).unwrap_or(0.0)
 }
 
 #[test]

@@ -189,9 +189,14 @@ impl Conn {
 /// The value of an unlabelled metric in the `metrics` op's text; a metric
 /// that is not there fails the test.
 pub fn metric(text: &str, name: &str) -> f64 {
+    find_metric(text, name).unwrap_or_else(|| panic!("no {name} in:\n{text}"))
+}
+
+/// The value of the series `name` (a metric's name, with its labels if it
+/// has any) in the `metrics` op's text, if it is there.
+pub fn find_metric(text: &str, name: &str) -> Option<f64> {
     text.lines()
         .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-        .unwrap_or_else(|| panic!("no {name} in:\n{text}"))
 }
 
 pub fn ask(path: &Path, v: impl Borrow<Value>) -> Value {
