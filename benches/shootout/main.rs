@@ -1,6 +1,7 @@
 //! The gateway shoot-out: the same mock engines, the same trace, and each
 //! router in front of them in turn (kvedge's picker behind Envoy, plain
-//! Envoy round robin, sglang-router, vllm-router), reporting per router
+//! Envoy round robin, Envoy with a picker that does nothing,
+//! sglang-router, vllm-router), reporting per router
 //! and request rate the prefix hit rate the engines found, TTFT and
 //! end-to-end percentiles, errors, and the router's CPU time per request
 //! and peak memory. See `benches/shootout/README.md`.
@@ -11,6 +12,7 @@
 #![forbid(unsafe_code)]
 
 mod client;
+mod floor;
 mod routers;
 mod trace;
 
@@ -42,7 +44,7 @@ struct Args {
 }
 
 fn usage() -> &'static str {
-    "cargo bench --bench shootout -- [--routers kvedge,envoy-rr,sglang,sglang:round_robin,vllm]
+    "cargo bench --bench shootout -- [--routers kvedge,envoy-rr,envoy-floor,sglang,sglang:round_robin,vllm]
     [--shapes multi-turn,system-prompts] [--rates 4,10,16] [--requests 1000] [--runs 2]
     [--out target/shootout] [--kvedge PATH] [--kvedge-config YAML] [--engine-entry KEY=VALUE,...] [--envoy PATH] [--peers VENV] [--install-peers]
     [--prefill-tokens-per-s 2000] [--device-blocks 2048] [--seed 1] [--smoke]"
@@ -393,6 +395,17 @@ fn table(figures: &[Figures]) -> String {
 }
 
 fn main() -> ExitCode {
+    // The floor's processor is this binary started again (`floor.rs`).
+    let argv: Vec<String> = std::env::args().collect();
+    if argv.get(1).map(String::as_str) == Some(floor::ARG) {
+        return match floor::serve(&argv[2..]) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("shootout {}: {e}", floor::ARG);
+                ExitCode::FAILURE
+            }
+        };
+    }
     match real_main() {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {

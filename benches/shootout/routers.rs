@@ -112,6 +112,10 @@ pub enum Router {
     /// kvedge's own HTTP front door, no Envoy (the policy as above).
     KvedgeHttp(Option<String>),
     EnvoyRoundRobin,
+    /// Envoy with the shipped configuration in front of a processor that
+    /// picks round robin and does nothing else (`floor.rs`): what the
+    /// gateway path costs before any picker's own work.
+    EnvoyFloor,
     /// sglang-router with a policy.
     Sglang(String),
     /// vllm-router with a policy.
@@ -135,12 +139,13 @@ impl Router {
             "kvedge-streamed" => Ok(Router::KvedgeStreamed(policy)),
             "kvedge-http" => Ok(Router::KvedgeHttp(policy)),
             "envoy-rr" => Ok(Router::EnvoyRoundRobin),
+            "envoy-floor" => Ok(Router::EnvoyFloor),
             "sglang" => Ok(Router::Sglang(
                 policy.unwrap_or_else(|| "cache_aware".into()),
             )),
             "vllm" => Ok(Router::Vllm(policy.unwrap_or_else(|| "cache_aware".into()))),
             _ => Err(format!(
-                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], kvedge-streamed[:POLICY...], kvedge-http[:POLICY...], envoy-rr, sglang[:POLICY], vllm[:POLICY])"
+                "unknown router `{s}` (kvedge[:POLICY[:key=value,...]], kvedge-streamed[:POLICY...], kvedge-http[:POLICY...], envoy-rr, envoy-floor, sglang[:POLICY], vllm[:POLICY])"
             )),
         }
     }
@@ -154,6 +159,7 @@ impl Router {
             Router::KvedgeHttp(None) => "kvedge-http".into(),
             Router::KvedgeHttp(Some(p)) => format!("kvedge-http:{p}"),
             Router::EnvoyRoundRobin => "envoy-rr".into(),
+            Router::EnvoyFloor => "envoy-floor".into(),
             Router::Sglang(p) => format!("sglang:{p}"),
             Router::Vllm(p) => format!("vllm:{p}"),
         }
@@ -307,6 +313,43 @@ pub fn start(
             Running {
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),
                 pids: vec![envoy.pid()],
+                _procs: procs,
+                _envoy: Some(envoy),
+            }
+        }
+        Router::EnvoyFloor => {
+            let port = free_port(Ipv4Addr::LOCALHOST);
+            // Started through a link named `floor`, the process's name in
+            // the CPU split.
+            let exe = dir.join("floor");
+            std::os::unix::fs::symlink(std::env::current_exe().map_err(|e| e.to_string())?, &exe)
+                .map_err(|e| e.to_string())?;
+            let log = std::fs::File::create(dir.join("floor.log")).map_err(|e| e.to_string())?;
+            procs.0.push(
+                Command::new(exe)
+                    .arg(crate::floor::ARG)
+                    .arg(format!("127.0.0.1:{port}"))
+                    .args(engines.iter().map(|e| e.http.to_string()))
+                    .stdout(Stdio::null())
+                    .stderr(log)
+                    .spawn()
+                    .map_err(|e| e.to_string())?,
+            );
+            let processor = procs.0[0].id();
+            wait_listening(
+                SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+                "the floor's processor",
+            )
+            .map_err(|e| {
+                format!(
+                    "{e}; its log: {}",
+                    std::fs::read_to_string(dir.join("floor.log")).unwrap_or_default()
+                )
+            })?;
+            let envoy = Envoy::start_with(&envoy_bin()?, dir, port, false, Bodies::Shipped);
+            Running {
+                addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),
+                pids: vec![processor, envoy.pid()],
                 _procs: procs,
                 _envoy: Some(envoy),
             }
