@@ -33,6 +33,8 @@
 
 #![forbid(unsafe_code)]
 
+#[path = "support/ext_proc.rs"]
+mod ext_proc;
 mod support;
 
 /// The kvedge binary's allocator, so that the daemon in this process
@@ -44,9 +46,6 @@ use std::time::{Duration, Instant};
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderMap, HeaderValue};
 use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_client::ExternalProcessorClient;
-use envoy_types::pb::envoy::service::ext_proc::v3::external_processor_server::{
-    ExternalProcessor, ExternalProcessorServer,
-};
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_request::Request as Msg;
 use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response;
 use envoy_types::pb::envoy::service::ext_proc::v3::{
@@ -386,65 +385,27 @@ impl FrontDoor {
 /// as the picker's, that answers each message at once: what the gRPC
 /// exchanges alone cost. Its port.
 fn answers_at_once() -> u16 {
-    #[derive(Clone, Copy)]
-    struct AtOnce;
-    #[tonic::async_trait]
-    impl ExternalProcessor for AtOnce {
-        type ProcessStream =
-            tokio_stream::wrappers::ReceiverStream<Result<ProcessingResponse, tonic::Status>>;
-        async fn process(
-            &self,
-            request: tonic::Request<tonic::Streaming<ProcessingRequest>>,
-        ) -> Result<tonic::Response<Self::ProcessStream>, tonic::Status> {
-            let mut inbound = request.into_inner();
-            let (tx, rx) = tokio::sync::mpsc::channel(4);
-            tokio::spawn(async move {
-                while let Ok(Some(m)) = inbound.message().await {
-                    let common = Some(CommonResponse {
-                        clear_route_cache: true,
-                        ..Default::default()
-                    });
-                    let response = match m.request {
-                        Some(Msg::RequestHeaders(_)) => {
-                            Response::RequestHeaders(HeadersResponse { response: None })
-                        }
-                        _ => Response::RequestBody(BodyResponse { response: common }),
-                    };
-                    let r = ProcessingResponse {
-                        response: Some(response),
-                        ..Default::default()
-                    };
-                    if tx.send(Ok(r)).await.is_err() {
-                        break;
-                    }
-                }
-            });
-            Ok(tonic::Response::new(
-                tokio_stream::wrappers::ReceiverStream::new(rx),
-            ))
-        }
-    }
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
-    listener.set_nonblocking(true).unwrap();
     std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .unwrap();
-        rt.block_on(async move {
-            let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            // Without Nagle's algorithm, as the picker's accept loop sets.
-            let incoming = tokio_stream::StreamExt::map(
-                tokio_stream::wrappers::TcpListenerStream::new(listener),
-                |s| s.inspect(|s| s.set_nodelay(true).unwrap()),
-            );
-            tonic::transport::Server::builder()
-                .add_service(ExternalProcessorServer::new(AtOnce))
-                .serve_with_incoming(incoming)
-                .await
-                .unwrap();
-        });
+        ext_proc::serve(listener, |m| {
+            let response = match m.request {
+                Some(Msg::RequestHeaders(_)) => {
+                    Response::RequestHeaders(HeadersResponse { response: None })
+                }
+                _ => Response::RequestBody(BodyResponse {
+                    response: Some(CommonResponse {
+                        clear_route_cache: true,
+                        ..Default::default()
+                    }),
+                }),
+            };
+            ProcessingResponse {
+                response: Some(response),
+                ..Default::default()
+            }
+        })
+        .unwrap()
     });
     port
 }

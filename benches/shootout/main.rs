@@ -12,6 +12,8 @@
 #![forbid(unsafe_code)]
 
 mod client;
+#[path = "../support/ext_proc.rs"]
+mod ext_proc;
 mod floor;
 mod routers;
 mod trace;
