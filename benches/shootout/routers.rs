@@ -100,6 +100,16 @@ fn wait_listening(addr: SocketAddr, what: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// As [`wait_listening`], with the process's log (at `log`) in the error.
+fn wait_logged(addr: SocketAddr, what: &str, log: &Path) -> Result<(), String> {
+    wait_listening(addr, what).map_err(|e| {
+        format!(
+            "{e}; its log: {}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        )
+    })
+}
+
 /// A router the shoot-out can run.
 #[derive(Clone, Debug, PartialEq)]
 pub enum Router {
@@ -273,16 +283,11 @@ pub fn start(
                     .map_err(|e| e.to_string())?,
             );
             let daemon = procs.0[0].id();
-            wait_listening(
+            wait_logged(
                 SocketAddr::from((Ipv4Addr::LOCALHOST, epp)),
                 "kvedge's picker",
-            )
-            .map_err(|e| {
-                format!(
-                    "{e}; its log: {}",
-                    std::fs::read_to_string(dir.join("kvedge.log")).unwrap_or_default()
-                )
-            })?;
+                &dir.join("kvedge.log"),
+            )?;
             if let Some(port) = door {
                 let addr = SocketAddr::from((Ipv4Addr::LOCALHOST, port));
                 wait_listening(addr, "kvedge's HTTP front door")?;
@@ -336,16 +341,11 @@ pub fn start(
                     .map_err(|e| e.to_string())?,
             );
             let processor = procs.0[0].id();
-            wait_listening(
+            wait_logged(
                 SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
                 "the floor's processor",
-            )
-            .map_err(|e| {
-                format!(
-                    "{e}; its log: {}",
-                    std::fs::read_to_string(dir.join("floor.log")).unwrap_or_default()
-                )
-            })?;
+                &dir.join("floor.log"),
+            )?;
             let envoy = Envoy::start_with(&envoy_bin()?, dir, port, false, Bodies::Shipped);
             Running {
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, envoy.port)),
@@ -392,13 +392,10 @@ pub fn start(
                     .map_err(|e| format!("{}: {e}", program.display()))?,
             );
             let pid = procs.0[0].id();
-            wait_listening(SocketAddr::from((Ipv4Addr::LOCALHOST, port)), "the router").map_err(
-                |e| {
-                    format!(
-                        "{e}; its log: {}",
-                        std::fs::read_to_string(dir.join("router.log")).unwrap_or_default()
-                    )
-                },
+            wait_logged(
+                SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
+                "the router",
+                &dir.join("router.log"),
             )?;
             Running {
                 addr: SocketAddr::from((Ipv4Addr::LOCALHOST, port)),
