@@ -1624,3 +1624,91 @@ fn a_long_ascii_or_token_id_prompt_is_read_on_the_serving_thread_and_any_other_o
     }
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A chat whose last message is a tool's result is a tool turn: through
+/// the front door, with a session header, it reaches a policy keyed on
+/// the trigger (`tool-result-cache-local` sends it to the most device
+/// overlap), while a user's turn of the same conversation goes where the
+/// default cost sends it.
+#[test]
+fn a_tool_result_chat_through_the_front_door_is_a_tool_turn_for_the_policy() {
+    let dir = common::temp_dir("epp-tool-turn");
+    let tokenizer = train_tokenizer(&dir.join("tokenizer.json"));
+    std::fs::write(
+        dir.join("chat.jinja"),
+        "{% for m in messages %}<|{{ m.role }}|>{{ m.content }}\n{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}",
+    )
+    .unwrap();
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start(
+        "epp-tool-turn-d",
+        &format!(
+            "daemon:\n  heartbeat_timeout_ms: 600000\nsession_affinity:\n  mode: soft\nrouter:\n  router_temperature: 0\nworker_selection:\n  aggregated: tools\n  instances:\n    - name: tools\n      type: tool-result-cache-local\nepp:\n  listen: 127.0.0.1:{epp_port}\n  http_listen: 127.0.0.1:{http_port}\n  session_header: x-session\n  models:\n    - name: m\n      tokenizer: {}\n      chat_template: {}\n",
+            dir.join("tokenizer.json").display(),
+            dir.join("chat.jinja").display()
+        ),
+    );
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let (engines, mut publishers) = nodes(&d, 2, false);
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../docs/daemon.md")).unwrap();
+    let question: String = text.chars().take(1200).collect();
+    let messages = json!([
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": "calling the tool"},
+        {"role": "tool", "content": "42"},
+    ]);
+    // Engine 1 holds the conversation but is busy decoding; engine 2 is
+    // idle and holds nothing.
+    let rendered =
+        format!("<|user|>{question}\n<|assistant|>calling the tool\n<|tool|>42\n<|assistant|>");
+    let ids = tokenizer
+        .encode_fast(rendered, false)
+        .unwrap()
+        .get_ids()
+        .to_vec();
+    hold(&mut publishers[0], &ids);
+    let busy = kvedge_schema::messages::Load {
+        active_requests: 50,
+        active_decode_blocks: 100_000,
+        kv_total_blocks: 4096,
+        ..Default::default()
+    };
+    publishers[0].publish_load(&busy).unwrap();
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == (ids.len() / 16) as u64,
+        "engine 1's blocks",
+    );
+    let post = |messages: &serde_json::Value| {
+        let body = json!({"model": "m", "messages": messages, "max_tokens": 4}).to_string();
+        kvedge_epp::testing::post(
+            door,
+            "/v1/chat/completions",
+            body.as_bytes(),
+            &[("x-session", "agent-7")],
+        )
+    };
+    let hits = || (engines[0].hits(), engines[1].hits());
+    // The user's turn: the default cost prefers the idle engine.
+    let (status, _, body) = post(&json!([messages[0]]));
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(hits(), (0, 1));
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["reservations"] == 0,
+        "the first reservation released",
+    );
+    // The tool's result: the engine holding the conversation, busy or not
+    // (soft affinity: the first turn's binding is advice the policy may
+    // overrule; a hard binding would pin the session).
+    let (status, _, body) = post(&messages);
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(hits(), (1, 1));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -56,6 +56,13 @@
 
 #define KVEDGE_ROLE_ENCODE 3
 
+// What started a session's turn (`kvedge_select_routing::trigger`).
+#define KVEDGE_TRIGGER_USER 0
+
+#define KVEDGE_TRIGGER_TOOL 1
+
+#define KVEDGE_TRIGGER_OTHER 2
+
 // `kvedge_publisher_poll` flag: the daemon asked for a resync and no
 // callback was given; poll again with one to serve it.
 #define KVEDGE_POLL_RESYNC_PENDING 1
@@ -73,7 +80,7 @@
 
 #define KVEDGE_VERSION_MAJOR 0
 
-#define KVEDGE_VERSION_MINOR 1
+#define KVEDGE_VERSION_MINOR 2
 
 #define KVEDGE_VERSION_PATCH 0
 
@@ -137,6 +144,25 @@ typedef struct kvedge_select_result {
   // NUL-terminated.
   char endpoint[KVEDGE_ENDPOINT_MAX];
 } kvedge_select_result;
+
+// What `kvedge_select_ex` adds to a select: the session's metadata
+// (what started the turn, its parent session, whether it is the last
+// turn) and an explicit target. Zeroed, it asks for nothing: a select
+// exactly as `kvedge_select` makes it. `trigger`, `session_final` and
+// `parent_session` need the request's `session`.
+typedef struct kvedge_select_routing {
+  // `KVEDGE_TRIGGER_*` (0: a user's message).
+  uint32_t trigger;
+  // Non-zero: the session's last turn; its binding ends once placed.
+  uint32_t session_final;
+  // The session this one was forked from; NULL for none.
+  const char *parent_session;
+  // Non-zero: serve the request on exactly the worker below (no
+  // policy runs; an unavailable target is `KVEDGE_ERR_NO_WORKER`).
+  uint32_t has_target;
+  uint32_t target_dp_rank;
+  uint64_t target_worker_id;
+} kvedge_select_routing;
 
 // What an engine (one data-parallel rank) says when it registers.
 typedef struct kvedge_hello {
@@ -285,6 +311,20 @@ kvedge_status kvedge_client_attach_rings(struct kvedge_client *client);
 kvedge_status kvedge_select(struct kvedge_client *client,
                             const struct kvedge_select_request *request,
                             struct kvedge_select_result *result);
+
+// `kvedge_select` with a session's metadata and an explicit target
+// (`routing`; NULL: none, the same as `kvedge_select`). A function of
+// its own so that programs built against an older header, whose
+// `kvedge_select_request` has no room for these, keep working.
+//
+// # Safety
+// As `kvedge_select`; `routing` is NULL or points to a
+// `kvedge_select_routing` whose `parent_session` is NULL or a
+// NUL-terminated string.
+kvedge_status kvedge_select_ex(struct kvedge_client *client,
+                               const struct kvedge_select_request *request,
+                               const struct kvedge_select_routing *routing,
+                               struct kvedge_select_result *result);
 
 // The name of the off-cluster provider the last successful
 // `kvedge_select` on `client` chose (when its `is_provider` was non-zero),

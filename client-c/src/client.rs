@@ -4,7 +4,7 @@
 use std::ffi::c_char;
 use std::time::Duration;
 
-use kvedge_wire::{Client, Ids, Pairs, Select, Status, Strs};
+use kvedge_wire::{Client, Ids, Pairs, Select, Status, Strs, Target, Trigger};
 
 use crate::boundary::*;
 use crate::status::*;
@@ -48,6 +48,27 @@ pub struct kvedge_select_request {
     pub header_names: *const *const c_char,
     pub header_values: *const *const c_char,
     pub n_headers: usize,
+}
+
+/// What `kvedge_select_ex` adds to a select: the session's metadata
+/// (what started the turn, its parent session, whether it is the last
+/// turn) and an explicit target. Zeroed, it asks for nothing: a select
+/// exactly as `kvedge_select` makes it. `trigger`, `session_final` and
+/// `parent_session` need the request's `session`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub struct kvedge_select_routing {
+    /// `KVEDGE_TRIGGER_*` (0: a user's message).
+    pub trigger: u32,
+    /// Non-zero: the session's last turn; its binding ends once placed.
+    pub session_final: u32,
+    /// The session this one was forked from; NULL for none.
+    pub parent_session: *const c_char,
+    /// Non-zero: serve the request on exactly the worker below (no
+    /// policy runs; an unavailable target is `KVEDGE_ERR_NO_WORKER`).
+    pub has_target: u32,
+    pub target_dp_rank: u32,
+    pub target_worker_id: u64,
 }
 
 /// Most tags in a `kvedge_select_request`.
@@ -213,6 +234,26 @@ pub unsafe extern "C" fn kvedge_select(
     request: *const kvedge_select_request,
     result: *mut kvedge_select_result,
 ) -> kvedge_status {
+    // SAFETY: the caller's contract is this function's.
+    unsafe { kvedge_select_ex(client, request, std::ptr::null(), result) }
+}
+
+/// `kvedge_select` with a session's metadata and an explicit target
+/// (`routing`; NULL: none, the same as `kvedge_select`). A function of
+/// its own so that programs built against an older header, whose
+/// `kvedge_select_request` has no room for these, keep working.
+///
+/// # Safety
+/// As `kvedge_select`; `routing` is NULL or points to a
+/// `kvedge_select_routing` whose `parent_session` is NULL or a
+/// NUL-terminated string.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvedge_select_ex(
+    client: *mut kvedge_client,
+    request: *const kvedge_select_request,
+    routing: *const kvedge_select_routing,
+    result: *mut kvedge_select_result,
+) -> kvedge_status {
     guard(|| {
         // SAFETY: caller contract.
         let c = unsafe { handle(client, "client")? };
@@ -275,6 +316,29 @@ pub unsafe extern "C" fn kvedge_select(
         q.tenant = tenant;
         q.tags = Strs::new(&tags[..r.n_tags]);
         q.headers = Pairs::new(&headers[..r.n_headers]);
+        if !routing.is_null() {
+            // SAFETY: non-null and readable (caller).
+            let g = unsafe { &*routing };
+            q.trigger = match g.trigger {
+                KVEDGE_TRIGGER_USER => Trigger::User,
+                KVEDGE_TRIGGER_TOOL => Trigger::Tool,
+                KVEDGE_TRIGGER_OTHER => Trigger::Other,
+                other => {
+                    return Err(Error::invalid(format!(
+                        "routing.trigger {other} (KVEDGE_TRIGGER_*)"
+                    )));
+                }
+            };
+            q.session_final = g.session_final != 0;
+            // SAFETY: NULL or a NUL-terminated string (caller).
+            q.parent_session =
+                unsafe { optional_text(g.parent_session, "routing.parent_session")? };
+            q.target = (g.has_target != 0).then_some(Target {
+                worker_id: g.target_worker_id,
+                dp_rank: g.target_dp_rank,
+            });
+            q.check_session_metadata().map_err(Error::invalid)?;
+        }
         let v = match c.inner.select(&q).map_err(io_error)? {
             Ok(v) => v,
             Err((code, message)) => return Err(daemon_error(code, message)),

@@ -54,6 +54,11 @@ pub const KVEDGE_ROLE_PREFILL: u32 = 1;
 pub const KVEDGE_ROLE_DECODE: u32 = 2;
 pub const KVEDGE_ROLE_ENCODE: u32 = 3;
 
+/// What started a session's turn (`kvedge_select_routing::trigger`).
+pub const KVEDGE_TRIGGER_USER: u32 = 0;
+pub const KVEDGE_TRIGGER_TOOL: u32 = 1;
+pub const KVEDGE_TRIGGER_OTHER: u32 = 2;
+
 /// `kvedge_publisher_poll` flag: the daemon asked for a resync and no
 /// callback was given; poll again with one to serve it.
 pub const KVEDGE_POLL_RESYNC_PENDING: u32 = 1;
@@ -68,5 +73,5 @@ pub const KVEDGE_POLL_REGISTERED_AGAIN: u32 = 4;
 pub const KVEDGE_ENDPOINT_MAX: usize = 256;
 
 pub const KVEDGE_VERSION_MAJOR: u32 = 0;
-pub const KVEDGE_VERSION_MINOR: u32 = 1;
+pub const KVEDGE_VERSION_MINOR: u32 = 2;
 pub const KVEDGE_VERSION_PATCH: u32 = 0;

@@ -7,12 +7,12 @@
 use std::time::{Duration, Instant};
 
 use kvedge_policies::rules::TagBuf;
-use kvedge_policies::{AgentHeaders, InputTrigger, SessionContext, WorkerType};
+use kvedge_policies::{AgentHeaders, InputTrigger, SessionContext, WorkerType, WorkerWithDpRank};
 use kvedge_schema::hash::{block_seed, full_blocks, sequence_hashes_into};
 use kvedge_schema::messages::Tier;
 use kvedge_wire::{
     ErrorReply, ExplainedWorker, Explanation, Ids, MAX_TAGS, Reply, Request, Select, Selected,
-    Stats, Status, Words, WorkerNotice, WorkerRow,
+    Stats, Status, Trigger, Words, WorkerNotice, WorkerRow,
 };
 
 use crate::client::ClientId;
@@ -36,6 +36,21 @@ pub enum ReloadError {
     NoConfigFile,
     #[error(transparent)]
     Invalid(#[from] kvedge_config::ConfigError),
+}
+
+/// The policies' view of a select's session `id`: its trigger, parent
+/// and last turn as the client gave them.
+fn session_context<'a>(id: &'a str, s: &Select<'a>) -> SessionContext<'a> {
+    let trigger = match s.trigger {
+        Trigger::User => InputTrigger::UserMessage,
+        Trigger::Tool => InputTrigger::ToolResult,
+        Trigger::Other => InputTrigger::Other,
+    };
+    let context = SessionContext::new(id, trigger).with_final(s.session_final);
+    match s.parent_session {
+        Some(parent) => context.with_parent(parent),
+        None => context,
+    }
 }
 
 /// A selection error's status.
@@ -288,10 +303,10 @@ impl Core {
             role,
             hashes: &hashes,
             prompt_tokens,
-            session: s
-                .session
-                .map(|id| SessionContext::new(id, InputTrigger::UserMessage)),
-            pinned: None,
+            session: s.session.map(|id| session_context(id, s)),
+            pinned: s
+                .target
+                .map(|t| WorkerWithDpRank::new(t.worker_id, t.dp_rank)),
             now_ms: self.ms(now),
             dry_run: s.dry_run,
             subset: s.subset,

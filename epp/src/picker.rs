@@ -86,6 +86,8 @@ pub struct SelectArgs {
     /// Explain the decision ([`DECISION`]): the request carried the
     /// configured debug header.
     pub explain: bool,
+    /// What started this turn; the core sees it with a session only.
+    pub trigger: kvedge_wire::Trigger,
 }
 
 /// The select a read prompt asks for: by its token ids, or, without them,
@@ -136,6 +138,9 @@ pub struct Prompted {
     /// The prompt length when `tokens` is empty (see [`SelectArgs`]).
     pub prompt_tokens: Option<u32>,
     pub approximate: Vec<u64>,
+    /// What started this turn: a chat whose last message is a tool's
+    /// result (`role: tool`, or the older `function`) is a tool turn.
+    pub trigger: kvedge_wire::Trigger,
 }
 
 /// A local reply that refuses a request (boxed: it is large, and rare).
@@ -218,6 +223,7 @@ fn prompted(
     limits: &Limits,
 ) -> Result<Prompted, Refusal> {
     let parsed = parsed.map_err(|e| refuse(400, "bad_request", &e.to_string()))?;
+    let trigger = trigger_of(&parsed.prompt);
     let tokens = match models.tokens(&parsed.model, parsed.prompt, limits.max_prompt_tokens) {
         Ok(t) => t,
         Err(e @ PromptError::UnknownModel(_)) => {
@@ -254,7 +260,24 @@ fn prompted(
         tokens,
         prompt_tokens,
         approximate,
+        trigger,
     })
+}
+
+/// A chat whose last message carries a tool's result is a tool turn;
+/// anything else is a user's.
+pub fn trigger_of(prompt: &body::Prompt) -> kvedge_wire::Trigger {
+    match prompt {
+        body::Prompt::Messages(m)
+            if m.last()
+                .and_then(|m| m.get("role"))
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|r| r == "tool" || r == "function") =>
+        {
+            kvedge_wire::Trigger::Tool
+        }
+        _ => kvedge_wire::Trigger::User,
+    }
 }
 
 /// What the core answered a select.
@@ -657,6 +680,7 @@ pub fn select_args(
         tokens: p.tokens,
         prompt_tokens: p.prompt_tokens,
         approximate: p.approximate,
+        trigger: p.trigger,
         tenant: header(&limits.tenant_header),
         session: header(&limits.session_header),
         headers: headers

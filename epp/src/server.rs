@@ -375,6 +375,11 @@ impl Picker {
         );
         s.tenant = args.tenant.as_deref();
         s.session = args.session.as_deref();
+        if s.session.is_some_and(|id| !id.is_empty()) {
+            // A trigger is session metadata: without a session no policy
+            // sees it.
+            s.trigger = args.trigger;
+        }
         s.headers = Pairs::map(&headers);
         s.subset = Strs::strings(&args.subset);
         if args.explain {

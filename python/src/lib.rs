@@ -225,7 +225,7 @@ impl NativeClient {
     /// Chooses a worker. Exactly one of `tokens` (token ids; the daemon
     /// hashes them with the model's block size) and `hashes` (sequence
     /// hashes of the prompt's full blocks) is given.
-    #[pyo3(signature = (model, *, tokens=None, hashes=None, prompt_tokens=None, tenant=None, tags=None, headers=None, session=None, role="aggregated", priority=0, dry_run=false))]
+    #[pyo3(signature = (model, *, tokens=None, hashes=None, prompt_tokens=None, tenant=None, tags=None, headers=None, session=None, role="aggregated", priority=0, dry_run=false, trigger="user", parent_session=None, final_turn=false, target=None))]
     #[allow(clippy::too_many_arguments)]
     fn select(
         &self,
@@ -241,8 +241,15 @@ impl NativeClient {
         role: &str,
         priority: i32,
         dry_run: bool,
+        trigger: &str,
+        parent_session: Option<&str>,
+        final_turn: bool,
+        target: Option<(u64, u32)>,
     ) -> PyResult<Selection> {
         let role = self::role(role)?;
+        let trigger = kvedge_wire::Trigger::parse(trigger).ok_or_else(|| {
+            PyValueError::new_err(format!("unknown trigger {trigger:?} (user, tool, other)"))
+        })?;
         // Held natively, or a sequence of ints converted here.
         let held = hashes.and_then(|h| h.cast::<BlockHashes>().ok().cloned());
         let converted: Option<Vec<u64>> = match (hashes, &held) {
@@ -291,6 +298,12 @@ impl NativeClient {
             q.dry_run = dry_run;
             q.tags = Strs::new(&tag_refs);
             q.headers = Pairs::new(&header_refs);
+            q.trigger = trigger;
+            q.parent_session = parent_session;
+            q.session_final = final_turn;
+            q.target = target.map(|(worker_id, dp_rank)| kvedge_wire::Target { worker_id, dp_rank });
+            q.check_session_metadata()
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
             Ok(match client.select(&q)? {
                 Ok(v) => Ok(Selection {
                     worker_id: (!v.provider).then_some(v.worker_id),

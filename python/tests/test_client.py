@@ -275,3 +275,32 @@ def test_a_ticking_engine_registers_again_after_the_daemon_restarts(tmp_path: pa
             assert c.select("m", tokens=TOKENS, dry_run=True).worker_id == 7
     finally:
         second.stop()
+
+
+def test_an_explicit_target_and_session_metadata_reach_the_daemon(daemon: Daemon) -> None:
+    a, b = engine(daemon, 1), engine(daemon, 2)
+    with kvedge.Client(daemon.dir) as c:
+        wait_for(lambda: c.stats()["workers"] == 2, "the engines")
+        # B holds the prompt, so a policy picks B; a target picks A anyway,
+        # over either protocol, and a target that is not registered is no
+        # worker.
+        assert b.stored(tokens=TOKENS)
+        wait_for(lambda: c.select("m", tokens=TOKENS, dry_run=True).worker_id == 2, "B's blocks")
+        for explain in (False, True):
+            s = c.select("m", tokens=TOKENS, dry_run=True, target=(1, 0), explain=explain)
+            assert (s.worker_id, s.device_blocks) == (1, 0)
+            with pytest.raises(kvedge.NoWorker):
+                c.select("m", tokens=TOKENS, dry_run=True, target=(9, 0), explain=explain)
+            s = c.select(
+                "m", tokens=TOKENS, dry_run=True, session="child", parent_session="parent",
+                trigger="tool", final_turn=True, explain=explain,
+            )
+            assert s.worker_id == 2
+            # Session metadata without a session, or an unknown trigger, is
+            # refused and changes nothing.
+            with pytest.raises((ValueError, kvedge.BadRequest)):
+                c.select("m", tokens=TOKENS, dry_run=True, trigger="tool", explain=explain)
+            with pytest.raises((ValueError, kvedge.BadRequest)):
+                c.select("m", tokens=TOKENS, dry_run=True, session="s", trigger="bot", explain=explain)
+        assert c.stats()["reservations"] == 0
+        del a

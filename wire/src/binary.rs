@@ -5,7 +5,9 @@
 //! nothing; encoding appends to a caller's buffer.
 
 use crate::reply::{Reply, SelectView};
-use crate::request::{Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
+use crate::request::{
+    Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Target, Trigger, Word, Words,
+};
 use crate::{ErrorReply, Status};
 
 /// First bytes of a binary connection.
@@ -32,6 +34,9 @@ mod flag {
     /// The hashes are of text chunks (an approximate select); never with
     /// `TOKENS`.
     pub const APPROXIMATE: u8 = 16;
+    /// The routing block follows the subset: the session's trigger,
+    /// parent and last turn, and an explicit target.
+    pub const ROUTING: u8 = 32;
 }
 
 /// A request a frame cannot carry, or a field too long for its length
@@ -183,6 +188,25 @@ fn decode_select<'a>(c: &mut Cursor<'a>) -> Result<Select<'a>, &'static str> {
         }
         s.subset = Strs::frame(count, c.strs(count, 1)?);
     }
+    if flags & flag::ROUTING != 0 {
+        s.trigger = Trigger::from_code(c.u8()?).ok_or("unknown trigger")?;
+        s.session_final = match c.u8()? {
+            0 => false,
+            1 => true,
+            _ => return Err("`final` is neither 0 nor 1"),
+        };
+        let has_target = c.u8()?;
+        let worker_id = c.u64()?;
+        let dp_rank = c.u32()?;
+        s.target = match has_target {
+            0 => None,
+            1 => Some(Target { worker_id, dp_rank }),
+            _ => return Err("`has_target` is neither 0 nor 1"),
+        };
+        let parent = c.short_str()?;
+        s.parent_session = (!parent.is_empty()).then_some(parent);
+        s.check_session_metadata()?;
+    }
     Ok(s)
 }
 
@@ -286,6 +310,10 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
     for e in s.subset.iter() {
         short(e, "a subset endpoint is too long")?;
     }
+    let routing = s.has_routing();
+    let parent = s.parent_session.unwrap_or("");
+    short(parent, "parent session is too long")?;
+    s.check_session_metadata().map_err(EncodeError)?;
     let count = u32::try_from(s.ids.len()).map_err(|_| EncodeError("the prompt is too long"))?;
     if s.approximate && matches!(s.ids, Ids::Tokens(_)) {
         return Err(EncodeError(
@@ -300,7 +328,8 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
         }
         | if context { flag::CONTEXT } else { 0 }
         | if s.subset.is_empty() { 0 } else { flag::SUBSET }
-        | if s.approximate { flag::APPROXIMATE } else { 0 };
+        | if s.approximate { flag::APPROXIMATE } else { 0 }
+        | if routing { flag::ROUTING } else { 0 };
     write_frame(out, op::SELECT, |o| {
         o.push(flags);
         o.push(s.role as u8);
@@ -326,6 +355,18 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
         if !s.subset.is_empty() {
             o.extend_from_slice(&(s.subset.len() as u16).to_le_bytes());
             s.subset.iter().for_each(|e| put_short(o, e));
+        }
+        if routing {
+            let target = s.target.unwrap_or(Target {
+                worker_id: 0,
+                dp_rank: 0,
+            });
+            o.push(s.trigger.code());
+            o.push(u8::from(s.session_final));
+            o.push(u8::from(s.target.is_some()));
+            o.extend_from_slice(&target.worker_id.to_le_bytes());
+            o.extend_from_slice(&target.dp_rank.to_le_bytes());
+            put_short(o, parent);
         }
     });
     Ok(())
@@ -454,6 +495,67 @@ mod tests {
         assert_eq!(d.tags.iter().collect::<Vec<_>>(), tags);
         assert_eq!(d.headers.iter().collect::<Vec<_>>(), headers);
         assert!(d.subset.is_empty());
+    }
+
+    #[test]
+    fn the_routing_block_round_trips_and_needs_a_session() {
+        let hashes = [1u64];
+        let subset = ["10.0.0.1:8000"];
+        for with_subset in [false, true] {
+            let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
+            s.session = Some("child");
+            s.trigger = Trigger::Tool;
+            s.parent_session = Some("parent");
+            s.session_final = true;
+            s.target = Some(Target {
+                worker_id: 7,
+                dp_rank: 2,
+            });
+            if with_subset {
+                s.subset = Strs::new(&subset);
+            }
+            let body = round_trip(&Request::Select(s));
+            let Request::Select(d) = decode_request(&body).unwrap() else {
+                panic!("not a select")
+            };
+            assert_eq!(
+                (d.trigger, d.parent_session, d.session_final, d.target),
+                (Trigger::Tool, Some("parent"), true, s.target)
+            );
+            assert_eq!(d.subset.len(), usize::from(with_subset));
+        }
+        // A target alone needs no session; a trigger does.
+        let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
+        s.target = Some(Target {
+            worker_id: 1,
+            dp_rank: 0,
+        });
+        let body = round_trip(&Request::Select(s));
+        let Request::Select(d) = decode_request(&body).unwrap() else {
+            panic!("not a select")
+        };
+        assert_eq!((d.target, d.trigger), (s.target, Trigger::User));
+        s.trigger = Trigger::Tool;
+        assert!(encode_request(&mut Vec::new(), &Request::Select(s)).is_err());
+        // A hand-made frame with a trigger and no session, or an unknown
+        // trigger, is refused with its reason.
+        let mut body = round_trip(&Request::Select(Select {
+            trigger: Trigger::User,
+            ..s
+        }));
+        let at = body.len() - 2 - 4 - 8 - 3;
+        body[at] = 1;
+        assert!(
+            decode_request(&body)
+                .unwrap_err()
+                .message
+                .contains("session")
+        );
+        body[at] = 9;
+        assert_eq!(
+            decode_request(&body).unwrap_err().message,
+            "unknown trigger"
+        );
     }
 
     #[test]

@@ -44,7 +44,22 @@ pub struct JsonRequest {
     subset: Vec<String>,
     #[serde(default)]
     approximate: bool,
+    trigger: Option<String>,
+    parent_session: Option<String>,
+    #[serde(default, rename = "final")]
+    session_final: bool,
+    target: Option<TargetJson>,
     request_id: Option<u64>,
+}
+
+/// An explicit target as JSON: `{"worker_id": 7, "dp_rank": 0}` (rank 0
+/// when omitted).
+#[derive(Debug, Clone, Copy, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+struct TargetJson {
+    worker_id: u64,
+    #[serde(default)]
+    dp_rank: u32,
 }
 
 fn bad(message: String) -> ErrorReply<'static> {
@@ -126,6 +141,17 @@ impl JsonRequest {
             ));
         }
         s.approximate = self.approximate;
+        if let Some(t) = self.trigger.as_deref() {
+            s.trigger = crate::request::Trigger::parse(t)
+                .ok_or_else(|| bad(format!("unknown trigger `{t}` (user, tool, other)")))?;
+        }
+        s.parent_session = self.parent_session.as_deref();
+        s.session_final = self.session_final;
+        s.target = self.target.map(|t| crate::request::Target {
+            worker_id: t.worker_id,
+            dp_rank: t.dp_rank,
+        });
+        s.check_session_metadata().map_err(|e| bad(e.into()))?;
         Ok(s)
     }
 }
@@ -201,6 +227,14 @@ struct RequestOut<'a> {
     #[serde(skip_serializing_if = "is_false")]
     approximate: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
+    trigger: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    parent_session: Option<&'a str>,
+    #[serde(rename = "final", skip_serializing_if = "is_false")]
+    session_final: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    target: Option<TargetJson>,
+    #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<u64>,
 }
 
@@ -225,6 +259,10 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
         headers: Pairs::EMPTY,
         subset: Strs::EMPTY,
         approximate: false,
+        trigger: None,
+        parent_session: None,
+        session_final: false,
+        target: None,
         request_id: None,
     };
     match *request {
@@ -247,6 +285,13 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
             line.headers = s.headers;
             line.subset = s.subset;
             line.approximate = s.approximate;
+            line.trigger = (s.trigger != crate::request::Trigger::User).then(|| s.trigger.as_str());
+            line.parent_session = s.parent_session;
+            line.session_final = s.session_final;
+            line.target = s.target.map(|t| TargetJson {
+                worker_id: t.worker_id,
+                dp_rank: t.dp_rank,
+            });
         }
         Request::PrefillDone { request_id } | Request::Finish { request_id } => {
             line.request_id = Some(request_id);
@@ -404,6 +449,57 @@ mod tests {
         out.clear();
         encode_request(&mut out, &Request::Finish { request_id: 7 }).unwrap();
         assert_eq!(out, b"{\"op\":\"finish\",\"request_id\":7}\n");
+    }
+
+    #[test]
+    fn session_metadata_and_a_target_round_trip() {
+        let line = r#"{"op":"select","model":"m","hashes":[1],"session":"c","trigger":"tool","parent_session":"p","final":true,"target":{"worker_id":7}}"#;
+        let parsed = decode_request(line.as_bytes()).unwrap();
+        let Request::Select(d) = parsed.request().unwrap() else {
+            panic!("not a select")
+        };
+        assert_eq!(
+            (d.trigger, d.parent_session, d.session_final),
+            (crate::Trigger::Tool, Some("p"), true)
+        );
+        assert_eq!(
+            d.target,
+            Some(crate::Target {
+                worker_id: 7,
+                dp_rank: 0
+            })
+        );
+        let mut out = Vec::new();
+        encode_request(&mut out, &Request::Select(d)).unwrap();
+        assert_eq!(
+            serde_json::from_slice::<Value>(&out).unwrap(),
+            json!({"op": "select", "model": "m", "role": "aggregated", "hashes": [1],
+                   "session": "c", "trigger": "tool", "parent_session": "p", "final": true,
+                   "target": {"worker_id": 7, "dp_rank": 0}})
+        );
+        for (bad, says) in [
+            (
+                r#"{"op":"select","model":"m","hashes":[1],"trigger":"tool"}"#,
+                "give `session`",
+            ),
+            (
+                r#"{"op":"select","model":"m","hashes":[1],"final":true}"#,
+                "give `session`",
+            ),
+            (
+                r#"{"op":"select","model":"m","hashes":[1],"session":"s","trigger":"bot"}"#,
+                "unknown trigger `bot`",
+            ),
+            (
+                r#"{"op":"select","model":"m","hashes":[1],"target":{"dp_rank":1}}"#,
+                "worker_id",
+            ),
+        ] {
+            let e = decode_request(bad.as_bytes())
+                .and_then(|r| r.request().map(|_| ()))
+                .unwrap_err();
+            assert!(e.message.contains(says), "{bad}: {}", e.message);
+        }
     }
 
     #[test]

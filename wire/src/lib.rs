@@ -11,7 +11,7 @@
 //!
 //! | op | request payload | reply payload (status 0) |
 //! |---|---|---|
-//! | 1 select | `flags: u8` (bit 0 dry run, bit 1 ids are token ids rather than sequence hashes, bit 2 the request context follows the ids, bit 3 a subset follows, bit 4 the hashes are approximate: of text chunks, never with bit 1), `role: u8` (0 aggregated, 1 prefill, 2 decode, 3 encode), `model_len: u16`, model, `session_len: u16`, session (0 = none), `prompt_tokens: u32` (0 = from the ids), `count: u32`, then `count` ids (`u32` tokens or `u64` hashes); with bit 2: `priority: i32`, `tenant_len: u16`, tenant (0 = none), `tag_count: u16` then each `len: u16`, tag, `header_count: u16` then each `name_len: u16`, name, `value_len: u16`, value; with bit 3: `subset_count: u16` (at most 1,024) then each `len: u16`, endpoint | `worker_id: u64`, `dp_rank: u32`, `request_id: u64`, `cost: f64` (NaN: none), overlap `device, host, disk: u32`, `flags: u8` (bit 0: a provider, not a worker; bit 1: the provider's name follows), `endpoint_len: u16`, endpoint; with bit 1: `name_len: u16`, the provider's name |
+//! | 1 select | `flags: u8` (bit 0 dry run, bit 1 ids are token ids rather than sequence hashes, bit 2 the request context follows the ids, bit 3 a subset follows, bit 4 the hashes are approximate: of text chunks, never with bit 1, bit 5 the routing block follows), `role: u8` (0 aggregated, 1 prefill, 2 decode, 3 encode), `model_len: u16`, model, `session_len: u16`, session (0 = none), `prompt_tokens: u32` (0 = from the ids), `count: u32`, then `count` ids (`u32` tokens or `u64` hashes); with bit 2: `priority: i32`, `tenant_len: u16`, tenant (0 = none), `tag_count: u16` then each `len: u16`, tag, `header_count: u16` then each `name_len: u16`, name, `value_len: u16`, value; with bit 3: `subset_count: u16` (at most 1,024) then each `len: u16`, endpoint; with bit 5 (after the subset): `trigger: u8` (0 a user's message, 1 a tool's result, 2 other), `final: u8` (1: the session's last turn), `has_target: u8` (1: serve on exactly the worker that follows), `target_worker_id: u64`, `target_dp_rank: u32`, `parent_len: u16`, parent session (0 = none); trigger, final and parent need a session | `worker_id: u64`, `dp_rank: u32`, `request_id: u64`, `cost: f64` (NaN: none), overlap `device, host, disk: u32`, `flags: u8` (bit 0: a provider, not a worker; bit 1: the provider's name follows), `endpoint_len: u16`, endpoint; with bit 1: `name_len: u16`, the provider's name |
 //! | 2 prefill_done | `request_id: u64` | empty |
 //! | 3 finish | `request_id: u64` | empty |
 //! | 4 attach_rings | empty | `capacity: u64`, with four descriptors attached (SCM_RIGHTS): see below |
@@ -69,5 +69,7 @@ pub use reply::{
     DecisionRow, ErrorReply, ExplainedWorker, Explanation, LatencySummary, Reply, SelectReply,
     SelectView, Selected, Stats, TtftExplained, WorkerNotice, WorkerRow,
 };
-pub use request::{Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Word, Words};
+pub use request::{
+    Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Target, Trigger, Word, Words,
+};
 pub use status::Status;

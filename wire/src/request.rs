@@ -8,6 +8,9 @@ use std::collections::BTreeMap;
 pub use kvedge_schema::messages::Role;
 
 /// One request to a daemon.
+// A select is most requests, decoded on the stack and borrowed from its
+// frame: boxing it to shrink the rare variants would allocate per select.
+#[allow(clippy::large_enum_variant)]
 #[derive(Clone, Copy, Debug)]
 pub enum Request<'a> {
     /// Which worker should serve this prompt?
@@ -84,6 +87,65 @@ pub struct Select<'a> {
     /// matches them against where earlier approximate selects went and
     /// remembers this pick, instead of consulting the engines' events.
     pub approximate: bool,
+    /// What started this turn of the session (with `session` only).
+    pub trigger: Trigger,
+    /// The session this one was forked from (with `session` only).
+    pub parent_session: Option<&'a str>,
+    /// This is the session's last turn: its binding ends once the turn is
+    /// placed (with `session` only).
+    pub session_final: bool,
+    /// Serve the request on exactly this worker (the explicit request
+    /// target): no policy runs; the target must be an available worker of
+    /// the model and role.
+    pub target: Option<Target>,
+}
+
+/// What started a session's turn: the policies' `input_trigger`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Trigger {
+    /// A user's message (the default).
+    #[default]
+    User,
+    /// A tool's result coming back to the model.
+    Tool,
+    /// Anything else (a timer, another agent).
+    Other,
+}
+
+impl Trigger {
+    /// The name in JSON: `user`, `tool`, `other`.
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            Trigger::User => "user",
+            Trigger::Tool => "tool",
+            Trigger::Other => "other",
+        }
+    }
+
+    /// Parses a name written by [`Trigger::as_str`].
+    pub fn parse(name: &str) -> Option<Trigger> {
+        [Trigger::User, Trigger::Tool, Trigger::Other]
+            .into_iter()
+            .find(|t| t.as_str() == name)
+    }
+
+    /// The code in a binary frame.
+    pub const fn code(self) -> u8 {
+        self as u8
+    }
+
+    pub fn from_code(code: u8) -> Option<Trigger> {
+        [Trigger::User, Trigger::Tool, Trigger::Other]
+            .get(usize::from(code))
+            .copied()
+    }
+}
+
+/// An explicit request target: one worker rank.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Target {
+    pub worker_id: u64,
+    pub dp_rank: u32,
 }
 
 /// Most tags a select may carry.
@@ -110,7 +172,33 @@ impl<'a> Select<'a> {
             headers: Pairs::EMPTY,
             subset: Strs::EMPTY,
             approximate: false,
+            trigger: Trigger::User,
+            parent_session: None,
+            session_final: false,
+            target: None,
         }
+    }
+
+    /// Whether any session metadata beyond the id (a trigger other than a
+    /// user's message, a parent, the last turn) or a target is set (the
+    /// binary protocol then sends the routing block).
+    pub fn has_routing(&self) -> bool {
+        self.trigger != Trigger::User
+            || self.parent_session.is_some()
+            || self.session_final
+            || self.target.is_some()
+    }
+
+    /// Session metadata needs a session to belong to.
+    pub fn check_session_metadata(&self) -> Result<(), &'static str> {
+        let metadata =
+            self.trigger != Trigger::User || self.parent_session.is_some() || self.session_final;
+        if metadata && self.session.is_none_or(str::is_empty) {
+            return Err(
+                "`trigger`, `parent_session` and `final` describe a session: give `session` too",
+            );
+        }
+        Ok(())
     }
 
     /// Whether any of priority, tenant, tags and headers is set (the

@@ -113,6 +113,30 @@ int main(int argc, char **argv) {
     EXPECT(kvedge_finish(c, res.request_id), KVEDGE_OK);
     EXPECT(kvedge_finish(c, res.request_id), KVEDGE_ERR_UNKNOWN_REQUEST);
 
+    /* A select with session metadata and an explicit target: the target
+     * serves it; a target that is not registered is no worker; a trigger
+     * without a session is refused before anything is sent. */
+    kvedge_select_routing g;
+    memset(&g, 0, sizeof g);
+    g.trigger = KVEDGE_TRIGGER_TOOL;
+    g.parent_session = "conversation-0";
+    g.has_target = 1;
+    g.target_worker_id = 7;
+    rh.dry_run = 1;
+    EXPECT(kvedge_select_ex(c, &rh, &g, &res), KVEDGE_OK);
+    CHECK(res.worker_id == 7 && res.dp_rank == 0 && res.overlap_device == 4);
+    EXPECT(kvedge_select_ex(c, &rh, NULL, &res), KVEDGE_OK);
+    g.target_worker_id = 8;
+    EXPECT(kvedge_select_ex(c, &rh, &g, &res), KVEDGE_ERR_NO_WORKER);
+    g.target_worker_id = 7;
+    g.trigger = 9;
+    EXPECT(kvedge_select_ex(c, &rh, &g, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    g.trigger = KVEDGE_TRIGGER_TOOL;
+    kvedge_select_request anonymous = rh;
+    anonymous.session = NULL;
+    EXPECT(kvedge_select_ex(c, &anonymous, &g, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    rh.dry_run = 0;
+
     /* Bogus selects: errors, and the connection keeps working. */
     kvedge_select_request bad = r;
     bad.model = "no-such-model";

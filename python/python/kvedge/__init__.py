@@ -20,7 +20,7 @@ import json
 import os
 import socket
 import threading
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 from ._kvedge import (
     BlockHashes,
@@ -165,12 +165,22 @@ class Client:
         dry_run: bool = False,
         explain: bool = False,
         text: Optional[str] = None,
+        trigger: str = "user",
+        parent_session: Optional[str] = None,
+        final_turn: bool = False,
+        target: Optional[Tuple[int, int]] = None,
     ) -> Selection:
         """Chooses a worker for a request for ``model``. Exactly one of
         ``tokens`` and ``hashes`` (a list of ints, or a ``BlockHashes`` from
         ``block_hashes``, which is read without conversion). With
         ``explain`` or ``text`` the request goes over the JSON protocol and
-        the answer also names the policy and the rule."""
+        the answer also names the policy and the rule.
+
+        ``trigger`` (``"user"``, ``"tool"`` or ``"other"``: what started
+        this turn), ``parent_session`` and ``final_turn`` (the session's
+        last turn: its binding ends) describe ``session`` and need it.
+        ``target``, a ``(worker_id, dp_rank)``, serves the request on
+        exactly that worker, with no policy."""
         if not explain and text is None:
             return self._native.select(
                 model,
@@ -184,6 +194,10 @@ class Client:
                 role=role,
                 priority=priority,
                 dry_run=dry_run,
+                trigger=trigger,
+                parent_session=parent_session,
+                final_turn=final_turn,
+                target=target,
             )
         if (tokens is None) == (hashes is None):
             raise ValueError("give exactly one of tokens and hashes")
@@ -202,6 +216,10 @@ class Client:
             "dry_run": dry_run or None,
             "explain": explain or None,
             "text": text,
+            "trigger": trigger if trigger != "user" else None,
+            "parent_session": parent_session,
+            "final": final_turn or None,
+            "target": {"worker_id": target[0], "dp_rank": target[1]} if target is not None else None,
         }
         request.update({k: v for k, v in optional.items() if v is not None})
         return _selection_from_json(self._ask_json(request))
@@ -314,6 +332,10 @@ class AsyncClient:
         dry_run: bool = False,
         explain: bool = False,
         text: Optional[str] = None,
+        trigger: str = "user",
+        parent_session: Optional[str] = None,
+        final_turn: bool = False,
+        target: Optional[Tuple[int, int]] = None,
     ) -> Selection:
         """Client.select, as a coroutine."""
         return await self._call(
@@ -331,6 +353,10 @@ class AsyncClient:
                 dry_run=dry_run,
                 explain=explain,
                 text=text,
+                trigger=trigger,
+                parent_session=parent_session,
+                final_turn=final_turn,
+                target=target,
             )
         )
 

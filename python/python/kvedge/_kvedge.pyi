@@ -74,6 +74,10 @@ class NativeClient:
         role: str = "aggregated",
         priority: int = 0,
         dry_run: bool = False,
+        trigger: str = "user",
+        parent_session: Optional[str] = None,
+        final_turn: bool = False,
+        target: Optional[Tuple[int, int]] = None,
     ) -> Selection: ...
     def prefill_done(self, request_id: int) -> None: ...
     def finish(self, request_id: int) -> None: ...

@@ -1,0 +1,174 @@
+//! The two specifications' request-side features reach a real daemon:
+//! what started a session's turn (a trigger-keyed policy sees it), a
+//! session's last turn (its binding ends), an explicit target (no policy
+//! runs), over JSON lines and binary frames alike.
+
+#![forbid(unsafe_code)]
+
+mod common;
+
+use common::{Conn, Daemon, start, wait_for};
+use kvedge_schema::messages::{Load, Tier};
+use kvedge_shm::Publisher;
+use kvedge_wire::{Ids, Role, Select, Target, Trigger};
+use serde_json::{Value, json};
+
+const BASE: &str = "daemon:\n  heartbeat_timeout_ms: 600000\n";
+
+fn engine(d: &Daemon, id: u64) -> Publisher {
+    common::engine(&d.control(), id, "llama")
+}
+
+fn prompt(prefix: u32, len: u32) -> Vec<u32> {
+    (0..len).map(|i| prefix * 100_000 + i).collect()
+}
+
+fn select(tokens: &[u32], extra: Value) -> Value {
+    let mut q = json!({"op": "select", "model": "llama", "tokens": tokens, "dry_run": true});
+    for (k, v) in extra.as_object().unwrap() {
+        q[k] = v.clone();
+    }
+    q
+}
+
+/// `tool-result-cache-local` sends tool-result turns to the most device
+/// overlap and every other turn through the default cost: worker 1 holds
+/// two of the prompt's blocks but is busy decoding, so a user's turn goes
+/// to idle worker 2 and a tool's result comes back to worker 1, whether
+/// the client speaks JSON or binary frames.
+#[test]
+fn a_tool_turn_reaches_a_trigger_keyed_policy() {
+    let d = start(
+        "spec-trigger",
+        &format!(
+            "{BASE}router:\n  router_temperature: 0\nworker_selection:\n  aggregated: tools\n  instances:\n    - name: tools\n      type: tool-result-cache-local\n"
+        ),
+    );
+    let seed = kvedge_schema::hash::block_seed(None, None);
+    let tokens = prompt(1, 512);
+    let mut a = engine(&d, 1);
+    let mut b = engine(&d, 2);
+    a.publish_stored_tokens(Tier::Device, None, &tokens[..32], 16, seed)
+        .unwrap();
+    let busy = Load {
+        active_requests: 40,
+        active_decode_blocks: 5000,
+        kv_total_blocks: 1024,
+        ..Load::default()
+    };
+    a.publish_load(&busy).unwrap();
+    b.publish_load(&Load {
+        kv_total_blocks: 1024,
+        ..Load::default()
+    })
+    .unwrap();
+    let mut c = Conn::connect(&d.query());
+    wait_for(
+        || c.ask(select(&tokens, json!({})))["worker_id"] == 2,
+        "the busy worker's load",
+    );
+    let user = c.ask(select(&tokens, json!({"session": "agent-1"})));
+    assert_eq!(user["worker_id"], 2, "{user}");
+    let tool = c.ask(select(
+        &tokens,
+        json!({"session": "agent-1", "trigger": "tool"}),
+    ));
+    assert_eq!(
+        (&tool["worker_id"], &tool["overlap_blocks"]["device"]),
+        (&json!(1), &json!(2)),
+        "{tool}"
+    );
+    // The same over binary frames.
+    let mut w = kvedge_wire::Client::connect(d.query()).unwrap();
+    let base = Select {
+        dry_run: true,
+        session: Some("agent-1"),
+        ..Select::new("llama", Role::Aggregated, Ids::tokens(&tokens))
+    };
+    assert_eq!(w.select(&base).unwrap().unwrap().worker_id, 2);
+    let tool = Select {
+        trigger: Trigger::Tool,
+        ..base
+    };
+    assert_eq!(w.select(&tool).unwrap().unwrap().worker_id, 1);
+    // Session metadata without a session is refused, and changes nothing.
+    let e = c.ask(select(&tokens, json!({"trigger": "tool"})));
+    assert_eq!(e["error"]["code"], "bad_request", "{e}");
+    assert_eq!(c.ask(select(&tokens, json!({})))["worker_id"], 2);
+    drop((a, b));
+}
+
+/// Hard affinity keeps a session on its worker until the session's final
+/// turn, which is placed there and ends the binding; an explicit target
+/// takes the exact-target path over both the policy and the binding.
+#[test]
+fn a_final_turn_ends_its_binding_and_a_target_is_served_exactly() {
+    let d = start("spec-session", BASE);
+    let seed = kvedge_schema::hash::block_seed(None, None);
+    let tokens = prompt(2, 256);
+    let a = engine(&d, 1);
+    let b = engine(&d, 2);
+    let mut c = Conn::connect(&d.query());
+    wait_for(
+        || c.ask(json!({"op": "stats"}))["workers"] == 2,
+        "both engines",
+    );
+    // The session is bound to wherever its first turn goes.
+    let first = c.ask(json!({"op": "select", "model": "llama", "tokens": tokens, "session": "s"}));
+    let bound = first["worker_id"].as_u64().expect("a worker");
+    let id = first["request_id"].as_u64().unwrap();
+    assert_eq!(c.ask(json!({"op": "finish", "request_id": id}))["ok"], true);
+    // The other worker comes to hold the whole prompt: a select without
+    // the session goes there, one with it stays where it is bound.
+    let other = 3 - bound;
+    let mut holder = if other == 2 { b } else { a };
+    holder
+        .publish_stored_tokens(Tier::Device, None, &tokens, 16, seed)
+        .unwrap();
+    wait_for(
+        || c.ask(select(&tokens, json!({})))["worker_id"] == other,
+        "the other worker's blocks",
+    );
+    assert_eq!(
+        c.ask(select(&tokens, json!({"session": "s"})))["worker_id"],
+        bound
+    );
+    // A target overrides both; one that is not registered is no worker.
+    let t = c.ask(select(
+        &tokens,
+        json!({"session": "s", "target": {"worker_id": other}}),
+    ));
+    assert_eq!(t["worker_id"], other, "{t}");
+    let t = c.ask(select(&tokens, json!({"target": {"worker_id": bound}})));
+    assert_eq!(t["worker_id"], bound, "{t}");
+    let t = c.ask(select(&tokens, json!({"target": {"worker_id": 9}})));
+    assert_eq!(t["error"]["code"], "no_worker", "{t}");
+    let mut w = kvedge_wire::Client::connect(d.query()).unwrap();
+    let targeted = Select {
+        dry_run: true,
+        target: Some(Target {
+            worker_id: bound,
+            dp_rank: 0,
+        }),
+        ..Select::new("llama", Role::Aggregated, Ids::tokens(&tokens))
+    };
+    assert_eq!(w.select(&targeted).unwrap().unwrap().worker_id, bound);
+    // A dry run of the final turn ends nothing.
+    let last = json!({"session": "s", "final": true});
+    assert_eq!(c.ask(select(&tokens, last.clone()))["worker_id"], bound);
+    assert_eq!(
+        c.ask(select(&tokens, json!({"session": "s"})))["worker_id"],
+        bound
+    );
+    // The final turn goes to the bound worker and ends the binding: the
+    // session's next select is the policy's.
+    let mut fin = select(&tokens, last);
+    fin["dry_run"] = json!(false);
+    let r = c.ask(fin);
+    assert_eq!(r["worker_id"], bound, "{r}");
+    assert_eq!(
+        c.ask(select(&tokens, json!({"session": "s"})))["worker_id"],
+        other
+    );
+    drop(holder);
+}
