@@ -65,6 +65,7 @@ fn router() -> (Box<Router>, Vec<u64>) {
                 endpoint: format!("http://engine-{id}"),
                 block_size: 16,
                 available: true,
+                labels: Vec::new(),
             })
             .unwrap();
         if id == 1 {

@@ -434,10 +434,14 @@ fn hello(rank: &EngineRank) -> Hello {
         role: rank.role,
         block_size: rank.block_size,
         kv_blocks: [0; 3],
-        labels: vec![Label {
-            key: "engine".into(),
-            value: rank.kind.as_str().into(),
-        }],
+        labels: std::iter::once(("engine", rank.kind.as_str()))
+            .filter(|(k, _)| !rank.labels.contains_key(*k))
+            .chain(rank.labels.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+            .map(|(key, value)| Label {
+                key: key.into(),
+                value: value.into(),
+            })
+            .collect(),
         taints: Vec::new(),
         endpoint: rank.endpoint.clone(),
         ring_capacity: 0,
@@ -1256,6 +1260,29 @@ fn flush_notices(
 mod tests {
     use super::*;
     use std::io::{Read, Write};
+
+    #[test]
+    fn an_engines_labels_ride_in_its_hello_with_its_kind_unless_set() {
+        let hello_of = |labels: &str| {
+            let spec: EngineSpec = serde_yaml::from_str(&format!(
+                "kind: sglang\nmodel: m\nworker_id: 1\nblock_size: 16\nendpoint: http://e\n\
+                 events: tcp://127.0.0.1:5557\n{labels}"
+            ))
+            .unwrap();
+            let rank = spec.ranks().next().unwrap();
+            hello(&rank)
+                .labels
+                .into_iter()
+                .map(|l| format!("{}={}", l.key, l.value))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(hello_of(""), ["engine=sglang"]);
+        assert_eq!(
+            hello_of("labels: { backend: fast, gpu: h100 }\n"),
+            ["engine=sglang", "backend=fast", "gpu=h100"]
+        );
+        assert_eq!(hello_of("labels: { engine: mine }\n"), ["engine=mine"]);
+    }
 
     fn pace(interval_ms: u64, idle_ms: Option<u64>, heartbeat: Duration) -> ScrapePace {
         let spec: EngineSpec = serde_yaml::from_str(&format!(

@@ -172,3 +172,86 @@ fn a_final_turn_ends_its_binding_and_a_target_is_served_exactly() {
     );
     drop(holder);
 }
+
+/// Registers worker `id` with `labels` (`key=value`).
+fn labelled(d: &Daemon, id: u64, labels: &[(&str, &str)]) -> Publisher {
+    let hello = kvedge_schema::messages::control::Hello {
+        labels: labels
+            .iter()
+            .map(|(k, v)| kvedge_schema::messages::control::Label {
+                key: (*k).into(),
+                value: (*v).into(),
+            })
+            .collect(),
+        ..common::hello(id, "llama")
+    };
+    kvedge_testkit::register(d.control(), &hello)
+}
+
+/// The rule language's backends are the engines' labels: `backends:
+/// { names }` and a Local tier's `order` read the `backend` label,
+/// `backends: { labels }` and `backend.labels.<key>` every label, and
+/// providers' labels are matched the same way.
+#[test]
+fn rules_match_the_backend_names_and_labels_engines_register_with() {
+    let rules = "policy:\n  rules:\n    - name: h100\n      matches: [{ tenant: gold }]\n      route:\n        consider: [{ backends: { labels: { gpu: h100 } } }]\n        select: [{ type: Local }]\n    - name: named\n      matches: [{ tenant: silver }]\n      route:\n        consider: [{ backends: { names: [slow] } }]\n        select: [{ type: Local }]\n    - name: not-h100\n      matches: [{ tenant: bronze }]\n      route:\n        exclude: [{ drop: { backend.labels.gpu: h100 } }]\n        select: [{ type: Local }]\n    - name: fast-first\n      matches: [{ tenant: fast-first }]\n      route:\n        consider: [{ backends: {} }]\n        select: [{ type: Local, order: [fast, slow] }]\n    - name: slow-first\n      matches: [{ tenant: slow-first }]\n      route:\n        consider: [{ backends: {} }]\n        select: [{ type: Local, order: [slow, fast] }]\n    - name: eu\n      matches: [{ tenant: eu }]\n      route:\n        consider: [{ providers: {} }]\n        exclude: [{ drop: { backend.labels.region: us } }]\n        select: [{ type: Provider }]\n    - name: nowhere\n      matches: [{ tenant: nowhere }]\n      route:\n        consider: [{ backends: { names: [absent] } }]\n        select: [{ type: Local }]\n    - name: rest\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\nproviders:\n  - { name: us-cloud, models: [llama], endpoint: 'https://us.example', labels: { region: us } }\n  - { name: eu-cloud, models: [llama], endpoint: 'https://eu.example', labels: { region: eu } }\n";
+    let d = start("spec-labels", &format!("{BASE}{rules}"));
+    let a = labelled(&d, 1, &[("backend", "fast"), ("gpu", "h100")]);
+    let b = labelled(&d, 2, &[("backend", "slow"), ("gpu", "a10")]);
+    let mut c = Conn::connect(&d.query());
+    wait_for(
+        || c.ask(json!({"op": "stats"}))["workers"] == 2,
+        "both engines",
+    );
+    let tokens = prompt(3, 64);
+    let mut pick = |tenant: &str| {
+        let r = c.ask(select(&tokens, json!({"tenant": tenant})));
+        (
+            r["rule"].clone(),
+            r["worker_id"].clone(),
+            r["provider"].clone(),
+        )
+    };
+    assert_eq!(pick("gold"), (json!("h100"), json!(1), json!(null)));
+    assert_eq!(pick("silver"), (json!("named"), json!(2), json!(null)));
+    assert_eq!(pick("bronze"), (json!("not-h100"), json!(2), json!(null)));
+    assert_eq!(
+        pick("fast-first"),
+        (json!("fast-first"), json!(1), json!(null))
+    );
+    assert_eq!(
+        pick("slow-first"),
+        (json!("slow-first"), json!(2), json!(null))
+    );
+    assert_eq!(pick("eu"), (json!("eu"), json!(null), json!("eu-cloud")));
+    let r = c.ask(select(&tokens, json!({"tenant": "nowhere"})));
+    assert_eq!(r["error"]["code"], "rejected", "{r}");
+    // A label whose key is empty is refused at registration.
+    let bad = kvedge_schema::messages::control::Hello {
+        labels: vec![kvedge_schema::messages::control::Label {
+            key: String::new(),
+            value: "x".into(),
+        }],
+        ..common::hello(3, "llama")
+    };
+    assert!(
+        kvedge_shm::control::ProducerSession::connect(
+            d.control(),
+            &bad,
+            std::time::Duration::from_secs(5)
+        )
+        .is_err()
+    );
+    let workers = c.ask(json!({"op": "workers"}));
+    let labels = |id: u64| {
+        workers["workers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|w| w["worker_id"] == id)
+            .map(|w| w["labels"].clone())
+    };
+    assert_eq!(labels(1), Some(json!(["backend=fast", "gpu=h100"])));
+    assert_eq!(labels(3), None);
+    drop((a, b));
+}

@@ -33,6 +33,9 @@
 // Most headers in a `kvedge_select_request`.
 #define KVEDGE_MAX_HEADERS 32
 
+// Most labels `kvedge_publisher_open_labeled` takes.
+#define KVEDGE_MAX_LABELS 64
+
 // How long a client's call waits for the daemon unless
 // `kvedge_client_set_timeout_ms` says otherwise, in milliseconds.
 #define KVEDGE_DEFAULT_TIMEOUT_MS 10000
@@ -390,6 +393,24 @@ kvedge_status kvedge_hash_blocks(const uint32_t *tokens,
 kvedge_status kvedge_publisher_open(const char *control_socket_path,
                                     const struct kvedge_hello *hello,
                                     struct kvedge_publisher **out);
+
+// `kvedge_publisher_open` with labels: `n_labels` (at most
+// `KVEDGE_MAX_LABELS`) keys and values as parallel arrays, which the
+// rule language matches (`backends: { labels }`, `backend.labels.<key>`;
+// the `backend` label is the engine's backend name). A key is not empty
+// and has no `=`. A function of its own so that programs built against
+// an older header, whose `kvedge_hello` has no room for labels, keep
+// working.
+//
+// # Safety
+// As `kvedge_publisher_open`; `label_keys` and `label_values` are NULL
+// (with `n_labels` 0) or point to `n_labels` NUL-terminated strings each.
+kvedge_status kvedge_publisher_open_labeled(const char *control_socket_path,
+                                            const struct kvedge_hello *hello,
+                                            const char *const *label_keys,
+                                            const char *const *label_values,
+                                            size_t n_labels,
+                                            struct kvedge_publisher **out);
 
 // Blocks whose sequence hashes are `hashes[0..n]` became resident in
 // `tier`, continuing the chain after `*parent_hash` (NULL: they start a

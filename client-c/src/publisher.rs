@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 use kvedge_schema::messages::Load;
-use kvedge_schema::messages::control::Hello;
+use kvedge_schema::messages::control::{Hello, Label};
 use kvedge_shm::control::ProducerSession;
 use kvedge_shm::session::{Action, REGISTER_TIMEOUT, Session, SessionState};
 use kvedge_shm::{ControlError, PublishError, Publisher};
@@ -128,6 +128,42 @@ pub unsafe extern "C" fn kvedge_publisher_open(
     hello: *const kvedge_hello,
     out: *mut *mut kvedge_publisher,
 ) -> kvedge_status {
+    // SAFETY: the caller's contract is this function's; no labels.
+    unsafe {
+        kvedge_publisher_open_labeled(
+            control_socket_path,
+            hello,
+            std::ptr::null(),
+            std::ptr::null(),
+            0,
+            out,
+        )
+    }
+}
+
+/// Most labels `kvedge_publisher_open_labeled` takes.
+pub const KVEDGE_MAX_LABELS: usize = 64;
+
+/// `kvedge_publisher_open` with labels: `n_labels` (at most
+/// `KVEDGE_MAX_LABELS`) keys and values as parallel arrays, which the
+/// rule language matches (`backends: { labels }`, `backend.labels.<key>`;
+/// the `backend` label is the engine's backend name). A key is not empty
+/// and has no `=`. A function of its own so that programs built against
+/// an older header, whose `kvedge_hello` has no room for labels, keep
+/// working.
+///
+/// # Safety
+/// As `kvedge_publisher_open`; `label_keys` and `label_values` are NULL
+/// (with `n_labels` 0) or point to `n_labels` NUL-terminated strings each.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvedge_publisher_open_labeled(
+    control_socket_path: *const c_char,
+    hello: *const kvedge_hello,
+    label_keys: *const *const c_char,
+    label_values: *const *const c_char,
+    n_labels: usize,
+    out: *mut *mut kvedge_publisher,
+) -> kvedge_status {
     guard(|| {
         if out.is_null() {
             return Err(Error::null("out"));
@@ -153,6 +189,32 @@ pub unsafe extern "C" fn kvedge_publisher_open(
         if h.block_size == 0 {
             return Err(Error::invalid("hello.block_size must be positive"));
         }
+        if n_labels > KVEDGE_MAX_LABELS {
+            return Err(Error::invalid(format!(
+                "{n_labels} labels, more than KVEDGE_MAX_LABELS ({KVEDGE_MAX_LABELS})"
+            )));
+        }
+        // SAFETY: caller contract on the arrays.
+        let (keys, values) = unsafe {
+            (
+                slice(label_keys, n_labels, "label_keys")?,
+                slice(label_values, n_labels, "label_values")?,
+            )
+        };
+        let mut labels = Vec::with_capacity(n_labels);
+        for (&k, &v) in keys.iter().zip(values) {
+            // SAFETY: each element is a NUL-terminated string (caller).
+            let (key, value) = unsafe { (text(k, "a label key")?, text(v, "a label value")?) };
+            if key.is_empty() || key.contains('=') {
+                return Err(Error::invalid(format!(
+                    "label key `{key}` is empty or has `=` in it"
+                )));
+            }
+            labels.push(Label {
+                key: key.to_owned(),
+                value: value.to_owned(),
+            });
+        }
         let hello = Hello {
             worker_id: h.worker_id,
             dp_rank: h.dp_rank,
@@ -160,7 +222,7 @@ pub unsafe extern "C" fn kvedge_publisher_open(
             role: parse_role(h.role)?,
             block_size: h.block_size,
             kv_blocks: [h.kv_blocks_device, h.kv_blocks_host, h.kv_blocks_disk],
-            labels: vec![],
+            labels,
             taints: vec![],
             endpoint: endpoint.unwrap_or("").to_owned(),
             ring_capacity: h.ring_capacity,

@@ -108,6 +108,13 @@ pub struct EngineSpec {
     /// silence. 0: only silence counts.
     #[serde(default = "down_after")]
     pub down_after_ms: u64,
+    /// Labels the rule language matches (`backends: { labels }`,
+    /// `backend.labels.<key>`); the `backend` label is the engine's
+    /// backend name (`backends: { names }`, `backend.name`, a Local
+    /// tier's `order`). Every rank also carries `engine: <kind>` unless
+    /// set here.
+    #[serde(default)]
+    pub labels: std::collections::BTreeMap<String, String>,
     /// 1-based line of the entry in the file, when known.
     #[serde(skip)]
     pub line: Option<usize>,
@@ -170,6 +177,8 @@ pub struct EngineRank {
     /// How many ranks the engine has (metrics of a multi-rank engine are
     /// told apart by their `engine` label).
     pub dp_ranks: u32,
+    /// The entry's labels (see [`EngineSpec::labels`]).
+    pub labels: std::collections::BTreeMap<String, String>,
 }
 
 /// A ZeroMQ endpoint kvedge can use.
@@ -261,6 +270,11 @@ impl EngineSpec {
         }
         if self.block_size == 0 {
             return Some("`block_size` must be positive".into());
+        }
+        if let Some(k) = self.labels.keys().find(|k| k.is_empty() || k.contains('=')) {
+            return Some(format!(
+                "label `{k}`: a label's key is not empty and has no `=`"
+            ));
         }
         if self.dp_ranks == 0 || self.dp_ranks as usize > MAX_WORKERS {
             return Some(format!(
@@ -391,6 +405,7 @@ impl EngineSpec {
             scrape_interval_ms: self.scrape_interval_ms,
             down_after_ms: self.down_after_ms,
             dp_ranks: self.dp_ranks,
+            labels: self.labels.clone(),
         })
     }
 }
@@ -566,6 +581,7 @@ mod tests {
                 "is not an http://host:port/path URL",
             ),
             ("role: chef\n", "`role: chef` is not aggregated"),
+            ("labels: { \"a=b\": c }\n", "label `a=b`"),
             (
                 "dp_ranks: 2\nevents: ipc:///tmp/e\n",
                 "needs a tcp:// endpoint",

@@ -526,6 +526,7 @@ impl Core {
                     model: w.model.clone(),
                     role: w.role.as_str(),
                     endpoint: w.endpoint.clone(),
+                    labels: w.labels.clone(),
                     state: engines[slot.index()].map_or("", |e| e.state.as_str()),
                     notices: engines[slot.index()]
                         .map(|e| {

@@ -93,7 +93,9 @@ impl RegistrationError {
             }
             RegistrationError::Refused(RegisterError::Full(_)) => reject::TOO_MANY_WORKERS,
             RegistrationError::Refused(RegisterError::Duplicate(_)) => reject::DUPLICATE_WORKER,
-            RegistrationError::Refused(RegisterError::BlockSize) => reject::INVALID_HELLO,
+            RegistrationError::Refused(RegisterError::BlockSize | RegisterError::Label(_)) => {
+                reject::INVALID_HELLO
+            }
             RegistrationError::NotRegistering => reject::INTERNAL,
             RegistrationError::Displaced => reject::DISPLACED,
         }
@@ -361,6 +363,13 @@ impl Core {
             }
             self.outputs.push_back(Output::CloseEngine(old));
         }
+        if let Some(l) = hello
+            .labels
+            .iter()
+            .find(|l| l.key.is_empty() || l.key.contains('='))
+        {
+            return Err(RegisterError::Label(format!("{}={}", l.key, l.value)).into());
+        }
         let slot = self.router.register(WorkerInfo {
             worker: WorkerWithDpRank::new(hello.worker_id, hello.dp_rank),
             model: hello.model.clone(),
@@ -368,6 +377,11 @@ impl Core {
             endpoint: hello.endpoint.clone(),
             block_size: hello.block_size,
             available: true,
+            labels: hello
+                .labels
+                .iter()
+                .map(|l| format!("{}={}", l.key, l.value))
+                .collect(),
         })?;
         let attach_epoch = self.next_epoch();
         let e = self

@@ -35,6 +35,19 @@ pub struct WorkerInfo {
     pub block_size: u32,
     /// False while a resync snapshot is incomplete or a heartbeat is late.
     pub available: bool,
+    /// The engine's labels as `key=value`, for the rule language's
+    /// `backends: { labels }` and `backend.labels.<key>`; the `backend`
+    /// label is the worker's backend name ([`WorkerInfo::backend`]).
+    pub labels: Vec<String>,
+}
+
+impl WorkerInfo {
+    /// The backend name the rules match (`backends: { names }`,
+    /// `backend.name`, a Local tier's `order`): the value of the worker's
+    /// `backend` label.
+    pub fn backend(&self) -> Option<&str> {
+        self.labels.iter().find_map(|l| l.strip_prefix("backend="))
+    }
 }
 
 /// Why a registration was refused.
@@ -46,6 +59,8 @@ pub enum RegisterError {
     Full(usize),
     #[error("block size must be positive")]
     BlockSize,
+    #[error("label `{0}` has an empty key or a key with `=` in it")]
+    Label(String),
 }
 
 /// Why a selection produced no worker.
@@ -462,6 +477,13 @@ impl Router {
     pub fn register(&mut self, info: WorkerInfo) -> Result<Slot, RegisterError> {
         if info.block_size == 0 {
             return Err(RegisterError::BlockSize);
+        }
+        if let Some(bad) = info
+            .labels
+            .iter()
+            .find(|l| l.split_once('=').is_none_or(|(k, _)| k.is_empty()))
+        {
+            return Err(RegisterError::Label(bad.clone()));
         }
         if self
             .workers
@@ -996,6 +1018,8 @@ impl Router {
             let report = self.load.reported(slot);
             let mut c = RuleCandidate::local(&w.model, w.worker);
             c.role = Some(w.role.as_str());
+            c.backend = w.backend();
+            c.labels = &w.labels;
             c.kv_usage = (report.kv_total_blocks > 0)
                 .then(|| report.kv_used_blocks as f64 / report.kv_total_blocks as f64);
             c.active_requests = Some(load.active_requests);
@@ -1020,7 +1044,7 @@ impl Router {
             for model in &spec.models {
                 targets.push(Err(p));
                 let mut c = RuleCandidate::provider(&spec.name, model);
-                c.labels = &[];
+                c.labels = &spec.labels;
                 candidates.push(c);
             }
         }
@@ -1310,6 +1334,7 @@ mod tests {
             endpoint: format!("http://engine-{id}"),
             block_size: 16,
             available: true,
+            labels: Vec::new(),
         }
     }
 

@@ -39,6 +39,7 @@ fn engine(router: &mut Router, id: u64) -> Engine {
             endpoint: format!("http://engine-{id}"),
             block_size: 16,
             available: true,
+            labels: Vec::new(),
         })
         .unwrap();
     Engine {

@@ -260,12 +260,13 @@ policy:
         select: [{ type: Any }]
 ",
     );
+    let (gpu_b, gpu_c) = (["gpu=b".to_owned()], ["gpu=c".to_owned()]);
     let mut b = RuleCandidate::local("m", WorkerWithDpRank::new(9, 0));
-    b.labels = &["gpu=b"];
+    b.labels = &gpu_b;
     let d = e.decide(&req("m", None, &[]), &[b]);
     assert_eq!((d.rule, d.fell_through, chosen(d)), (Some(1), 1, Some(0)));
     let mut c = b;
-    c.labels = &["gpu=c"];
+    c.labels = &gpu_c;
     let d = e.decide(&req("m", None, &[]), &[c]);
     assert_eq!(
         (d.rule, d.fell_through, d.outcome),

@@ -506,8 +506,8 @@ impl Publisher {
     /// daemon at `control_socket`.
     #[new]
     #[pyo3(
-        signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0),
-        text_signature = "(control_socket, worker_id, model, *, dp_rank=0, role='aggregated', block_size=16, kv_blocks=(0, 0, 0), endpoint='', timeout=5.0)"
+        signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0, labels=None),
+        text_signature = "(control_socket, worker_id, model, *, dp_rank=0, role='aggregated', block_size=16, kv_blocks=(0, 0, 0), endpoint='', timeout=5.0, labels=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -521,9 +521,16 @@ impl Publisher {
         kv_blocks: (u64, u64, u64),
         endpoint: &str,
         timeout: f64,
+        labels: Option<std::collections::BTreeMap<String, String>>,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
+        }
+        let labels = labels.unwrap_or_default();
+        if let Some(k) = labels.keys().find(|k| k.is_empty() || k.contains('=')) {
+            return Err(PyValueError::new_err(format!(
+                "label key {k:?} is empty or has '=' in it"
+            )));
         }
         let timeout = self::timeout(Some(timeout))?.expect("given");
         let hello = Hello {
@@ -533,7 +540,10 @@ impl Publisher {
             role: self::role(role)?,
             block_size,
             kv_blocks: [kv_blocks.0, kv_blocks.1, kv_blocks.2],
-            labels: vec![],
+            labels: labels
+                .into_iter()
+                .map(|(key, value)| kvedge_schema::messages::control::Label { key, value })
+                .collect(),
             taints: vec![],
             endpoint: endpoint.to_owned(),
             ring_capacity: 0,

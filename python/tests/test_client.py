@@ -304,3 +304,15 @@ def test_an_explicit_target_and_session_metadata_reach_the_daemon(daemon: Daemon
                 c.select("m", tokens=TOKENS, dry_run=True, session="s", trigger="bot", explain=explain)
         assert c.stats()["reservations"] == 0
         del a
+
+
+def test_a_publishers_labels_reach_the_daemon(daemon: Daemon) -> None:
+    p = kvedge.Publisher(daemon.control, 5, "m", endpoint="http://five", labels={"backend": "fast", "gpu": "h100"})
+    with kvedge.Client(daemon.dir) as c:
+        wait_for(lambda: c.stats()["workers"] == 1, "the engine")
+        (row,) = c.workers()
+        assert row["labels"] == ["backend=fast", "gpu=h100"]
+        with pytest.raises(ValueError):
+            kvedge.Publisher(daemon.control, 6, "m", labels={"a=b": "c"})
+        assert c.stats()["workers"] == 1
+    del p

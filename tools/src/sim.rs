@@ -137,6 +137,7 @@ pub fn run(
                 endpoint: format!("sim://worker-{}", w + 1),
                 block_size: setup.engine.block_size,
                 available: true,
+                labels: Vec::new(),
             })
             .expect("at most 64 simulated workers");
         worker_of[slot.index()] = w;

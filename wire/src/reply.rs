@@ -284,6 +284,8 @@ pub struct WorkerRow {
     /// What its engine reported about its own feed (mismatches, lost
     /// events), by code.
     pub notices: Vec<WorkerNotice>,
+    /// Its labels as `key=value` (the rule language's backends).
+    pub labels: Vec<String>,
 }
 
 /// One kind of notice an engine reported.

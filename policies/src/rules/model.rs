@@ -51,7 +51,7 @@ pub struct RuleCandidate<'a> {
     pub model: &'a str,
     pub backend: Option<&'a str>,
     /// Backend labels as `key=value`.
-    pub labels: &'a [&'a str],
+    pub labels: &'a [String],
     pub provider: Option<&'a str>,
     pub worker: Option<WorkerWithDpRank>,
     pub role: Option<&'a str>,

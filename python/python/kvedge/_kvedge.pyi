@@ -2,7 +2,7 @@
 them against the built module."""
 
 from os import PathLike
-from typing import Any, Optional, Sequence, Tuple, Union, final
+from typing import Any, Dict, Optional, Sequence, Tuple, Union, final
 
 from typing_extensions import Self
 
@@ -100,6 +100,7 @@ class Publisher:
         kv_blocks: Tuple[int, int, int] = (0, 0, 0),
         endpoint: str = "",
         timeout: float = 5.0,
+        labels: Optional[Dict[str, str]] = None,
     ) -> Self: ...
     def stored(
         self,
