@@ -43,6 +43,8 @@ enum Command {
         config: PathBuf,
         #[arg(long, default_value = "/run/kvedge")]
         runtime_dir: PathBuf,
+        #[command(flatten)]
+        policies: PolicyOverrides,
     },
     /// Asks a running daemon.
     Query {
@@ -100,6 +102,8 @@ enum Command {
         path: String,
         /// The request body: a file, or `-` for standard input.
         body: PathBuf,
+        #[command(flatten)]
+        policies: PolicyOverrides,
     },
     /// Makes a running daemon load its configuration file again (as
     /// SIGHUP does); an invalid file is refused and the old one serves on.
@@ -149,6 +153,35 @@ enum Command {
 }
 
 /// Where a running daemon listens, and how to print its answer.
+/// Which worker-selection instance serves which role, over the YAML's
+/// `worker_selection`: a role's own option, else its environment variable,
+/// else the all-roles option, else its variable, else the YAML.
+#[derive(clap::Args, Debug, Default)]
+struct PolicyOverrides {
+    /// One instance (or `default`) for every role [env:
+    /// KVEDGE_ROUTER_WORKER_SELECTION_POLICY]
+    #[arg(long, value_name = "INSTANCE")]
+    worker_selection_policy: Option<String>,
+    /// The prefill role's instance [env: KVEDGE_ROUTER_PREFILL_POLICY]
+    #[arg(long, visible_alias = "router-prefill-policy", value_name = "INSTANCE")]
+    prefill_policy: Option<String>,
+    /// The decode role's instance [env: KVEDGE_ROUTER_DECODE_POLICY]
+    #[arg(long, visible_alias = "router-decode-policy", value_name = "INSTANCE")]
+    decode_policy: Option<String>,
+}
+
+impl PolicyOverrides {
+    /// The options, each completed from its environment variable.
+    fn resolve(self) -> SelectionOverrides {
+        SelectionOverrides {
+            all_roles: self.worker_selection_policy,
+            prefill: self.prefill_policy,
+            decode: self.decode_policy,
+        }
+        .with_env_fallback()
+    }
+}
+
 #[derive(clap::Args)]
 struct Target {
     /// The daemon's runtime directory (its `query.sock`).
@@ -247,16 +280,13 @@ fn explain(
     path: &str,
     body: &std::path::Path,
     registry: &RouterPluginRegistry,
+    overrides: &SelectionOverrides,
 ) -> ExitCode {
     let fail = |e: String| {
         eprintln!("kvedge explain: {e}");
         ExitCode::from(1)
     };
-    let config = match kvedge_daemon::config::load(
-        config,
-        registry,
-        &SelectionOverrides::default().with_env_fallback(),
-    ) {
+    let config = match kvedge_daemon::config::load(config, registry, overrides) {
         Ok(c) => c,
         Err(e) => return fail(e.to_string()),
     };
@@ -413,7 +443,13 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
         Command::Run {
             config,
             runtime_dir,
-        } => ExitCode::from(kvedge_daemon::service::run(&config, runtime_dir, registry)),
+            policies,
+        } => ExitCode::from(kvedge_daemon::service::run(
+            &config,
+            runtime_dir,
+            registry,
+            policies.resolve(),
+        )),
         Command::Query { query, target } => match query {
             QueryCommand::Select {
                 model,
@@ -502,7 +538,15 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             config,
             path,
             body,
-        } => explain(&target, &config, &path, &body, &registry),
+            policies,
+        } => explain(
+            &target,
+            &config,
+            &path,
+            &body,
+            &registry,
+            &policies.resolve(),
+        ),
         Command::Top {
             target,
             once,

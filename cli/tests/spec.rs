@@ -255,3 +255,84 @@ fn rules_match_the_backend_names_and_labels_engines_register_with() {
     assert_eq!(labels(3), None);
     drop((a, b));
 }
+
+/// The policy each role gets: `--prefill-policy` / `--decode-policy`
+/// and their environment variables before `--worker-selection-policy`
+/// and its variable, before the YAML; an option before its variable; an
+/// unknown instance stops the daemon with the option named.
+#[test]
+fn role_overrides_from_the_command_line_and_the_environment_choose_the_policy() {
+    let yaml = format!(
+        "{BASE}worker_selection:\n  prefill: yaml-choice\n  instances:\n    - name: yaml-choice\n      type: random\n    - name: rr\n      type: round-robin\n    - name: lb\n      type: least-busy\n      parameters: {{ min_device_overlap_blocks: 0 }}\n"
+    );
+    let policy_of = |d: &Daemon, role: &str, id: u64| {
+        let hello = kvedge_schema::messages::control::Hello {
+            role: match role {
+                "prefill" => kvedge_schema::messages::Role::Prefill,
+                "decode" => kvedge_schema::messages::Role::Decode,
+                _ => kvedge_schema::messages::Role::Aggregated,
+            },
+            ..common::hello(id, "llama")
+        };
+        let p = kvedge_testkit::register(d.control(), &hello);
+        let mut c = Conn::connect(&d.query());
+        let r = c.ask(json!({"op": "select", "model": "llama", "tokens": [1, 2, 3], "role": role, "dry_run": true}));
+        drop(p);
+        r["policy"].as_str().unwrap_or_default().to_owned()
+    };
+    let d = common::start_with_args("spec-overrides-yaml", &yaml, &[], &[]);
+    assert_eq!(policy_of(&d, "prefill", 1), "yaml-choice");
+    assert_eq!(policy_of(&d, "decode", 2), "default");
+    drop(d);
+    let d = common::start_with_args(
+        "spec-overrides-flags",
+        &yaml,
+        &["--prefill-policy", "rr", "--worker-selection-policy", "lb"],
+        &[
+            ("KVEDGE_ROUTER_PREFILL_POLICY", "yaml-choice"),
+            ("KVEDGE_ROUTER_DECODE_POLICY", "rr"),
+        ],
+    );
+    assert_eq!(
+        policy_of(&d, "prefill", 1),
+        "rr",
+        "the option beats its variable"
+    );
+    assert_eq!(
+        policy_of(&d, "decode", 2),
+        "rr",
+        "the role's variable beats the all-roles option"
+    );
+    assert_eq!(policy_of(&d, "aggregated", 3), "lb");
+    drop(d);
+    let d = common::start_with_args(
+        "spec-overrides-env",
+        &yaml,
+        &["--router-decode-policy", "default"],
+        &[("KVEDGE_ROUTER_WORKER_SELECTION_POLICY", "rr")],
+    );
+    assert_eq!(
+        policy_of(&d, "prefill", 1),
+        "rr",
+        "all roles, before the YAML"
+    );
+    assert_eq!(policy_of(&d, "decode", 2), "default");
+    drop(d);
+    // An unknown instance: the daemon does not start, and says which
+    // option named it.
+    let dir = common::temp_dir("spec-overrides-bad");
+    std::fs::write(dir.join("kvedge.yaml"), &yaml).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_kvedge"))
+        .args(["run", "--decode-policy", "nope", "--config"])
+        .arg(dir.join("kvedge.yaml"))
+        .arg("--runtime-dir")
+        .arg(&dir)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--decode-policy / KVEDGE_ROUTER_DECODE_POLICY: selects `nope`"),
+        "{stderr}"
+    );
+}

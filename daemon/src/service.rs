@@ -208,9 +208,14 @@ fn start(
 
 /// Runs the daemon until SIGTERM or SIGINT; returns the exit code. One
 /// path: load and validate, build the core on its sockets, start the
-/// drivers, serve.
-pub fn run(config_path: &Path, runtime_dir: PathBuf, registry: RouterPluginRegistry) -> u8 {
-    let overrides = SelectionOverrides::default().with_env_fallback();
+/// drivers, serve. `overrides` (the command line's and the environment's
+/// policy selections) apply to every load, reloads included.
+pub fn run(
+    config_path: &Path,
+    runtime_dir: PathBuf,
+    registry: RouterPluginRegistry,
+    overrides: SelectionOverrides,
+) -> u8 {
     let (config, drivers) = match load(config_path, &registry, &overrides) {
         Ok(loaded) => loaded,
         Err(e) => {

@@ -47,6 +47,10 @@ pub type WorkerSelectionPolicyProvider = Arc<
 
 /// The environment variable naming one instance for every role.
 pub const WORKER_SELECTION_POLICY_ENV: &str = "KVEDGE_ROUTER_WORKER_SELECTION_POLICY";
+/// The environment variable naming the prefill role's instance.
+pub const PREFILL_POLICY_ENV: &str = "KVEDGE_ROUTER_PREFILL_POLICY";
+/// The environment variable naming the decode role's instance.
+pub const DECODE_POLICY_ENV: &str = "KVEDGE_ROUTER_DECODE_POLICY";
 
 /// The selection that means "the built-in policy".
 pub const DEFAULT_SELECTION: &str = "default";
@@ -100,23 +104,39 @@ impl WorkerSelectionPolicyParameters {
     }
 }
 
-/// Selections given outside the YAML (command line, environment).
+/// Selections given outside the YAML (command line, environment). Each
+/// field is the command-line option, else its environment variable; a
+/// role's own override comes before the all-roles one, which comes before
+/// the YAML (seed 000's order).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SelectionOverrides {
-    /// All roles: the command-line option, else the environment variable.
+    /// All roles: `--worker-selection-policy`, else
+    /// [`WORKER_SELECTION_POLICY_ENV`].
     pub all_roles: Option<String>,
+    /// Prefill: `--prefill-policy`, else [`PREFILL_POLICY_ENV`].
     pub prefill: Option<String>,
+    /// Decode: `--decode-policy`, else [`DECODE_POLICY_ENV`].
     pub decode: Option<String>,
 }
 
 impl SelectionOverrides {
-    /// Fills `all_roles` from [`WORKER_SELECTION_POLICY_ENV`] when no option
-    /// set it (an empty value counts as unset).
-    pub fn with_env_fallback(mut self) -> Self {
-        if self.all_roles.is_none() {
-            self.all_roles = std::env::var(WORKER_SELECTION_POLICY_ENV)
-                .ok()
-                .filter(|v| !v.is_empty());
+    /// Fills each override no option set from its environment variable
+    /// (an empty value counts as unset).
+    pub fn with_env_fallback(self) -> Self {
+        self.with_env(|name| std::env::var(name).ok())
+    }
+
+    /// [`SelectionOverrides::with_env_fallback`] reading variables through
+    /// `var` (for tests, which cannot set the process's environment safely).
+    pub fn with_env(mut self, var: impl Fn(&str) -> Option<String>) -> Self {
+        for (field, name) in [
+            (&mut self.all_roles, WORKER_SELECTION_POLICY_ENV),
+            (&mut self.prefill, PREFILL_POLICY_ENV),
+            (&mut self.decode, DECODE_POLICY_ENV),
+        ] {
+            if field.is_none() {
+                *field = var(name).filter(|v| !v.is_empty());
+            }
         }
         self
     }
@@ -269,8 +289,11 @@ impl RouterPluginRegistry {
                 WorkerType::Prefill => overrides
                     .prefill
                     .as_deref()
-                    .map(|n| (n, "--prefill-policy")),
-                WorkerType::Decode => overrides.decode.as_deref().map(|n| (n, "--decode-policy")),
+                    .map(|n| (n, format!("--prefill-policy / {PREFILL_POLICY_ENV}"))),
+                WorkerType::Decode => overrides
+                    .decode
+                    .as_deref()
+                    .map(|n| (n, format!("--decode-policy / {DECODE_POLICY_ENV}"))),
                 _ => None,
             };
             let chosen = if let Some((name, option)) = specific {

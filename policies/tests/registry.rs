@@ -292,7 +292,7 @@ fn override_order_role_option_then_all_roles_then_yaml_then_builtin() {
     let msg = resolve_with(TWO, &bad).unwrap_err().to_string();
     assert_eq!(
         msg,
-        "decode override --decode-policy: selects `zzz`, which is neither `default` nor a configured instance (configured: a, b, c)"
+        "decode override --decode-policy / KVEDGE_ROUTER_DECODE_POLICY: selects `zzz`, which is neither `default` nor a configured instance (configured: a, b, c)"
     );
 }
 
@@ -305,6 +305,28 @@ fn an_option_wins_over_the_environment_variable() {
         ..Default::default()
     };
     assert_eq!(set.clone().with_env_fallback(), set);
+    // Each variable fills its own override when no option set it; an
+    // empty one counts as unset.
+    let env = |name: &str| match name {
+        "KVEDGE_ROUTER_WORKER_SELECTION_POLICY" => Some("all".to_owned()),
+        "KVEDGE_ROUTER_PREFILL_POLICY" => Some("p".to_owned()),
+        "KVEDGE_ROUTER_DECODE_POLICY" => Some(String::new()),
+        _ => None,
+    };
+    let from_env = SelectionOverrides::default().with_env(env);
+    assert_eq!(
+        from_env,
+        SelectionOverrides {
+            all_roles: Some("all".into()),
+            prefill: Some("p".into()),
+            decode: None,
+        }
+    );
+    let options = SelectionOverrides {
+        prefill: Some("option".into()),
+        ..Default::default()
+    };
+    assert_eq!(options.with_env(env).prefill.as_deref(), Some("option"));
 }
 
 #[test]

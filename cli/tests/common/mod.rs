@@ -101,11 +101,30 @@ pub fn start_with_env(name: &str, yaml: &str, env: &[(&str, &str)]) -> Daemon {
     start_in(dir, yaml, log.into(), env)
 }
 
+/// [`start`], with `args` added to `kvedge run`'s and `env` to the
+/// daemon's environment.
+pub fn start_with_args(name: &str, yaml: &str, args: &[&str], env: &[(&str, &str)]) -> Daemon {
+    let dir = temp_dir(name);
+    let log = std::fs::File::create(dir.join("daemon.log")).unwrap();
+    start_in_with(dir, yaml, log.into(), env, args)
+}
+
 fn start_in(dir: PathBuf, yaml: &str, stderr: Stdio, env: &[(&str, &str)]) -> Daemon {
+    start_in_with(dir, yaml, stderr, env, &[])
+}
+
+fn start_in_with(
+    dir: PathBuf,
+    yaml: &str,
+    stderr: Stdio,
+    env: &[(&str, &str)],
+    args: &[&str],
+) -> Daemon {
     std::fs::write(dir.join("kvedge.yaml"), yaml).unwrap();
     let child = Command::new(env!("CARGO_BIN_EXE_kvedge"))
         .envs(env.iter().copied())
         .arg("run")
+        .args(args)
         .arg("--config")
         .arg(dir.join("kvedge.yaml"))
         .arg("--runtime-dir")
