@@ -336,3 +336,61 @@ fn role_overrides_from_the_command_line_and_the_environment_choose_the_policy() 
         "{stderr}"
     );
 }
+
+/// The shipped classifier, configured in YAML, runs before every select
+/// (dry runs included) and a reload replaces it; a bad classifier stops
+/// the daemon from starting.
+#[test]
+fn the_configured_request_classifier_runs_before_every_select() {
+    let yaml = |limit: u32| {
+        format!(
+            "{BASE}request_classifier:\n  type: prompt-limit\n  parameters: {{ max_prompt_tokens: {limit} }}\n"
+        )
+    };
+    let d = start("spec-classifier", &yaml(100));
+    let _a = engine(&d, 1);
+    let mut c = Conn::connect(&d.query());
+    wait_for(
+        || c.ask(json!({"op": "stats"}))["workers"] == 1,
+        "the engine",
+    );
+    let short = prompt(4, 64);
+    let long = prompt(4, 200);
+    assert_eq!(c.ask(select(&short, json!({})))["worker_id"], 1);
+    let r = c.ask(select(&long, json!({})));
+    assert_eq!(r["error"]["code"], "rejected", "{r}");
+    assert!(
+        r["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("prompt exceeds the configured token limit"),
+        "{r}"
+    );
+    let mut real = select(&long, json!({}));
+    real["dry_run"] = json!(false);
+    assert_eq!(c.ask(real.clone())["error"]["code"], "rejected");
+    assert_eq!(c.ask(json!({"op": "stats"}))["reservations"], 0);
+    // A reload with a higher limit admits it.
+    std::fs::write(d.config(), yaml(1000)).unwrap();
+    assert_eq!(c.ask(json!({"op": "reload"}))["ok"], true);
+    assert_eq!(c.ask(select(&long, json!({})))["worker_id"], 1);
+    // Unknown types and bad parameters are refused at load.
+    for (bad, says) in [
+        (
+            "request_classifier:\n  type: nope\n",
+            "request_classifier: unknown type `nope` (registered: prompt-limit)",
+        ),
+        (
+            "request_classifier:\n  type: prompt-limit\n  parameters: { max_prompt_tokens: -1 }\n",
+            "request_classifier: type `prompt-limit`: invalid parameters: max_prompt_tokens",
+        ),
+    ] {
+        std::fs::write(d.config(), format!("{BASE}{bad}")).unwrap();
+        let r = c.ask(json!({"op": "reload"}));
+        assert!(
+            r["error"]["message"].as_str().unwrap_or("").contains(says),
+            "{bad}: {r}"
+        );
+    }
+    assert_eq!(c.ask(select(&long, json!({})))["worker_id"], 1);
+}

@@ -409,6 +409,9 @@ struct Document {
     classifiers: Option<serde_yaml::Value>,
     #[serde(default)]
     #[allow(dead_code)]
+    request_classifier: Option<serde_yaml::Value>,
+    #[serde(default)]
+    #[allow(dead_code)]
     ttft: Option<serde_yaml::Value>,
 }
 
@@ -497,6 +500,11 @@ impl Config {
         let plugins = registry
             .resolve_plugins(&selection, overrides, &doc.router)
             .map_err(|e| err(e.to_string()))?;
+        let classifier =
+            kvedge_policies::plugins::request_classifier::ClassifierConfig::from_yaml_str(source)
+                .and_then(|c| registry.resolve_classifier(c.as_ref()))
+                .map_err(|e| err(e.to_string()))?;
+        let plugins = plugins.with_classifier(classifier);
         let ttft = kvedge_policies::rules::load_ttft(source).map_err(|e| err(e.to_string()))?;
         let rules = if doc.policy.is_some() {
             Some(load_with(source, Some(&plugins)).map_err(|e| err(e.to_string()))?)

@@ -56,7 +56,10 @@ fn session_context<'a>(id: &'a str, s: &Select<'a>) -> SessionContext<'a> {
 /// A selection error's status.
 fn status_of(e: &RouterError) -> Status {
     match e {
-        RouterError::RejectedByRule { .. } => Status::Rejected,
+        RouterError::RejectedByRule { .. } | RouterError::RejectedByClassifier(_) => {
+            Status::Rejected
+        }
+        RouterError::Deferred { .. } => Status::TooManyRequests,
         RouterError::NoRuleMatched => Status::NoRule,
         RouterError::Session(_) => Status::BadRequest,
         RouterError::NoWorkers { .. } | RouterError::Selection(_) => Status::NoWorker,

@@ -10,6 +10,9 @@
 
 use std::collections::HashMap;
 
+use kvedge_policies::plugins::request_classifier::{
+    Classification, ClassifyRequest, RequestClassifier,
+};
 use kvedge_policies::predict::{PrefillSpeedLearner, TtftInputs, TtftPredictor, TtftTerms};
 use kvedge_policies::rules::{Outcome, RuleCandidate, RuleEngine, RulePolicy, RuleRequest};
 use kvedge_policies::{
@@ -76,6 +79,21 @@ pub enum RouterError {
     RejectedByRule { rule: String },
     #[error("no rule matches the request")]
     NoRuleMatched,
+    #[error("the request classifier rejected the request: {0}")]
+    RejectedByClassifier(String),
+    #[error(
+        "the request classifier deferred the request: retry after {retry_after_ms} ms (kvedge holds no queue of deferred requests)"
+    )]
+    Deferred { retry_after_ms: u64 },
+}
+
+/// The configured request classifier, run before every select.
+struct Classifier(Box<dyn RequestClassifier>);
+
+impl std::fmt::Debug for Classifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Classifier")
+    }
 }
 
 /// A routing query.
@@ -197,6 +215,8 @@ pub const APPROX_CAPACITY_DIVISOR: usize = 16;
 #[derive(Debug)]
 pub struct Router {
     workers: Vec<Option<WorkerInfo>>,
+    /// The request classifier, when one is configured.
+    classifier: Option<Classifier>,
     /// The slots of `workers` that hold one: a select visits these, not
     /// every slot (a cold select would read a line per slot).
     registered: u64,
@@ -315,6 +335,7 @@ impl Router {
         affinity: SessionAffinityTable,
     ) -> Self {
         Router {
+            classifier: plugins.classifier().map(|c| Classifier(c.build())),
             workers: vec![None; MAX_WORKERS],
             registered: 0,
             index: KvIndex::new(index_capacity),
@@ -426,6 +447,7 @@ impl Router {
     /// `index_capacity` and `max_workers` take effect at restart.
     pub fn reconfigure(&mut self, config: &kvedge_config::Config) {
         self.plugins = config.plugins.clone();
+        self.classifier = self.plugins.classifier().map(|c| Classifier(c.build()));
         self.policies.clear();
         self.prefill.ttft = config.ttft;
         match config.rules.clone() {
@@ -760,8 +782,46 @@ impl Router {
         // What this selection saw, and nothing of the last one when it
         // fails before it looks (no worker of the model and role).
         self.explained.last = Explain::default();
-        let chosen = self.route(req, Purpose::Select)?;
+        let chosen = match self.classify(req)? {
+            Some(priority) => self.route(&SelectRequest { priority, ..*req }, Purpose::Select)?,
+            None => self.route(req, Purpose::Select)?,
+        };
         Ok(chosen.expect("a select that does not fail chooses"))
+    }
+
+    /// The configured classifier's verdict on `req`, before anything else
+    /// looks at it (dry runs included, so that they answer what a real
+    /// select would): a new priority to select with, `None` to go on as
+    /// asked, or the rejection or deferral to answer.
+    fn classify(&mut self, req: &SelectRequest<'_>) -> Result<Option<i32>, RouterError> {
+        let Some(Classifier(classifier)) = self.classifier.as_mut() else {
+            return Ok(None);
+        };
+        let block_size = registered(self.registered, &self.workers)
+            .find(|(_, w)| w.model == req.model && w.role == req.role)
+            .map_or(16, |(_, w)| w.block_size);
+        let mut id_buf = [0u8; 20];
+        let verdict = classifier.classify(&ClassifyRequest {
+            request_id: format_u64(self.next_request_id, &mut id_buf),
+            prompt_tokens: req.prompt_tokens,
+            block_size,
+            priority: req.priority,
+            // Text-chunk hashes are not the host's tracking hashes.
+            sequence_hashes: (!req.approximate).then_some(req.hashes),
+            session: req.session,
+            agent_headers: req.headers,
+            now_ms: req.now_ms,
+        });
+        match verdict {
+            Classification::Admit => Ok(None),
+            Classification::AdmitWithPriority(p) => Ok(Some(p)),
+            Classification::Reject { reason } => {
+                Err(RouterError::RejectedByClassifier(reason.into_owned()))
+            }
+            Classification::Defer { retry_after_ms } => {
+                Err(RouterError::Deferred { retry_after_ms })
+            }
+        }
     }
 
     /// Runs the part of a select that decides nothing, so that its code

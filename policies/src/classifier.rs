@@ -10,8 +10,13 @@
 //! block is not included.
 
 use std::borrow::Cow;
+use std::sync::Arc;
+
+use serde::Deserialize;
 
 use crate::context::{AgentHeaders, SessionContext};
+use crate::error::{PolicyConfigError, WorkerSelectionPolicyProviderError};
+use crate::registry::WorkerSelectionPolicyParameters;
 
 /// What a classifier sees.
 #[derive(Clone, Copy, Debug)]
@@ -70,5 +75,102 @@ impl RequestClassifier for PromptLimitClassifier {
         } else {
             Classification::Admit
         }
+    }
+}
+
+/// Makes the daemon's classifier: called at startup and at each reload,
+/// so a reload starts with fresh classifier state.
+pub type RequestClassifierFactory = Arc<dyn Fn() -> Box<dyn RequestClassifier> + Send + Sync>;
+
+/// A registered classifier type: validates its `parameters` once, at
+/// startup, and returns the factory.
+pub type RequestClassifierProvider = Arc<
+    dyn Fn(
+            &WorkerSelectionPolicyParameters,
+        ) -> Result<RequestClassifierFactory, WorkerSelectionPolicyProviderError>
+        + Send
+        + Sync,
+>;
+
+/// The classifier type the host ships: [`PromptLimitClassifier`].
+pub const PROMPT_LIMIT: &str = "prompt-limit";
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct PromptLimitParameters {
+    max_prompt_tokens: u32,
+}
+
+/// The `prompt-limit` provider.
+pub(crate) fn prompt_limit_provider(
+    parameters: &WorkerSelectionPolicyParameters,
+) -> Result<RequestClassifierFactory, WorkerSelectionPolicyProviderError> {
+    let p: PromptLimitParameters = parameters.deserialize()?;
+    let max_prompt_tokens = p.max_prompt_tokens;
+    Ok(Arc::new(move || {
+        Box::new(PromptLimitClassifier { max_prompt_tokens })
+    }))
+}
+
+/// The `request_classifier:` section: one classifier, by registered type.
+///
+/// ```yaml
+/// request_classifier:
+///   type: prompt-limit
+///   parameters: { max_prompt_tokens: 32768 }
+/// ```
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassifierConfig {
+    #[serde(rename = "type")]
+    pub type_name: String,
+    #[serde(default)]
+    pub parameters: Option<serde_yaml::Value>,
+}
+
+#[derive(Deserialize)]
+struct Document {
+    #[serde(default)]
+    request_classifier: Option<ClassifierConfig>,
+}
+
+impl ClassifierConfig {
+    /// The section of a whole configuration file, if it has one (other
+    /// top-level keys are the host's).
+    pub fn from_yaml_str(source: &str) -> Result<Option<Self>, PolicyConfigError> {
+        let doc: Document =
+            serde_yaml::from_str(source).map_err(|e| PolicyConfigError::Classifier {
+                message: match e.location() {
+                    Some(l) => format!("line {}: {e}", l.line()),
+                    None => e.to_string(),
+                },
+            })?;
+        Ok(doc.request_classifier)
+    }
+}
+
+/// A resolved classifier: its type and factory.
+#[derive(Clone)]
+pub struct ResolvedClassifier {
+    pub(crate) type_name: String,
+    pub(crate) factory: RequestClassifierFactory,
+}
+
+impl std::fmt::Debug for ResolvedClassifier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ResolvedClassifier")
+            .field("type_name", &self.type_name)
+            .finish()
+    }
+}
+
+impl ResolvedClassifier {
+    pub fn type_name(&self) -> &str {
+        &self.type_name
+    }
+
+    /// A fresh classifier.
+    pub fn build(&self) -> Box<dyn RequestClassifier> {
+        (self.factory)()
     }
 }

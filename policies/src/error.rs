@@ -157,6 +157,8 @@ pub enum PolicyConfigError {
         line: Option<usize>,
         configured: String,
     },
+    #[error("request_classifier: {message}")]
+    Classifier { message: String },
 }
 
 struct At(Option<usize>);

@@ -84,7 +84,9 @@ pub mod plugins {
     /// The pre-scheduling classifier.
     pub mod request_classifier {
         pub use crate::classifier::{
-            Classification, ClassifyRequest, PromptLimitClassifier, RequestClassifier,
+            Classification, ClassifierConfig, ClassifyRequest, PromptLimitClassifier,
+            RequestClassifier, RequestClassifierFactory, RequestClassifierProvider,
+            ResolvedClassifier,
         };
     }
 }

@@ -23,6 +23,7 @@ use std::sync::Arc;
 use serde::de::DeserializeOwned;
 
 use crate::builtin::register_builtins;
+use crate::classifier::{ClassifierConfig, RequestClassifierProvider, ResolvedClassifier};
 use crate::config::RouterConfig;
 use crate::context::{RoutingPartition, WorkerType};
 use crate::error::{
@@ -146,12 +147,14 @@ impl SelectionOverrides {
 #[derive(Clone, Default)]
 pub struct RouterPluginRegistry {
     providers: BTreeMap<String, WorkerSelectionPolicyProvider>,
+    classifiers: BTreeMap<String, RequestClassifierProvider>,
 }
 
 impl fmt::Debug for RouterPluginRegistry {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RouterPluginRegistry")
             .field("types", &self.providers.keys().collect::<Vec<_>>())
+            .field("classifiers", &self.classifiers.keys().collect::<Vec<_>>())
             .finish()
     }
 }
@@ -203,6 +206,71 @@ impl RouterPluginRegistry {
 
     pub fn contains(&self, type_name: &str) -> bool {
         self.providers.contains_key(type_name)
+    }
+
+    /// Registers the request-classifier type `type_name` (the same naming
+    /// rules as a worker-selection type; a namespace of its own).
+    pub fn register_request_classifier(
+        &mut self,
+        type_name: &str,
+        provider: RequestClassifierProvider,
+    ) -> Result<(), WorkerSelectionPolicyRegistryError> {
+        if !valid_name(type_name, false) {
+            return Err(WorkerSelectionPolicyRegistryError::InvalidTypeName(
+                type_name.to_owned(),
+            ));
+        }
+        if self.classifiers.contains_key(type_name) {
+            return Err(WorkerSelectionPolicyRegistryError::DuplicateType(
+                type_name.to_owned(),
+            ));
+        }
+        self.classifiers.insert(type_name.to_owned(), provider);
+        Ok(())
+    }
+
+    /// The registered classifier types.
+    pub fn classifier_names(&self) -> impl Iterator<Item = &str> {
+        self.classifiers.keys().map(String::as_str)
+    }
+
+    /// The configured classifier, validated: its type registered and its
+    /// parameters accepted. `None` without a `request_classifier:` section.
+    pub fn resolve_classifier(
+        &self,
+        config: Option<&ClassifierConfig>,
+    ) -> Result<Option<ResolvedClassifier>, PolicyConfigError> {
+        let Some(c) = config else {
+            return Ok(None);
+        };
+        let provider =
+            self.classifiers
+                .get(&c.type_name)
+                .ok_or_else(|| PolicyConfigError::Classifier {
+                    message: format!(
+                        "unknown type `{}` (registered: {})",
+                        c.type_name,
+                        self.classifier_names().collect::<Vec<_>>().join(", ")
+                    ),
+                })?;
+        let parameters = match &c.parameters {
+            None | Some(serde_yaml::Value::Null) => {
+                serde_yaml::Value::Mapping(serde_yaml::Mapping::new())
+            }
+            Some(v) => v.clone(),
+        };
+        let params = WorkerSelectionPolicyParameters::new("request_classifier", parameters);
+        let factory = provider(&params).map_err(|e| PolicyConfigError::Classifier {
+            message: format!(
+                "type `{}`: invalid parameters: {}",
+                c.type_name,
+                e.message()
+            ),
+        })?;
+        Ok(Some(ResolvedClassifier {
+            type_name: c.type_name.clone(),
+            factory,
+        }))
     }
 
     pub fn type_names(&self) -> impl Iterator<Item = &str> {
@@ -321,6 +389,7 @@ impl RouterPluginRegistry {
             router: router.clone(),
             roles,
             instances,
+            classifier: None,
         })
     }
 }
@@ -338,6 +407,8 @@ pub struct RouterPlugins {
     roles: [Option<Arc<ResolvedInstance>>; 4],
     /// Every configured instance, by name (rules may rank by any of them).
     instances: BTreeMap<String, Arc<ResolvedInstance>>,
+    /// The request classifier, when one is configured.
+    classifier: Option<ResolvedClassifier>,
 }
 
 impl fmt::Debug for RouterPlugins {
@@ -357,7 +428,19 @@ impl RouterPlugins {
             router,
             roles: Default::default(),
             instances: BTreeMap::new(),
+            classifier: None,
         }
+    }
+
+    /// These plugins with `classifier` running before every selection.
+    pub fn with_classifier(mut self, classifier: Option<ResolvedClassifier>) -> Self {
+        self.classifier = classifier;
+        self
+    }
+
+    /// The configured request classifier.
+    pub fn classifier(&self) -> Option<&ResolvedClassifier> {
+        self.classifier.as_ref()
     }
 
     /// `(instance name, type name)` serving `role`, or `("default", the

@@ -103,6 +103,10 @@ pub fn register_builtins(
     registry.register_worker_selection("least-busy", Arc::new(least_busy_provider))?;
     registry.register_worker_selection("round-robin", Arc::new(round_robin_provider))?;
     registry.register_worker_selection("random", Arc::new(random_provider))?;
+    registry.register_request_classifier(
+        crate::classifier::PROMPT_LIMIT,
+        Arc::new(crate::classifier::prompt_limit_provider),
+    )?;
     registry.register_worker_selection("power-of-two", Arc::new(power_of_two_provider))?;
     registry.register_worker_selection("least-kv-usage", Arc::new(least_kv_usage_provider))?;
     registry.register_worker_selection("cache-aware", Arc::new(cache_aware_provider))?;

@@ -16,6 +16,22 @@ fn registers_acme_least_busy_and_resolves_the_per_role_yaml() {
     acme_routing_catalog::register(&mut registry).unwrap();
     assert!(registry.contains(acme_routing_policy::TYPE_NAME));
     assert!(
+        registry
+            .classifier_names()
+            .any(|n| n == acme_routing_policy::CLASSIFIER_TYPE_NAME)
+    );
+    let classifier =
+        kvedge_policies::plugins::request_classifier::ClassifierConfig::from_yaml_str(YAML)
+            .unwrap();
+    let resolved = registry
+        .resolve_classifier(classifier.as_ref())
+        .unwrap()
+        .expect("the YAML configures one");
+    assert_eq!(
+        resolved.type_name(),
+        acme_routing_policy::CLASSIFIER_TYPE_NAME
+    );
+    assert!(
         acme_routing_catalog::register(&mut registry).is_err(),
         "registering twice is refused"
     );

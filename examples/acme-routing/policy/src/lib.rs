@@ -1,6 +1,9 @@
 //! An example custom policy, as an operator's team would write it: keep
 //! workers holding at least N device-resident prefix blocks, prefer the one
-//! with the fewest active requests. Registered as `acme-least-busy`.
+//! with the fewest active requests. Registered as `acme-least-busy`. And
+//! an example request classifier, `acme-tier-gate`, that admits, lowers
+//! the priority of, defers or rejects a request by the tier its caller
+//! names in a header.
 //!
 //! Written against `kvedge_policies::plugins::worker_selection`, the same
 //! module layout as Dynamo's plugin API, so a Dynamo policy ports by
@@ -10,6 +13,9 @@
 
 use std::sync::Arc;
 
+use kvedge_policies::plugins::request_classifier::{
+    Classification, ClassifyRequest, RequestClassifier, RequestClassifierFactory,
+};
 use kvedge_policies::plugins::worker_selection::{
     RouterConfig, RoutingPartition, SelectionErrorKind, WorkerCandidate, WorkerCandidates,
     WorkerFilter, WorkerInputView, WorkerInputs, WorkerPicker, WorkerScorer,
@@ -128,11 +134,73 @@ pub fn provider(
     ))
 }
 
+/// The classifier's type name operators write in YAML.
+pub const CLASSIFIER_TYPE_NAME: &str = "acme-tier-gate";
+
+/// Reads the `x-acme-tier` header: `batch` requests are admitted with
+/// `batch_priority`, `overflow` ones deferred for `retry_after_ms`,
+/// `blocked` ones rejected, anything else (or no header) admitted as is.
+/// Prompts longer than `max_prompt_tokens` are rejected whatever the tier.
+#[derive(Debug)]
+pub struct TierGate {
+    pub batch_priority: i32,
+    pub retry_after_ms: u64,
+    pub max_prompt_tokens: u32,
+}
+
+impl RequestClassifier for TierGate {
+    fn classify(&mut self, request: &ClassifyRequest<'_>) -> Classification {
+        if request.prompt_tokens > self.max_prompt_tokens {
+            return Classification::Reject {
+                reason: "the prompt is longer than ACME admits".into(),
+            };
+        }
+        match request.agent_headers.and_then(|h| h.get("x-acme-tier")) {
+            Some("batch") => Classification::AdmitWithPriority(self.batch_priority),
+            Some("overflow") => Classification::Defer {
+                retry_after_ms: self.retry_after_ms,
+            },
+            Some("blocked") => Classification::Reject {
+                reason: "this tier is blocked".into(),
+            },
+            _ => Classification::Admit,
+        }
+    }
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct GateParameters {
+    batch_priority: i32,
+    retry_after_ms: u64,
+    max_prompt_tokens: u32,
+}
+
+/// Validates the classifier's parameters once, at startup.
+pub fn classifier_provider(
+    parameters: &WorkerSelectionPolicyParameters,
+) -> Result<RequestClassifierFactory, WorkerSelectionPolicyProviderError> {
+    let p: GateParameters = parameters.deserialize()?;
+    if p.retry_after_ms == 0 {
+        return Err(WorkerSelectionPolicyProviderError::new(
+            "retry_after_ms must be positive",
+        ));
+    }
+    Ok(Arc::new(move || {
+        Box::new(TierGate {
+            batch_priority: p.batch_priority,
+            retry_after_ms: p.retry_after_ms,
+            max_prompt_tokens: p.max_prompt_tokens,
+        })
+    }))
+}
+
 /// Registers this crate's type names.
 pub fn register(
     registry: &mut RouterPluginRegistry,
 ) -> Result<(), WorkerSelectionPolicyRegistryError> {
-    registry.register_worker_selection(TYPE_NAME, Arc::new(provider))
+    registry.register_worker_selection(TYPE_NAME, Arc::new(provider))?;
+    registry.register_request_classifier(CLASSIFIER_TYPE_NAME, Arc::new(classifier_provider))
 }
 
 #[cfg(test)]
