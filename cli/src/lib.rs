@@ -244,6 +244,9 @@ enum QueryCommand {
     PrefillDone { request_id: u64 },
     /// The request finished.
     Finish { request_id: u64 },
+    /// Releases a request whose dispatch failed before any token: its
+    /// session's binding goes back to what it was before the select.
+    Abort { request_id: u64 },
 }
 
 /// Writes to stdout; a closed stdout (`kvedge stats | head -c 0`) ends
@@ -506,6 +509,7 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
                 ask(&target, &Request::PrefillDone { request_id })
             }
             QueryCommand::Finish { request_id } => ask(&target, &Request::Finish { request_id }),
+            QueryCommand::Abort { request_id } => ask(&target, &Request::Abort { request_id }),
         },
         Command::Workers { target } => ask(&target, &Request::Workers),
         Command::Stats {

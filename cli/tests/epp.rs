@@ -1712,3 +1712,53 @@ fn a_tool_result_chat_through_the_front_door_is_a_tool_turn_for_the_policy() {
     assert_eq!(hits(), (1, 1));
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+/// A pick whose engine cannot be reached is aborted, not finished: the
+/// session the front door bound to it is unbound again, so the session's
+/// next request goes where the policy sends it instead of to the dead
+/// engine.
+#[test]
+fn the_front_door_aborts_a_failed_dispatch_and_leaves_no_binding_behind() {
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start(
+        "http-abort",
+        &front_door_config(epp_port, http_port)
+            .replace("epp:\n", "epp:\n  session_header: x-session\n"),
+    );
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let live = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 2));
+    let dead_port = free_port(Ipv4Addr::LOCALHOST);
+    let mut a = register(&d, 1, &live.endpoint());
+    let mut b = register(&d, 2, &format!("http://127.0.0.1:{dead_port}"));
+    hold(&mut a, &prefix(1));
+    hold(&mut b, &prefix(2));
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 8,
+        "both engines' blocks",
+    );
+    let mut to_dead = prefix(2);
+    to_dead.push(5);
+    let (status, _, body) = kvedge_epp::testing::post(
+        door,
+        "/v1/completions",
+        &completion(&to_dead, false),
+        &[("x-session", "n")],
+    );
+    assert_eq!(status, 502, "{body}");
+    // Bound to the dead engine, the session would be pinned there; the
+    // abort left it unbound, so the policy sends it to worker 1's prefix.
+    let r = ask(
+        &d.query(),
+        json!({"op": "select", "model": "m", "tokens": prefix(1), "session": "n", "dry_run": true}),
+    );
+    assert_eq!(r["worker_id"], 1, "{r}");
+    assert_eq!(ask(&d.query(), json!({"op": "stats"}))["reservations"], 0);
+    drop((a, b));
+}

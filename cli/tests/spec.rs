@@ -394,3 +394,93 @@ fn the_configured_request_classifier_runs_before_every_select() {
     }
     assert_eq!(c.ask(select(&long, json!({})))["worker_id"], 1);
 }
+
+/// A dispatch that fails before a response stream (`abort`) leaves the
+/// session's previous binding intact; one that worked (`prefill_done`)
+/// keeps the new one, and `finish` alone keeps it too.
+#[test]
+fn an_aborted_dispatch_leaves_the_previous_binding_intact() {
+    let d = start("spec-abort", BASE);
+    let seed = kvedge_schema::hash::block_seed(None, None);
+    let tokens = prompt(5, 256);
+    let a = engine(&d, 1);
+    let mut b = engine(&d, 2);
+    let mut c = Conn::connect(&d.query());
+    wait_for(
+        || c.ask(json!({"op": "stats"}))["workers"] == 2,
+        "both engines",
+    );
+    // Worker 2 holds the prompt: the policy's choice.
+    b.publish_stored_tokens(Tier::Device, None, &tokens, 16, seed)
+        .unwrap();
+    wait_for(
+        || c.ask(select(&tokens, json!({})))["worker_id"] == 2,
+        "worker 2's blocks",
+    );
+    let real = |extra: Value| {
+        let mut q = select(&tokens, extra);
+        q["dry_run"] = json!(false);
+        q
+    };
+    let bound = |c: &mut Conn, session: &str| {
+        c.ask(select(&tokens, json!({"session": session})))["worker_id"].clone()
+    };
+    // A new session sent to worker 1 whose dispatch fails: no binding
+    // is left, so its next turn is the policy's.
+    let r = c.ask(real(json!({"session": "new", "target": {"worker_id": 1}})));
+    assert_eq!(bound(&mut c, "new"), 1, "bound at the select");
+    let id = r["request_id"].clone();
+    assert_eq!(c.ask(json!({"op": "abort", "request_id": id}))["ok"], true);
+    assert_eq!(bound(&mut c, "new"), 2, "the failed dispatch bound nothing");
+    assert_eq!(
+        c.ask(json!({"op": "abort", "request_id": id}))["error"]["code"],
+        "unknown_request"
+    );
+    // A session bound to worker 2 (its dispatch worked) moved to worker 1
+    // by a target whose dispatch fails: back on worker 2.
+    let r = c.ask(real(json!({"session": "s"})));
+    assert_eq!(r["worker_id"], 2);
+    c.ask(json!({"op": "prefill_done", "request_id": r["request_id"]}));
+    c.ask(json!({"op": "finish", "request_id": r["request_id"]}));
+    let r = c.ask(real(json!({"session": "s", "target": {"worker_id": 1}})));
+    assert_eq!(bound(&mut c, "s"), 1);
+    c.ask(json!({"op": "abort", "request_id": r["request_id"]}));
+    assert_eq!(bound(&mut c, "s"), 2, "the previous binding is back");
+    // A binding moved by a dispatch that finished stands.
+    let r = c.ask(real(json!({"session": "s", "target": {"worker_id": 1}})));
+    c.ask(json!({"op": "finish", "request_id": r["request_id"]}));
+    assert_eq!(
+        bound(&mut c, "s"),
+        1,
+        "the moved binding stands after finish"
+    );
+    // A final turn whose dispatch fails does not end the session (ended,
+    // the policy would send its next turn to worker 2).
+    let r = c.ask(real(json!({"session": "s", "final": true})));
+    assert_eq!(r["worker_id"], 1);
+    assert_eq!(bound(&mut c, "s"), 2, "ended at the select");
+    c.ask(json!({"op": "abort", "request_id": r["request_id"]}));
+    assert_eq!(bound(&mut c, "s"), 1, "the final turn failed: still bound");
+    // Once the prefill is done, an abort is a finish: the binding stays.
+    let r = c.ask(real(json!({"session": "s", "target": {"worker_id": 2}})));
+    c.ask(json!({"op": "prefill_done", "request_id": r["request_id"]}));
+    c.ask(json!({"op": "abort", "request_id": r["request_id"]}));
+    assert_eq!(bound(&mut c, "s"), 2);
+    // The same over binary frames.
+    let mut w = kvedge_wire::Client::connect(d.query()).unwrap();
+    let q = Select {
+        session: Some("s"),
+        target: Some(Target {
+            worker_id: 1,
+            dp_rank: 0,
+        }),
+        ..Select::new("llama", Role::Aggregated, Ids::tokens(&tokens))
+    };
+    let r = w.select(&q).unwrap().unwrap();
+    let id = r.request_id;
+    assert_eq!(bound(&mut c, "s"), 1);
+    w.abort(id).unwrap().unwrap();
+    assert_eq!(bound(&mut c, "s"), 2);
+    assert_eq!(c.ask(json!({"op": "stats"}))["reservations"], 0);
+    drop((a, b));
+}

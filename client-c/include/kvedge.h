@@ -355,6 +355,16 @@ kvedge_status kvedge_prefill_done(struct kvedge_client *client, uint64_t request
 // `client` is a live handle used by this thread only.
 kvedge_status kvedge_finish(struct kvedge_client *client, uint64_t request_id);
 
+// The request was never served: its dispatch to the chosen worker failed
+// before a response stream (refused, timed out, a server error). It
+// leaves the worker's projected load, and its session's binding goes
+// back to what it was before its select. After `kvedge_prefill_done` it
+// is the same as `kvedge_finish`.
+//
+// # Safety
+// `client` is a live handle used by this thread only.
+kvedge_status kvedge_abort(struct kvedge_client *client, uint64_t request_id);
+
 // Closes the connection and frees the client. NULL is a no-op.
 //
 // # Safety

@@ -442,6 +442,23 @@ pub unsafe extern "C" fn kvedge_finish(
     unsafe { release(client, request_id, Client::finish) }
 }
 
+/// The request was never served: its dispatch to the chosen worker failed
+/// before a response stream (refused, timed out, a server error). It
+/// leaves the worker's projected load, and its session's binding goes
+/// back to what it was before its select. After `kvedge_prefill_done` it
+/// is the same as `kvedge_finish`.
+///
+/// # Safety
+/// `client` is a live handle used by this thread only.
+#[unsafe(no_mangle)]
+pub unsafe extern "C" fn kvedge_abort(
+    client: *mut kvedge_client,
+    request_id: u64,
+) -> kvedge_status {
+    // SAFETY: the caller's contract is `release`'s.
+    unsafe { release(client, request_id, Client::abort) }
+}
+
 /// Closes the connection and frees the client. NULL is a no-op.
 ///
 /// # Safety

@@ -91,6 +91,10 @@ impl Core {
                 self.release(|r| r.prefill_done(*request_id, now_ms))
             }
             Request::Finish { request_id } => self.release(|r| r.finish(*request_id)),
+            Request::Abort { request_id } => {
+                let now_ms = self.ms(now);
+                self.release(|r| r.abort(*request_id, now_ms))
+            }
             Request::AttachRings => Reply::error(
                 Status::RingsUnavailable,
                 "query channels are attached over query.sock served by the routing loop (daemon.query_io: epoll)",

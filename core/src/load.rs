@@ -33,6 +33,8 @@
 
 use std::collections::HashMap;
 
+use kvedge_policies::affinity::SessionUndo;
+
 use kvedge_policies::LoadRow;
 
 use crate::index::{MAX_WORKERS, Slot};
@@ -76,6 +78,9 @@ struct Reservation {
     /// prefill speed at `prefill_done`.
     reserved_ms: u64,
     work_tokens: f64,
+    /// What its select did to its session's binding, until the dispatch
+    /// is known to have worked (its prefill done): an abort puts it back.
+    undo: Option<SessionUndo>,
 }
 
 /// A first `prefill_done` of a reservation: what its prefill took.
@@ -208,6 +213,7 @@ impl LoadTable {
                     expires_ms: 0,
                     reserved_ms: 0,
                     work_tokens: 0.0,
+                    undo: None,
                 },
                 prev: NIL,
                 next: NIL,
@@ -329,6 +335,7 @@ impl LoadTable {
                 expires_ms: now_ms.saturating_add(self.ttl_ms),
                 reserved_ms: now_ms,
                 work_tokens,
+                undo: None,
             },
         );
         // Headroom: a map at most half full leaves few tombstones on
@@ -353,6 +360,8 @@ impl LoadTable {
             e.1 = e.1.saturating_sub(r.prefill_tokens);
         }
         let first = std::mem::replace(&mut r.prefill_pending, false);
+        // A response stream came back: the session's new binding stands.
+        r.undo = None;
         Ok(first.then_some(PrefillTiming {
             slot: r.slot,
             reserved_ms: r.reserved_ms,
@@ -377,6 +386,28 @@ impl LoadTable {
             .ok_or(LoadError::UnknownRequest(request_id))?;
         self.release(i);
         Ok(())
+    }
+
+    /// Keeps `undo` with reservation `request_id` (see
+    /// [`LoadTable::abort`]).
+    pub fn set_undo(&mut self, request_id: u64, undo: SessionUndo) {
+        if let Some(&i) = self.index.get(&request_id) {
+            self.nodes[i].r.undo = Some(undo);
+        }
+    }
+
+    /// The request was never served (its dispatch failed before a
+    /// response stream): released as `finish` does, and what its select
+    /// did to its session's binding returned, unless its prefill was
+    /// done (the stream had come back).
+    pub fn abort(&mut self, request_id: u64) -> Result<Option<SessionUndo>, LoadError> {
+        let i = self
+            .index
+            .remove(&request_id)
+            .ok_or(LoadError::UnknownRequest(request_id))?;
+        let undo = self.nodes[i].r.undo.take();
+        self.release(i);
+        Ok(undo)
     }
 
     fn unproject(&mut self, r: &Reservation) {

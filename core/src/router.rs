@@ -709,6 +709,18 @@ impl Router {
         self.load.finish(request_id)
     }
 
+    /// The request's dispatch failed before a response stream: its
+    /// reservation is released and its session's binding goes back to
+    /// what it was before its select (seed 000: a failure before a
+    /// response stream leaves the previous binding intact). After its
+    /// prefill was done, or once it expired, it is a plain `finish`.
+    pub fn abort(&mut self, request_id: u64, now_ms: u64) -> Result<(), LoadError> {
+        if let Some(undo) = self.load.abort(request_id)? {
+            self.affinity.undo(undo, now_ms);
+        }
+        Ok(())
+    }
+
     /// The prefill speed the TTFT predictions of `slot` use, and where it
     /// comes from.
     pub fn prefill_speed(&self, slot: Slot) -> (f64, kvedge_policies::predict::SpeedSource) {
@@ -1241,11 +1253,15 @@ impl Router {
             self.pending.note(slot, req.hashes, req.now_ms);
         }
         if let Some(s) = req.session {
-            if s.is_final() {
-                self.affinity.end(s.session_id())?;
+            // Kept with the reservation until a response stream comes back
+            // (prefill done): an abort before then puts the binding back.
+            let undo = if s.is_final() {
+                self.affinity.end_undoable(s.session_id(), req.now_ms)?
             } else {
-                self.affinity.bind(s.session_id(), worker, req.now_ms)?;
-            }
+                self.affinity
+                    .bind_undoable(s.session_id(), worker, req.now_ms)?
+            };
+            self.load.set_undo(request_id, undo);
         }
         Ok(overlap_blocks)
     }

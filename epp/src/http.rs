@@ -221,8 +221,10 @@ impl Door {
                     picker: Arc::clone(picker),
                     id: Some(request_id),
                     prefilled: false,
+                    failed: false,
                 };
                 let Some(addr) = picker::host_port(&endpoint) else {
+                    reservation.abort();
                     return error(
                         StatusCode::SERVICE_UNAVAILABLE,
                         "unroutable_endpoint",
@@ -337,13 +339,14 @@ impl Door {
         addr: &str,
         body: Bytes,
         decision: Option<String>,
-        reservation: Reservation,
+        mut reservation: Reservation,
         slot: StreamSlot,
     ) -> Response<Out> {
         let stats = &self.picker.stats;
         let upstream = match forward(parts, addr, body) {
             Ok(r) => r,
             Err(e) => {
+                reservation.abort();
                 return error(
                     StatusCode::SERVICE_UNAVAILABLE,
                     "unroutable_endpoint",
@@ -356,6 +359,7 @@ impl Door {
             Ok(Ok(r)) => r,
             Ok(Err(e)) => {
                 stats.http_upstream_errors.fetch_add(1, Relaxed);
+                reservation.abort();
                 return error(
                     StatusCode::BAD_GATEWAY,
                     "bad_gateway",
@@ -364,6 +368,7 @@ impl Door {
             }
             Err(_) => {
                 stats.http_upstream_errors.fetch_add(1, Relaxed);
+                reservation.abort();
                 return error(
                     StatusCode::GATEWAY_TIMEOUT,
                     "gateway_timeout",
@@ -376,6 +381,9 @@ impl Door {
         };
         stats.http_proxied.fetch_add(1, Relaxed);
         let (mut head, inner) = answered.into_parts();
+        // A server error is no response stream: the session's binding goes
+        // back when it is released.
+        reservation.failed = head.status.is_server_error();
         strip_hop_by_hop(&mut head.headers);
         if let Some(d) = decision
             && let Ok(v) = HeaderValue::from_str(&d)
@@ -491,16 +499,20 @@ fn refused(refusal: Refusal) -> Response<Out> {
 }
 
 /// A pick's reservation, released once: `finish` when the response ends
-/// or is dropped (the client went away).
+/// or is dropped (the client went away); `abort` when the engine could not
+/// be reached, did not answer, or answered with a server error, so that
+/// the session's binding is put back as it was before the pick.
 struct Reservation {
     picker: Arc<Picker>,
     id: Option<u64>,
     prefilled: bool,
+    /// The engine failed before a response stream: released with `abort`.
+    failed: bool,
 }
 
 impl Reservation {
     fn first_bytes(&mut self) {
-        if let (Some(request_id), false) = (self.id, self.prefilled) {
+        if let (Some(request_id), false, false) = (self.id, self.prefilled, self.failed) {
             self.prefilled = true;
             self.picker.release(Request::PrefillDone { request_id });
         }
@@ -508,8 +520,18 @@ impl Reservation {
 
     fn finish(&mut self) {
         if let Some(request_id) = self.id.take() {
-            self.picker.release(Request::Finish { request_id });
+            self.picker.release(if self.failed {
+                Request::Abort { request_id }
+            } else {
+                Request::Finish { request_id }
+            });
         }
+    }
+
+    /// The dispatch failed: released at once with `abort`.
+    fn abort(mut self) {
+        self.failed = true;
+        self.finish();
     }
 }
 

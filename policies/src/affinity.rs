@@ -54,6 +54,19 @@ struct Binding {
     seq: u64,
 }
 
+/// What a select did to its session's binding, kept with its reservation
+/// until the dispatch is known to have worked: enough to put the previous
+/// binding back ([`SessionAffinityTable::undo`]). Plain data; no
+/// allocation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SessionUndo {
+    key: u128,
+    /// The binding the select made (`None`: a final turn ended it).
+    made: Option<WorkerWithDpRank>,
+    /// The live binding before it, and its expiry.
+    previous: Option<(WorkerWithDpRank, u64)>,
+}
+
 /// An entry of the bind order: a binding's key, or a place left behind
 /// (the binding was refreshed, moved or removed since).
 #[derive(Clone, Copy, Debug, Default)]
@@ -318,6 +331,73 @@ impl SessionAffinityTable {
         })
     }
 
+    /// [`SessionAffinityTable::bind`], returning what puts the previous
+    /// binding back should the dispatch fail ([`SessionAffinityTable::undo`]).
+    pub fn bind_undoable(
+        &mut self,
+        session_id: &str,
+        worker: WorkerWithDpRank,
+        now_ms: u64,
+    ) -> Result<SessionUndo, SessionIdError> {
+        let key = Self::key(session_id)?;
+        let previous = self.live(key, now_ms);
+        self.bind_key(key, worker, now_ms.saturating_add(self.ttl_ms), now_ms);
+        Ok(SessionUndo {
+            key,
+            made: Some(worker),
+            previous,
+        })
+    }
+
+    /// [`SessionAffinityTable::end`], returning what puts the binding back
+    /// should the final turn's dispatch fail.
+    pub fn end_undoable(
+        &mut self,
+        session_id: &str,
+        now_ms: u64,
+    ) -> Result<SessionUndo, SessionIdError> {
+        let key = Self::key(session_id)?;
+        let previous = self.live(key, now_ms);
+        if let Some(b) = self.map.remove(&key) {
+            self.leave(b.seq);
+        }
+        Ok(SessionUndo {
+            key,
+            made: None,
+            previous,
+        })
+    }
+
+    /// A dispatch failed before a response stream: its session's binding
+    /// goes back to what it was before the select, unless another select
+    /// of the session has changed it since (then the newer one stands).
+    /// Returns whether anything changed.
+    pub fn undo(&mut self, undo: SessionUndo, now_ms: u64) -> bool {
+        let current = self.map.get(&undo.key).map(|b| b.worker);
+        if current != undo.made {
+            return false;
+        }
+        match undo.previous {
+            Some((worker, expires_ms)) if expires_ms > now_ms => {
+                self.bind_key(undo.key, worker, expires_ms, now_ms);
+            }
+            _ => {
+                if let Some(b) = self.map.remove(&undo.key) {
+                    self.leave(b.seq);
+                }
+            }
+        }
+        true
+    }
+
+    /// The live binding under `key` and its expiry.
+    fn live(&self, key: u128, now_ms: u64) -> Option<(WorkerWithDpRank, u64)> {
+        self.map
+            .get(&key)
+            .filter(|b| b.expires_ms > now_ms)
+            .map(|b| (b.worker, b.expires_ms))
+    }
+
     /// Binds (or rebinds) `session_id` to `worker` after a successful
     /// dispatch, refreshing the TTL. When the table is full, the binding
     /// refreshed longest ago goes (under one TTL, the closest to expiry),
@@ -329,7 +409,12 @@ impl SessionAffinityTable {
         now_ms: u64,
     ) -> Result<(), SessionIdError> {
         let key = Self::key(session_id)?;
-        let expires_ms = now_ms.saturating_add(self.ttl_ms);
+        self.bind_key(key, worker, now_ms.saturating_add(self.ttl_ms), now_ms);
+        Ok(())
+    }
+
+    /// Binds `key` to `worker` until `expires_ms`.
+    fn bind_key(&mut self, key: u128, worker: WorkerWithDpRank, expires_ms: u64, now_ms: u64) {
         self.make_room(now_ms);
         let seq = self.tail;
         let places = self.ring.len();
@@ -356,7 +441,6 @@ impl SessionAffinityTable {
             live: true,
         };
         self.tail += 1;
-        Ok(())
     }
 
     /// Forgets a session (its final turn was dispatched).

@@ -332,12 +332,19 @@ impl NativeClient {
 
     /// The request's prefill is done (its first token came out).
     fn prefill_done(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
-        self.release(py, request_id, true)
+        self.release(py, request_id, Release::PrefillDone)
     }
 
     /// The request finished: it leaves the worker's load.
     fn finish(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
-        self.release(py, request_id, false)
+        self.release(py, request_id, Release::Finish)
+    }
+
+    /// The request was never served (its dispatch failed before a
+    /// response stream): it leaves the worker's load and its session's
+    /// binding goes back to what it was before its select.
+    fn abort(&self, py: Python<'_>, request_id: u64) -> PyResult<()> {
+        self.release(py, request_id, Release::Abort)
     }
 
     /// Moves this connection onto a query channel (shared-memory rings).
@@ -369,17 +376,15 @@ impl NativeClient {
 }
 
 impl NativeClient {
-    fn release(&self, py: Python<'_>, request_id: u64, prefill: bool) -> PyResult<()> {
+    fn release(&self, py: Python<'_>, request_id: u64, how: Release) -> PyResult<()> {
         let mut guard = self.lock();
         let client = guard
             .as_mut()
             .ok_or_else(|| unavailable(py, "the client is closed".into()))?;
-        let outcome = py.detach(|| {
-            if prefill {
-                client.prefill_done(request_id)
-            } else {
-                client.finish(request_id)
-            }
+        let outcome = py.detach(|| match how {
+            Release::PrefillDone => client.prefill_done(request_id),
+            Release::Finish => client.finish(request_id),
+            Release::Abort => client.abort(request_id),
         });
         match outcome {
             Ok(Ok(())) => Ok(()),
@@ -387,6 +392,14 @@ impl NativeClient {
             Err(e) => Err(io_error(py, e)),
         }
     }
+}
+
+/// What a release tells the daemon.
+#[derive(Clone, Copy)]
+enum Release {
+    PrefillDone,
+    Finish,
+    Abort,
 }
 
 /// A prompt's block hashes held natively: `select(hashes=...)` reads them

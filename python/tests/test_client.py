@@ -303,6 +303,14 @@ def test_an_explicit_target_and_session_metadata_reach_the_daemon(daemon: Daemon
             with pytest.raises((ValueError, kvedge.BadRequest)):
                 c.select("m", tokens=TOKENS, dry_run=True, session="s", trigger="bot", explain=explain)
         assert c.stats()["reservations"] == 0
+        # A dispatch that failed: aborted, and the session's binding with it.
+        s = c.select("m", tokens=TOKENS, session="pinned", target=(1, 0))
+        assert c.select("m", tokens=TOKENS, session="pinned", dry_run=True).worker_id == 1
+        c.abort(s.request_id)
+        assert c.select("m", tokens=TOKENS, session="pinned", dry_run=True).worker_id == 2
+        with pytest.raises(kvedge.UnknownRequest):
+            c.abort(s.request_id)
+        assert c.stats()["reservations"] == 0
         del a
 
 

@@ -21,6 +21,7 @@ pub mod op {
     pub const PREFILL_DONE: u16 = 2;
     pub const FINISH: u16 = 3;
     pub const ATTACH_RINGS: u16 = 4;
+    pub const ABORT: u16 = 5;
 }
 
 /// Select flag bits.
@@ -128,6 +129,9 @@ pub fn decode_request(body: &[u8]) -> Result<Request<'_>, ErrorReply<'static>> {
             request_id: c.u64().map_err(bad)?,
         },
         op::ATTACH_RINGS => Request::AttachRings,
+        op::ABORT => Request::Abort {
+            request_id: c.u64().map_err(bad)?,
+        },
         _ => {
             return Err(ErrorReply {
                 status: Status::UnknownOp,
@@ -262,6 +266,12 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), En
         }
         Request::Finish { request_id } => {
             write_frame(out, op::FINISH, |o| {
+                o.extend_from_slice(&request_id.to_le_bytes())
+            });
+            Ok(())
+        }
+        Request::Abort { request_id } => {
+            write_frame(out, op::ABORT, |o| {
                 o.extend_from_slice(&request_id.to_le_bytes())
             });
             Ok(())

@@ -447,6 +447,12 @@ impl Client {
         self.release(&Request::Finish { request_id })
     }
 
+    /// Releases a request whose dispatch failed before a response stream:
+    /// its session's binding goes back to what it was before its select.
+    pub fn abort(&mut self, request_id: u64) -> Outcome<()> {
+        self.release(&Request::Abort { request_id })
+    }
+
     fn release(&mut self, request: &Request<'_>) -> Outcome<()> {
         self.encode(request)?;
         let (status, p) = self.round_trip()?;

@@ -89,6 +89,9 @@ impl JsonRequest {
             "finish" => Request::Finish {
                 request_id: need_id("finish")?,
             },
+            "abort" => Request::Abort {
+                request_id: need_id("abort")?,
+            },
             "workers" => Request::Workers,
             "stats" => Request::Stats,
             "metrics" => Request::Metrics,
@@ -96,7 +99,7 @@ impl JsonRequest {
             "decisions" => Request::Decisions,
             other => {
                 return Err(bad(format!(
-                    "unknown op `{other}` (select, prefill_done, finish, workers, stats, metrics, reload, decisions)"
+                    "unknown op `{other}` (select, prefill_done, finish, abort, workers, stats, metrics, reload, decisions)"
                 )));
             }
         })
@@ -293,7 +296,9 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
                 dp_rank: t.dp_rank,
             });
         }
-        Request::PrefillDone { request_id } | Request::Finish { request_id } => {
+        Request::PrefillDone { request_id }
+        | Request::Finish { request_id }
+        | Request::Abort { request_id } => {
             line.request_id = Some(request_id);
         }
         Request::AttachRings => return Err("attach_rings is in the binary protocol only"),

@@ -20,6 +20,10 @@ pub enum Request<'a> {
     PrefillDone { request_id: u64 },
     /// The request finished: its reservation is released.
     Finish { request_id: u64 },
+    /// The request was never served (its dispatch failed before a
+    /// response stream): its reservation is released and its session's
+    /// binding goes back to what it was before its select.
+    Abort { request_id: u64 },
     /// Move this connection's requests onto shared-memory rings (binary
     /// protocol only).
     AttachRings,
@@ -42,6 +46,7 @@ impl Request<'_> {
             Request::Select(_) => "select",
             Request::PrefillDone { .. } => "prefill_done",
             Request::Finish { .. } => "finish",
+            Request::Abort { .. } => "abort",
             Request::AttachRings => "attach_rings",
             Request::Workers => "workers",
             Request::Stats => "stats",

@@ -112,6 +112,10 @@ int main(int argc, char **argv) {
     EXPECT(kvedge_prefill_done(c, res.request_id), KVEDGE_OK);
     EXPECT(kvedge_finish(c, res.request_id), KVEDGE_OK);
     EXPECT(kvedge_finish(c, res.request_id), KVEDGE_ERR_UNKNOWN_REQUEST);
+    /* A dispatch that failed: aborted, once. */
+    EXPECT(kvedge_select(c, &rh, &res), KVEDGE_OK);
+    EXPECT(kvedge_abort(c, res.request_id), KVEDGE_OK);
+    EXPECT(kvedge_abort(c, res.request_id), KVEDGE_ERR_UNKNOWN_REQUEST);
 
     /* A select with session metadata and an explicit target: the target
      * serves it; a target that is not registered is no worker; a trigger

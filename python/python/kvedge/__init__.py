@@ -233,6 +233,12 @@ class Client:
         """The request finished: it leaves the worker's projected load."""
         self._native.finish(request_id)
 
+    def abort(self, request_id: int) -> None:
+        """The request was never served: its dispatch failed before a
+        response stream. It leaves the worker's projected load, and its
+        session's binding goes back to what it was before its select."""
+        self._native.abort(request_id)
+
     def attach_rings(self) -> bool:
         """Moves selects onto a shared-memory query channel; False (still
         fully usable over the socket) when the daemon offers none."""
@@ -365,6 +371,9 @@ class AsyncClient:
 
     async def finish(self, request_id: int) -> None:
         await self._call(lambda c: c.finish(request_id))
+
+    async def abort(self, request_id: int) -> None:
+        await self._call(lambda c: c.abort(request_id))
 
     async def workers(self) -> List[Dict[str, Any]]:
         return await self._call(lambda c: c.workers())
