@@ -1024,7 +1024,10 @@ impl Router {
             prefix_sharers: sharers,
             ..Explain::default()
         };
+        // Only for a policy that allows calls outside selections: a
+        // stateful custom one's explain shows no costs.
         if self.explained.costs_on
+            && policy.side_passes()
             && policy
                 .costs_into(&ctx, &self.table, &mut self.explained.cost_buf)
                 .is_ok()

@@ -320,36 +320,67 @@ impl WorkerPicker for Counting {
     }
 }
 
-#[test]
-fn a_warm_up_runs_the_pickers_warm_and_never_its_pick() {
-    let picks = Arc::new(AtomicUsize::new(0));
-    let warms = Arc::new(AtomicUsize::new(0));
+/// A scorer that counts its calls and scores every row 0.
+struct CountingScorer(Arc<AtomicUsize>);
+
+impl kvedge_policies::WorkerScorer for CountingScorer {
+    fn required_worker_inputs(&self) -> kvedge_policies::WorkerInputs {
+        kvedge_policies::WorkerInputs::NONE
+    }
+
+    fn score(
+        &mut self,
+        _context: &WorkerSelectionContext<'_>,
+        _candidates: kvedge_policies::view::WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        self.0.fetch_add(1, Ordering::Relaxed);
+        costs.fill(0.0);
+        Ok(())
+    }
+}
+
+/// Registers `counting` (a counting scorer and picker; with `side_passes`
+/// it allows calls outside selections) and returns its counters: picks,
+/// warm-ups, scorer calls.
+fn counting_router(side_passes: bool) -> (Router, [Arc<AtomicUsize>; 3]) {
+    let counters = [0; 3].map(|_| Arc::new(AtomicUsize::new(0)));
     let mut registry = kvedge_policies::router_plugin_registry();
-    let (p, w) = (Arc::clone(&picks), Arc::clone(&warms));
+    let c = counters.clone();
     registry
         .register_worker_selection(
             "counting",
             Arc::new(move |_parameters| {
-                let (p, w) = (Arc::clone(&p), Arc::clone(&w));
+                let c = c.clone();
                 let factory: WorkerSelectionPolicyFactory = Arc::new(
                     move |config: &RouterConfig, role: WorkerType, _: &RoutingPartition| {
                         let picker = Counting {
-                            picks: Arc::clone(&p),
-                            warms: Arc::clone(&w),
+                            picks: Arc::clone(&c[0]),
+                            warms: Arc::clone(&c[1]),
                         };
-                        WorkerSelectionPolicy::new(
+                        let policy = WorkerSelectionPolicy::new(
                             config.clone(),
                             role.as_str(),
-                            Vec::new(),
+                            vec![Box::new(CountingScorer(Arc::clone(&c[2])))],
                             Box::new(picker),
-                        )
+                        );
+                        if side_passes {
+                            policy.allow_side_passes()
+                        } else {
+                            policy
+                        }
                     },
                 );
                 Ok(factory)
             }),
         )
         .unwrap();
-    let mut router = router_of(&registry, "counting");
+    (router_of(&registry, "counting"), counters)
+}
+
+#[test]
+fn a_warm_up_runs_the_pickers_warm_and_never_its_pick() {
+    let (mut router, [picks, warms, scores]) = counting_router(true);
     let _e = engine(&mut router, 1);
     let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
     let r = req(&hashes, 256);
@@ -357,15 +388,34 @@ fn a_warm_up_runs_the_pickers_warm_and_never_its_pick() {
     for _ in 0..3 {
         router.warm(&r);
     }
-    assert_eq!(
-        (picks.load(Ordering::Relaxed), warms.load(Ordering::Relaxed)),
-        (1, 3)
-    );
+    let counts = || [&picks, &warms, &scores].map(|c| c.load(Ordering::Relaxed));
+    assert_eq!(counts(), [1, 3, 4]);
+    router.select(&r).unwrap();
+    assert_eq!(counts(), [2, 3, 5]);
+    // An explained select scores a second time, for the costs it shows.
+    router.set_explain_costs(true);
+    router.select(&r).unwrap();
+    assert_eq!(counts(), [3, 3, 7]);
+}
+
+#[test]
+fn a_custom_policy_is_called_only_for_selections_unless_it_allows_more() {
+    let (mut router, [picks, warms, scores]) = counting_router(false);
+    let e = engine(&mut router, 1);
+    let hashes = sequence_hashes(&prompt(1, 256), 16, None, None);
+    let r = req(&hashes, 256);
+    router.select(&r).unwrap();
+    for _ in 0..3 {
+        router.warm(&r);
+    }
+    router.set_explain_costs(true);
     router.select(&r).unwrap();
     assert_eq!(
-        (picks.load(Ordering::Relaxed), warms.load(Ordering::Relaxed)),
-        (2, 3)
+        [&picks, &warms, &scores].map(|c| c.load(Ordering::Relaxed)),
+        [2, 0, 2],
+        "one scorer call and one pick per selection, nothing else"
     );
+    assert_eq!(router.last_cost(e.slot), None, "no costs to explain");
 }
 
 const RULES: &str = "

@@ -122,6 +122,10 @@ pub struct WorkerSelectionPolicy {
     /// The first scorer is a shipped one that writes every entry when it
     /// succeeds, so its slice is not pre-filled (see the module docs).
     first_scorer_writes_all: bool,
+    /// The host may run the filters and scorers outside selections
+    /// (warm-ups, explain's cost pass): see
+    /// [`WorkerSelectionPolicy::allow_side_passes`].
+    side_passes: bool,
     rows: Vec<u32>,
     compacted: CandidateTable,
     /// Second buffer for compacting an already compacted table.
@@ -192,6 +196,7 @@ impl WorkerSelectionPolicy {
             picker: (picker, picker_inputs),
             required,
             first_scorer_writes_all: false,
+            side_passes: false,
             rows: Vec::new(),
             compacted: CandidateTable::new(),
             spare: CandidateTable::new(),
@@ -208,6 +213,25 @@ impl WorkerSelectionPolicy {
     pub(crate) fn first_scorer_writes_all(mut self) -> Self {
         self.first_scorer_writes_all = true;
         self
+    }
+
+    /// Lets the host call this policy's filters and scorers outside
+    /// selections: to keep their code and data in the CPU's caches while
+    /// no request comes ([`WorkerSelectionPolicy::warm`]), and to show each
+    /// candidate's cost when a select is explained. Off unless a policy
+    /// says so, because the plugin API promises a filter or scorer a call
+    /// per selection and no other: a policy whose components keep state
+    /// across calls would otherwise see calls for requests that never
+    /// came. The shipped types allow it (their filters and scorers keep
+    /// no state, and their pickers put back what a warm-up changed).
+    pub fn allow_side_passes(mut self) -> Self {
+        self.side_passes = true;
+        self
+    }
+
+    /// Whether [`WorkerSelectionPolicy::allow_side_passes`] was given.
+    pub fn side_passes(&self) -> bool {
+        self.side_passes
     }
 
     /// The union of every component's declaration: the groups the host must
@@ -274,9 +298,14 @@ impl WorkerSelectionPolicy {
     /// `table`, as `select` would, and changes nothing a later `select`
     /// returns: for keeping the selection's code and buffers in the CPU's
     /// caches while no request comes. A context `select` would refuse, or a
-    /// failing filter or scorer, ends it early; it returns nothing.
+    /// failing filter or scorer, ends it early; it returns nothing. Does
+    /// nothing unless the policy allows side passes.
     pub fn warm(&mut self, context: &WorkerSelectionContext<'_>, table: &CandidateTable) {
-        if context.block_size() == 0 || table.is_empty() || context.pinned_worker().is_some() {
+        if !self.side_passes
+            || context.block_size() == 0
+            || table.is_empty()
+            || context.pinned_worker().is_some()
+        {
             return;
         }
         let Ok((filtered, range)) = self.score_all(context, table) else {

@@ -147,6 +147,9 @@ impl SelectionOverrides {
 #[derive(Clone, Default)]
 pub struct RouterPluginRegistry {
     providers: BTreeMap<String, WorkerSelectionPolicyProvider>,
+    /// The types [`router_plugin_registry`] registered: their policies
+    /// allow side passes ([`WorkerSelectionPolicy::allow_side_passes`]).
+    shipped: std::collections::BTreeSet<String>,
     classifiers: BTreeMap<String, RequestClassifierProvider>,
 }
 
@@ -163,6 +166,7 @@ impl fmt::Debug for RouterPluginRegistry {
 pub fn router_plugin_registry() -> RouterPluginRegistry {
     let mut r = RouterPluginRegistry::empty();
     register_builtins(&mut r).expect("built-in type names are valid and distinct");
+    r.shipped = r.providers.keys().cloned().collect();
     r
 }
 
@@ -326,6 +330,7 @@ impl RouterPluginRegistry {
                 name: inst.name.clone(),
                 type_name: inst.type_name.clone(),
                 factory,
+                shipped: self.shipped.contains(&inst.type_name),
             };
             built.insert(inst.name.as_str(), (Arc::new(resolved), inst.line));
         }
@@ -398,6 +403,19 @@ struct ResolvedInstance {
     name: String,
     type_name: String,
     factory: WorkerSelectionPolicyFactory,
+    /// A shipped type: its policies allow side passes.
+    shipped: bool,
+}
+
+impl ResolvedInstance {
+    fn build(&self, router: &RouterConfig, partition: &RoutingPartition) -> WorkerSelectionPolicy {
+        let policy = (self.factory)(router, partition.worker_type, partition);
+        if self.shipped {
+            policy.allow_side_passes()
+        } else {
+            policy
+        }
+    }
 }
 
 /// The resolved configuration: what to build for each role.
@@ -472,13 +490,13 @@ impl RouterPlugins {
             return Some(crate::builtin::builtin_policy(&self.router, partition));
         }
         let r = self.instances.get(name)?;
-        Some((r.factory)(&self.router, partition.worker_type, partition))
+        Some(r.build(&self.router, partition))
     }
 
     /// A fresh policy instance for `partition`.
     pub fn build(&self, partition: &RoutingPartition) -> WorkerSelectionPolicy {
         match &self.roles[partition.worker_type as usize] {
-            Some(r) => (r.factory)(&self.router, partition.worker_type, partition),
+            Some(r) => r.build(&self.router, partition),
             None => crate::builtin::builtin_policy(&self.router, partition),
         }
     }

@@ -81,7 +81,7 @@ pub fn builtin_policy(
     config: &crate::config::RouterConfig,
     partition: &crate::context::RoutingPartition,
 ) -> WorkerSelectionPolicy {
-    match builtin_type(partition.worker_type) {
+    let policy = match builtin_type(partition.worker_type) {
         PREDICTED_TTFT => predicted_ttft_policy(
             config,
             partition.worker_type,
@@ -92,7 +92,8 @@ pub fn builtin_policy(
         _ => {
             default_cost::default_cost_policy(config, &DefaultCostParameters::default(), partition)
         }
-    }
+    };
+    policy.allow_side_passes()
 }
 
 /// Registers every shipped type.

@@ -123,6 +123,8 @@ pub fn provider(
             let filters: Vec<Box<dyn WorkerFilter>> =
                 vec![Box::new(MinimumDeviceOverlapFilter { minimum_blocks })];
             let scorers: Vec<Box<dyn WorkerScorer>> = vec![Box::new(ActiveRequestsScorer)];
+            // Its filter and scorer keep no state, so the daemon may call
+            // them to warm up and to explain.
             WorkerSelectionPolicy::new_with_filters(
                 config.clone(),
                 worker_type.as_str(),
@@ -130,6 +132,7 @@ pub fn provider(
                 scorers,
                 Box::new(LowestCostPicker),
             )
+            .allow_side_passes()
         },
     ))
 }
