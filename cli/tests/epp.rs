@@ -1762,3 +1762,109 @@ fn the_front_door_aborts_a_failed_dispatch_and_leaves_no_binding_behind() {
     assert_eq!(ask(&d.query(), json!({"op": "stats"}))["reservations"], 0);
     drop((a, b));
 }
+
+/// The rules' regex classifier tags gateway requests: the front door sends
+/// a prompt's text with its select when it fits the classifier's budget,
+/// so a chat or a completion carrying PII stays on the home backend; a
+/// text over the budget, or token ids, is "unknown"; a reload changes the
+/// budget the picker uses.
+#[test]
+fn the_regex_classifier_tags_what_comes_through_the_front_door() {
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let yaml = |budget: usize| {
+        format!(
+            "daemon:\n  heartbeat_timeout_ms: 600000\n\
+             epp:\n  listen: 127.0.0.1:{epp_port}\n  http_listen: 127.0.0.1:{http_port}\n  models:\n    - name: m\n\
+             policy:\n  rules:\n\
+             \x20   - name: pii-stays-home\n      matches: [{{ tag: pii-confirmed }}]\n      route:\n        consider: [{{ backends: {{ names: [home] }} }}]\n        select: [{{ type: Local }}]\n\
+             \x20   - name: unscanned\n      matches: [{{ tag: pii-unknown }}]\n      route:\n        consider: [{{ backends: {{ names: [nowhere] }} }}]\n        select: [{{ type: Local }}]\n\
+             \x20   - name: everyone\n      route:\n        select: [{{ type: Local, minimize: PredictedTTFT }}]\n\
+             classifiers:\n  regex:\n    max_text_bytes: {budget}\n    unknown_when_skipped: true\n    patterns:\n      pii: '\\b\\d{{3}}-\\d{{2}}-\\d{{4}}\\b'\n"
+        )
+    };
+    let d = start("http-regex", &yaml(200));
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let home = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 2));
+    let away = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 3));
+    let labelled = Hello {
+        kv_blocks: [4096, 0, 0],
+        endpoint: home.endpoint(),
+        labels: vec![kvedge_schema::messages::control::Label {
+            key: "backend".into(),
+            value: "home".into(),
+        }],
+        ..Hello::new(1, "m")
+    };
+    let (s, p) = ProducerSession::connect(d.control(), &labelled, Duration::from_secs(5)).unwrap();
+    let mut home_publisher = Publisher::new(Some(s), p);
+    let _away_publisher = register(&d, 2, &away.endpoint());
+    // The home engine is busy: everyone else goes away.
+    home_publisher
+        .publish_load(&kvedge_schema::messages::Load {
+            active_requests: 50,
+            waiting_requests: 50,
+            kv_total_blocks: 4096,
+            ..Default::default()
+        })
+        .unwrap();
+    let post = |path: &str, body: serde_json::Value| {
+        let (status, _, reply) =
+            kvedge_epp::testing::post(door, path, body.to_string().as_bytes(), &[]);
+        (status, reply)
+    };
+    let hits = || (home.hits(), away.hits());
+    wait_for(
+        || {
+            let before = hits();
+            let (status, _) = post(
+                "/v1/completions",
+                json!({"model": "m", "prompt": "what is the weather", "max_tokens": 1}),
+            );
+            status == 200 && hits().1 == before.1 + 1
+        },
+        "the busy engine's load",
+    );
+    let before = hits();
+    let (status, reply) = post(
+        "/v1/completions",
+        json!({"model": "m", "prompt": "my SSN is 123-45-6789", "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(hits(), (before.0 + 1, before.1), "PII stays home");
+    let (status, reply) = post(
+        "/v1/chat/completions",
+        json!({"model": "m", "messages": [{"role": "user", "content": "file 987-65-4321 please"}]}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(hits(), (before.0 + 2, before.1), "a chat's PII stays home");
+    // Over the budget, or token ids: not scanned, so refused by the rule
+    // that catches what could not be scanned.
+    let long = format!("{} 123-45-6789", "x".repeat(300));
+    let (status, reply) = post(
+        "/v1/completions",
+        json!({"model": "m", "prompt": long, "max_tokens": 1}),
+    );
+    assert_eq!(status, 503, "{reply}");
+    let (status, reply) = post(
+        "/v1/completions",
+        json!({"model": "m", "prompt": [1, 2, 3], "max_tokens": 1}),
+    );
+    assert_eq!(status, 503, "{reply}");
+    assert_eq!(hits(), (before.0 + 2, before.1));
+    // A reload with a larger budget: the long text is scanned now.
+    std::fs::write(d.config(), yaml(4096)).unwrap();
+    assert_eq!(ask(&d.query(), json!({"op": "reload"}))["ok"], true);
+    let (status, reply) = post(
+        "/v1/completions",
+        json!({"model": "m", "prompt": long, "max_tokens": 1}),
+    );
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(hits(), (before.0 + 3, before.1));
+}

@@ -97,6 +97,25 @@ pub struct Loaded {
     http_listen: Option<String>,
 }
 
+impl Loaded {
+    /// The picker's limit on the prompt texts it sends the routing core's
+    /// regex classifier ([`Limits::classify_text_bytes`]), for the daemon
+    /// to set from the configuration at startup and at each reload.
+    pub fn classify_text_bytes(&self) -> std::sync::Arc<std::sync::atomic::AtomicUsize> {
+        std::sync::Arc::clone(&self.limits.classify_text_bytes)
+    }
+}
+
+/// The longest text the configuration's regex classifier reads (0: it
+/// has none).
+pub fn classify_text_bytes(config: &kvedge_config::Config) -> usize {
+    config
+        .rules
+        .as_ref()
+        .and_then(|r| r.regex.as_ref())
+        .map_or(0, |re| re.max_text_bytes)
+}
+
 impl std::fmt::Debug for Loaded {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Loaded")
@@ -151,6 +170,7 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
             .as_ref()
             .map(|h| h.to_ascii_lowercase()),
         approximate_chunk_bytes: section.approximate_chunk_bytes,
+        classify_text_bytes: Default::default(),
     };
     let ms = Duration::from_millis;
     let settings = Settings {

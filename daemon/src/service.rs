@@ -99,6 +99,8 @@ struct Drivers {
     engines: Vec<kvedge_config::EngineSpec>,
     /// The picker with its models loaded.
     picker: Option<crate::epp::Loaded>,
+    /// The longest prompt text the rules' regex classifier reads.
+    classify_text_bytes: usize,
 }
 
 /// Step 1: the configuration, loaded and validated, and everything the
@@ -123,6 +125,7 @@ fn load(
         limits: config.daemon.clone(),
         engines: config.engines.clone(),
         picker,
+        classify_text_bytes: crate::epp::classify_text_bytes(&config),
     };
     Ok((config, drivers))
 }
@@ -161,6 +164,7 @@ fn start(
         limits,
         engines,
         picker,
+        classify_text_bytes,
     } = drivers;
     // The optional HTTP metrics listener serves a rendering the loop
     // refreshes every second.
@@ -178,7 +182,12 @@ fn start(
         start_uring(server, &limits);
     }
     // The gateway endpoint picker, on its own thread, feeds the loop
-    // through the jobs channel.
+    // through the jobs channel. It sends prompt texts the rules' regex
+    // classifier reads; a reload may change how long those are.
+    let text_limit = picker.as_ref().map(|p| p.classify_text_bytes());
+    if let Some(limit) = &text_limit {
+        limit.store(classify_text_bytes, std::sync::atomic::Ordering::Relaxed);
+    }
     if let Some(loaded) = picker {
         let addrs = server
             .job_sender()
@@ -201,6 +210,12 @@ fn start(
     server.set_reloader(Box::new(move || {
         let config = crate::config::load(&path, &registry, &overrides)?;
         bridge = start_bridge(&settings, config.engines.clone(), bridge.take());
+        if let Some(limit) = &text_limit {
+            limit.store(
+                crate::epp::classify_text_bytes(&config),
+                std::sync::atomic::Ordering::Relaxed,
+            );
+        }
         Ok(config)
     }));
     Ok(metrics_text)

@@ -64,6 +64,12 @@ pub struct Limits {
     /// Chunk size of the approximate prefix mode, in bytes (0: prompts
     /// without a tokenizer route on load alone).
     pub approximate_chunk_bytes: usize,
+    /// The routing core's regex classifier reads texts up to this many
+    /// bytes (0: none is configured): a prompt's text that fits goes with
+    /// its select; a longer one, or a prompt of token ids, goes without
+    /// (the classifier's skipped case). Shared with the daemon, which
+    /// sets it at startup and at each reload.
+    pub classify_text_bytes: std::sync::Arc<std::sync::atomic::AtomicUsize>,
 }
 
 /// A select the core is asked for.
@@ -88,6 +94,8 @@ pub struct SelectArgs {
     pub explain: bool,
     /// What started this turn; the core sees it with a session only.
     pub trigger: kvedge_wire::Trigger,
+    /// The prompt's text for the regex classifier.
+    pub text: Option<String>,
 }
 
 /// The select a read prompt asks for: by its token ids, or, without them,
@@ -141,6 +149,9 @@ pub struct Prompted {
     /// What started this turn: a chat whose last message is a tool's
     /// result (`role: tool`, or the older `function`) is a tool turn.
     pub trigger: kvedge_wire::Trigger,
+    /// The prompt's text for the regex classifier (see
+    /// [`Limits::classify_text_bytes`]).
+    pub text: Option<String>,
 }
 
 /// A local reply that refuses a request (boxed: it is large, and rare).
@@ -224,6 +235,12 @@ fn prompted(
 ) -> Result<Prompted, Refusal> {
     let parsed = parsed.map_err(|e| refuse(400, "bad_request", &e.to_string()))?;
     let trigger = trigger_of(&parsed.prompt);
+    let text = classified_text(
+        &parsed.prompt,
+        limits
+            .classify_text_bytes
+            .load(std::sync::atomic::Ordering::Relaxed),
+    );
     let tokens = match models.tokens(&parsed.model, parsed.prompt, limits.max_prompt_tokens) {
         Ok(t) => t,
         Err(e @ PromptError::UnknownModel(_)) => {
@@ -261,7 +278,24 @@ fn prompted(
         prompt_tokens,
         approximate,
         trigger,
+        text,
     })
+}
+
+/// The text a regex classifier reads of `prompt` when it is at most
+/// `limit` bytes: a completion's text, or a chat's messages as roles and
+/// contents line by line; `None` for token ids, a longer text, or `limit`
+/// 0 (no classifier).
+fn classified_text(prompt: &body::Prompt, limit: usize) -> Option<String> {
+    if limit == 0 {
+        return None;
+    }
+    let text = match prompt {
+        body::Prompt::Text(t) if t.len() <= limit => t.clone(),
+        body::Prompt::Messages(m) => crate::tokenize::plain_text(m),
+        _ => return None,
+    };
+    (text.len() <= limit).then_some(text)
 }
 
 /// A chat whose last message carries a tool's result is a tool turn;
@@ -681,6 +715,7 @@ pub fn select_args(
         prompt_tokens: p.prompt_tokens,
         approximate: p.approximate,
         trigger: p.trigger,
+        text: p.text,
         tenant: header(&limits.tenant_header),
         session: header(&limits.session_header),
         headers: headers
@@ -974,6 +1009,7 @@ mod tests {
             session_header: None,
             debug_header: None,
             approximate_chunk_bytes: 16,
+            classify_text_bytes: Default::default(),
         }
     }
 

@@ -382,6 +382,7 @@ impl Picker {
         }
         s.headers = Pairs::map(&headers);
         s.subset = Strs::strings(&args.subset);
+        s.text = args.text.as_deref();
         if args.explain {
             s.explain = true;
             return self.select_explained(&Request::Select(s)).await;

@@ -353,7 +353,7 @@ fn render(
 /// The messages as plain text, `role\ncontent\n` each (a content list's
 /// text parts joined), in order: the same conversation gives the same
 /// text, and a longer one extends it.
-fn plain_text(messages: &[Value]) -> String {
+pub(crate) fn plain_text(messages: &[Value]) -> String {
     let mut out = String::new();
     for m in messages {
         out.push_str(m.get("role").and_then(Value::as_str).unwrap_or(""));

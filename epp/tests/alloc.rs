@@ -40,6 +40,7 @@ fn limits() -> Limits {
         session_header: Some("x-session-id".into()),
         debug_header: None,
         approximate_chunk_bytes: 64,
+        classify_text_bytes: Default::default(),
     }
 }
 

@@ -38,6 +38,9 @@ mod flag {
     /// The routing block follows the subset: the session's trigger,
     /// parent and last turn, and an explicit target.
     pub const ROUTING: u8 = 32;
+    /// The prompt's text follows the routing block (or what precedes
+    /// it): for the rules' regex classifier.
+    pub const TEXT: u8 = 64;
 }
 
 /// A request a frame cannot carry, or a field too long for its length
@@ -211,6 +214,10 @@ fn decode_select<'a>(c: &mut Cursor<'a>) -> Result<Select<'a>, &'static str> {
         s.parent_session = (!parent.is_empty()).then_some(parent);
         s.check_session_metadata()?;
     }
+    if flags & flag::TEXT != 0 {
+        let n = c.u32()? as usize;
+        s.text = Some(c.str(n)?);
+    }
     Ok(s)
 }
 
@@ -291,11 +298,15 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), En
 }
 
 fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
-    if s.lora.is_some() || s.explain || s.text.is_some() {
+    if s.lora.is_some() || s.explain {
         return Err(EncodeError(
-            "a select's lora, text and explain are in the JSON protocol only",
+            "a select's lora and explain are in the JSON protocol only",
         ));
     }
+    let text_len = match s.text {
+        Some(t) => Some(u32::try_from(t.len()).map_err(|_| EncodeError("the text is too long"))?),
+        None => None,
+    };
     let session = s.session.unwrap_or("");
     let tenant = s.tenant.unwrap_or("");
     short(s.model, "model is too long")?;
@@ -339,7 +350,8 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
         | if context { flag::CONTEXT } else { 0 }
         | if s.subset.is_empty() { 0 } else { flag::SUBSET }
         | if s.approximate { flag::APPROXIMATE } else { 0 }
-        | if routing { flag::ROUTING } else { 0 };
+        | if routing { flag::ROUTING } else { 0 }
+        | if text_len.is_some() { flag::TEXT } else { 0 };
     write_frame(out, op::SELECT, |o| {
         o.push(flags);
         o.push(s.role as u8);
@@ -377,6 +389,10 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
             o.extend_from_slice(&target.worker_id.to_le_bytes());
             o.extend_from_slice(&target.dp_rank.to_le_bytes());
             put_short(o, parent);
+        }
+        if let (Some(t), Some(n)) = (s.text, text_len) {
+            o.extend_from_slice(&n.to_le_bytes());
+            o.extend_from_slice(t.as_bytes());
         }
     });
     Ok(())
@@ -566,6 +582,38 @@ mod tests {
             decode_request(&body).unwrap_err().message,
             "unknown trigger"
         );
+    }
+
+    #[test]
+    fn a_select_carries_its_text_after_everything_else() {
+        let hashes = [1u64];
+        for session in [None, Some("s")] {
+            let mut s = Select::new("m", Role::Aggregated, Ids::hashes(&hashes));
+            s.session = session;
+            s.trigger = if session.is_some() {
+                Trigger::Tool
+            } else {
+                Trigger::User
+            };
+            s.text = Some("my SSN is 123-45-6789");
+            let body = round_trip(&Request::Select(s));
+            let Request::Select(d) = decode_request(&body).unwrap() else {
+                panic!("not a select")
+            };
+            assert_eq!((d.text, d.trigger), (s.text, s.trigger));
+        }
+        // A text longer than its frame, or not UTF-8, is refused.
+        let mut s = Select::new("m", Role::Aggregated, Ids::hashes(&hashes));
+        s.text = Some("abc");
+        let mut body = round_trip(&Request::Select(s));
+        let n = body.len();
+        body[n - 1] = 0xff;
+        assert_eq!(
+            decode_request(&body).unwrap_err().message,
+            "a string field is not UTF-8"
+        );
+        body.truncate(n - 1);
+        assert!(decode_request(&body).is_err());
     }
 
     #[test]

@@ -70,8 +70,7 @@ pub struct Select<'a> {
     pub session: Option<&'a str>,
     /// LoRA adapter whose blocks the token ids hash into (JSON only).
     pub lora: Option<&'a str>,
-    /// The prompt's text, for the `regex` classifier (JSON only; over the
-    /// binary protocol the classifier sees no text).
+    /// The prompt's text, for the rules' `regex` classifier.
     pub text: Option<&'a str>,
     /// Answer without reserving the worker or rebinding the session.
     pub dry_run: bool,
