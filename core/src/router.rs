@@ -1101,9 +1101,26 @@ impl Router {
             c.waiting_requests = Some(load.waiting_requests);
             c.active_prefill_tokens = Some(load.active_prefill_tokens);
             c.active_decode_blocks = Some(load.active_decode_blocks);
-            c.device_overlap_blocks = Some(self.overlap.get(slot, Tier::Device));
-            c.host_overlap_blocks = Some(self.overlap.get(slot, Tier::Host));
-            c.disk_overlap_blocks = Some(self.overlap.get(slot, Tier::Disk));
+            let overlap = [
+                self.overlap.get(slot, Tier::Device),
+                self.overlap.get(slot, Tier::Host),
+                self.overlap.get(slot, Tier::Disk),
+            ];
+            c.device_overlap_blocks = Some(overlap[0]);
+            c.host_overlap_blocks = Some(overlap[1]);
+            c.disk_overlap_blocks = Some(overlap[2]);
+            // The policies' prediction (the falling backlog, learned
+            // speeds), so that `PredictedTTFT` and `explain` agree with it.
+            c.ttft = Some(
+                Predicting {
+                    ttft: &self.prefill.ttft,
+                    load: &self.load,
+                    speed: &self.prefill.speed,
+                    peer_speed: self.prefill.peer_speed,
+                    now_ms: req.now_ms,
+                }
+                .terms(slot, w.block_size, req.prompt_tokens, overlap),
+            );
             c.prefill_tokens_per_second = self.prefill.speed[i]
                 .tokens_per_second(
                     self.prefill

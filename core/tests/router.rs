@@ -1254,3 +1254,50 @@ fn a_policy_is_told_how_many_recent_picks_sent_the_deepest_prefix_a_worker_holds
     router.select(&req(&r, 256)).unwrap();
     assert_eq!(seen.load(Ordering::Relaxed), 0);
 }
+
+/// The rules' `PredictedTTFT` is the policy's prediction: a worker whose
+/// earlier prompt's prefill has mostly drained by now (at the predictor's
+/// speed) is as near as the `predicted-ttft` policy says, not as far as
+/// that prompt's whole length; and the explanation shows the same order.
+#[test]
+fn the_rules_and_the_policy_predict_the_same_ttft() {
+    let rules = "policy:\n  rules:\n    - name: fastest\n      route:\n        select: [{ type: Local, minimize: PredictedTTFT }]\n";
+    let mut plain = predicted_ttft_router();
+    let mut with_rules = predicted_ttft_router();
+    with_rules.set_rules(kvedge_policies::rules::load(rules).unwrap());
+    for (router, ruled) in [(&mut plain, false), (&mut with_rules, true)] {
+        let mut a = engine(router, 1);
+        let b = engine(router, 2);
+        // A holds 120 of the new prompt's 128 blocks.
+        let new = sequence_hashes(&prompt(7, 2048), 16, None, None);
+        a.publisher
+            .publish_stored_hashes(Tier::Device, None, &new[..120])
+            .unwrap();
+        ingest(router, &mut a);
+        // At 0 s, a 30,000-token prompt goes to A: three seconds of
+        // prefill at the predictor's 10,000 tokens a second.
+        let big = sequence_hashes(&prompt(8, 30_000), 16, None, None);
+        let first = SelectRequest {
+            pinned: Some(WorkerWithDpRank::new(1, 0)),
+            ..req(&big, 30_000)
+        };
+        assert_eq!(router.select(&first).unwrap().slot, Some(a.slot));
+        // At 2.9 s about 1,000 of its tokens are left: A is nearer than
+        // B, which would compute the whole new prompt.
+        router.set_explain_costs(true);
+        let r = router
+            .select(&SelectRequest {
+                now_ms: 2_900,
+                dry_run: true,
+                ..req(&new, 2048)
+            })
+            .unwrap();
+        assert_eq!(r.slot, Some(a.slot), "rules: {ruled}");
+        assert_eq!(r.rule.is_some(), ruled);
+        let (ta, tb) = (router.last_ttft(a.slot), router.last_ttft(b.slot));
+        assert!(
+            ta.total_s() < tb.total_s() && ta.total_s() < 0.2,
+            "{ta:?} {tb:?}"
+        );
+    }
+}

@@ -66,6 +66,12 @@ pub struct RuleCandidate<'a> {
     /// This worker's prefill throughput, when known (learned or configured);
     /// otherwise the policy's default applies.
     pub prefill_tokens_per_second: Option<f64>,
+    /// The host's own TTFT prediction for this worker, the one its
+    /// worker-selection policies see: when given, it is the candidate's
+    /// `PredictedTTFT`, so rules and policies rank by one number. Without
+    /// it (a host that predicts nothing), the predictor runs over the
+    /// attributes above.
+    pub ttft: Option<TtftTerms>,
 }
 
 impl<'a> RuleCandidate<'a> {
@@ -88,6 +94,7 @@ impl<'a> RuleCandidate<'a> {
             active_prefill_tokens: None,
             active_decode_blocks: None,
             prefill_tokens_per_second: None,
+            ttft: None,
         }
     }
 
@@ -318,6 +325,9 @@ impl TtftPredictor {
     pub fn predict_terms(&self, c: &RuleCandidate<'_>, r: &RuleRequest<'_>) -> Option<TtftTerms> {
         if c.kind != CandidateKind::Local {
             return None;
+        }
+        if let Some(host) = c.ttft {
+            return Some(host);
         }
         let inputs = TtftInputs {
             prompt_tokens: r.prompt_tokens,
