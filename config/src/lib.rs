@@ -415,6 +415,9 @@ struct Document {
     ttft: Option<serde_yaml::Value>,
 }
 
+/// Why the shared-cache settings are refused.
+const NO_SHARED_CACHE: &str = "kvedge has no node-shared cache tier (engines report device, host and disk blocks), so a shared-cache credit would change nothing; remove it";
+
 /// A loaded, validated configuration.
 #[derive(Clone, Debug)]
 pub struct Config {
@@ -497,6 +500,29 @@ impl Config {
         }
         let selection =
             WorkerSelectionConfig::from_yaml_str(source).map_err(|e| err(e.to_string()))?;
+        // The shared-cache credit prices blocks a node-shared cache tier
+        // holds beyond the device prefix; no engine reports such a tier to
+        // kvedge, so the settings would load and change nothing.
+        if doc.router.shared_cache_enabled || doc.router.shared_cache_multiplier.is_some() {
+            let key = if doc.router.shared_cache_enabled {
+                "shared_cache_enabled"
+            } else {
+                "shared_cache_multiplier"
+            };
+            return Err(at(&["router", key], format!("router.{key}: {NO_SHARED_CACHE}")));
+        }
+        if let Some(inst) = selection.instances().iter().find(|i| {
+            matches!(
+                i.type_name.as_str(),
+                "dynamo-default-cost-fn" | "tool-result-cache-local"
+            ) && i.parameters.get("shared_cache_multiplier").is_some()
+        }) {
+            return Err(err(format!(
+                "worker_selection instance `{}`{}: shared_cache_multiplier: {NO_SHARED_CACHE}",
+                inst.name,
+                inst.line.map(|l| format!(" (line {l})")).unwrap_or_default()
+            )));
+        }
         let plugins = registry
             .resolve_plugins(&selection, overrides, &doc.router)
             .map_err(|e| err(e.to_string()))?;
@@ -586,6 +612,29 @@ mod tests {
             load("{}").unwrap().ttft,
             kvedge_policies::predict::TtftPredictor::default()
         );
+    }
+
+    #[test]
+    fn shared_cache_settings_are_refused_because_no_engine_reports_that_tier() {
+        for (src, says) in [
+            (
+                "router:\n  shared_cache_enabled: true\n",
+                "line 2: router.shared_cache_enabled: kvedge has no node-shared cache tier",
+            ),
+            (
+                "router:\n  shared_cache_multiplier: 0.5\n",
+                "line 2: router.shared_cache_multiplier: kvedge has no node-shared cache tier",
+            ),
+            (
+                "worker_selection:\n  instances:\n    - name: d\n      type: dynamo-default-cost-fn\n      parameters: { shared_cache_multiplier: 0.5 }\n",
+                "worker_selection instance `d` (line 3): shared_cache_multiplier: kvedge has no node-shared cache tier",
+            ),
+        ] {
+            let e = load(src).unwrap_err().to_string();
+            assert!(e.contains(says), "{src}: {e}");
+        }
+        // Other types may name a parameter so for their own purposes.
+        assert!(load("router:\n  shared_cache_enabled: false\n").is_ok());
     }
 
     #[test]
