@@ -66,6 +66,7 @@ fn router() -> (Box<Router>, Vec<u64>) {
                 block_size: 16,
                 available: true,
                 labels: Vec::new(),
+                taints: Vec::new(),
             })
             .unwrap();
         if id == 1 {

@@ -442,7 +442,7 @@ fn hello(rank: &EngineRank) -> Hello {
                 value: value.into(),
             })
             .collect(),
-        taints: Vec::new(),
+        taints: rank.taints.clone(),
         endpoint: rank.endpoint.clone(),
         ring_capacity: 0,
     }

@@ -484,3 +484,76 @@ fn an_aborted_dispatch_leaves_the_previous_binding_intact() {
     assert_eq!(c.ask(json!({"op": "stats"}))["reservations"], 0);
     drop((a, b));
 }
+
+/// Registers worker `id` with `taints`.
+fn tainted(d: &Daemon, id: u64, taints: &[&str]) -> Publisher {
+    let hello = kvedge_schema::messages::control::Hello {
+        taints: taints.iter().map(|t| (*t).to_owned()).collect(),
+        ..common::hello(id, "llama")
+    };
+    kvedge_testkit::register(d.control(), &hello)
+}
+
+/// Engines' taints: `PreferNoSchedule` multiplies the default cost of a
+/// request that does not tolerate it (the preferred-taint signal), so it
+/// goes elsewhere unless it tolerates the taint; `NoSchedule` keeps every
+/// request that does not tolerate it away, targets included.
+#[test]
+fn taints_steer_the_default_cost_and_keep_untolerating_requests_away() {
+    let d = start(
+        "spec-taints",
+        &format!(
+            "{BASE}router:\n  router_temperature: 0\n  preferred_taint_multiplier: 3\nworker_selection:\n  aggregated: cost\n  instances:\n    - name: cost\n      type: dynamo-default-cost-fn\n"
+        ),
+    );
+    let seed = kvedge_schema::hash::block_seed(None, None);
+    let tokens = prompt(6, 64);
+    let mut spot = tainted(&d, 1, &["spot:PreferNoSchedule"]);
+    let _plain = tainted(&d, 2, &[]);
+    let mut c = Conn::connect(&d.query());
+    // Worker 1 holds half the prompt: the cheaper one, but for its taint.
+    spot.publish_stored_tokens(Tier::Device, None, &tokens[..32], 16, seed)
+        .unwrap();
+    wait_for(
+        || c.ask(select(&tokens, json!({"tolerations": ["spot"]})))["worker_id"] == 1,
+        "worker 1's blocks",
+    );
+    let r = c.ask(select(&tokens, json!({})));
+    assert_eq!(r["worker_id"], 2, "{r}");
+    let r = c.ask(select(&tokens, json!({"tolerations": ["spot=other"]})));
+    assert_eq!(r["worker_id"], 2, "a toleration of another value: {r}");
+    // Binary frames carry tolerations too.
+    let mut w = kvedge_wire::Client::connect(d.query()).unwrap();
+    let q = Select {
+        dry_run: true,
+        tolerations: kvedge_wire::Strs::new(&["spot"]),
+        ..Select::new("llama", Role::Aggregated, Ids::tokens(&tokens))
+    };
+    assert_eq!(w.select(&q).unwrap().unwrap().worker_id, 1);
+    // A draining engine: no request comes unless it tolerates that.
+    let _draining = tainted(&d, 3, &["draining=yes:NoSchedule"]);
+    wait_for(
+        || c.ask(json!({"op": "stats"}))["workers"] == 3,
+        "the third engine",
+    );
+    let r = c.ask(select(&tokens, json!({"target": {"worker_id": 3}})));
+    assert_eq!(r["error"]["code"], "no_worker", "{r}");
+    let r = c.ask(select(
+        &tokens,
+        json!({"target": {"worker_id": 3}, "tolerations": ["draining=yes"]}),
+    ));
+    assert_eq!(r["worker_id"], 3, "{r}");
+    // A taint the daemon cannot read is refused at registration.
+    let bad = kvedge_schema::messages::control::Hello {
+        taints: vec!["spot".into()],
+        ..common::hello(4, "llama")
+    };
+    assert!(
+        kvedge_shm::control::ProducerSession::connect(
+            d.control(),
+            &bad,
+            std::time::Duration::from_secs(5)
+        )
+        .is_err()
+    );
+}

@@ -27,6 +27,9 @@
 #include <stdint.h>
 #include <stddef.h>
 
+// Most tolerations in a `kvedge_select_routing`.
+#define KVEDGE_MAX_TOLERATIONS 32
+
 // Most tags in a `kvedge_select_request`.
 #define KVEDGE_MAX_TAGS 32
 
@@ -35,6 +38,9 @@
 
 // Most labels `kvedge_publisher_open_labeled` takes.
 #define KVEDGE_MAX_LABELS 64
+
+// Most taints `kvedge_publisher_open_labeled` takes.
+#define KVEDGE_MAX_TAINTS 16
 
 // How long a client's call waits for the daemon unless
 // `kvedge_client_set_timeout_ms` says otherwise, in milliseconds.
@@ -165,6 +171,10 @@ typedef struct kvedge_select_routing {
   uint32_t has_target;
   uint32_t target_dp_rank;
   uint64_t target_worker_id;
+  // The engines' taints this request tolerates, `key` or `key=value`
+  // (at most `KVEDGE_MAX_TOLERATIONS`).
+  const char *const *tolerations;
+  size_t n_tolerations;
 } kvedge_select_routing;
 
 // What an engine (one data-parallel rank) says when it registers.
@@ -315,8 +325,9 @@ kvedge_status kvedge_select(struct kvedge_client *client,
                             const struct kvedge_select_request *request,
                             struct kvedge_select_result *result);
 
-// `kvedge_select` with a session's metadata and an explicit target
-// (`routing`; NULL: none, the same as `kvedge_select`). A function of
+// `kvedge_select` with a session's metadata, an explicit target and the
+// taints the request tolerates (`routing`; NULL: none, the same as
+// `kvedge_select`). A function of
 // its own so that programs built against an older header, whose
 // `kvedge_select_request` has no room for these, keep working.
 //
@@ -404,22 +415,27 @@ kvedge_status kvedge_publisher_open(const char *control_socket_path,
                                     const struct kvedge_hello *hello,
                                     struct kvedge_publisher **out);
 
-// `kvedge_publisher_open` with labels: `n_labels` (at most
+// `kvedge_publisher_open` with labels and taints: `n_labels` (at most
 // `KVEDGE_MAX_LABELS`) keys and values as parallel arrays, which the
 // rule language matches (`backends: { labels }`, `backend.labels.<key>`;
-// the `backend` label is the engine's backend name). A key is not empty
-// and has no `=`. A function of its own so that programs built against
+// the `backend` label is the engine's backend name; a key is not empty
+// and has no `=`), and `n_taints` (at most `KVEDGE_MAX_TAINTS`) taints,
+// `key[=value]:NoSchedule` (requests that do not tolerate it never come)
+// or `key[=value]:PreferNoSchedule` (their cost here is multiplied). A function of its own so that programs built against
 // an older header, whose `kvedge_hello` has no room for labels, keep
 // working.
 //
 // # Safety
 // As `kvedge_publisher_open`; `label_keys` and `label_values` are NULL
-// (with `n_labels` 0) or point to `n_labels` NUL-terminated strings each.
+// (with `n_labels` 0) or point to `n_labels` NUL-terminated strings each;
+// `taints` is NULL (with `n_taints` 0) or points to `n_taints` of them.
 kvedge_status kvedge_publisher_open_labeled(const char *control_socket_path,
                                             const struct kvedge_hello *hello,
                                             const char *const *label_keys,
                                             const char *const *label_values,
                                             size_t n_labels,
+                                            const char *const *taints,
+                                            size_t n_taints,
                                             struct kvedge_publisher **out);
 
 // Blocks whose sequence hashes are `hashes[0..n]` became resident in

@@ -69,7 +69,14 @@ pub struct kvedge_select_routing {
     pub has_target: u32,
     pub target_dp_rank: u32,
     pub target_worker_id: u64,
+    /// The engines' taints this request tolerates, `key` or `key=value`
+    /// (at most `KVEDGE_MAX_TOLERATIONS`).
+    pub tolerations: *const *const c_char,
+    pub n_tolerations: usize,
 }
+
+/// Most tolerations in a `kvedge_select_routing`.
+pub const KVEDGE_MAX_TOLERATIONS: usize = 32;
 
 /// Most tags in a `kvedge_select_request`.
 pub const KVEDGE_MAX_TAGS: usize = 32;
@@ -238,8 +245,9 @@ pub unsafe extern "C" fn kvedge_select(
     unsafe { kvedge_select_ex(client, request, std::ptr::null(), result) }
 }
 
-/// `kvedge_select` with a session's metadata and an explicit target
-/// (`routing`; NULL: none, the same as `kvedge_select`). A function of
+/// `kvedge_select` with a session's metadata, an explicit target and the
+/// taints the request tolerates (`routing`; NULL: none, the same as
+/// `kvedge_select`). A function of
 /// its own so that programs built against an older header, whose
 /// `kvedge_select_request` has no room for these, keep working.
 ///
@@ -316,9 +324,22 @@ pub unsafe extern "C" fn kvedge_select_ex(
         q.tenant = tenant;
         q.tags = Strs::new(&tags[..r.n_tags]);
         q.headers = Pairs::new(&headers[..r.n_headers]);
+        let mut tolerations = [""; KVEDGE_MAX_TOLERATIONS];
         if !routing.is_null() {
             // SAFETY: non-null and readable (caller).
             let g = unsafe { &*routing };
+            if g.n_tolerations > KVEDGE_MAX_TOLERATIONS {
+                return Err(Error::invalid(format!(
+                    "at most {KVEDGE_MAX_TOLERATIONS} tolerations"
+                )));
+            }
+            // SAFETY: caller contract on the field.
+            let ptrs = unsafe { slice(g.tolerations, g.n_tolerations, "routing.tolerations")? };
+            for (slot, &p) in tolerations.iter_mut().zip(ptrs) {
+                // SAFETY: each element is a NUL-terminated string (caller).
+                *slot = unsafe { text(p, "a toleration")? };
+            }
+            q.tolerations = Strs::new(&tolerations[..g.n_tolerations]);
             q.trigger = match g.trigger {
                 KVEDGE_TRIGGER_USER => Trigger::User,
                 KVEDGE_TRIGGER_TOOL => Trigger::Tool,

@@ -136,6 +136,8 @@ pub unsafe extern "C" fn kvedge_publisher_open(
             std::ptr::null(),
             std::ptr::null(),
             0,
+            std::ptr::null(),
+            0,
             out,
         )
     }
@@ -143,18 +145,23 @@ pub unsafe extern "C" fn kvedge_publisher_open(
 
 /// Most labels `kvedge_publisher_open_labeled` takes.
 pub const KVEDGE_MAX_LABELS: usize = 64;
+/// Most taints `kvedge_publisher_open_labeled` takes.
+pub const KVEDGE_MAX_TAINTS: usize = 16;
 
-/// `kvedge_publisher_open` with labels: `n_labels` (at most
+/// `kvedge_publisher_open` with labels and taints: `n_labels` (at most
 /// `KVEDGE_MAX_LABELS`) keys and values as parallel arrays, which the
 /// rule language matches (`backends: { labels }`, `backend.labels.<key>`;
-/// the `backend` label is the engine's backend name). A key is not empty
-/// and has no `=`. A function of its own so that programs built against
+/// the `backend` label is the engine's backend name; a key is not empty
+/// and has no `=`), and `n_taints` (at most `KVEDGE_MAX_TAINTS`) taints,
+/// `key[=value]:NoSchedule` (requests that do not tolerate it never come)
+/// or `key[=value]:PreferNoSchedule` (their cost here is multiplied). A function of its own so that programs built against
 /// an older header, whose `kvedge_hello` has no room for labels, keep
 /// working.
 ///
 /// # Safety
 /// As `kvedge_publisher_open`; `label_keys` and `label_values` are NULL
-/// (with `n_labels` 0) or point to `n_labels` NUL-terminated strings each.
+/// (with `n_labels` 0) or point to `n_labels` NUL-terminated strings each;
+/// `taints` is NULL (with `n_taints` 0) or points to `n_taints` of them.
 #[unsafe(no_mangle)]
 pub unsafe extern "C" fn kvedge_publisher_open_labeled(
     control_socket_path: *const c_char,
@@ -162,6 +169,8 @@ pub unsafe extern "C" fn kvedge_publisher_open_labeled(
     label_keys: *const *const c_char,
     label_values: *const *const c_char,
     n_labels: usize,
+    taints: *const *const c_char,
+    n_taints: usize,
     out: *mut *mut kvedge_publisher,
 ) -> kvedge_status {
     guard(|| {
@@ -215,6 +224,18 @@ pub unsafe extern "C" fn kvedge_publisher_open_labeled(
                 value: value.to_owned(),
             });
         }
+        if n_taints > KVEDGE_MAX_TAINTS {
+            return Err(Error::invalid(format!(
+                "{n_taints} taints, more than KVEDGE_MAX_TAINTS ({KVEDGE_MAX_TAINTS})"
+            )));
+        }
+        // SAFETY: caller contract on the array.
+        let taint_ptrs = unsafe { slice(taints, n_taints, "taints")? };
+        let mut taint_list = Vec::with_capacity(n_taints);
+        for &t in taint_ptrs {
+            // SAFETY: each element is a NUL-terminated string (caller).
+            taint_list.push(unsafe { text(t, "a taint")? }.to_owned());
+        }
         let hello = Hello {
             worker_id: h.worker_id,
             dp_rank: h.dp_rank,
@@ -223,7 +244,7 @@ pub unsafe extern "C" fn kvedge_publisher_open_labeled(
             block_size: h.block_size,
             kv_blocks: [h.kv_blocks_device, h.kv_blocks_host, h.kv_blocks_disk],
             labels,
-            taints: vec![],
+            taints: taint_list,
             endpoint: endpoint.unwrap_or("").to_owned(),
             ring_capacity: h.ring_capacity,
         };

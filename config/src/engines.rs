@@ -115,6 +115,11 @@ pub struct EngineSpec {
     /// set here.
     #[serde(default)]
     pub labels: std::collections::BTreeMap<String, String>,
+    /// Taints, `key[=value]:NoSchedule` (requests that do not tolerate it
+    /// never go here) or `key[=value]:PreferNoSchedule` (their cost is
+    /// multiplied by `router.preferred_taint_multiplier`).
+    #[serde(default)]
+    pub taints: Vec<String>,
     /// 1-based line of the entry in the file, when known.
     #[serde(skip)]
     pub line: Option<usize>,
@@ -179,6 +184,20 @@ pub struct EngineRank {
     pub dp_ranks: u32,
     /// The entry's labels (see [`EngineSpec::labels`]).
     pub labels: std::collections::BTreeMap<String, String>,
+    /// The entry's taints (see [`EngineSpec::taints`]).
+    pub taints: Vec<String>,
+}
+
+/// Whether `t` is `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`
+/// (the routing core parses it the same way at registration).
+fn taint_ok(t: &str) -> bool {
+    t.rsplit_once(':').is_some_and(|(kv, effect)| {
+        matches!(effect, "NoSchedule" | "PreferNoSchedule")
+            && kv
+                .split('=')
+                .next()
+                .is_some_and(|k| !k.is_empty() && !k.contains(':'))
+    })
 }
 
 /// A ZeroMQ endpoint kvedge can use.
@@ -274,6 +293,11 @@ impl EngineSpec {
         if let Some(k) = self.labels.keys().find(|k| k.is_empty() || k.contains('=')) {
             return Some(format!(
                 "label `{k}`: a label's key is not empty and has no `=`"
+            ));
+        }
+        if let Some(t) = self.taints.iter().find(|t| !taint_ok(t)) {
+            return Some(format!(
+                "taint `{t}` is not `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`"
             ));
         }
         if self.dp_ranks == 0 || self.dp_ranks as usize > MAX_WORKERS {
@@ -406,6 +430,7 @@ impl EngineSpec {
             down_after_ms: self.down_after_ms,
             dp_ranks: self.dp_ranks,
             labels: self.labels.clone(),
+            taints: self.taints.clone(),
         })
     }
 }
@@ -582,6 +607,11 @@ mod tests {
             ),
             ("role: chef\n", "`role: chef` is not aggregated"),
             ("labels: { \"a=b\": c }\n", "label `a=b`"),
+            ("taints: [spot]\n", "taint `spot` is not"),
+            (
+                "taints: [\"spot:Sometimes\"]\n",
+                "taint `spot:Sometimes` is not",
+            ),
             (
                 "dp_ranks: 2\nevents: ipc:///tmp/e\n",
                 "needs a tcp:// endpoint",

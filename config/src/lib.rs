@@ -509,7 +509,10 @@ impl Config {
             } else {
                 "shared_cache_multiplier"
             };
-            return Err(at(&["router", key], format!("router.{key}: {NO_SHARED_CACHE}")));
+            return Err(at(
+                &["router", key],
+                format!("router.{key}: {NO_SHARED_CACHE}"),
+            ));
         }
         if let Some(inst) = selection.instances().iter().find(|i| {
             matches!(
@@ -520,7 +523,9 @@ impl Config {
             return Err(err(format!(
                 "worker_selection instance `{}`{}: shared_cache_multiplier: {NO_SHARED_CACHE}",
                 inst.name,
-                inst.line.map(|l| format!(" (line {l})")).unwrap_or_default()
+                inst.line
+                    .map(|l| format!(" (line {l})"))
+                    .unwrap_or_default()
             )));
         }
         let plugins = registry

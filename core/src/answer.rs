@@ -317,6 +317,7 @@ impl Core {
             now_ms: self.ms(now),
             dry_run: s.dry_run,
             subset: s.subset,
+            tolerations: s.tolerations,
             approximate: s.approximate,
         };
         self.router.set_explain_costs(s.explain);

@@ -93,9 +93,9 @@ impl RegistrationError {
             }
             RegistrationError::Refused(RegisterError::Full(_)) => reject::TOO_MANY_WORKERS,
             RegistrationError::Refused(RegisterError::Duplicate(_)) => reject::DUPLICATE_WORKER,
-            RegistrationError::Refused(RegisterError::BlockSize | RegisterError::Label(_)) => {
-                reject::INVALID_HELLO
-            }
+            RegistrationError::Refused(
+                RegisterError::BlockSize | RegisterError::Label(_) | RegisterError::Taint(_),
+            ) => reject::INVALID_HELLO,
             RegistrationError::NotRegistering => reject::INTERNAL,
             RegistrationError::Displaced => reject::DISPLACED,
         }
@@ -370,6 +370,11 @@ impl Core {
         {
             return Err(RegisterError::Label(format!("{}={}", l.key, l.value)).into());
         }
+        let taints = hello
+            .taints
+            .iter()
+            .map(|t| crate::router::Taint::parse(t))
+            .collect::<Result<Vec<_>, _>>()?;
         let slot = self.router.register(WorkerInfo {
             worker: WorkerWithDpRank::new(hello.worker_id, hello.dp_rank),
             model: hello.model.clone(),
@@ -382,6 +387,7 @@ impl Core {
                 .iter()
                 .map(|l| format!("{}={}", l.key, l.value))
                 .collect(),
+            taints,
         })?;
         let attach_epoch = self.next_epoch();
         let e = self

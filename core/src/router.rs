@@ -42,6 +42,80 @@ pub struct WorkerInfo {
     /// `backends: { labels }` and `backend.labels.<key>`; the `backend`
     /// label is the worker's backend name ([`WorkerInfo::backend`]).
     pub labels: Vec<String>,
+    /// The engine's taints: what keeps requests away from it.
+    pub taints: Vec<Taint>,
+}
+
+/// What a taint does to a request that does not tolerate it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TaintEffect {
+    /// The worker is not a candidate (a required routing constraint).
+    NoSchedule,
+    /// The worker's cost is multiplied by `router.preferred_taint_multiplier`
+    /// (a preferred routing constraint, the `PREFERRED_TAINT` signal).
+    PreferNoSchedule,
+}
+
+/// An engine's taint, `key[=value]:Effect` as Kubernetes writes one. A
+/// request tolerates it with `key` (any value) or `key=value`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Taint {
+    pub key: String,
+    pub value: Option<String>,
+    pub effect: TaintEffect,
+}
+
+impl Taint {
+    /// Parses `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`.
+    pub fn parse(s: &str) -> Result<Taint, RegisterError> {
+        let bad = || RegisterError::Taint(s.to_owned());
+        let (kv, effect) = s.rsplit_once(':').ok_or_else(bad)?;
+        let effect = match effect {
+            "NoSchedule" => TaintEffect::NoSchedule,
+            "PreferNoSchedule" => TaintEffect::PreferNoSchedule,
+            _ => return Err(bad()),
+        };
+        let (key, value) = match kv.split_once('=') {
+            Some((k, v)) => (k, Some(v.to_owned())),
+            None => (kv, None),
+        };
+        if key.is_empty() || key.contains(':') {
+            return Err(bad());
+        }
+        Ok(Taint {
+            key: key.to_owned(),
+            value,
+            effect,
+        })
+    }
+
+    /// Whether one of `tolerations` (`key` or `key=value`) tolerates it.
+    pub fn tolerated_by(&self, tolerations: &kvedge_wire::Strs<'_>) -> bool {
+        tolerations.iter().any(|t| match t.split_once('=') {
+            Some((k, v)) => k == self.key && self.value.as_deref() == Some(v),
+            None => t == self.key,
+        })
+    }
+}
+
+/// Whether `w` may serve a request with `tolerations` (no `NoSchedule`
+/// taint it does not tolerate), and its preferred-taint cost multiplier.
+fn taint_verdict(
+    w: &WorkerInfo,
+    tolerations: &kvedge_wire::Strs<'_>,
+    multiplier: f64,
+) -> (bool, f64) {
+    let mut m = 1.0;
+    for t in &w.taints {
+        if t.tolerated_by(tolerations) {
+            continue;
+        }
+        match t.effect {
+            TaintEffect::NoSchedule => return (false, m),
+            TaintEffect::PreferNoSchedule => m *= multiplier,
+        }
+    }
+    (true, m)
 }
 
 impl WorkerInfo {
@@ -52,6 +126,9 @@ impl WorkerInfo {
         self.labels.iter().find_map(|l| l.strip_prefix("backend="))
     }
 }
+
+/// Most taints a worker may have: a select reads them all per candidate.
+pub const MAX_TAINTS: usize = 16;
 
 /// Why a registration was refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -64,6 +141,8 @@ pub enum RegisterError {
     BlockSize,
     #[error("label `{0}` has an empty key or a key with `=` in it")]
     Label(String),
+    #[error("taint `{0}` is not `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`")]
+    Taint(String),
 }
 
 /// Why a selection produced no worker.
@@ -119,6 +198,8 @@ pub struct SelectRequest<'a> {
     /// Only workers whose endpoint is one of these (a gateway's subset
     /// hint: `host:port` or the whole URL); empty: every worker.
     pub subset: kvedge_wire::Strs<'a>,
+    /// The taints this request tolerates (`key` or `key=value`).
+    pub tolerations: kvedge_wire::Strs<'a>,
     /// `hashes` are approximate: chained hashes of the prompt's text
     /// chunks, not of its KV blocks. They are matched against where
     /// earlier approximate selects were sent ([`Router::approx`]), not
@@ -146,6 +227,7 @@ impl<'a> SelectRequest<'a> {
             now_ms: 0,
             dry_run: false,
             subset: kvedge_wire::Strs::EMPTY,
+            tolerations: kvedge_wire::Strs::EMPTY,
             approximate: false,
         }
     }
@@ -506,6 +588,12 @@ impl Router {
             .find(|l| l.split_once('=').is_none_or(|(k, _)| k.is_empty()))
         {
             return Err(RegisterError::Label(bad.clone()));
+        }
+        if info.taints.len() > MAX_TAINTS {
+            return Err(RegisterError::Taint(format!(
+                "{} taints, more than {MAX_TAINTS}",
+                info.taints.len()
+            )));
         }
         if self
             .workers
@@ -878,6 +966,7 @@ impl Router {
                 && w.role == req.role
                 && w.model == req.model
                 && in_subset(&w.endpoint, &req.subset)
+                && (w.taints.is_empty() || taint_verdict(w, &req.tolerations, 1.0).0)
             {
                 mask |= 1u64 << i;
                 block_size = w.block_size;
@@ -972,7 +1061,16 @@ impl Router {
                     kv_used_blocks: report.kv_used_blocks,
                     kv_total_blocks: report.kv_total_blocks,
                 },
-                preferred_taint_multiplier: None,
+                preferred_taint_multiplier: Some(if w.taints.is_empty() {
+                    1.0
+                } else {
+                    taint_verdict(
+                        w,
+                        &req.tolerations,
+                        policy.config().preferred_taint_multiplier,
+                    )
+                    .1
+                }),
                 predicted_ttft_s: predicted.map(|t| t.total_s()),
                 predicted_prefill_s: predicted.map(|t| t.prefill_s),
                 recent_selections: predict_ttft.then(|| self.recent[slot.index()].at(req.now_ms)),
@@ -1065,7 +1163,11 @@ impl Router {
         // Overlap for every available worker of the role.
         let mut mask = 0u64;
         for (i, w) in registered(self.registered, &self.workers) {
-            if w.available && w.role == req.role && in_subset(&w.endpoint, &req.subset) {
+            if w.available
+                && w.role == req.role
+                && in_subset(&w.endpoint, &req.subset)
+                && (w.taints.is_empty() || taint_verdict(w, &req.tolerations, 1.0).0)
+            {
                 mask |= 1u64 << i;
             }
         }
@@ -1431,6 +1533,7 @@ mod tests {
             block_size: 16,
             available: true,
             labels: Vec::new(),
+            taints: Vec::new(),
         }
     }
 

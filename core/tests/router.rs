@@ -40,6 +40,7 @@ fn engine(router: &mut Router, id: u64) -> Engine {
             block_size: 16,
             available: true,
             labels: Vec::new(),
+            taints: Vec::new(),
         })
         .unwrap();
     Engine {

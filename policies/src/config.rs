@@ -32,6 +32,9 @@ pub struct RouterConfig {
     pub track_prefill_tokens: bool,
     /// Base seed of every policy instance's RNG (mixed with the partition).
     pub seed: u64,
+    /// The cost multiplier of each `PreferNoSchedule` taint a worker has
+    /// and a request does not tolerate (the `PREFERRED_TAINT` signal).
+    pub preferred_taint_multiplier: f64,
 }
 
 impl Default for RouterConfig {
@@ -48,6 +51,7 @@ impl Default for RouterConfig {
             shared_cache_multiplier: None,
             track_prefill_tokens: true,
             seed: 0,
+            preferred_taint_multiplier: 2.0,
         }
     }
 }
@@ -81,6 +85,10 @@ impl RouterConfig {
             (
                 "shared_cache_multiplier",
                 self.shared_cache_multiplier.unwrap_or(0.0),
+            ),
+            (
+                "preferred_taint_multiplier",
+                self.preferred_taint_multiplier,
             ),
         ];
         for (name, value) in fields {

@@ -225,7 +225,7 @@ impl NativeClient {
     /// Chooses a worker. Exactly one of `tokens` (token ids; the daemon
     /// hashes them with the model's block size) and `hashes` (sequence
     /// hashes of the prompt's full blocks) is given.
-    #[pyo3(signature = (model, *, tokens=None, hashes=None, prompt_tokens=None, tenant=None, tags=None, headers=None, session=None, role="aggregated", priority=0, dry_run=false, trigger="user", parent_session=None, final_turn=false, target=None))]
+    #[pyo3(signature = (model, *, tokens=None, hashes=None, prompt_tokens=None, tenant=None, tags=None, headers=None, session=None, role="aggregated", priority=0, dry_run=false, trigger="user", parent_session=None, final_turn=false, target=None, tolerations=None))]
     #[allow(clippy::too_many_arguments)]
     fn select(
         &self,
@@ -245,6 +245,7 @@ impl NativeClient {
         parent_session: Option<&str>,
         final_turn: bool,
         target: Option<(u64, u32)>,
+        tolerations: Option<Vec<String>>,
     ) -> PyResult<Selection> {
         let role = self::role(role)?;
         let trigger = kvedge_wire::Trigger::parse(trigger).ok_or_else(|| {
@@ -270,6 +271,14 @@ impl NativeClient {
             )));
         }
         let headers = headers.unwrap_or_default();
+        let tolerations = tolerations.unwrap_or_default();
+        if tolerations.len() > kvedge_wire::MAX_TOLERATIONS {
+            return Err(PyValueError::new_err(format!(
+                "at most {} tolerations, got {}",
+                kvedge_wire::MAX_TOLERATIONS,
+                tolerations.len()
+            )));
+        }
         let mut guard = self.lock();
         let client = guard
             .as_mut()
@@ -302,6 +311,8 @@ impl NativeClient {
             q.parent_session = parent_session;
             q.session_final = final_turn;
             q.target = target.map(|(worker_id, dp_rank)| kvedge_wire::Target { worker_id, dp_rank });
+            let toleration_refs: Vec<&str> = tolerations.iter().map(String::as_str).collect();
+            q.tolerations = Strs::new(&toleration_refs);
             q.check_session_metadata()
                 .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
             Ok(match client.select(&q)? {
@@ -519,8 +530,8 @@ impl Publisher {
     /// daemon at `control_socket`.
     #[new]
     #[pyo3(
-        signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0, labels=None),
-        text_signature = "(control_socket, worker_id, model, *, dp_rank=0, role='aggregated', block_size=16, kv_blocks=(0, 0, 0), endpoint='', timeout=5.0, labels=None)"
+        signature = (control_socket, worker_id, model, *, dp_rank=0, role="aggregated", block_size=16, kv_blocks=(0, 0, 0), endpoint="", timeout=5.0, labels=None, taints=None),
+        text_signature = "(control_socket, worker_id, model, *, dp_rank=0, role='aggregated', block_size=16, kv_blocks=(0, 0, 0), endpoint='', timeout=5.0, labels=None, taints=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -535,6 +546,7 @@ impl Publisher {
         endpoint: &str,
         timeout: f64,
         labels: Option<std::collections::BTreeMap<String, String>>,
+        taints: Option<Vec<String>>,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block_size must be positive"));
@@ -557,7 +569,7 @@ impl Publisher {
                 .into_iter()
                 .map(|(key, value)| kvedge_schema::messages::control::Label { key, value })
                 .collect(),
-            taints: vec![],
+            taints: taints.unwrap_or_default(),
             endpoint: endpoint.to_owned(),
             ring_capacity: 0,
         };

@@ -324,3 +324,15 @@ def test_a_publishers_labels_reach_the_daemon(daemon: Daemon) -> None:
             kvedge.Publisher(daemon.control, 6, "m", labels={"a=b": "c"})
         assert c.stats()["workers"] == 1
     del p
+
+
+def test_taints_keep_requests_that_do_not_tolerate_them_away(daemon: Daemon) -> None:
+    p = kvedge.Publisher(daemon.control, 7, "m", endpoint="http://seven", taints=["draining:NoSchedule"])
+    with kvedge.Client(daemon.dir) as c:
+        wait_for(lambda: c.stats()["workers"] == 1, "the engine")
+        with pytest.raises(kvedge.NoWorker):
+            c.select("m", tokens=TOKENS, dry_run=True)
+        for explain in (False, True):
+            s = c.select("m", tokens=TOKENS, dry_run=True, tolerations=["draining"], explain=explain)
+            assert s.worker_id == 7
+    del p

@@ -138,6 +138,7 @@ pub fn run(
                 block_size: setup.engine.block_size,
                 available: true,
                 labels: Vec::new(),
+                taints: Vec::new(),
             })
             .expect("at most 64 simulated workers");
         worker_of[slot.index()] = w;
@@ -207,6 +208,7 @@ pub fn run(
                     now_ms: now / 1000,
                     dry_run: false,
                     subset: kvedge_wire::Strs::EMPTY,
+                    tolerations: kvedge_wire::Strs::EMPTY,
                     approximate: setup.approximate,
                 };
                 router.load.expire(now / 1000);

@@ -6,7 +6,8 @@
 
 use crate::reply::{Reply, SelectView};
 use crate::request::{
-    Ids, MAX_SUBSET, MAX_TAGS, Pairs, Request, Role, Select, Strs, Target, Trigger, Word, Words,
+    Ids, MAX_SUBSET, MAX_TAGS, MAX_TOLERATIONS, Pairs, Request, Role, Select, Strs, Target,
+    Trigger, Word, Words,
 };
 use crate::{ErrorReply, Status};
 
@@ -212,6 +213,11 @@ fn decode_select<'a>(c: &mut Cursor<'a>) -> Result<Select<'a>, &'static str> {
         };
         let parent = c.short_str()?;
         s.parent_session = (!parent.is_empty()).then_some(parent);
+        let count = c.u16()?;
+        if usize::from(count) > MAX_TOLERATIONS {
+            return Err("more than 32 tolerations");
+        }
+        s.tolerations = Strs::frame(count, c.strs(count, 1)?);
         s.check_session_metadata()?;
     }
     if flags & flag::TEXT != 0 {
@@ -334,6 +340,12 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
     let routing = s.has_routing();
     let parent = s.parent_session.unwrap_or("");
     short(parent, "parent session is too long")?;
+    if s.tolerations.len() > MAX_TOLERATIONS {
+        return Err(EncodeError("at most 32 tolerations"));
+    }
+    for t in s.tolerations.iter() {
+        short(t, "a toleration is too long")?;
+    }
     s.check_session_metadata().map_err(EncodeError)?;
     let count = u32::try_from(s.ids.len()).map_err(|_| EncodeError("the prompt is too long"))?;
     if s.approximate && matches!(s.ids, Ids::Tokens(_)) {
@@ -389,6 +401,8 @@ fn encode_select(out: &mut Vec<u8>, s: &Select<'_>) -> Result<(), EncodeError> {
             o.extend_from_slice(&target.worker_id.to_le_bytes());
             o.extend_from_slice(&target.dp_rank.to_le_bytes());
             put_short(o, parent);
+            o.extend_from_slice(&(s.tolerations.len() as u16).to_le_bytes());
+            s.tolerations.iter().for_each(|t| put_short(o, t));
         }
         if let (Some(t), Some(n)) = (s.text, text_len) {
             o.extend_from_slice(&n.to_le_bytes());
@@ -537,6 +551,7 @@ mod tests {
                 worker_id: 7,
                 dp_rank: 2,
             });
+            s.tolerations = Strs::new(&["spot", "gpu=a10"]);
             if with_subset {
                 s.subset = Strs::new(&subset);
             }
@@ -549,6 +564,10 @@ mod tests {
                 (Trigger::Tool, Some("parent"), true, s.target)
             );
             assert_eq!(d.subset.len(), usize::from(with_subset));
+            assert_eq!(
+                d.tolerations.iter().collect::<Vec<_>>(),
+                ["spot", "gpu=a10"]
+            );
         }
         // A target alone needs no session; a trigger does.
         let mut s = Select::new("llama", Role::Aggregated, Ids::hashes(&hashes));
@@ -569,7 +588,7 @@ mod tests {
             trigger: Trigger::User,
             ..s
         }));
-        let at = body.len() - 2 - 4 - 8 - 3;
+        let at = body.len() - 2 - 2 - 4 - 8 - 3;
         body[at] = 1;
         assert!(
             decode_request(&body)

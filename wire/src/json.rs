@@ -49,6 +49,8 @@ pub struct JsonRequest {
     #[serde(default, rename = "final")]
     session_final: bool,
     target: Option<TargetJson>,
+    #[serde(default)]
+    tolerations: Vec<String>,
     request_id: Option<u64>,
 }
 
@@ -154,6 +156,14 @@ impl JsonRequest {
             worker_id: t.worker_id,
             dp_rank: t.dp_rank,
         });
+        if self.tolerations.len() > crate::request::MAX_TOLERATIONS {
+            return Err(bad(format!(
+                "{} tolerations (at most {})",
+                self.tolerations.len(),
+                crate::request::MAX_TOLERATIONS
+            )));
+        }
+        s.tolerations = Strs::strings(&self.tolerations);
         s.check_session_metadata().map_err(|e| bad(e.into()))?;
         Ok(s)
     }
@@ -237,6 +247,8 @@ struct RequestOut<'a> {
     session_final: bool,
     #[serde(skip_serializing_if = "Option::is_none")]
     target: Option<TargetJson>,
+    #[serde(skip_serializing_if = "Strs::is_empty")]
+    tolerations: Strs<'a>,
     #[serde(skip_serializing_if = "Option::is_none")]
     request_id: Option<u64>,
 }
@@ -266,6 +278,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
         parent_session: None,
         session_final: false,
         target: None,
+        tolerations: Strs::EMPTY,
         request_id: None,
     };
     match *request {
@@ -295,6 +308,7 @@ pub fn encode_request(out: &mut Vec<u8>, request: &Request<'_>) -> Result<(), &'
                 worker_id: t.worker_id,
                 dp_rank: t.dp_rank,
             });
+            line.tolerations = s.tolerations;
         }
         Request::PrefillDone { request_id }
         | Request::Finish { request_id }

@@ -102,7 +102,13 @@ pub struct Select<'a> {
     /// target): no policy runs; the target must be an available worker of
     /// the model and role.
     pub target: Option<Target>,
+    /// The engines' taints this request tolerates: `key` (any value) or
+    /// `key=value`, at most [`MAX_TOLERATIONS`].
+    pub tolerations: Strs<'a>,
 }
+
+/// Most tolerations a select may carry.
+pub const MAX_TOLERATIONS: usize = 32;
 
 /// What started a session's turn: the policies' `input_trigger`.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -180,6 +186,7 @@ impl<'a> Select<'a> {
             parent_session: None,
             session_final: false,
             target: None,
+            tolerations: Strs::EMPTY,
         }
     }
 
@@ -191,6 +198,7 @@ impl<'a> Select<'a> {
             || self.parent_session.is_some()
             || self.session_final
             || self.target.is_some()
+            || !self.tolerations.is_empty()
     }
 
     /// Session metadata needs a session to belong to.

@@ -141,32 +141,50 @@ int main(int argc, char **argv) {
     EXPECT(kvedge_select_ex(c, &anonymous, &g, &res), KVEDGE_ERR_INVALID_ARGUMENT);
     rh.dry_run = 0;
 
-    /* An engine with labels; a label key that is empty or holds `=` is
-     * refused before anything is sent. */
+    /* An engine with labels and a taint: a request reaches it only when it
+     * tolerates the taint. A label key that is empty or holds `=` is
+     * refused before anything is sent; a taint the daemon cannot read is
+     * refused by the daemon. */
     kvedge_hello h8 = h;
     h8.worker_id = 8;
     h8.endpoint = "http://eight";
     const char *label_keys[2] = {"backend", "gpu"};
     const char *label_values[2] = {"fast", "h100"};
+    const char *taints[1] = {"draining:NoSchedule"};
     kvedge_publisher *p8 = NULL;
-    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, label_keys, label_values, 2, &p8), KVEDGE_OK);
+    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, label_keys, label_values, 2, taints, 1,
+                                         &p8),
+           KVEDGE_OK);
     CHECK(p8 != NULL);
+    const char *tolerations[1] = {"draining"};
     g.trigger = KVEDGE_TRIGGER_USER;
     g.parent_session = NULL;
     g.target_worker_id = 8;
+    g.tolerations = tolerations;
+    g.n_tolerations = 1;
     rh.dry_run = 1;
     tries = 0;
     while (kvedge_select_ex(c, &rh, &g, &res) != KVEDGE_OK && ++tries < 1000) sleep_ms(2);
     CHECK(res.worker_id == 8 && strcmp(res.endpoint, "http://eight") == 0);
+    g.n_tolerations = 0;
+    EXPECT(kvedge_select_ex(c, &rh, &g, &res), KVEDGE_ERR_NO_WORKER);
+    g.n_tolerations = 33;
+    EXPECT(kvedge_select_ex(c, &rh, &g, &res), KVEDGE_ERR_INVALID_ARGUMENT);
+    g.n_tolerations = 0;
+    g.has_target = 0;
     rh.dry_run = 0;
     const char *bad_keys[1] = {"a=b"};
     kvedge_publisher *p9 = NULL;
     h8.worker_id = 9;
-    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, bad_keys, label_values, 1, &p9),
+    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, bad_keys, label_values, 1, NULL, 0, &p9),
            KVEDGE_ERR_INVALID_ARGUMENT);
     CHECK(p9 == NULL);
-    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, NULL, NULL, 1, &p9),
+    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, NULL, NULL, 1, NULL, 0, &p9),
            KVEDGE_ERR_NULL_ARGUMENT);
+    const char *bad_taints[1] = {"spot"};
+    EXPECT(kvedge_publisher_open_labeled(argv[1], &h8, NULL, NULL, 0, bad_taints, 1, &p9),
+           KVEDGE_ERR_REJECTED);
+    CHECK(p9 == NULL);
     kvedge_publisher_close(p8);
 
     /* Bogus selects: errors, and the connection keeps working. */

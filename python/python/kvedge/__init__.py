@@ -169,6 +169,7 @@ class Client:
         parent_session: Optional[str] = None,
         final_turn: bool = False,
         target: Optional[Tuple[int, int]] = None,
+        tolerations: Optional[Sequence[str]] = None,
     ) -> Selection:
         """Chooses a worker for a request for ``model``. Exactly one of
         ``tokens`` and ``hashes`` (a list of ints, or a ``BlockHashes`` from
@@ -180,7 +181,8 @@ class Client:
         this turn), ``parent_session`` and ``final_turn`` (the session's
         last turn: its binding ends) describe ``session`` and need it.
         ``target``, a ``(worker_id, dp_rank)``, serves the request on
-        exactly that worker, with no policy."""
+        exactly that worker, with no policy. ``tolerations`` names the
+        engines' taints the request tolerates (``"key"`` or ``"key=value"``)."""
         if not explain and text is None:
             return self._native.select(
                 model,
@@ -198,6 +200,7 @@ class Client:
                 parent_session=parent_session,
                 final_turn=final_turn,
                 target=target,
+                tolerations=tolerations,
             )
         if (tokens is None) == (hashes is None):
             raise ValueError("give exactly one of tokens and hashes")
@@ -220,6 +223,7 @@ class Client:
             "parent_session": parent_session,
             "final": final_turn or None,
             "target": {"worker_id": target[0], "dp_rank": target[1]} if target is not None else None,
+            "tolerations": list(tolerations) if tolerations else None,
         }
         request.update({k: v for k, v in optional.items() if v is not None})
         return _selection_from_json(self._ask_json(request))
@@ -342,6 +346,7 @@ class AsyncClient:
         parent_session: Optional[str] = None,
         final_turn: bool = False,
         target: Optional[Tuple[int, int]] = None,
+        tolerations: Optional[Sequence[str]] = None,
     ) -> Selection:
         """Client.select, as a coroutine."""
         return await self._call(
@@ -363,6 +368,7 @@ class AsyncClient:
                 parent_session=parent_session,
                 final_turn=final_turn,
                 target=target,
+                tolerations=tolerations,
             )
         )
 

@@ -78,6 +78,7 @@ class NativeClient:
         parent_session: Optional[str] = None,
         final_turn: bool = False,
         target: Optional[Tuple[int, int]] = None,
+        tolerations: Optional[Sequence[str]] = None,
     ) -> Selection: ...
     def prefill_done(self, request_id: int) -> None: ...
     def finish(self, request_id: int) -> None: ...
@@ -102,6 +103,7 @@ class Publisher:
         endpoint: str = "",
         timeout: float = 5.0,
         labels: Optional[Dict[str, str]] = None,
+        taints: Optional[Sequence[str]] = None,
     ) -> Self: ...
     def stored(
         self,
