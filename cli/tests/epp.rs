@@ -1868,3 +1868,65 @@ fn the_regex_classifier_tags_what_comes_through_the_front_door() {
     assert_eq!(status, 200, "{reply}");
     assert_eq!(hits(), (before.0 + 3, before.1));
 }
+
+/// With `target_header` and `tolerations_header` configured, a gateway
+/// client may name the worker and the taints it tolerates; a target it
+/// may not reach, or one it cannot spell, is refused.
+#[test]
+fn the_front_door_reads_a_target_and_tolerations_from_configured_headers() {
+    let (epp_port, http_port) = (
+        free_port(Ipv4Addr::LOCALHOST),
+        free_port(Ipv4Addr::LOCALHOST),
+    );
+    let d = start(
+        "http-target",
+        &front_door_config(epp_port, http_port).replace(
+            "epp:\n",
+            "epp:\n  target_header: X-Target\n  tolerations_header: x-tolerate\n",
+        ),
+    );
+    let door = std::net::SocketAddr::from((Ipv4Addr::LOCALHOST, http_port));
+    wait_for(
+        || TcpStream::connect(door).is_ok(),
+        "the front door to listen",
+    );
+    let one = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 2));
+    let two = HttpEngine::start(Ipv4Addr::new(127, 0, 0, 3));
+    let mut a = register(&d, 1, &one.endpoint());
+    hold(&mut a, &prefix(1));
+    let tainted = Hello {
+        kv_blocks: [4096, 0, 0],
+        endpoint: two.endpoint(),
+        taints: vec!["draining:NoSchedule".into()],
+        ..Hello::new(2, "m")
+    };
+    let (s, p) = ProducerSession::connect(d.control(), &tainted, Duration::from_secs(5)).unwrap();
+    let _b = Publisher::new(Some(s), p);
+    wait_for(
+        || ask(&d.query(), json!({"op": "stats"}))["index_entries"] == 4,
+        "worker 1's blocks",
+    );
+    let mut tokens = prefix(2);
+    tokens.push(9);
+    let body = completion(&tokens, false);
+    let post = |headers: &[(&str, &str)]| {
+        let (status, _, reply) = kvedge_epp::testing::post(door, "/v1/completions", &body, headers);
+        (status, reply)
+    };
+    let hits = || (one.hits(), two.hits());
+    // The draining engine gets nothing it is not asked for.
+    for _ in 0..3 {
+        assert_eq!(post(&[]).0, 200);
+    }
+    assert_eq!(hits(), (3, 0));
+    let (status, reply) = post(&[("x-target", "2")]);
+    assert_eq!(status, 503, "untolerated: {reply}");
+    let (status, reply) = post(&[("x-target", "2/0"), ("x-tolerate", "spot, draining")]);
+    assert_eq!(status, 200, "{reply}");
+    assert_eq!(hits(), (3, 1));
+    let (status, reply) = post(&[("x-target", "two")]);
+    assert_eq!(status, 400, "{reply}");
+    assert!(reply.contains("not worker_id"), "{reply}");
+    assert_eq!(hits(), (3, 1));
+    drop(a);
+}

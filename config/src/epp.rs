@@ -73,6 +73,16 @@ pub struct EppSection {
     /// The request header naming a session (session affinity).
     #[serde(default)]
     pub session_header: Option<String>,
+    /// Off unless set: the request header naming an explicit target,
+    /// `worker_id` or `worker_id/dp_rank` (the request goes to exactly
+    /// that worker, no policy runs). Only for gateways whose clients may
+    /// choose workers.
+    #[serde(default)]
+    pub target_header: Option<String>,
+    /// Off unless set: the request header listing the engines' taints the
+    /// request tolerates, comma-separated (`spot, draining=yes`).
+    #[serde(default)]
+    pub tolerations_header: Option<String>,
     /// Off unless set: a request carrying this header gets its decision
     /// explained in the `x-kvedge-decision` response header (the worker,
     /// the policy or rule that chose it, the overlap, the candidates).
@@ -258,6 +268,8 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
         ("tenant_header", &e.tenant_header),
         ("session_header", &e.session_header),
         ("debug_header", &e.debug_header),
+        ("target_header", &e.target_header),
+        ("tolerations_header", &e.tolerations_header),
     ] {
         let Some(h) = h else { continue };
         if h.is_empty()

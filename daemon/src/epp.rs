@@ -165,6 +165,14 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
             .session_header
             .as_ref()
             .map(|h| h.to_ascii_lowercase()),
+        target_header: section
+            .target_header
+            .as_ref()
+            .map(|h| h.to_ascii_lowercase()),
+        tolerations_header: section
+            .tolerations_header
+            .as_ref()
+            .map(|h| h.to_ascii_lowercase()),
         debug_header: section
             .debug_header
             .as_ref()

@@ -58,6 +58,11 @@ pub struct Limits {
     pub tenant_header: Option<String>,
     /// The header naming a session for affinity (lower case).
     pub session_header: Option<String>,
+    /// The header naming an explicit target, `worker_id[/dp_rank]` (lower
+    /// case); `None`: clients cannot choose a worker.
+    pub target_header: Option<String>,
+    /// The header listing tolerated taints, comma-separated (lower case).
+    pub tolerations_header: Option<String>,
     /// The header that asks for the decision's explanation (lower case);
     /// `None`: never explained.
     pub debug_header: Option<String>,
@@ -96,6 +101,22 @@ pub struct SelectArgs {
     pub trigger: kvedge_wire::Trigger,
     /// The prompt's text for the regex classifier.
     pub text: Option<String>,
+    /// The target header's value, read when the select is made.
+    pub target: Option<String>,
+    /// The tolerations header's entries.
+    pub tolerations: Vec<String>,
+}
+
+/// A target header's value, `worker_id` or `worker_id/dp_rank`.
+pub fn parse_target(v: &str) -> Result<kvedge_wire::Target, String> {
+    let v = v.trim();
+    let (id, rank) = v.split_once('/').unwrap_or((v, "0"));
+    match (id.trim().parse(), rank.trim().parse()) {
+        (Ok(worker_id), Ok(dp_rank)) => Ok(kvedge_wire::Target { worker_id, dp_rank }),
+        _ => Err(format!(
+            "the target header `{v}` is not worker_id or worker_id/dp_rank"
+        )),
+    }
 }
 
 /// The select a read prompt asks for: by its token ids, or, without them,
@@ -716,6 +737,16 @@ pub fn select_args(
         approximate: p.approximate,
         trigger: p.trigger,
         text: p.text,
+        target: header(&limits.target_header),
+        tolerations: header(&limits.tolerations_header)
+            .map(|v| {
+                v.split(',')
+                    .map(str::trim)
+                    .filter(|t| !t.is_empty())
+                    .map(str::to_owned)
+                    .collect()
+            })
+            .unwrap_or_default(),
         tenant: header(&limits.tenant_header),
         session: header(&limits.session_header),
         headers: headers
@@ -1007,6 +1038,8 @@ mod tests {
             max_prompt_tokens: 8,
             tenant_header: Some("x-tenant".into()),
             session_header: None,
+            target_header: None,
+            tolerations_header: None,
             debug_header: None,
             approximate_chunk_bytes: 16,
             classify_text_bytes: Default::default(),

@@ -383,6 +383,28 @@ impl Picker {
         s.headers = Pairs::map(&headers);
         s.subset = Strs::strings(&args.subset);
         s.text = args.text.as_deref();
+        if let Some(t) = &args.target {
+            match picker::parse_target(t) {
+                Ok(target) => s.target = Some(target),
+                Err(message) => {
+                    return Picked::Refused {
+                        status: "bad_request",
+                        message,
+                    };
+                }
+            }
+        }
+        if args.tolerations.len() > kvedge_wire::MAX_TOLERATIONS {
+            return Picked::Refused {
+                status: "bad_request",
+                message: format!(
+                    "the tolerations header lists {} taints (at most {})",
+                    args.tolerations.len(),
+                    kvedge_wire::MAX_TOLERATIONS
+                ),
+            };
+        }
+        s.tolerations = Strs::strings(&args.tolerations);
         if args.explain {
             s.explain = true;
             return self.select_explained(&Request::Select(s)).await;

@@ -38,6 +38,8 @@ fn limits() -> Limits {
         max_prompt_tokens: 1 << 16,
         tenant_header: Some("x-tenant".into()),
         session_header: Some("x-session-id".into()),
+        target_header: None,
+        tolerations_header: None,
         debug_header: None,
         approximate_chunk_bytes: 64,
         classify_text_bytes: Default::default(),
