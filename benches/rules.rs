@@ -71,6 +71,8 @@ fn main() {
         priority: 0,
         headers: None,
         tags: &tags,
+        selection: None,
+        pinned: None,
     };
     let d = engine.decide(&request, &candidates);
     assert_eq!(d.rule, Some(9), "the last rule decides");

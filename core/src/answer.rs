@@ -56,9 +56,9 @@ fn session_context<'a>(id: &'a str, s: &Select<'a>) -> SessionContext<'a> {
 /// A selection error's status.
 fn status_of(e: &RouterError) -> Status {
     match e {
-        RouterError::RejectedByRule { .. } | RouterError::RejectedByClassifier(_) => {
-            Status::Rejected
-        }
+        RouterError::RejectedByRule { .. }
+        | RouterError::RejectedByClassifier(_)
+        | RouterError::TargetExcluded { .. } => Status::Rejected,
         RouterError::Deferred { .. } => Status::TooManyRequests,
         RouterError::NoRuleMatched => Status::NoRule,
         RouterError::Session(_) => Status::BadRequest,

@@ -158,6 +158,10 @@ pub enum RouterError {
     RejectedByRule { rule: String },
     #[error("no rule matches the request")]
     NoRuleMatched,
+    #[error(
+        "the request's target is not a candidate of rule `{rule}` (its consider or exclude drops it)"
+    )]
+    TargetExcluded { rule: String },
     #[error("the request classifier rejected the request: {0}")]
     RejectedByClassifier(String),
     #[error(
@@ -987,7 +991,7 @@ impl Router {
                     .find(|w| w.role == req.role)
                     .map_or(16, |w| w.block_size);
                 return self
-                    .select_by_rules(req, self.next_request_id, block_size, 0)
+                    .select_by_rules(req, self.next_request_id, block_size, 0, None, req.pinned)
                     .map(Some);
             }
             return Err(RouterError::NoWorkers {
@@ -1107,14 +1111,31 @@ impl Router {
         if let Some(p) = req.pinned {
             ctx = ctx.with_pinned_worker(p);
         }
+        let unbound = ctx;
         let ctx = self.affinity.apply(ctx)?;
         if warm {
             policy.warm(&ctx, &self.table);
             return Ok(None);
         }
-        if ctx.pinned_worker().is_none() && self.rules.is_some() {
+        if self.rules.is_some() {
+            // The rules see an exact target too (their exclude and onEmpty
+            // still hold); a tier ranking by a policy sees the context the
+            // policy would: the soft target, but not a hard binding, which
+            // the rules handle as the pin.
+            let ranking = if req.pinned.is_none() && ctx.pinned_worker().is_some() {
+                unbound
+            } else {
+                ctx
+            };
             return self
-                .select_by_rules(req, request_id, block_size, sharers)
+                .select_by_rules(
+                    req,
+                    request_id,
+                    block_size,
+                    sharers,
+                    Some(ranking),
+                    ctx.pinned_worker(),
+                )
                 .map(Some);
         }
         self.explained.last = Explain {
@@ -1159,6 +1180,8 @@ impl Router {
         request_id: u64,
         block_size: u32,
         prefix_sharers: u32,
+        selection: Option<WorkerSelectionContext<'_>>,
+        pinned: Option<WorkerWithDpRank>,
     ) -> Result<SelectResult, RouterError> {
         // Overlap for every available worker of the role.
         let mut mask = 0u64;
@@ -1242,7 +1265,7 @@ impl Router {
                 candidates.push(c);
             }
         }
-        let rule_request = RuleRequest {
+        let mut rule_request = RuleRequest {
             model: req.model,
             tenant: req.tenant,
             role: Some(req.role.as_str()),
@@ -1252,9 +1275,18 @@ impl Router {
             priority: req.priority,
             headers: req.headers,
             tags: req.tags,
+            selection,
+            pinned,
         };
         let engine = self.rules.as_mut().expect("checked by the caller");
-        let decision = engine.decide(&rule_request, &candidates);
+        let mut decision = engine.decide(&rule_request, &candidates);
+        if decision.outcome == Outcome::PinExcluded && req.pinned.is_none() {
+            // A hard session binding the matching rule does not keep: the
+            // rules choose as for an unbound request (and the session is
+            // bound to their choice).
+            rule_request.pinned = None;
+            decision = engine.decide(&rule_request, &candidates);
+        }
         self.explained.last = Explain {
             candidates: candidates.len(),
             survivors: decision.after_exclude,
@@ -1283,6 +1315,11 @@ impl Router {
                 });
             }
             Outcome::NoRuleMatched => return Err(RouterError::NoRuleMatched),
+            Outcome::PinExcluded => {
+                return Err(RouterError::TargetExcluded {
+                    rule: rule_name(decision.rule),
+                });
+            }
         };
         match chosen {
             Some(Ok(slot)) => {

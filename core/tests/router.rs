@@ -1302,3 +1302,155 @@ fn the_rules_and_the_policy_predict_the_same_ttft() {
         );
     }
 }
+
+const COMPOSED: &str = "
+policy:
+  rules:
+    - name: blocked
+      matches: [{ tenant: blocked }]
+      route:
+        consider: [{ backends: { names: [none] } }]
+        select: [{ type: Local }]
+    - name: not-two
+      matches: [{ tenant: picky }]
+      route:
+        exclude:
+          - drop: { workerId: 2 }
+        select: [{ type: Local, minimize: PredictedTTFT }]
+    - name: everyone
+      route:
+        select: [{ type: Local, minimize: PredictedTTFT }]
+";
+
+/// Rules and pins together: a hard session binding and an explicit target
+/// pass through the matching rule's consider and exclude. A binding the
+/// rule keeps stands; one it drops gives way to the rule's choice (and the
+/// session is bound there); a rule that rejects rejects a bound session
+/// too; a target the rule drops is refused, one it keeps is served.
+#[test]
+fn a_binding_or_a_target_goes_through_the_rules_consider_and_exclude() {
+    let mut router = Router::with_defaults();
+    router.set_rules(kvedge_policies::rules::load(COMPOSED).unwrap());
+    let _a = engine(&mut router, 1);
+    let mut b = engine(&mut router, 2);
+    let hashes = sequence_hashes(&prompt(3, 256), 16, None, None);
+    b.publisher
+        .publish_stored_hashes(Tier::Device, None, &hashes)
+        .unwrap();
+    ingest(&mut router, &mut b);
+    let session = SessionContext::new("s", InputTrigger::UserMessage);
+    let turn = |tenant: Option<&'static str>| SelectRequest {
+        tenant,
+        session: Some(session),
+        ..req(&hashes, 256)
+    };
+    // Bound to worker 2, the prefix's holder.
+    let r = router.select(&turn(None)).unwrap();
+    assert_eq!(r.worker.worker_id, 2);
+    router.finish(r.request_id).unwrap();
+    // A rejecting rule rejects the bound session.
+    let r = router.select(&turn(Some("blocked")));
+    assert!(
+        matches!(&r, Err(RouterError::RejectedByRule { rule }) if rule == "blocked"),
+        "{r:?}"
+    );
+    // A rule that drops worker 2: the binding gives way, and moves.
+    let r = router.select(&turn(Some("picky"))).unwrap();
+    assert_eq!((r.worker.worker_id, r.rule), (1, Some(1)));
+    router.finish(r.request_id).unwrap();
+    let r = router.select(&turn(None)).unwrap();
+    assert_eq!(r.worker.worker_id, 1, "the session moved with its turn");
+    router.finish(r.request_id).unwrap();
+    // An explicit target the rule drops is refused; one it keeps is served.
+    let target = |id: u64| SelectRequest {
+        tenant: Some("picky"),
+        pinned: Some(WorkerWithDpRank::new(id, 0)),
+        dry_run: true,
+        ..req(&hashes, 256)
+    };
+    let r = router.select(&target(2));
+    assert!(
+        matches!(&r, Err(RouterError::TargetExcluded { rule }) if rule == "not-two"),
+        "{r:?}"
+    );
+    assert_eq!(router.select(&target(1)).unwrap().worker.worker_id, 1);
+}
+
+/// Scores 0 for the worker the `x-prefer` header names and 1 for others.
+struct PreferHeader;
+
+impl kvedge_policies::WorkerScorer for PreferHeader {
+    fn required_worker_inputs(&self) -> kvedge_policies::WorkerInputs {
+        kvedge_policies::WorkerInputs::NONE
+    }
+
+    fn score(
+        &mut self,
+        context: &WorkerSelectionContext<'_>,
+        candidates: kvedge_policies::view::WorkerCandidates<'_>,
+        costs: &mut [f64],
+    ) -> Result<(), WorkerSelectionPolicyError> {
+        let preferred: Option<u64> = context
+            .agent_headers()
+            .and_then(|h| h.get("x-prefer"))
+            .and_then(|v| v.parse().ok());
+        for (c, cost) in candidates.iter().zip(costs) {
+            *cost = if Some(c.worker().worker_id) == preferred {
+                0.0
+            } else {
+                1.0
+            };
+        }
+        Ok(())
+    }
+}
+
+/// A tier that ranks by a worker-selection instance ranks with the
+/// request's own context: its headers reach the instance's scorers.
+#[test]
+fn a_tier_ranking_by_a_policy_sees_the_requests_context() {
+    let mut registry = kvedge_policies::router_plugin_registry();
+    registry
+        .register_worker_selection(
+            "prefer-header",
+            Arc::new(|_parameters| {
+                let factory: WorkerSelectionPolicyFactory = Arc::new(
+                    |config: &RouterConfig, role: WorkerType, _: &RoutingPartition| {
+                        WorkerSelectionPolicy::new(
+                            config.clone(),
+                            role.as_str(),
+                            vec![Box::new(PreferHeader)],
+                            Box::new(Counting {
+                                picks: Arc::default(),
+                                warms: Arc::default(),
+                            }),
+                        )
+                    },
+                );
+                Ok(factory)
+            }),
+        )
+        .unwrap();
+    let config = kvedge_config::Config::load(
+        "test",
+        "worker_selection:\n  instances:\n    - name: pref\n      type: prefer-header\npolicy:\n  rules:\n    - name: by-pref\n      route:\n        select: [{ type: Local, minimize: { policy: pref } }]\n",
+        &registry,
+        &Default::default(),
+    )
+    .unwrap();
+    let mut router = Router::from_config(&config);
+    let _a = engine(&mut router, 1);
+    let _b = engine(&mut router, 2);
+    let hashes = sequence_hashes(&prompt(4, 64), 16, None, None);
+    for preferred in ["2", "1", "2"] {
+        let headers = kvedge_policies::AgentHeaders::from_pairs([("X-Prefer", preferred)]);
+        let r = router
+            .select(&SelectRequest {
+                headers: Some(&headers),
+                dry_run: true,
+                ..req(&hashes, 64)
+            })
+            .unwrap();
+        assert_eq!(r.worker.worker_id.to_string(), preferred);
+    }
+}

@@ -18,6 +18,8 @@ fn req<'a>(model: &'a str, tenant: Option<&'a str>, tags: &'a [&'a str]) -> Rule
         priority: 0,
         headers: None,
         tags,
+        selection: None,
+        pinned: None,
     }
 }
 
@@ -343,6 +345,8 @@ fn every_predicate_form_and_absence() {
         priority: 2,
         headers: Some(&headers),
         tags: &tags,
+        selection: None,
+        pinned: None,
     };
     let cands = [local("m", 1, 0, 0)];
     let cases = [

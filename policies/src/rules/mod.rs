@@ -298,6 +298,9 @@ pub enum Outcome {
     Rejected,
     /// No rule matched (or every matching rule fell through).
     NoRuleMatched,
+    /// The request's exact target did not survive the matching rule's
+    /// `consider` and `exclude`.
+    PinExcluded,
 }
 
 /// A decision and its explanation.
@@ -322,8 +325,9 @@ pub struct RuleEngine {
     rng: PolicyRng,
     survivors: Vec<u32>,
     ranked: Vec<(f64, u32)>,
-    /// One instance per `cost_policies` entry, and the buffers they run in.
-    cost_instances: Vec<crate::policy::WorkerSelectionPolicy>,
+    /// Per `cost_policies` entry, one instance for each role (a tier ranks
+    /// a request with its own role's), and the buffers they run in.
+    cost_instances: Vec<Vec<crate::policy::WorkerSelectionPolicy>>,
     cost_table: crate::table::CandidateTable,
     cost_rows: Vec<u32>,
     costs: Vec<f64>,
@@ -332,13 +336,21 @@ pub struct RuleEngine {
 impl RuleEngine {
     pub fn new(policy: RulePolicy) -> Self {
         let rng = PolicyRng::seed_from_u64(policy.seed);
-        let partition =
-            crate::context::RoutingPartition::new(crate::context::WorkerType::Aggregated, "rules");
         let cost_instances = match &policy.plugins {
             Some(plugins) => policy
                 .cost_policies
                 .iter()
-                .filter_map(|name| plugins.build_instance(name, &partition))
+                .map(|name| {
+                    crate::context::WorkerType::ALL
+                        .iter()
+                        .filter_map(|&role| {
+                            plugins.build_instance(
+                                name,
+                                &crate::context::RoutingPartition::new(role, "rules"),
+                            )
+                        })
+                        .collect()
+                })
                 .collect(),
             None => Vec::new(),
         };
@@ -417,12 +429,36 @@ impl RuleEngine {
                 });
             }
             let after_exclude = self.survivors.len();
+            // An exact target is the choice if the rule keeps it.
+            if let Some(pin) = request.pinned {
+                let kept = self.survivors.iter().find(|&&i| {
+                    let c = &candidates[i as usize];
+                    c.kind == CandidateKind::Local && c.worker == Some(pin)
+                });
+                return Decision {
+                    outcome: match kept {
+                        Some(&i) => Outcome::Chosen(i as usize),
+                        None => Outcome::PinExcluded,
+                    },
+                    rule: Some(index),
+                    tier: None,
+                    considered,
+                    after_exclude,
+                    fell_through,
+                };
+            }
             // select
             for (t, tier) in rule.tiers.iter().enumerate() {
                 self.ranked.clear();
                 if let Objective::PolicyCost(slot) = tier.objective {
+                    let role = request
+                        .role
+                        .and_then(crate::context::WorkerType::parse)
+                        .unwrap_or(crate::context::WorkerType::Aggregated);
                     rank_by_policy(
-                        self.cost_instances.get_mut(slot),
+                        self.cost_instances
+                            .get_mut(slot)
+                            .and_then(|by_role| by_role.get_mut(role as usize)),
                         request,
                         candidates,
                         &self.survivors,
@@ -525,8 +561,9 @@ fn rank_by_policy(
     if rows.is_empty() {
         return;
     }
-    let ctx =
-        crate::context::WorkerSelectionContext::new("", request.prompt_tokens, request.block_size);
+    let ctx = request.selection.unwrap_or_else(|| {
+        crate::context::WorkerSelectionContext::new("", request.prompt_tokens, request.block_size)
+    });
     if instance.costs_into(&ctx, table, costs).is_err() {
         return;
     }

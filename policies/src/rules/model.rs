@@ -26,6 +26,16 @@ pub struct RuleRequest<'a> {
     pub headers: Option<&'a AgentHeaders>,
     /// `type-degree` tags: sent by the client or produced by classifiers.
     pub tags: &'a [&'a str],
+    /// The context the host's worker-selection policies see for this
+    /// request (session, soft-affinity target, headers, priority, clock):
+    /// a `minimize: { policy: ... }` tier ranks with it. `None`: a bare
+    /// context of the prompt's size.
+    pub selection: Option<crate::context::WorkerSelectionContext<'a>>,
+    /// An exact target (an explicit one, or a hard session binding): when
+    /// it survives the matching rule's `consider` and `exclude` it is the
+    /// choice, ahead of the tiers; when it does not, the decision is
+    /// [`super::Outcome::PinExcluded`].
+    pub pinned: Option<WorkerWithDpRank>,
 }
 
 impl RuleRequest<'_> {
@@ -366,6 +376,8 @@ mod tests {
             priority: 0,
             headers: None,
             tags: &[],
+            selection: None,
+            pinned: None,
         };
         let mut c = RuleCandidate::local("m", WorkerWithDpRank::new(1, 0));
         assert_eq!(m.predict(&c, &r), None, "no load signal, no prediction");
