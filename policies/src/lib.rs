@@ -55,6 +55,8 @@ pub use yaml::WorkerSelectionConfig;
 /// The plugin API under Dynamo's module paths.
 pub mod plugins {
     pub use crate::error::WorkerSelectionPolicyRegistryError;
+    #[allow(deprecated)]
+    pub use crate::registry::WorkerSelectionPolicyRegistry;
     pub use crate::registry::{RouterPluginRegistry, RouterPlugins, router_plugin_registry};
 
     /// Filters, scorers, pickers and what they see.

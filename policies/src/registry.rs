@@ -162,6 +162,11 @@ impl fmt::Debug for RouterPluginRegistry {
     }
 }
 
+/// The registry under its old name (the plugin API's compatibility alias):
+/// the same type, so existing policies register into it unchanged.
+#[deprecated(note = "use RouterPluginRegistry")]
+pub type WorkerSelectionPolicyRegistry = RouterPluginRegistry;
+
 /// The host registry: every shipped type registered.
 pub fn router_plugin_registry() -> RouterPluginRegistry {
     let mut r = RouterPluginRegistry::empty();
@@ -206,6 +211,17 @@ impl RouterPluginRegistry {
         }
         self.providers.insert(type_name.to_owned(), provider);
         Ok(())
+    }
+
+    /// The worker-only registration method under its old name, kept as the
+    /// plugin API keeps it for policies written against earlier releases.
+    #[deprecated(note = "use register_worker_selection")]
+    pub fn register(
+        &mut self,
+        type_name: &str,
+        provider: WorkerSelectionPolicyProvider,
+    ) -> Result<(), WorkerSelectionPolicyRegistryError> {
+        self.register_worker_selection(type_name, provider)
     }
 
     pub fn contains(&self, type_name: &str) -> bool {

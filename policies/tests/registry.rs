@@ -370,3 +370,15 @@ fn a_custom_registry_resolves_its_own_types() {
         .unwrap();
     assert_eq!(p.selection(WorkerType::Decode), ("m", "mine"));
 }
+
+/// The compatibility names: the registry's old name is the same type, and
+/// the worker-only `register` registers a worker-selection type.
+#[test]
+#[allow(deprecated)]
+fn the_old_registry_name_and_register_method_still_work() {
+    let mut registry: kvedge_policies::plugins::WorkerSelectionPolicyRegistry =
+        kvedge_policies::router_plugin_registry();
+    registry.register("old-style", dummy_provider()).unwrap();
+    assert!(registry.contains("old-style"));
+    assert!(registry.register("old-style", dummy_provider()).is_err());
+}
