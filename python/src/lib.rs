@@ -310,7 +310,8 @@ impl NativeClient {
             q.trigger = trigger;
             q.parent_session = parent_session;
             q.session_final = final_turn;
-            q.target = target.map(|(worker_id, dp_rank)| kvedge_wire::Target { worker_id, dp_rank });
+            q.target =
+                target.map(|(worker_id, dp_rank)| kvedge_wire::Target { worker_id, dp_rank });
             let toleration_refs: Vec<&str> = tolerations.iter().map(String::as_str).collect();
             q.tolerations = Strs::new(&toleration_refs);
             q.check_session_metadata()
