@@ -37,6 +37,7 @@ pub mod pool;
 pub mod prefix;
 pub mod server;
 pub mod stage;
+pub mod template;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
 pub mod text;

@@ -180,17 +180,7 @@ impl Models {
                             p.display()
                         )
                     })?;
-                    let mut env = minijinja::Environment::new();
-                    env.add_function(
-                        "raise_exception",
-                        |msg: String| -> Result<String, minijinja::Error> {
-                            Err(minijinja::Error::new(
-                                minijinja::ErrorKind::InvalidOperation,
-                                msg,
-                            ))
-                        },
-                    );
-                    env.add_template_owned("chat", source).map_err(|e| {
+                    let env = crate::template::environment(source).map_err(|e| {
                         format!("model `{}`: chat template {}: {e}", s.name, p.display())
                     })?;
                     Some(env)
