@@ -851,14 +851,7 @@ impl Router {
         for (recent, count) in self.explained.recent.iter_mut().zip(&self.recent) {
             *recent = count.at(now_ms);
         }
-        Predicting {
-            ttft: &self.prefill.ttft,
-            load: &self.load,
-            speed: &self.prefill.speed,
-            peer_speed: self.prefill.peer_speed,
-            now_ms,
-        }
-        .all_into(
+        Predicting::new(&self.prefill, &self.load, now_ms).all_into(
             &mut self.explained.ttft,
             registered(self.registered, &self.workers),
             &self.overlap,
@@ -870,14 +863,12 @@ impl Router {
         let block_size = self.workers[slot.index()]
             .as_ref()
             .map_or(1, |w| w.block_size);
-        Predicting {
-            ttft: &self.prefill.ttft,
-            load: &self.load,
-            speed: &self.prefill.speed,
-            peer_speed: self.prefill.peer_speed,
-            now_ms,
-        }
-        .terms(slot, block_size, prompt_tokens, overlap)
+        Predicting::new(&self.prefill, &self.load, now_ms).terms(
+            slot,
+            block_size,
+            prompt_tokens,
+            overlap,
+        )
     }
 
     /// Chooses a worker for `req`, reserves it (unless a dry run) and
@@ -1043,14 +1034,12 @@ impl Router {
             ];
             deepest = deepest.max(overlap[0]);
             let predicted = predict_ttft.then(|| {
-                Predicting {
-                    ttft: &self.prefill.ttft,
-                    load: &self.load,
-                    speed: &self.prefill.speed,
-                    peer_speed: self.prefill.peer_speed,
-                    now_ms: req.now_ms,
-                }
-                .terms(slot, w.block_size, req.prompt_tokens, overlap)
+                Predicting::new(&self.prefill, &self.load, req.now_ms).terms(
+                    slot,
+                    w.block_size,
+                    req.prompt_tokens,
+                    overlap,
+                )
             });
             self.table.push(CandidateRow {
                 worker: w.worker,
@@ -1237,14 +1226,12 @@ impl Router {
             // The policies' prediction (the falling backlog, learned
             // speeds), so that `PredictedTTFT` and `explain` agree with it.
             c.ttft = Some(
-                Predicting {
-                    ttft: &self.prefill.ttft,
-                    load: &self.load,
-                    speed: &self.prefill.speed,
-                    peer_speed: self.prefill.peer_speed,
-                    now_ms: req.now_ms,
-                }
-                .terms(slot, w.block_size, req.prompt_tokens, overlap),
+                Predicting::new(&self.prefill, &self.load, req.now_ms).terms(
+                    slot,
+                    w.block_size,
+                    req.prompt_tokens,
+                    overlap,
+                ),
             );
             c.prefill_tokens_per_second = self.prefill.speed[i]
                 .tokens_per_second(
@@ -1467,7 +1454,18 @@ struct Predicting<'a> {
     now_ms: u64,
 }
 
-impl Predicting<'_> {
+impl<'a> Predicting<'a> {
+    /// The prediction's inputs at `now_ms`.
+    fn new(prefill: &'a Prefill, load: &'a LoadTable, now_ms: u64) -> Self {
+        Predicting {
+            ttft: &prefill.ttft,
+            load,
+            speed: &prefill.speed,
+            peer_speed: prefill.peer_speed,
+            now_ms,
+        }
+    }
+
     /// The prediction for `slot`, with the request's overlap there.
     fn terms(
         &self,

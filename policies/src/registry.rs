@@ -175,6 +175,21 @@ pub fn router_plugin_registry() -> RouterPluginRegistry {
     r
 }
 
+/// Whether `type_name` may be registered: a valid name, not `taken`.
+fn new_type_name(type_name: &str, taken: bool) -> Result<(), WorkerSelectionPolicyRegistryError> {
+    if !valid_name(type_name, false) {
+        return Err(WorkerSelectionPolicyRegistryError::InvalidTypeName(
+            type_name.to_owned(),
+        ));
+    }
+    if taken {
+        return Err(WorkerSelectionPolicyRegistryError::DuplicateType(
+            type_name.to_owned(),
+        ));
+    }
+    Ok(())
+}
+
 fn valid_name(name: &str, allow_upper: bool) -> bool {
     (1..=64).contains(&name.len())
         && name != DEFAULT_SELECTION
@@ -199,16 +214,7 @@ impl RouterPluginRegistry {
         type_name: &str,
         provider: WorkerSelectionPolicyProvider,
     ) -> Result<(), WorkerSelectionPolicyRegistryError> {
-        if !valid_name(type_name, false) {
-            return Err(WorkerSelectionPolicyRegistryError::InvalidTypeName(
-                type_name.to_owned(),
-            ));
-        }
-        if self.providers.contains_key(type_name) {
-            return Err(WorkerSelectionPolicyRegistryError::DuplicateType(
-                type_name.to_owned(),
-            ));
-        }
+        new_type_name(type_name, self.providers.contains_key(type_name))?;
         self.providers.insert(type_name.to_owned(), provider);
         Ok(())
     }
@@ -235,16 +241,7 @@ impl RouterPluginRegistry {
         type_name: &str,
         provider: RequestClassifierProvider,
     ) -> Result<(), WorkerSelectionPolicyRegistryError> {
-        if !valid_name(type_name, false) {
-            return Err(WorkerSelectionPolicyRegistryError::InvalidTypeName(
-                type_name.to_owned(),
-            ));
-        }
-        if self.classifiers.contains_key(type_name) {
-            return Err(WorkerSelectionPolicyRegistryError::DuplicateType(
-                type_name.to_owned(),
-            ));
-        }
+        new_type_name(type_name, self.classifiers.contains_key(type_name))?;
         self.classifiers.insert(type_name.to_owned(), provider);
         Ok(())
     }
