@@ -803,7 +803,7 @@ impl Router {
 
     /// The request's dispatch failed before a response stream: its
     /// reservation is released and its session's binding goes back to
-    /// what it was before its select (seed 000: a failure before a
+    /// what it was before its select (the plugin API: a failure before a
     /// response stream leaves the previous binding intact). After its
     /// prefill was done, or once it expired, it is a plain `finish`.
     pub fn abort(&mut self, request_id: u64, now_ms: u64) -> Result<(), LoadError> {

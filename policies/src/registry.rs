@@ -108,7 +108,7 @@ impl WorkerSelectionPolicyParameters {
 /// Selections given outside the YAML (command line, environment). Each
 /// field is the command-line option, else its environment variable; a
 /// role's own override comes before the all-roles one, which comes before
-/// the YAML (seed 000's order).
+/// the YAML (the plugin API's order).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SelectionOverrides {
     /// All roles: `--worker-selection-policy`, else
