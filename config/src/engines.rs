@@ -188,18 +188,6 @@ pub struct EngineRank {
     pub taints: Vec<String>,
 }
 
-/// Whether `t` is `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`
-/// (the routing core parses it the same way at registration).
-fn taint_ok(t: &str) -> bool {
-    t.rsplit_once(':').is_some_and(|(kv, effect)| {
-        matches!(effect, "NoSchedule" | "PreferNoSchedule")
-            && kv
-                .split('=')
-                .next()
-                .is_some_and(|k| !k.is_empty() && !k.contains(':'))
-    })
-}
-
 /// A ZeroMQ endpoint kvedge can use.
 fn endpoint_problem(endpoint: &str) -> Option<String> {
     if let Some(path) = endpoint.strip_prefix("ipc://") {
@@ -295,7 +283,11 @@ impl EngineSpec {
                 "label `{k}`: a label's key is not empty and has no `=`"
             ));
         }
-        if let Some(t) = self.taints.iter().find(|t| !taint_ok(t)) {
+        if let Some(t) = self
+            .taints
+            .iter()
+            .find(|t| crate::Taint::parse(t).is_none())
+        {
             return Some(format!(
                 "taint `{t}` is not `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`"
             ));

@@ -23,12 +23,14 @@ pub mod epp;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod source;
+mod taint;
 
 /// Workers one daemon routes to at most: the KV index keeps which workers
 /// hold a block as a 64-bit mask.
 pub const MAX_WORKERS: usize = 64;
 pub use engines::{EngineKind, EngineRank, EngineSpec};
 pub use epp::{EppModel, EppSection};
+pub use taint::{Taint, TaintEffect};
 
 /// A configuration that cannot be used.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

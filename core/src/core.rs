@@ -373,7 +373,7 @@ impl Core {
         let taints = hello
             .taints
             .iter()
-            .map(|t| crate::router::Taint::parse(t))
+            .map(|t| crate::router::Taint::parse(t).ok_or_else(|| RegisterError::Taint(t.clone())))
             .collect::<Result<Vec<_>, _>>()?;
         let slot = self.router.register(WorkerInfo {
             worker: WorkerWithDpRank::new(hello.worker_id, hello.dp_rank),

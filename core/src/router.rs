@@ -46,57 +46,7 @@ pub struct WorkerInfo {
     pub taints: Vec<Taint>,
 }
 
-/// What a taint does to a request that does not tolerate it.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TaintEffect {
-    /// The worker is not a candidate (a required routing constraint).
-    NoSchedule,
-    /// The worker's cost is multiplied by `router.preferred_taint_multiplier`
-    /// (a preferred routing constraint, the `PREFERRED_TAINT` signal).
-    PreferNoSchedule,
-}
-
-/// An engine's taint, `key[=value]:Effect` as Kubernetes writes one. A
-/// request tolerates it with `key` (any value) or `key=value`.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub struct Taint {
-    pub key: String,
-    pub value: Option<String>,
-    pub effect: TaintEffect,
-}
-
-impl Taint {
-    /// Parses `key[=value]:NoSchedule` or `key[=value]:PreferNoSchedule`.
-    pub fn parse(s: &str) -> Result<Taint, RegisterError> {
-        let bad = || RegisterError::Taint(s.to_owned());
-        let (kv, effect) = s.rsplit_once(':').ok_or_else(bad)?;
-        let effect = match effect {
-            "NoSchedule" => TaintEffect::NoSchedule,
-            "PreferNoSchedule" => TaintEffect::PreferNoSchedule,
-            _ => return Err(bad()),
-        };
-        let (key, value) = match kv.split_once('=') {
-            Some((k, v)) => (k, Some(v.to_owned())),
-            None => (kv, None),
-        };
-        if key.is_empty() || key.contains(':') {
-            return Err(bad());
-        }
-        Ok(Taint {
-            key: key.to_owned(),
-            value,
-            effect,
-        })
-    }
-
-    /// Whether one of `tolerations` (`key` or `key=value`) tolerates it.
-    pub fn tolerated_by(&self, tolerations: &kvedge_wire::Strs<'_>) -> bool {
-        tolerations.iter().any(|t| match t.split_once('=') {
-            Some((k, v)) => k == self.key && self.value.as_deref() == Some(v),
-            None => t == self.key,
-        })
-    }
-}
+pub use kvedge_config::{Taint, TaintEffect};
 
 /// Whether `w` may serve a request with `tolerations` (no `NoSchedule`
 /// taint it does not tolerate), and its preferred-taint cost multiplier.
@@ -107,7 +57,7 @@ fn taint_verdict(
 ) -> (bool, f64) {
     let mut m = 1.0;
     for t in &w.taints {
-        if t.tolerated_by(tolerations) {
+        if t.tolerated_by(tolerations.iter()) {
             continue;
         }
         match t.effect {
