@@ -40,7 +40,7 @@ fn main() {
     let read = parse(Route::Completions, &completion).unwrap();
     assert_eq!(read.prompt, Prompt::Tokens(ids.clone()));
     assert!(
-        matches!(parse(Route::Chat, &chat).unwrap().prompt, Prompt::Messages(m) if m.len() == 3)
+        matches!(parse(Route::Chat, &chat).unwrap().prompt, Prompt::Messages(c) if c.messages.len() == 3)
     );
 
     let mut g = c.benchmark_group("body");

@@ -145,14 +145,14 @@ fn main() {
     // the token-id row.
     let tokens = match Models::load_with(std::slice::from_ref(&spec), 0)
         .unwrap()
-        .tokens("m", Prompt::Messages(messages(0, true)), 1 << 20)
+        .tokens("m", Prompt::chat(messages(0, true)), 1 << 20)
         .unwrap()
     {
         kvedge_epp::tokenize::Tokens::Ids(ids) => ids,
         kvedge_epp::tokenize::Tokens::Text(_) => panic!("not tokenized"),
     };
-    let alone_new = timed(&|i| Prompt::Messages(messages(i, false)));
-    let alone_seen = timed(&|i| Prompt::Messages(messages(i, true)));
+    let alone_new = timed(&|i| Prompt::chat(messages(i, false)));
+    let alone_seen = timed(&|i| Prompt::chat(messages(i, true)));
     // The same text as a plain-text completion prompt (a conversation
     // kept as one string): a new one every time, or the next turn.
     let text_new =

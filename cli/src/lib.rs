@@ -674,9 +674,16 @@ pub fn main_with_registry(registry: RouterPluginRegistry) -> ExitCode {
             ) {
                 Ok(config) => {
                     let rules = config.rules.as_ref().map_or(0, |r| r.rules.len());
+                    let warnings = kvedge_daemon::epp::template_warnings(config.epp.as_ref());
                     if json {
-                        outln!("{}", serde_json::json!({"ok": true, "rules": rules}));
+                        outln!(
+                            "{}",
+                            serde_json::json!({"ok": true, "rules": rules, "warnings": warnings})
+                        );
                     } else {
+                        for w in &warnings {
+                            eprintln!("warning: {w}");
+                        }
                         outln!("{}: ok ({rules} rules)", file.display());
                     }
                     ExitCode::SUCCESS

@@ -68,6 +68,48 @@ fn hash_rejects_bad_input_with_a_message() {
 }
 
 #[test]
+fn check_config_warns_of_template_constructs_kvedge_cannot_render() {
+    let dir = std::env::temp_dir().join(format!("kvedge-cli-tpl-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let template = dir.join("chat.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content | wordwrap(40) }}\n{% endfor %}",
+    )
+    .unwrap();
+    let config = dir.join("epp.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "epp:\n  models:\n    - name: m\n      chat_template: {}\n",
+            template.display()
+        ),
+    )
+    .unwrap();
+    let (code, out, err) = kvedge(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        err.contains("warning: epp model `m`: chat template")
+            && err.contains("filter `wordwrap`: kvedge cannot render it as the engine does"),
+        "{err}"
+    );
+    let (code, out, _) = kvedge(&["check-config", "--json", config.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["warnings"].as_array().map(Vec::len), Some(1), "{out}");
+    // A template kvedge renders as the engine does: no warning.
+    std::fs::write(
+        &template,
+        "{% for m in messages %}{{ m.content | trim }}{% endfor %}",
+    )
+    .unwrap();
+    let (code, _, err) = kvedge(&["check-config", config.to_str().unwrap()]);
+    assert_eq!(code, 0);
+    assert!(!err.contains("warning"), "{err}");
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn check_config_exit_codes_and_messages() {
     let dir = std::env::temp_dir().join(format!("kvedge-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

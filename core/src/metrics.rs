@@ -105,6 +105,9 @@ pub struct PickerStats {
     pub prefix_tokens_encoded: u64,
     /// Bytes the prefix caches hold.
     pub prefix_bytes: u64,
+    /// Chats routed on their text because their template could not be
+    /// rendered as the engine renders it.
+    pub template_fallbacks: u64,
     /// How long reading a prompt took, and a select's round trip to the
     /// routing core.
     pub prompt_durations: StageDurations,
@@ -325,6 +328,11 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
         "epp_http_upstream_errors",
         "Requests the HTTP front door answered 502 or 504: the picked engine could not be reached, failed, or did not answer within epp.pick_timeout_ms",
         counter(p.http_upstream_errors),
+    );
+    r.register(
+        "epp_template_fallbacks",
+        "Chats routed on their text, not their token ids, because the chat template could not be rendered as the engine renders it (a picture or other non-text part in a message)",
+        counter(p.template_fallbacks),
     );
     r.register(
         "epp_prefix_cache_hits",

@@ -224,6 +224,7 @@ fn snapshot(s: &Stats, prefix: kvedge_epp::tokenize::PrefixCounts) -> PickerStat
         prefix_tokens_reused: prefix.tokens_reused,
         prefix_tokens_encoded: prefix.tokens_encoded,
         prefix_bytes: prefix.bytes,
+        template_fallbacks: prefix.template_fallbacks,
         prompt_durations: durations(&s.prompt_durations),
         select_durations: durations(&s.select_durations),
     }
@@ -342,6 +343,35 @@ pub fn start(loaded: Loaded, tx: JobSender) -> io::Result<Addrs> {
             });
         })?;
     Ok(addrs)
+}
+
+/// What each configured chat template uses that kvedge cannot render as
+/// the engine does: chats it renders wrong would be routed on hashes no
+/// engine has.
+pub fn template_warnings(epp: Option<&kvedge_config::EppSection>) -> Vec<String> {
+    let mut out = Vec::new();
+    for m in epp.map_or(&[][..], |e| &e.models[..]) {
+        let Some(path) = &m.chat_template else {
+            continue;
+        };
+        // The loader has checked the file; a race that removed it since
+        // is the daemon's to report.
+        let Ok(source) = std::fs::read_to_string(path) else {
+            continue;
+        };
+        for what in kvedge_epp::template::unsupported(&source) {
+            let why = if what.starts_with('`') {
+                what
+            } else {
+                format!("{what}: kvedge cannot render it as the engine does")
+            };
+            out.push(format!(
+                "epp model `{}`: chat template {path}: {why}",
+                m.name
+            ));
+        }
+    }
+    out
 }
 
 #[cfg(test)]

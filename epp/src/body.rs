@@ -46,9 +46,49 @@ pub enum Prompt {
     Text(String),
     /// Completion token ids, used as they are.
     Tokens(Vec<u32>),
-    /// Chat messages (each an object with `role` and `content`), for the
-    /// chat template.
-    Messages(Vec<Value>),
+    /// A chat, for the chat template (boxed: the other prompts are a
+    /// pointer and a length).
+    Messages(Box<Chat>),
+}
+
+impl Prompt {
+    /// A chat of `messages` with every other field at its default.
+    pub fn chat(messages: Vec<Value>) -> Prompt {
+        Prompt::Messages(Box::new(Chat::of(messages)))
+    }
+}
+
+/// A chat request's fields that reach the chat template, as the client
+/// sent them: the engine's OpenAI server turns them into the template's
+/// context ([`crate::chat`]).
+#[derive(Debug, Default, PartialEq)]
+pub struct Chat {
+    /// Each an object with a string `role`.
+    pub messages: Vec<Value>,
+    /// `tools`: function definitions.
+    pub tools: Option<Value>,
+    /// `documents`: retrieval documents (dicts of strings).
+    pub documents: Option<Value>,
+    /// `chat_template_kwargs`: further variables for the template.
+    pub kwargs: serde_json::Map<String, Value>,
+    /// `add_generation_prompt` (default true).
+    pub add_generation_prompt: bool,
+    /// `continue_final_message` (default false).
+    pub continue_final_message: bool,
+    /// `reasoning_effort`, which templates read (and which turns thinking
+    /// on or off where the template has `enable_thinking`).
+    pub reasoning_effort: Option<String>,
+}
+
+impl Chat {
+    /// A chat of `messages` with every other field at its default.
+    pub fn of(messages: Vec<Value>) -> Chat {
+        Chat {
+            messages,
+            add_generation_prompt: true,
+            ..Chat::default()
+        }
+    }
 }
 
 /// Why a body cannot be routed: answered to the client as a 400.
@@ -66,6 +106,13 @@ pub enum BodyError {
     BadMessages,
     #[error("the request has no `prompt`")]
     NoPrompt,
+    #[error("`{field}` {expected}")]
+    BadChatField {
+        field: &'static str,
+        expected: &'static str,
+    },
+    #[error("`chat_template_kwargs` may not set `{0}`")]
+    ReservedKwarg(String),
 }
 
 #[derive(Debug, Deserialize, PartialEq)]
@@ -73,6 +120,35 @@ struct Body<P> {
     model: Option<String>,
     prompt: Option<P>,
     messages: Option<Value>,
+    #[serde(default)]
+    tools: Option<Value>,
+    #[serde(default)]
+    documents: Option<Value>,
+    #[serde(default)]
+    chat_template_kwargs: Option<Value>,
+    #[serde(default)]
+    add_generation_prompt: Option<Value>,
+    #[serde(default)]
+    continue_final_message: Option<Value>,
+    #[serde(default)]
+    reasoning_effort: Option<Value>,
+}
+
+impl<P> Body<P> {
+    /// The same body with its prompt turned by `f`.
+    fn map_prompt<Q>(self, f: impl FnOnce(P) -> Q) -> Body<Q> {
+        Body {
+            model: self.model,
+            prompt: self.prompt.map(f),
+            messages: self.messages,
+            tools: self.tools,
+            documents: self.documents,
+            chat_template_kwargs: self.chat_template_kwargs,
+            add_generation_prompt: self.add_generation_prompt,
+            continue_final_message: self.continue_final_message,
+            reasoning_effort: self.reasoning_effort,
+        }
+    }
 }
 
 /// Reads `body` for `route`.
@@ -98,11 +174,7 @@ pub(crate) fn parse_by_serde(route: Route, body: &[u8]) -> Result<Parsed, BodyEr
 /// reading, and the body is read again to say what is wrong with it.
 fn by_serde(body: &[u8]) -> Result<Body<PromptField>, BodyError> {
     match serde_json::from_slice::<Body<Strict>>(body) {
-        Ok(b) => Ok(Body {
-            model: b.model,
-            prompt: b.prompt.map(|p| p.0),
-            messages: b.messages,
-        }),
+        Ok(b) => Ok(b.map_prompt(|p| p.0)),
         Err(_) => serde_json::from_slice::<Body<PromptField>>(body)
             .map_err(|e| BodyError::NotJson(e.to_string())),
     }
@@ -136,12 +208,99 @@ fn fields(route: Route, b: Body<PromptField>) -> Result<Parsed, BodyError> {
                     && m.iter()
                         .all(|m| m.get("role").is_some_and(Value::is_string)) =>
             {
-                Prompt::Messages(m)
+                Prompt::Messages(Box::new(chat(
+                    m,
+                    b.tools,
+                    b.documents,
+                    b.chat_template_kwargs,
+                    b.add_generation_prompt,
+                    b.continue_final_message,
+                    b.reasoning_effort,
+                )?))
             }
             _ => return Err(BodyError::BadMessages),
         },
     };
     Ok(Parsed { model, prompt })
+}
+
+/// A chat's fields, checked as the engine checks them: a field of the
+/// wrong type is the client's error (the engine answers it with a 400
+/// too), and `null` is the field's default.
+fn chat(
+    messages: Vec<Value>,
+    tools: Option<Value>,
+    documents: Option<Value>,
+    kwargs: Option<Value>,
+    add_generation_prompt: Option<Value>,
+    continue_final_message: Option<Value>,
+    reasoning_effort: Option<Value>,
+) -> Result<Chat, BodyError> {
+    fn flag(v: Option<Value>, field: &'static str, default: bool) -> Result<bool, BodyError> {
+        match v {
+            None | Some(Value::Null) => Ok(default),
+            Some(Value::Bool(b)) => Ok(b),
+            Some(_) => Err(BodyError::BadChatField {
+                field,
+                expected: "must be a boolean",
+            }),
+        }
+    }
+    let list = |v: Option<Value>, field: &'static str| match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Array(items)) if items.iter().all(Value::is_object) => {
+            Ok(Some(Value::Array(items)))
+        }
+        Some(_) => Err(BodyError::BadChatField {
+            field,
+            expected: "must be a list of objects",
+        }),
+    };
+    let kwargs = match kwargs {
+        None | Some(Value::Null) => serde_json::Map::new(),
+        Some(Value::Object(map)) => map,
+        Some(_) => {
+            return Err(BodyError::BadChatField {
+                field: "chat_template_kwargs",
+                expected: "must be an object",
+            });
+        }
+    };
+    // The engine refuses these: the template is its own to choose, and
+    // it decides whether to tokenize.
+    if let Some(k) = ["chat_template", "tokenize"]
+        .into_iter()
+        .find(|k| kwargs.contains_key(*k))
+    {
+        return Err(BodyError::ReservedKwarg(k.to_owned()));
+    }
+    let reasoning_effort = match reasoning_effort {
+        None | Some(Value::Null) => None,
+        Some(Value::String(s)) => Some(s),
+        Some(_) => {
+            return Err(BodyError::BadChatField {
+                field: "reasoning_effort",
+                expected: "must be a string",
+            });
+        }
+    };
+    let add_generation_prompt = flag(add_generation_prompt, "add_generation_prompt", true)?;
+    let continue_final_message = flag(continue_final_message, "continue_final_message", false)?;
+    if add_generation_prompt && continue_final_message {
+        return Err(BodyError::BadChatField {
+            field: "continue_final_message",
+            expected: "cannot be true while `add_generation_prompt` is",
+        });
+    }
+    Ok(Chat {
+        messages,
+        tools: list(tools, "tools")?,
+        documents: list(documents, "documents")?,
+        kwargs,
+        add_generation_prompt,
+        continue_final_message,
+        reasoning_effort,
+    })
 }
 
 /// A completion's `prompt` as the body has it, read without a JSON tree
@@ -516,7 +675,9 @@ mod tests {
             br#"{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}"#,
         )
         .unwrap();
-        assert!(matches!(p.prompt, Prompt::Messages(ref m) if m.len() == 1));
+        assert!(
+            matches!(p.prompt, Prompt::Messages(ref c) if c.messages.len() == 1 && c.add_generation_prompt)
+        );
     }
 
     #[test]

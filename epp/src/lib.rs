@@ -8,6 +8,8 @@
 //! - [`body`]: what the pick needs from an OpenAI-compatible body.
 //! - [`approx`]: text-chunk hashes for prompts without a tokenizer.
 //! - [`tokenize`]: the served models, their tokenizers and chat templates.
+//! - [`chat`]: a chat request prepared and rendered as the engine's OpenAI
+//!   server renders it; [`template`]: the Jinja environment it renders in.
 //! - [`picker`]: one stream's exchange with Envoy, without I/O.
 //! - [`prefix`], [`text`]: the per-model cache of tokenized prompts, cut
 //!   at a chat's special tokens or at plain text's piece boundaries.
@@ -29,6 +31,7 @@
 pub mod approx;
 pub mod ascii;
 pub mod body;
+pub mod chat;
 #[cfg(any(test, feature = "fuzzing"))]
 pub mod fuzzing;
 pub mod http;

@@ -313,7 +313,7 @@ fn classified_text(prompt: &body::Prompt, limit: usize) -> Option<String> {
     }
     let text = match prompt {
         body::Prompt::Text(t) if t.len() <= limit => t.clone(),
-        body::Prompt::Messages(m) => crate::tokenize::plain_text(m),
+        body::Prompt::Messages(c) => crate::tokenize::plain_text(&c.messages),
         _ => return None,
     };
     (text.len() <= limit).then_some(text)
@@ -323,8 +323,9 @@ fn classified_text(prompt: &body::Prompt, limit: usize) -> Option<String> {
 /// anything else is a user's.
 pub fn trigger_of(prompt: &body::Prompt) -> kvedge_wire::Trigger {
     match prompt {
-        body::Prompt::Messages(m)
-            if m.last()
+        body::Prompt::Messages(c)
+            if c.messages
+                .last()
                 .and_then(|m| m.get("role"))
                 .and_then(serde_json::Value::as_str)
                 .is_some_and(|r| r == "tool" || r == "function") =>

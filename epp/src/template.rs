@@ -27,6 +27,352 @@ pub fn environment(source: String) -> Result<Environment<'static>, Error> {
     Ok(env)
 }
 
+/// What in `source` kvedge cannot render as transformers does, each
+/// named (`filter \`wordwrap\``, `method \`.format()\``), and what it
+/// renders differently (`strftime_now`, in UTC): for `kvedge
+/// check-config` to warn of. A filter, test or method is probed in the
+/// environment itself, so the list follows what minijinja supports.
+pub fn unsupported(source: &str) -> Vec<String> {
+    let Ok(env) = environment(String::new()) else {
+        return Vec::new();
+    };
+    let probe = |template: String| match env.render_str(&template, minijinja::context! {}) {
+        Err(e) => !matches!(
+            e.kind(),
+            ErrorKind::UnknownFilter | ErrorKind::UnknownTest | ErrorKind::UnknownMethod
+        ),
+        Ok(_) => true,
+    };
+    let mut out: Vec<String> = Vec::new();
+    let mut note = |what: String| {
+        if !out.contains(&what) {
+            out.push(what);
+        }
+    };
+    for code in code_spans(source) {
+        let words = |after: &str| -> Vec<String> {
+            code.match_indices(after)
+                .filter_map(|(at, _)| {
+                    let rest = code[at + after.len()..].trim_start();
+                    let rest = rest.strip_prefix("not ").map_or(rest, str::trim_start);
+                    let word: String = rest
+                        .chars()
+                        .take_while(|c| *c == '_' || c.is_ascii_alphanumeric())
+                        .collect();
+                    (!word.is_empty() && !word.starts_with(|c: char| c.is_ascii_digit()))
+                        .then_some(word)
+                })
+                .collect()
+        };
+        for f in words("|") {
+            if !probe(format!("{{{{ none | {f} }}}}")) {
+                note(format!("filter `{f}`"));
+            }
+        }
+        for t in words(" is ") {
+            if !probe(format!("{{{{ none is {t} }}}}")) {
+                note(format!("test `{t}`"));
+            }
+        }
+        for (at, _) in code.match_indices('.') {
+            let name: String = code[at + 1..]
+                .chars()
+                .take_while(|c| *c == '_' || c.is_ascii_alphanumeric())
+                .collect();
+            if name.is_empty() || !code[at + 1 + name.len()..].starts_with('(') {
+                continue;
+            }
+            let known = ["'a'", "{}", "[]"]
+                .iter()
+                .any(|v| probe(format!("{{{{ {v}.{name}() }}}}")));
+            if !known {
+                note(format!("method `.{name}()`"));
+            }
+        }
+    }
+    if source.contains("strftime_now") {
+        note(
+            "`strftime_now` gives kvedge the date in UTC and the engine its host's local date \
+             (run the engine with TZ=UTC)"
+                .into(),
+        );
+    }
+    out
+}
+
+/// The code of every `{{ }}` and `{% %}` in `source`, strings blanked so
+/// that their text is not read as code.
+fn code_spans(source: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = source;
+    loop {
+        let next = ["{{", "{%"]
+            .iter()
+            .filter_map(|open| rest.find(open).map(|at| (at, *open)))
+            .min();
+        let Some((at, open)) = next else {
+            break;
+        };
+        let close = if open == "{{" { "}}" } else { "%}" };
+        let body = &rest[at + 2..];
+        let Some(end) = body.find(close) else {
+            break;
+        };
+        let mut code = String::with_capacity(end);
+        let mut quote = None;
+        let mut escaped = false;
+        for c in body[..end].chars() {
+            match quote {
+                Some(_) if escaped => {
+                    escaped = false;
+                    code.push(' ');
+                }
+                Some(_) if c == '\\' => {
+                    escaped = true;
+                    code.push(' ');
+                }
+                Some(q) if c == q => {
+                    quote = None;
+                    code.push(c);
+                }
+                Some(_) => code.push(' '),
+                None => {
+                    if c == '\'' || c == '"' {
+                        quote = Some(c);
+                    }
+                    code.push(c);
+                }
+            }
+        }
+        out.push(code);
+        rest = &body[end + 2..];
+    }
+    out
+}
+
+/// Whether the template loops over a message's content, as vLLM tells
+/// (from the template's syntax tree) whether to hand it each content as a
+/// list of parts: a `for` over `m.content` (or `m['content']`, sliced or
+/// filtered) where `m` is a loop variable over `messages` (or over a name
+/// set from it), a `for` over a bare `content` outside macros, or a `for`
+/// inside a macro over a parameter some call fills with a message's
+/// content. Read from the tags' text: minijinja keeps its syntax tree to
+/// itself.
+pub fn loops_over_content(source: &str) -> bool {
+    let tags = statements(source);
+    // Names that hold the messages: `messages`, and any set from one.
+    let mut lists = vec!["messages".to_owned()];
+    let mut i = 0;
+    while i < lists.len() {
+        for t in &tags {
+            if let Some((name, expr)) = t.text.strip_prefix("set ").and_then(|r| r.split_once('='))
+                && let name = name.trim()
+                && is_name(name)
+                && access(expr) == Some((lists[i].as_str(), None))
+                && !lists.iter().any(|l| l == name)
+            {
+                lists.push(name.to_owned());
+            }
+        }
+        i += 1;
+    }
+    let loops: Vec<(&str, &str, Option<&str>)> = tags
+        .iter()
+        .filter_map(|t| {
+            let (target, iter) = t.text.strip_prefix("for ")?.split_once(" in ")?;
+            Some((target.trim(), loop_iter(iter), t.in_macro.as_deref()))
+        })
+        .collect();
+    let messages: Vec<&str> = loops
+        .iter()
+        .filter(|(target, iter, _)| {
+            is_name(target)
+                && access(iter)
+                    .is_some_and(|(v, key)| key.is_none() && lists.iter().any(|l| l == v))
+        })
+        .map(|(target, _, _)| *target)
+        .collect();
+    let of_message = |expr: &str| {
+        access(expr).is_some_and(|(v, key)| key == Some("content") && messages.contains(&v))
+    };
+    loops.iter().any(|(_, iter, in_macro)| {
+        of_message(iter)
+            || match in_macro {
+                None => iter.trim() == "content",
+                Some(m) => {
+                    is_name(iter.trim())
+                        && macro_param_takes(source, &tags, m, iter.trim(), &of_message)
+                }
+            }
+    })
+}
+
+/// One `{% ... %}` tag's statement, whitespace control and runs of spaces
+/// removed, and the macro it stands in.
+struct Statement {
+    text: String,
+    in_macro: Option<String>,
+}
+
+fn statements(source: &str) -> Vec<Statement> {
+    let mut out = Vec::new();
+    let mut in_macro: Option<String> = None;
+    let mut rest = source;
+    while let Some(start) = rest.find("{%") {
+        let Some(end) = rest[start..].find("%}") else {
+            break;
+        };
+        let inner = rest[start + 2..start + end]
+            .trim_matches(|c: char| c == '-' || c == '+' || c.is_whitespace());
+        let text = inner.split_whitespace().collect::<Vec<_>>().join(" ");
+        rest = &rest[start + end + 2..];
+        if let Some(def) = text.strip_prefix("macro ") {
+            in_macro = Some(def.split('(').next().unwrap_or("").trim().to_owned());
+        } else if text == "endmacro" {
+            in_macro = None;
+        }
+        out.push(Statement {
+            text,
+            in_macro: in_macro.clone(),
+        });
+    }
+    out
+}
+
+/// A `for` statement's iterable, without its loop filter and `recursive`.
+fn loop_iter(iter: &str) -> &str {
+    let iter = iter.trim();
+    let iter = iter.strip_suffix(" recursive").unwrap_or(iter);
+    match top_level(iter, " if ") {
+        Some(at) => iter[..at].trim(),
+        None => iter,
+    }
+}
+
+fn is_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.chars().all(|c| c == '_' || c.is_ascii_alphanumeric())
+        && !s.starts_with(|c: char| c.is_ascii_digit())
+}
+
+/// The first position of `needle` outside brackets and quotes.
+fn top_level(s: &str, needle: &str) -> Option<usize> {
+    let (mut depth, mut quote) = (0i32, None);
+    for (i, c) in s.char_indices() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some(_), _) => {}
+            (None, '\'' | '"') => quote = Some(c),
+            (None, '(' | '[' | '{') => depth += 1,
+            (None, ')' | ']' | '}') => depth -= 1,
+            (None, _) if depth == 0 && s[i..].starts_with(needle) => return Some(i),
+            _ => {}
+        }
+    }
+    None
+}
+
+/// What `expr` reads, as vLLM matches it: a name, or a name's `key`
+/// (`v.key`, `v['key']`), through filters, tests and slices.
+fn access(expr: &str) -> Option<(&str, Option<&str>)> {
+    let mut e = expr.trim();
+    loop {
+        let before = e;
+        if let Some(at) = top_level(e, "|") {
+            e = e[..at].trim();
+        }
+        if let Some(at) = top_level(e, " is ") {
+            e = e[..at].trim();
+        }
+        if e.starts_with('(') && e.ends_with(')') {
+            e = e[1..e.len() - 1].trim();
+        }
+        // A trailing slice: `[a:b]` with a colon at its top level.
+        if e.ends_with(']')
+            && let Some(open) = e.rfind('[')
+            && top_level(&e[open + 1..e.len() - 1], ":").is_some()
+        {
+            e = e[..open].trim();
+        }
+        if e == before {
+            break;
+        }
+    }
+    if is_name(e) {
+        return Some((e, None));
+    }
+    if let Some((v, key)) = e.split_once('.')
+        && is_name(v)
+        && is_name(key)
+    {
+        return Some((v, Some(key)));
+    }
+    let (v, index) = e.strip_suffix(']')?.split_once('[')?;
+    let key = index
+        .strip_prefix('\'')
+        .and_then(|k| k.strip_suffix('\''))
+        .or_else(|| index.strip_prefix('"').and_then(|k| k.strip_suffix('"')))?;
+    (is_name(v) && is_name(key)).then_some((v, Some(key)))
+}
+
+/// Whether macro `name`'s parameter `param` is given a message's content
+/// by some call of the macro (by position or by keyword).
+fn macro_param_takes(
+    source: &str,
+    tags: &[Statement],
+    name: &str,
+    param: &str,
+    of_message: &dyn Fn(&str) -> bool,
+) -> bool {
+    let Some(params) = tags.iter().find_map(|t| {
+        let def = t.text.strip_prefix("macro ")?;
+        let (n, args) = def.split_once('(')?;
+        (n.trim() == name).then(|| {
+            args.trim_end_matches(')')
+                .split(',')
+                .map(|a| a.split('=').next().unwrap_or("").trim().to_owned())
+                .collect::<Vec<_>>()
+        })
+    }) else {
+        return false;
+    };
+    let Some(position) = params.iter().position(|p| p == param) else {
+        return false;
+    };
+    let call = format!("{name}(");
+    let mut rest = source;
+    while let Some(at) = rest.find(&call) {
+        let args = &rest[at + call.len()..];
+        rest = args;
+        let Some(close) = top_level(args, ")") else {
+            continue;
+        };
+        let mut args = &args[..close];
+        let mut index = 0;
+        loop {
+            let (arg, more) = match top_level(args, ",") {
+                Some(c) => (&args[..c], Some(&args[c + 1..])),
+                None => (args, None),
+            };
+            let taken = match arg.split_once('=') {
+                Some((k, v)) if is_name(k.trim()) && !v.starts_with('=') => {
+                    k.trim() == param && of_message(v)
+                }
+                _ => index == position && of_message(arg),
+            };
+            if taken {
+                return true;
+            }
+            index += 1;
+            match more {
+                Some(m) => args = m,
+                None => break,
+            }
+        }
+    }
+    false
+}
+
 /// transformers' `{% generation %}` ... `{% endgeneration %}` marks the
 /// assistant's part for training masks and renders its body unchanged:
 /// the tags are dropped (with their whitespace control).
@@ -309,6 +655,19 @@ fn strftime(format: &str, t: Civil) -> Result<String, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn constructs_kvedge_cannot_render_are_named_once() {
+        let source = "{{ messages[0].content | wordwrap(20) | trim }}{% if x is callable or x is sameas y %}\
+            {{ '{}'.format(x) }}{{ 'a'.zfill(3) }}{{ 'a | nofilter'.strip() }}{% endif %}{{ x | wordwrap }}";
+        assert_eq!(
+            unsupported(source),
+            ["filter `wordwrap`", "test `callable`", "method `.zfill()`"]
+        );
+        let fine = "{%- for m in messages %}{{ m.content.strip() | tojson(indent=2) }}\
+            {%- if m.tool_calls is defined and m.items() %}{{ raise_exception('no') }}{% endif %}{% endfor %}";
+        assert!(unsupported(fine).is_empty(), "{:?}", unsupported(fine));
+    }
 
     fn render(source: &str, ctx: minijinja::Value) -> String {
         environment(source.to_owned())

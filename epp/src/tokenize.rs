@@ -1,8 +1,8 @@
 //! The models the picker serves, and how each turns a prompt into the
 //! token ids its engine will compute: the model's own `tokenizer.json`
 //! (read from a local path at start; nothing is downloaded) and its chat
-//! template (Jinja, rendered with `messages` and
-//! `add_generation_prompt: true`, as the engines' OpenAI servers do).
+//! template (Jinja, rendered with the request's messages, tools, documents
+//! and keywords as the engines' OpenAI servers render it: [`crate::chat`]).
 //!
 //! A chat's rendered text is tokenized through a per-model prefix cache
 //! ([`crate::prefix`]): turn n tokenizes only what turn n-1 did not have.
@@ -10,7 +10,9 @@
 //! A model without a tokenizer is still served: token-id prompts route by
 //! prefix as usual, and text or chat prompts route on load alone (no
 //! prefix is known). A chat request for a model with a tokenizer but no
-//! template is routed the same way.
+//! template is routed the same way, and so is a chat the template cannot
+//! be rendered for as the engine renders it (a picture in a message):
+//! such chats are counted, not routed on wrong hashes.
 
 use std::collections::HashMap;
 use std::io::Read;
@@ -81,7 +83,7 @@ pub struct ModelSpec {
 
 struct Model {
     tokenizer: Option<tokenizers::Tokenizer>,
-    template: Option<minijinja::Environment<'static>>,
+    template: Option<crate::chat::Template>,
     bos_token: String,
     eos_token: String,
     /// Where rendered chats may be cut, when the tokenizer has special
@@ -97,11 +99,16 @@ struct Model {
 pub struct Models {
     by_name: HashMap<String, Model>,
     prefix: PrefixStats,
+    /// Chats routed on their text because their template could not be
+    /// rendered as the engine renders it.
+    template_fallbacks: std::sync::atomic::AtomicU64,
 }
 
-/// What the models' prefix caches did, since start.
+/// What the models' prefix caches did, since start, and how many chats
+/// were routed on their text instead of their template's tokens.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixCounts {
+    pub template_fallbacks: u64,
     pub hits: u64,
     pub misses: u64,
     pub tokens_reused: u64,
@@ -180,10 +187,10 @@ impl Models {
                             p.display()
                         )
                     })?;
-                    let env = crate::template::environment(source).map_err(|e| {
+                    let template = crate::chat::Template::new(source).map_err(|e| {
                         format!("model `{}`: chat template {}: {e}", s.name, p.display())
                     })?;
-                    Some(env)
+                    Some(template)
                 }
                 None => None,
             };
@@ -218,6 +225,7 @@ impl Models {
         Ok(Models {
             by_name,
             prefix: PrefixStats::default(),
+            template_fallbacks: Default::default(),
         })
     }
 
@@ -225,6 +233,7 @@ impl Models {
     pub fn prefix_counts(&self) -> PrefixCounts {
         let p = &self.prefix;
         PrefixCounts {
+            template_fallbacks: self.template_fallbacks.load(Ordering::Relaxed),
             hits: p.hits.load(Ordering::Relaxed),
             misses: p.misses.load(Ordering::Relaxed),
             tokens_reused: p.tokens_reused.load(Ordering::Relaxed),
@@ -283,9 +292,18 @@ impl Models {
                 }
                 None => Tokens::Text(text),
             },
-            Prompt::Messages(messages) => match (&m.tokenizer, &m.template) {
-                (Some(t), Some(env)) => {
-                    let text = render(env, &messages, &m.bos_token, &m.eos_token)?;
+            Prompt::Messages(chat) => match (&m.tokenizer, &m.template) {
+                (Some(t), Some(template)) => {
+                    let text = match template.render(&chat, &m.bos_token, &m.eos_token) {
+                        Ok(text) => text,
+                        Err(crate::chat::RenderError::Failed(e)) => {
+                            return Err(PromptError::Template(e));
+                        }
+                        Err(crate::chat::RenderError::Unsupported(_)) => {
+                            self.template_fallbacks.fetch_add(1, Ordering::Relaxed);
+                            return Ok(Tokens::Text(plain_text(&chat.messages)));
+                        }
+                    };
                     match &m.cuts {
                         Some(cuts) => Tokens::Ids(
                             crate::prefix::encode_with(
@@ -301,7 +319,7 @@ impl Models {
                         None => Tokens::Ids(encode(t, &text, false)?),
                     }
                 }
-                _ => Tokens::Text(plain_text(&messages)),
+                _ => Tokens::Text(plain_text(&chat.messages)),
             },
         };
         if let Tokens::Ids(ids) = &tokens
@@ -320,24 +338,6 @@ fn encode(t: &tokenizers::Tokenizer, text: &str, special: bool) -> Result<Vec<u3
     t.encode_fast(text, special)
         .map(|e| e.get_ids().to_vec())
         .map_err(|e| PromptError::Tokenize(e.to_string()))
-}
-
-fn render(
-    env: &minijinja::Environment<'static>,
-    messages: &[Value],
-    bos: &str,
-    eos: &str,
-) -> Result<String, PromptError> {
-    let t = env
-        .get_template("chat")
-        .map_err(|e| PromptError::Template(e.to_string()))?;
-    t.render(minijinja::context! {
-        messages => messages,
-        add_generation_prompt => true,
-        bos_token => bos,
-        eos_token => eos,
-    })
-    .map_err(|e| PromptError::Template(e.to_string()))
 }
 
 /// The messages as plain text, `role\ncontent\n` each (a content list's

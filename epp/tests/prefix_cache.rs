@@ -114,7 +114,7 @@ fn models(tokenizer: &Path, template: &Path, cache_bytes: usize) -> Models {
 
 fn ids(models: &Models, messages: &[Value]) -> Vec<u32> {
     match models
-        .tokens("m", Prompt::Messages(messages.to_vec()), 1 << 20)
+        .tokens("m", Prompt::chat(messages.to_vec()), 1 << 20)
         .unwrap()
     {
         Tokens::Ids(ids) => ids,

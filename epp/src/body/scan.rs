@@ -10,7 +10,7 @@
 //! derived `Body<Strict>` gives it (each byte read once), so a body read
 //! here comes out exactly as it would there. Anything unusual (an escape
 //! in a key, a duplicate field, a number written `01` or `1e3` in the
-//! list, `messages` nested near serde_json's recursion limit, a top level
+//! list, `messages` or `tools` nested near serde_json's recursion limit, a top level
 //! that is not an object) returns `None`, and the caller reads the body
 //! with serde_json, which also words any error.
 
@@ -44,6 +44,13 @@ pub(super) fn read(body: &[u8], want: Want) -> Option<Body<PromptField>> {
     let mut model: Option<Option<String>> = None;
     let mut prompt: Option<Option<PromptField>> = None;
     let mut messages: Option<Option<Value>> = None;
+    // The chat's other fields, each read as the derived `Body` reads it.
+    let mut tools: Option<Option<Value>> = None;
+    let mut documents: Option<Option<Value>> = None;
+    let mut kwargs: Option<Option<Value>> = None;
+    let mut add_generation_prompt: Option<Option<Value>> = None;
+    let mut continue_final_message: Option<Option<Value>> = None;
+    let mut reasoning_effort: Option<Option<Value>> = None;
     s.ws();
     s.eat(b'{')?;
     s.ws();
@@ -58,13 +65,13 @@ pub(super) fn read(body: &[u8], want: Want) -> Option<Body<PromptField>> {
             match key {
                 b"model" => once(&mut model, s.serde()?)?,
                 b"prompt" => once(&mut prompt, s.prompt(want)?)?,
-                b"messages" => {
-                    let m: Option<Value> = s.serde()?;
-                    if m.as_ref().is_some_and(|m| depth(m) > MAX_DEPTH) {
-                        return None;
-                    }
-                    once(&mut messages, m)?;
-                }
+                b"messages" => once(&mut messages, s.nested()?)?,
+                b"tools" => once(&mut tools, s.nested()?)?,
+                b"documents" => once(&mut documents, s.nested()?)?,
+                b"chat_template_kwargs" => once(&mut kwargs, s.nested()?)?,
+                b"add_generation_prompt" => once(&mut add_generation_prompt, s.serde()?)?,
+                b"continue_final_message" => once(&mut continue_final_message, s.serde()?)?,
+                b"reasoning_effort" => once(&mut reasoning_effort, s.serde()?)?,
                 _ => {
                     s.serde::<IgnoredAny>()?;
                 }
@@ -85,6 +92,12 @@ pub(super) fn read(body: &[u8], want: Want) -> Option<Body<PromptField>> {
         model: model.flatten(),
         prompt: prompt.flatten(),
         messages: messages.flatten(),
+        tools: tools.flatten(),
+        documents: documents.flatten(),
+        chat_template_kwargs: kwargs.flatten(),
+        add_generation_prompt: add_generation_prompt.flatten(),
+        continue_final_message: continue_final_message.flatten(),
+        reasoning_effort: reasoning_effort.flatten(),
     })
 }
 
@@ -163,6 +176,16 @@ impl<'a> Cursor<'a> {
         Some(v)
     }
 
+    /// A value that may nest (`messages`, `tools`), or `None` when it
+    /// nests deeper than [`MAX_DEPTH`].
+    fn nested(&mut self) -> Option<Option<Value>> {
+        let v: Option<Value> = self.serde()?;
+        match &v {
+            Some(v) if depth(v) > MAX_DEPTH => None,
+            _ => Some(v),
+        }
+    }
+
     /// The `prompt` member's value: a list of token ids by the loop, any
     /// other value (or a list the loop does not take) by serde_json, or
     /// `None` when only token ids are wanted.
@@ -237,11 +260,7 @@ mod tests {
     fn by_serde(body: &[u8]) -> Option<Body<PromptField>> {
         serde_json::from_slice::<Body<Strict>>(body)
             .ok()
-            .map(|b| Body {
-                model: b.model,
-                prompt: b.prompt.map(|p| p.0),
-                messages: b.messages,
-            })
+            .map(|b| b.map_prompt(|p| p.0))
     }
 
     fn ids(b: &str) -> Option<Vec<u32>> {

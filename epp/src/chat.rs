@@ -1,0 +1,677 @@
+//! A chat request turned into the text its engine computes: the request's
+//! messages, tools, documents and `chat_template_kwargs` prepared as
+//! vLLM's OpenAI server prepares them, then rendered through transformers'
+//! `apply_chat_template` ([`crate::template`]'s environment), whose text
+//! vLLM tokenizes without adding special tokens.
+//!
+//! What vLLM does before the template sees a chat, and this module does
+//! alike:
+//! - every message becomes `{role, content}` plus what its role keeps
+//!   (an assistant's `tool_calls` and `reasoning`, a tool's
+//!   `tool_call_id`, any `name`); a content of text parts is joined with
+//!   newlines, or, when the template loops over a message's content, every
+//!   content (a plain string too) becomes a list of `{type: text}` parts;
+//! - a tool call is `{id, function: {arguments, name}, type}` (the OpenAI
+//!   SDK's field order), its `arguments` string parsed into an object
+//!   (`{}` when it is not one);
+//! - `developer` messages become `system` ones, merged at the front, when
+//!   the template never names the developer role;
+//! - each tool is `{type, function: {name, description, parameters}}`,
+//!   absent fields as `null`;
+//! - `chat_template_kwargs` reach the template only where it reads them,
+//!   under `add_generation_prompt`, `documents` and `reasoning_effort`
+//!   (which also sets `enable_thinking` unless the client did);
+//! - `continue_final_message` cuts the text where the last message ends.
+//!
+//! A chat with a picture, a sound or any other non-text part is not
+//! rendered: its tokens depend on the model's processor.
+
+use std::collections::HashSet;
+
+use minijinja::Environment;
+use serde_json::{Map, Value};
+
+use crate::body::Chat;
+
+/// A chat template, with what vLLM reads of its source.
+pub struct Template {
+    env: Environment<'static>,
+    /// The template loops over a message's content: vLLM then hands it
+    /// every content as a list of parts.
+    parts: bool,
+    /// The template names the `developer` role.
+    developer: bool,
+    /// The names the template reads but does not set: the only
+    /// `chat_template_kwargs` that reach it.
+    variables: HashSet<String>,
+    /// The source mentions `content`, which `continue_final_message`
+    /// needs.
+    names_content: bool,
+}
+
+impl std::fmt::Debug for Template {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Template")
+            .field("parts", &self.parts)
+            .field("developer", &self.developer)
+            .field("variables", &self.variables)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Why a chat was not rendered.
+#[derive(Debug, thiserror::Error, PartialEq)]
+pub enum RenderError {
+    /// The template (or the request, as the template sees it) failed: the
+    /// engine refuses such a request too.
+    #[error("{0}")]
+    Failed(String),
+    /// The chat has a part kvedge cannot render as the engine would.
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// The keywords `apply_chat_template` takes for itself: vLLM passes them
+/// on from `chat_template_kwargs` whatever the template reads, and the
+/// template never sees them.
+const CONSUMED: [&str; 9] = [
+    "conversation",
+    "padding",
+    "truncation",
+    "max_length",
+    "return_tensors",
+    "return_dict",
+    "return_assistant_tokens_mask",
+    "tokenizer_kwargs",
+    "continue_final_message",
+];
+
+/// transformers marks the final message with this to find where it ends.
+const CONTINUE_TAG: &str = "CONTINUE_FINAL_MESSAGE_TAG ";
+
+impl Template {
+    /// Compiles `source`.
+    pub fn new(source: String) -> Result<Template, minijinja::Error> {
+        let parts = crate::template::loops_over_content(&source);
+        let developer = source.contains("\"developer\"") || source.contains("'developer'");
+        let names_content = source.contains("content");
+        let env = crate::template::environment(source)?;
+        let variables = env
+            .get_template("chat")?
+            .undeclared_variables(false)
+            .into_iter()
+            .collect();
+        Ok(Template {
+            env,
+            parts,
+            developer,
+            variables,
+            names_content,
+        })
+    }
+
+    /// Whether vLLM hands this template each content as a list of parts.
+    pub fn takes_parts(&self) -> bool {
+        self.parts
+    }
+
+    /// The text `chat` renders to, with `bos` and `eos` as the tokenizer's
+    /// special tokens.
+    pub fn render(&self, chat: &Chat, bos: &str, eos: &str) -> Result<String, RenderError> {
+        let mut messages = chat
+            .messages
+            .iter()
+            .map(|m| message(m, self.parts))
+            .collect::<Result<Vec<_>, _>>()?;
+        if !self.developer && messages.iter().any(|m| role(m) == "developer") {
+            messages = developer_as_system(messages);
+        }
+        let tools = chat.tools.as_ref().map(tools);
+
+        // The keywords as vLLM merges them: the request's tools, then the
+        // client's kwargs (`null` and "auto" leave a value unset), then the
+        // request's own fields.
+        let mut kwargs = Map::new();
+        if let Some(t) = &tools {
+            kwargs.insert("tools".into(), t.clone());
+        }
+        for (k, v) in &chat.kwargs {
+            if !v.is_null() && v.as_str() != Some("auto") {
+                kwargs.insert(k.clone(), v.clone());
+            }
+        }
+        kwargs.insert(
+            "add_generation_prompt".into(),
+            chat.add_generation_prompt.into(),
+        );
+        kwargs.insert(
+            "continue_final_message".into(),
+            chat.continue_final_message.into(),
+        );
+        if let Some(d) = &chat.documents {
+            kwargs.insert("documents".into(), d.clone());
+        }
+        if let Some(effort) = &chat.reasoning_effort {
+            kwargs.insert("reasoning_effort".into(), effort.as_str().into());
+            if !chat.kwargs.contains_key("enable_thinking") {
+                kwargs.insert("enable_thinking".into(), (effort != "none").into());
+            }
+        }
+        kwargs.retain(|k, _| {
+            self.variables.contains(k)
+                || CONSUMED.contains(&k.as_str())
+                || ["tools", "documents", "add_generation_prompt"].contains(&k.as_str())
+        });
+
+        // The template's context: the special tokens, overridden by the
+        // keywords it reads, then the four it is always given.
+        let mut context = Map::new();
+        context.insert("bos_token".into(), bos.into());
+        context.insert("eos_token".into(), eos.into());
+        let tools = kwargs.remove("tools").unwrap_or(Value::Null);
+        let documents = kwargs.remove("documents").unwrap_or(Value::Null);
+        let add_generation_prompt = kwargs
+            .remove("add_generation_prompt")
+            .unwrap_or(Value::Bool(false));
+        for (k, v) in kwargs {
+            if !CONSUMED.contains(&k.as_str()) {
+                context.insert(k, v);
+            }
+        }
+        let continuing = chat.continue_final_message;
+        let final_text = if continuing {
+            Some(self.mark_final(&mut messages)?)
+        } else {
+            None
+        };
+        context.insert("messages".into(), Value::Array(messages));
+        context.insert("tools".into(), tools);
+        context.insert("documents".into(), documents);
+        context.insert("add_generation_prompt".into(), add_generation_prompt);
+
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| RenderError::Failed(e.to_string()))?;
+        let rendered = template
+            .render(minijinja::Value::from_serialize(&context))
+            .map_err(|e| RenderError::Failed(template_error(&e)))?;
+        match final_text {
+            Some(text) => cut_at_tag(rendered, &text),
+            None => Ok(rendered),
+        }
+    }
+
+    /// Marks the last message's text with [`CONTINUE_TAG`], as
+    /// transformers does; the text it had.
+    fn mark_final(&self, messages: &mut [Value]) -> Result<String, RenderError> {
+        let missing = || {
+            RenderError::Failed(
+                "continue_final_message is set but the final message has no content to continue"
+                    .into(),
+            )
+        };
+        let last = messages.last_mut().ok_or_else(missing)?;
+        if !self.names_content {
+            return Err(RenderError::Failed(
+                "continue_final_message is set but the chat template never reads `content`".into(),
+            ));
+        }
+        match last.get_mut("content") {
+            Some(Value::String(s)) => {
+                let text = s.clone();
+                s.push_str(CONTINUE_TAG);
+                Ok(text)
+            }
+            Some(Value::Array(blocks)) => {
+                for block in blocks.iter_mut().rev() {
+                    if let Some(Value::String(s)) = block.get_mut("text") {
+                        let text = s.clone();
+                        s.push_str(CONTINUE_TAG);
+                        return Ok(text);
+                    }
+                }
+                Err(RenderError::Failed(
+                    "continue_final_message is set but the final message has no text".into(),
+                ))
+            }
+            _ => Err(missing()),
+        }
+    }
+}
+
+/// The rendered text up to the final message's end, as transformers cuts
+/// it.
+fn cut_at_tag(rendered: String, final_text: &str) -> Result<String, RenderError> {
+    let tag = CONTINUE_TAG.trim();
+    if !rendered.contains(final_text.trim()) || !rendered.contains(tag) {
+        return Err(RenderError::Failed(
+            "continue_final_message is set but the final message does not appear in the \
+             rendered chat"
+                .into(),
+        ));
+    }
+    let at = rendered.rfind(tag).unwrap_or(rendered.len());
+    let mut out = rendered;
+    if out[at..].starts_with(CONTINUE_TAG) {
+        out.truncate(at);
+    } else {
+        out.truncate(at);
+        let kept = out.trim_end().len();
+        out.truncate(kept);
+    }
+    Ok(out)
+}
+
+/// A template error's message without minijinja's location noise: a
+/// `raise_exception` reads as the template's own words.
+fn template_error(e: &minijinja::Error) -> String {
+    match e.detail() {
+        Some(d) if e.kind() == minijinja::ErrorKind::InvalidOperation => d.to_owned(),
+        _ => e.to_string(),
+    }
+}
+
+fn role(m: &Value) -> &str {
+    m.get("role").and_then(Value::as_str).unwrap_or("")
+}
+
+/// Part types whose text vLLM reads, and the field it reads it from.
+fn part_text(part: &Map<String, Value>) -> Result<Option<String>, RenderError> {
+    let kind = part.get("type").and_then(Value::as_str);
+    let field = match kind {
+        Some("text" | "input_text" | "output_text") => "text",
+        Some("refusal") => "refusal",
+        Some("thinking") => "thinking",
+        _ => {
+            return Err(RenderError::Unsupported(format!(
+                "a content part of type {} is rendered by the model's processor",
+                kind.unwrap_or("(none)")
+            )));
+        }
+    };
+    match part.get(field) {
+        Some(Value::String(s)) => Ok(Some(s.clone())),
+        // vLLM skips a text or refusal part without one.
+        None | Some(Value::Null) if field != "thinking" => Ok(None),
+        _ => Err(RenderError::Failed(format!(
+            "a `{}` content part needs a string `{field}`",
+            kind.unwrap_or_default()
+        ))),
+    }
+}
+
+/// The fields of a text part vLLM copies beside `type` and `text`.
+const PART_FIELDS: [&str; 5] = ["type", "text", "refusal", "thinking", "uuid"];
+
+/// One message as vLLM hands it to the template.
+fn message(m: &Value, parts: bool) -> Result<Value, RenderError> {
+    let role = role(m).to_owned();
+    // The content as a list of text parts (with the fields vLLM keeps).
+    let mut texts: Vec<(String, Map<String, Value>)> = Vec::new();
+    match m.get("content") {
+        None | Some(Value::Null) => {}
+        Some(Value::String(s)) => texts.push((s.clone(), Map::new())),
+        Some(Value::Array(items)) => {
+            for item in items {
+                match item {
+                    Value::String(s) => texts.push((s.clone(), Map::new())),
+                    Value::Object(part) => {
+                        if let Some(text) = part_text(part)? {
+                            let extra = part
+                                .iter()
+                                .filter(|(k, _)| !PART_FIELDS.contains(&k.as_str()))
+                                .map(|(k, v)| (k.clone(), v.clone()))
+                                .collect();
+                            texts.push((text, extra));
+                        }
+                    }
+                    _ => {
+                        return Err(RenderError::Failed(
+                            "a content part must be a string or an object".into(),
+                        ));
+                    }
+                }
+            }
+        }
+        Some(_) => {
+            return Err(RenderError::Failed(
+                "`content` must be a string, a list of parts, or null".into(),
+            ));
+        }
+    }
+    let joined = || {
+        Value::String(
+            texts
+                .iter()
+                .map(|(t, _)| t.as_str())
+                .collect::<Vec<_>>()
+                .join("\n"),
+        )
+    };
+    let content = if parts && role != "tool" {
+        Value::Array(
+            texts
+                .iter()
+                .map(|(t, extra)| {
+                    let mut p = Map::new();
+                    p.insert("type".into(), "text".into());
+                    p.insert("text".into(), t.as_str().into());
+                    p.extend(extra.clone());
+                    Value::Object(p)
+                })
+                .collect(),
+        )
+    } else {
+        // A tool's result is one string whatever the format.
+        joined()
+    };
+    let mut out = Map::new();
+    out.insert("role".into(), role.as_str().into());
+    out.insert("content".into(), content);
+    match role.as_str() {
+        "assistant" => {
+            match m.get("tool_calls") {
+                None | Some(Value::Null) => {}
+                Some(Value::Array(calls)) if calls.is_empty() => {}
+                Some(Value::Array(calls)) => {
+                    let calls = calls.iter().map(tool_call).collect::<Result<Vec<_>, _>>()?;
+                    out.insert("tool_calls".into(), Value::Array(calls));
+                }
+                Some(_) => {
+                    return Err(RenderError::Failed("`tool_calls` must be a list".into()));
+                }
+            }
+            if let Some(r) = m.get("reasoning").filter(|r| !r.is_null()) {
+                out.insert("reasoning".into(), r.clone());
+                out.insert("reasoning_content".into(), r.clone());
+            }
+        }
+        "tool" => {
+            if let Some(id) = m.get("tool_call_id") {
+                out.insert("tool_call_id".into(), id.clone());
+            }
+        }
+        _ => {}
+    }
+    for key in ["name", "task"] {
+        if let Some(v) = m.get(key).filter(|v| v.is_string()) {
+            out.insert(key.into(), v.clone());
+        }
+    }
+    if role == "developer" {
+        out.insert(
+            "tools".into(),
+            m.get("tools").cloned().unwrap_or(Value::Null),
+        );
+    }
+    Ok(Value::Object(out))
+}
+
+/// A tool call with its `arguments` as an object, as templates read them.
+fn tool_call(call: &Value) -> Result<Value, RenderError> {
+    let Some(obj) = call.as_object() else {
+        return Err(RenderError::Failed(
+            "assistant tool_calls entries must be objects".into(),
+        ));
+    };
+    let kind = obj
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or("function");
+    let Some(function) = obj.get("function").and_then(Value::as_object) else {
+        return Err(RenderError::Failed(
+            "chat completions only support assistant tool_calls of type 'function'".into(),
+        ));
+    };
+    if kind != "function" {
+        return Err(RenderError::Failed(
+            "chat completions only support assistant tool_calls of type 'function'".into(),
+        ));
+    }
+    let arguments = match function.get("arguments") {
+        Some(Value::Object(o)) if !o.is_empty() => Value::Object(o.clone()),
+        Some(Value::String(s)) if !s.is_empty() => match serde_json::from_str::<Value>(s) {
+            Ok(Value::Object(o)) => Value::Object(o),
+            // Not an object, or not JSON: vLLM goes on with an empty one,
+            // so that the conversation is not stuck on an old turn.
+            _ => Value::Object(Map::new()),
+        },
+        Some(v) if truthy(v) => match v {
+            Value::Object(o) => Value::Object(o.clone()),
+            _ => Value::Object(Map::new()),
+        },
+        _ => Value::Object(Map::new()),
+    };
+    // vLLM reads a tool call through the OpenAI SDK's typed dicts, which
+    // rebuild it in their own field order and drop fields they do not
+    // have: `{id, function: {arguments, name}, type}`.
+    let mut out = Map::new();
+    if let Some(id) = obj.get("id") {
+        out.insert("id".into(), id.clone());
+    }
+    let mut f = Map::new();
+    f.insert("arguments".into(), arguments);
+    if let Some(name) = function.get("name") {
+        f.insert("name".into(), name.clone());
+    }
+    out.insert("function".into(), Value::Object(f));
+    out.insert("type".into(), kind.into());
+    Ok(Value::Object(out))
+}
+
+/// Python's truth of a JSON value.
+fn truthy(v: &Value) -> bool {
+    match v {
+        Value::Null => false,
+        Value::Bool(b) => *b,
+        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
+        Value::String(s) => !s.is_empty(),
+        Value::Array(a) => !a.is_empty(),
+        Value::Object(o) => !o.is_empty(),
+    }
+}
+
+/// `developer` messages as `system` ones, and every system message merged
+/// into one at the front when any stands elsewhere or there are several.
+fn developer_as_system(messages: Vec<Value>) -> Vec<Value> {
+    let messages: Vec<Value> = messages
+        .into_iter()
+        .map(|mut m| {
+            if role(&m) == "developer"
+                && let Some(o) = m.as_object_mut()
+            {
+                o.insert("role".into(), "system".into());
+                o.remove("tools");
+            }
+            m
+        })
+        .collect();
+    let mut systems = Vec::new();
+    let mut others = Vec::new();
+    let mut merge = false;
+    for (i, m) in messages.iter().enumerate() {
+        if role(m) == "system" {
+            merge |= i > 0 || !systems.is_empty();
+            let text = match m.get("content") {
+                Some(Value::String(s)) => s.clone(),
+                Some(Value::Array(parts)) => parts
+                    .iter()
+                    .filter_map(|p| match p {
+                        Value::String(s) => Some(s.as_str()),
+                        _ => p.get("text").and_then(Value::as_str),
+                    })
+                    .collect::<Vec<_>>()
+                    .join("\n"),
+                _ => String::new(),
+            };
+            if !text.is_empty() {
+                systems.push(text);
+            }
+        } else {
+            others.push(m.clone());
+        }
+    }
+    if !merge {
+        return messages;
+    }
+    let mut system = Map::new();
+    system.insert("role".into(), "system".into());
+    system.insert("content".into(), systems.join("\n\n").into());
+    let mut out = vec![Value::Object(system)];
+    out.extend(others);
+    out
+}
+
+/// The tools as vLLM dumps them: `{type, function: {name, description,
+/// parameters[, strict]}}`, fields it does not know dropped.
+fn tools(tools: &Value) -> Value {
+    let Some(list) = tools.as_array() else {
+        return Value::Null;
+    };
+    Value::Array(
+        list.iter()
+            .map(|t| {
+                let f = t.get("function");
+                let field = |k: &str| f.and_then(|f| f.get(k)).cloned().unwrap_or(Value::Null);
+                let mut function = Map::new();
+                function.insert("name".into(), field("name"));
+                function.insert("description".into(), field("description"));
+                function.insert("parameters".into(), field("parameters"));
+                let strict = field("strict");
+                if !strict.is_null() {
+                    function.insert("strict".into(), strict);
+                }
+                let defer = match t.get("defer_loading").filter(|v| !v.is_null()) {
+                    Some(d) => Some(d.clone()),
+                    None => Some(field("defer_loading")).filter(|v| !v.is_null()),
+                };
+                if let Some(d) = &defer {
+                    function.insert("defer_loading".into(), d.clone());
+                }
+                let mut tool = Map::new();
+                tool.insert(
+                    "type".into(),
+                    t.get("type").cloned().unwrap_or_else(|| "function".into()),
+                );
+                tool.insert("function".into(), Value::Object(function));
+                if let Some(d) = t.get("defer_loading").filter(|v| !v.is_null()) {
+                    tool.insert("defer_loading".into(), d.clone());
+                }
+                Value::Object(tool)
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn render(source: &str, chat: Chat) -> Result<String, RenderError> {
+        Template::new(source.into())
+            .unwrap()
+            .render(&chat, "<s>", "</s>")
+    }
+
+    #[test]
+    fn content_parts_are_joined_unless_the_template_loops_over_them() {
+        let chat = || {
+            Chat::of(vec![json!({"role": "user", "content": [
+                {"type": "text", "text": "a"}, {"type": "text", "text": "b"}]})])
+        };
+        let plain = "{{ messages[0].content }}";
+        assert_eq!(render(plain, chat()).unwrap(), "a\nb");
+        let looping = "{% for m in messages %}{% for p in m['content'] %}[{{ p.text }}]{% endfor %}{% endfor %}";
+        assert_eq!(render(looping, chat()).unwrap(), "[a][b]");
+        // A string content is a list of one part to such a template.
+        let one = Chat::of(vec![json!({"role": "user", "content": "x"})]);
+        assert_eq!(render(looping, one).unwrap(), "[x]");
+    }
+
+    #[test]
+    fn tool_call_arguments_are_objects_and_tools_are_dumped_in_order() {
+        let mut chat = Chat::of(vec![
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{\"b\": 1, \"a\": 2}"}},
+                {"id": "c2", "type": "function", "function": {"name": "g", "arguments": "not json"}}]}),
+        ]);
+        chat.tools = Some(
+            json!([{"function": {"parameters": {"z": 1, "y": 2}, "name": "f", "extra": 1}, "type": "function"}]),
+        );
+        let source = "{{ tools | tojson }}|{% for c in messages[1].tool_calls %}{{ c.function.arguments | tojson }}{% endfor %}";
+        assert_eq!(
+            render(source, chat).unwrap(),
+            r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"z": 1, "y": 2}}}]|{"b": 1, "a": 2}{}"#
+        );
+        // In the OpenAI SDK's order, whatever the client's.
+        let mut chat = Chat::of(vec![json!({"role": "assistant", "tool_calls": [
+            {"type": "function", "extra": 1, "function": {"name": "f", "arguments": "{}"}, "id": "c1"}]})]);
+        chat.add_generation_prompt = false;
+        assert_eq!(
+            render("{{ messages[0].tool_calls[0] | tojson }}", chat).unwrap(),
+            r#"{"id": "c1", "function": {"arguments": {}, "name": "f"}, "type": "function"}"#
+        );
+    }
+
+    #[test]
+    fn tools_and_documents_are_none_when_absent_and_kwargs_reach_only_what_the_template_reads() {
+        let mut chat = Chat::of(vec![json!({"role": "user", "content": "hi"})]);
+        chat.kwargs.insert("enable_thinking".into(), false.into());
+        chat.kwargs.insert("eos_token".into(), "E".into());
+        // Taken by `apply_chat_template` itself: never the template's.
+        chat.kwargs.insert("max_length".into(), 5.into());
+        let source = "{{ tools is none }} {{ documents is none }} {{ enable_thinking }} {{ eos_token }} {{ max_length is defined }}";
+        assert_eq!(render(source, chat).unwrap(), "True True False E False");
+        let mut chat = Chat::of(vec![json!({"role": "user", "content": "hi"})]);
+        chat.reasoning_effort = Some("none".into());
+        assert_eq!(render("{{ enable_thinking }}", chat).unwrap(), "False");
+    }
+
+    #[test]
+    fn developer_messages_become_one_system_message_unless_the_template_knows_them() {
+        let chat = || {
+            Chat::of(vec![
+                json!({"role": "system", "content": "s"}),
+                json!({"role": "developer", "content": "d"}),
+                json!({"role": "user", "content": "u"}),
+            ])
+        };
+        let source = "{% for m in messages %}{{ m.role }}={{ m.content }};{% endfor %}";
+        assert_eq!(render(source, chat()).unwrap(), "system=s\n\nd;user=u;");
+        let knows = "{% for m in messages %}{{ m.role }}{% if m.role == 'developer' %}!{% endif %};{% endfor %}";
+        assert_eq!(render(knows, chat()).unwrap(), "system;developer!;user;");
+    }
+
+    #[test]
+    fn continue_final_message_cuts_where_the_last_message_ends() {
+        let mut chat = Chat::of(vec![
+            json!({"role": "user", "content": "hi"}),
+            json!({"role": "assistant", "content": "Hello, wor"}),
+        ]);
+        chat.add_generation_prompt = false;
+        chat.continue_final_message = true;
+        let source = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>\n{% endfor %}";
+        assert_eq!(
+            render(source, chat).unwrap(),
+            "<user>hi</s>\n<assistant>Hello, wor"
+        );
+    }
+
+    #[test]
+    fn pictures_are_not_rendered_and_template_errors_say_why() {
+        let chat = Chat::of(vec![json!({"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:"}}]})]);
+        assert!(matches!(
+            render("x", chat),
+            Err(RenderError::Unsupported(_))
+        ));
+        let chat = Chat::of(vec![json!({"role": "user", "content": "hi"})]);
+        assert_eq!(
+            render("{{ raise_exception('roles must alternate') }}", chat),
+            Err(RenderError::Failed("roles must alternate".into()))
+        );
+    }
+}
