@@ -180,6 +180,9 @@ impl Server {
             .args(["--num-gpu-blocks-override", &CACHE_BLOCKS.to_string()])
             .args(["--max-model-len", "2048", "--dtype", "bfloat16"])
             .args(["--enable-prefix-caching", "--enable-prompt-tokens-details"])
+            // The corpus check sends each model family's template with
+            // its `/tokenize` requests.
+            .arg("--trust-request-chat-template")
             .args(["--kv-events-config", &events_config.to_string()])
             .env("VLLM_CPU_KVCACHE_SPACE", "1")
             .env("VLLM_CPU_OMP_THREADS_BIND", "nobind")
@@ -391,6 +394,99 @@ fn conversation(system_seed: u64, turns: usize) -> Value {
     Value::Array(m)
 }
 
+/// Every template of the corpus (`testdata/chat-templates/models`), given
+/// chats with a system prompt or none, several turns, tools, tool calls
+/// and results, text parts and `chat_template_kwargs`: kvedge's token ids
+/// (the picker's whole path, from the request body) are those vLLM's own
+/// `/tokenize` gives for the same request, or both refuse it.
+fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Server) {
+    use kvedge_epp::body::{self, Route};
+    use kvedge_epp::tokenize::{ModelSpec, Models, Tokens};
+    let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/chat-templates/models");
+    let tools = json!([{"type": "function", "function": {"name": "get_weather",
+        "description": "Weather in a city", "parameters": {"type": "object",
+        "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}}]);
+    let requests = [
+        json!({"messages": [{"role": "user", "content": "Hello there"}]}),
+        json!({"messages": [{"role": "system", "content": "Be terse."},
+            {"role": "user", "content": "Grüße aus 東京"}, {"role": "assistant", "content": "Hallo."},
+            {"role": "user", "content": "And?"}], "add_generation_prompt": false}),
+        json!({"tools": tools, "messages": [{"role": "user", "content": "Weather in Oslo?"},
+            {"role": "assistant", "content": "", "tool_calls": [{"id": "a1b2c3d4e", "type": "function",
+                "function": {"name": "get_weather", "arguments": "{\"unit\": \"c\", \"city\": \"Oslo\"}"}}]},
+            {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "{\"temperature\": 3}"}]}),
+        json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Two"},
+            {"type": "text", "text": "parts"}]}], "chat_template_kwargs": {"enable_thinking": false}}),
+    ];
+    let mut compared = 0;
+    let mut agreed = 0;
+    let mut failures = Vec::new();
+    let mut templates: Vec<PathBuf> = std::fs::read_dir(&corpus)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jinja"))
+        .collect();
+    templates.sort();
+    assert!(templates.len() >= 10, "the corpus at {}", corpus.display());
+    for template in &templates {
+        let models = Models::load(&[ModelSpec {
+            name: "tiny".into(),
+            tokenizer: Some(env.model.join("tokenizer.json")),
+            chat_template: Some(template.clone()),
+            bos_token: "<|begin_of_text|>".into(),
+            eos_token: "<|end_of_text|>".into(),
+        }])
+        .unwrap();
+        let source = std::fs::read_to_string(template).unwrap();
+        for request in &requests {
+            let mut ours_body = request.clone();
+            ours_body["model"] = json!("tiny");
+            let body = ours_body.to_string();
+            let ours = models.tokens(
+                "tiny",
+                body::parse(Route::Chat, body.as_bytes()).unwrap().prompt,
+                1 << 20,
+            );
+            let mut theirs_body = ours_body.clone();
+            theirs_body["chat_template"] = json!(source);
+            let (status, _, answer) = http(
+                server.http,
+                "POST",
+                "/tokenize",
+                &theirs_body.to_string(),
+                &[],
+            );
+            compared += 1;
+            match (ours, status) {
+                (Ok(Tokens::Ids(ids)), 200) => {
+                    let theirs: Vec<u32> = serde_json::from_value(
+                        serde_json::from_str::<Value>(&answer).unwrap()["tokens"].clone(),
+                    )
+                    .unwrap();
+                    if ids == theirs {
+                        agreed += 1;
+                    } else {
+                        failures.push(format!(
+                            "{}: kvedge's token ids are not vLLM's for {request}:\n{ids:?}\n{theirs:?}",
+                            template.display()
+                        ));
+                    }
+                }
+                (Err(_), 400) => {}
+                (ours, status) => failures.push(format!(
+                    "{}: kvedge {ours:?}, vLLM {status} {answer} for {request}",
+                    template.display()
+                )),
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+    eprintln!(
+        "chat templates: {agreed} of {compared} requests tokenized alike by kvedge and vLLM, the rest refused by both"
+    );
+    assert!(agreed * 2 > compared, "{agreed} of {compared}");
+}
+
 #[test]
 fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restarts() {
     let Some(env) = engines_env("two_real_vllm_servers") else {
@@ -423,6 +519,7 @@ fn two_real_vllm_servers_are_indexed_exactly_routed_and_followed_through_restart
     let d = start("real-vllm", &yaml);
     let ready = (a.wait_ready(), b.wait_ready());
     eprintln!("vLLM servers ready after {:?} and {:?}", ready.0, ready.1);
+    chat_templates_tokenize_as_vllm_tokenizes_them(&env, &a);
     let mut c = Conn::connect(&d.query());
     wait(
         Duration::from_secs(10),

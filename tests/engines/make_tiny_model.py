@@ -28,14 +28,21 @@ IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
 
 # The template's text outside the messages begins and ends at special
-# tokens, as the chat templates of real models do.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}"
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
+# tokens, as the chat templates of real models do. It is written over
+# several lines, as most models' templates are: it renders to that text only
+# in transformers' environment (trim_blocks and lstrip_blocks on), which
+# the real-engine tests hold kvedge to.
+CHAT_TEMPLATE = r"""{{ bos_token }}
+{%- for message in messages %}
+    {% if message['role'] == 'system' %}
+{{ '<|im_start|>system\n' + message['content'] + '<|im_end|>\n' }}
+    {%- else %}
+{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}
+    {%- endif %}
+{% endfor %}
+{% if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}"""
 
 WORDS = (
     "the a of to and in is that for it on with as was by be at this from "
