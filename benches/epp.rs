@@ -119,6 +119,7 @@ fn main() {
 
     // The template and tokenizer alone.
     let spec = ModelSpec {
+        engine: Default::default(),
         name: "m".into(),
         tokenizer: Some(tokenizer_path.clone()),
         chat_template: Some(template_path.clone()),

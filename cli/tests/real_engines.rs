@@ -394,19 +394,27 @@ fn conversation(system_seed: u64, turns: usize) -> Value {
     Value::Array(m)
 }
 
-/// Every template of the corpus (`testdata/chat-templates/models`), given
-/// chats with a system prompt or none, several turns, tools, tool calls
-/// and results, text parts and `chat_template_kwargs`: kvedge's token ids
-/// (the picker's whole path, from the request body) are those vLLM's own
-/// `/tokenize` gives for the same request, or both refuse it.
-fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Server) {
-    use kvedge_epp::body::{self, Route};
-    use kvedge_epp::tokenize::{ModelSpec, Models, Tokens};
+/// The chat-template corpus's files.
+fn corpus_templates() -> Vec<PathBuf> {
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/chat-templates/models");
+    let mut templates: Vec<PathBuf> = std::fs::read_dir(&corpus)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "jinja"))
+        .collect();
+    templates.sort();
+    assert!(templates.len() >= 10, "the corpus at {}", corpus.display());
+    templates
+}
+
+/// Chats with a system prompt or none, several turns, tools, tool calls
+/// and results, text parts, `chat_template_kwargs`, a generation prompt
+/// off, and a final message continued.
+fn corpus_requests() -> Vec<Value> {
     let tools = json!([{"type": "function", "function": {"name": "get_weather",
         "description": "Weather in a city", "parameters": {"type": "object",
         "properties": {"city": {"type": "string"}, "unit": {"type": "string"}}, "required": ["city"]}}}]);
-    let requests = [
+    vec![
         json!({"messages": [{"role": "user", "content": "Hello there"}]}),
         json!({"messages": [{"role": "system", "content": "Be terse."},
             {"role": "user", "content": "Grüße aus 東京"}, {"role": "assistant", "content": "Hallo."},
@@ -417,19 +425,111 @@ fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Ser
             {"role": "tool", "tool_call_id": "a1b2c3d4e", "content": "{\"temperature\": 3}"}]}),
         json!({"messages": [{"role": "user", "content": [{"type": "text", "text": "Two"},
             {"type": "text", "text": "parts"}]}], "chat_template_kwargs": {"enable_thinking": false}}),
-    ];
+        json!({"messages": [{"role": "user", "content": "Count to three."},
+            {"role": "assistant", "content": "One, two,"}],
+            "add_generation_prompt": false, "continue_final_message": true}),
+    ]
+}
+
+/// The corpus (above) tokenized by kvedge as a model with `engine:
+/// sglang`, and by SGLang's own chat-serving code
+/// (`tests/engines/sglang_render.py`) with the tiny model's tokenizer:
+/// the same token ids, or both refuse.
+#[test]
+fn chat_templates_tokenize_as_sglang_tokenizes_them() {
+    use kvedge_epp::body::{self, Route};
+    use kvedge_epp::tokenize::{ModelSpec, Models, Tokens};
+    let Some(env) = engines_env("chat_templates_sglang") else {
+        return;
+    };
+    let mut script = Command::new(&env.python)
+        .arg(env.scripts.join("sglang_render.py"))
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .spawn()
+        .expect("SGLang's renderer starts");
+    let mut to = script.stdin.take().unwrap();
+    let mut from = BufReader::new(script.stdout.take().unwrap());
+    let (mut agreed, mut compared, mut failures) = (0, 0, Vec::new());
+    for template in corpus_templates() {
+        let models = Models::load(&[ModelSpec {
+            engine: kvedge_epp::chat::Engine::Sglang,
+            name: "tiny".into(),
+            tokenizer: Some(env.model.join("tokenizer.json")),
+            chat_template: Some(template.clone()),
+            bos_token: "<|begin_of_text|>".into(),
+            eos_token: "<|end_of_text|>".into(),
+        }])
+        .unwrap();
+        for mut request in corpus_requests() {
+            request["model"] = json!("tiny");
+            let body = request.to_string();
+            let ours = models.tokens(
+                "tiny",
+                body::parse(Route::Chat, body.as_bytes()).unwrap().prompt,
+                1 << 20,
+            );
+            writeln!(
+                to,
+                "{}",
+                json!({"template": template, "model": env.model, "request": request})
+            )
+            .unwrap();
+            let mut line = String::new();
+            from.read_line(&mut line).unwrap();
+            let theirs: Value =
+                serde_json::from_str(&line).unwrap_or_else(|e| panic!("{line:?}: {e}"));
+            compared += 1;
+            match (ours, theirs.get("ids")) {
+                (Ok(Tokens::Ids(ids)), Some(expected)) => {
+                    let expected: Vec<u32> = serde_json::from_value(expected.clone()).unwrap();
+                    if ids == expected {
+                        agreed += 1;
+                    } else {
+                        failures.push(format!(
+                            "{}: token ids differ for {request}:\n{ids:?}\n{expected:?}",
+                            template.display()
+                        ));
+                    }
+                }
+                (Err(_), None) => {}
+                (ours, _) => failures.push(format!(
+                    "{}: kvedge {ours:?}, SGLang {theirs} for {request}",
+                    template.display()
+                )),
+            }
+        }
+    }
+    drop(to);
+    let _ = script.wait();
+    assert!(
+        failures.is_empty(),
+        "{} of {compared}:\n{}",
+        failures.len(),
+        failures.join("\n\n")
+    );
+    eprintln!(
+        "chat templates: {agreed} of {compared} requests tokenized alike by kvedge and SGLang's code, the rest refused by both"
+    );
+    assert!(agreed * 2 > compared, "{agreed} of {compared}");
+}
+
+/// Every template of the corpus (`testdata/chat-templates/models`), given
+/// chats with a system prompt or none, several turns, tools, tool calls
+/// and results, text parts and `chat_template_kwargs`: kvedge's token ids
+/// (the picker's whole path, from the request body) are those vLLM's own
+/// `/tokenize` gives for the same request, or both refuse it.
+fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Server) {
+    use kvedge_epp::body::{self, Route};
+    use kvedge_epp::tokenize::{ModelSpec, Models, Tokens};
+    let requests = corpus_requests();
     let mut compared = 0;
     let mut agreed = 0;
     let mut failures = Vec::new();
-    let mut templates: Vec<PathBuf> = std::fs::read_dir(&corpus)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|e| e == "jinja"))
-        .collect();
-    templates.sort();
-    assert!(templates.len() >= 10, "the corpus at {}", corpus.display());
+    let templates = corpus_templates();
     for template in &templates {
         let models = Models::load(&[ModelSpec {
+            engine: Default::default(),
             name: "tiny".into(),
             tokenizer: Some(env.model.join("tokenizer.json")),
             chat_template: Some(template.clone()),

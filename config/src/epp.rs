@@ -119,6 +119,11 @@ pub struct EppModel {
     pub bos_token: String,
     #[serde(default)]
     pub eos_token: String,
+    /// The engine that serves the model, whose OpenAI server decides how a
+    /// chat is prepared for the template: `vllm` (the default) or
+    /// `sglang`.
+    #[serde(default)]
+    pub engine: Option<String>,
 }
 
 fn listen() -> String {
@@ -309,6 +314,17 @@ pub fn validate(e: &EppSection) -> Option<(&'static str, String)> {
         if !seen.insert(&m.name) {
             return Some(("models", format!("epp model `{}` is named twice", m.name)));
         }
+        if let Some(engine) = m.engine.as_deref()
+            && !["vllm", "sglang"].contains(&engine)
+        {
+            return Some((
+                "models",
+                format!(
+                    "epp model `{}`: engine `{engine}` is not one kvedge renders chats for (vllm, sglang)",
+                    m.name
+                ),
+            ));
+        }
         for (path, limit) in [
             (&m.tokenizer, MAX_TOKENIZER_BYTES),
             (&m.chat_template, MAX_TEMPLATE_BYTES),
@@ -369,6 +385,12 @@ mod tests {
         let mut twice = section("");
         twice.models.push(twice.models[0].clone());
         assert_eq!(validate(&twice).unwrap().0, "models");
+        let engine = |e: &str| parse(&format!("models:\n  - name: m\n    engine: {e}\n"));
+        assert_eq!(validate(&engine("sglang")), None);
+        assert_eq!(validate(&engine("vllm")), None);
+        let (k, message) = validate(&engine("trtllm")).unwrap();
+        assert_eq!(k, "models");
+        assert!(message.contains("engine `trtllm`"), "{message}");
         // Loopback unless told, and a body limit from the token limit.
         assert_eq!(ok.listen, "127.0.0.1:9002");
         assert_eq!(ok.body_limit(), 131_072 * 16 + 65_536);

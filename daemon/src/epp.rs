@@ -146,6 +146,10 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
         .models
         .iter()
         .map(|m| ModelSpec {
+            engine: match m.engine.as_deref() {
+                Some("sglang") => kvedge_epp::chat::Engine::Sglang,
+                _ => kvedge_epp::chat::Engine::Vllm,
+            },
             name: m.name.clone(),
             tokenizer: m.tokenizer.as_ref().map(Into::into),
             chat_template: m.chat_template.as_ref().map(Into::into),

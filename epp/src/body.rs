@@ -78,6 +78,9 @@ pub struct Chat {
     /// `reasoning_effort`, which templates read (and which turns thinking
     /// on or off where the template has `enable_thinking`).
     pub reasoning_effort: Option<String>,
+    /// `tool_choice`: SGLang leaves the tools out of the template when it
+    /// is `"none"`, and keeps only the named one.
+    pub tool_choice: Option<Value>,
 }
 
 impl Chat {
@@ -132,6 +135,8 @@ struct Body<P> {
     continue_final_message: Option<Value>,
     #[serde(default)]
     reasoning_effort: Option<Value>,
+    #[serde(default)]
+    tool_choice: Option<Value>,
 }
 
 impl<P> Body<P> {
@@ -147,6 +152,7 @@ impl<P> Body<P> {
             add_generation_prompt: self.add_generation_prompt,
             continue_final_message: self.continue_final_message,
             reasoning_effort: self.reasoning_effort,
+            tool_choice: self.tool_choice,
         }
     }
 }
@@ -190,33 +196,26 @@ pub fn token_ids(body: &[u8]) -> Option<Result<Parsed, BodyError>> {
 }
 
 /// What the pick needs from a body's fields.
-fn fields(route: Route, b: Body<PromptField>) -> Result<Parsed, BodyError> {
+fn fields(route: Route, mut b: Body<PromptField>) -> Result<Parsed, BodyError> {
     let model = b
         .model
+        .take()
         .filter(|m| !m.is_empty())
         .ok_or(BodyError::NoModel)?;
     let prompt = match route {
-        Route::Completions => match b.prompt.ok_or(BodyError::NoPrompt)? {
+        Route::Completions => match b.prompt.take().ok_or(BodyError::NoPrompt)? {
             PromptField::Text(s) => Prompt::Text(s),
             PromptField::Ids(ids) => Prompt::Tokens(ids),
             PromptField::Batch(n) => return Err(BodyError::Batch(n)),
             PromptField::Bad => return Err(BodyError::BadPrompt),
         },
-        Route::Chat => match b.messages {
+        Route::Chat => match b.messages.take() {
             Some(Value::Array(m))
                 if !m.is_empty()
                     && m.iter()
                         .all(|m| m.get("role").is_some_and(Value::is_string)) =>
             {
-                Prompt::Messages(Box::new(chat(
-                    m,
-                    b.tools,
-                    b.documents,
-                    b.chat_template_kwargs,
-                    b.add_generation_prompt,
-                    b.continue_final_message,
-                    b.reasoning_effort,
-                )?))
+                Prompt::Messages(Box::new(chat(m, b)?))
             }
             _ => return Err(BodyError::BadMessages),
         },
@@ -227,15 +226,7 @@ fn fields(route: Route, b: Body<PromptField>) -> Result<Parsed, BodyError> {
 /// A chat's fields, checked as the engine checks them: a field of the
 /// wrong type is the client's error (the engine answers it with a 400
 /// too), and `null` is the field's default.
-fn chat(
-    messages: Vec<Value>,
-    tools: Option<Value>,
-    documents: Option<Value>,
-    kwargs: Option<Value>,
-    add_generation_prompt: Option<Value>,
-    continue_final_message: Option<Value>,
-    reasoning_effort: Option<Value>,
-) -> Result<Chat, BodyError> {
+fn chat(messages: Vec<Value>, b: Body<PromptField>) -> Result<Chat, BodyError> {
     fn flag(v: Option<Value>, field: &'static str, default: bool) -> Result<bool, BodyError> {
         match v {
             None | Some(Value::Null) => Ok(default),
@@ -256,7 +247,7 @@ fn chat(
             expected: "must be a list of objects",
         }),
     };
-    let kwargs = match kwargs {
+    let kwargs = match b.chat_template_kwargs {
         None | Some(Value::Null) => serde_json::Map::new(),
         Some(Value::Object(map)) => map,
         Some(_) => {
@@ -274,7 +265,7 @@ fn chat(
     {
         return Err(BodyError::ReservedKwarg(k.to_owned()));
     }
-    let reasoning_effort = match reasoning_effort {
+    let reasoning_effort = match b.reasoning_effort {
         None | Some(Value::Null) => None,
         Some(Value::String(s)) => Some(s),
         Some(_) => {
@@ -284,8 +275,8 @@ fn chat(
             });
         }
     };
-    let add_generation_prompt = flag(add_generation_prompt, "add_generation_prompt", true)?;
-    let continue_final_message = flag(continue_final_message, "continue_final_message", false)?;
+    let add_generation_prompt = flag(b.add_generation_prompt, "add_generation_prompt", true)?;
+    let continue_final_message = flag(b.continue_final_message, "continue_final_message", false)?;
     if add_generation_prompt && continue_final_message {
         return Err(BodyError::BadChatField {
             field: "continue_final_message",
@@ -294,8 +285,9 @@ fn chat(
     }
     Ok(Chat {
         messages,
-        tools: list(tools, "tools")?,
-        documents: list(documents, "documents")?,
+        tools: list(b.tools, "tools")?,
+        documents: list(b.documents, "documents")?,
+        tool_choice: b.tool_choice.filter(|v| !v.is_null()),
         kwargs,
         add_generation_prompt,
         continue_final_message,

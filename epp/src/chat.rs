@@ -23,6 +23,16 @@
 //!   (which also sets `enable_thinking` unless the client did);
 //! - `continue_final_message` cuts the text where the last message ends.
 //!
+//! SGLang prepares a chat its own way ([`Engine::Sglang`], for models
+//! its engines serve): messages keep the fields its request model has
+//! (those without a value dropped), text parts are joined with spaces, a
+//! plain string stays a string, tools keep the client's key order and are
+//! left out when `tool_choice` is `"none"`, `chat_template_kwargs` all
+//! reach the template, the generation prompt is always added, a final
+//! assistant message is continued (its text tokenized on its own and
+//! appended) or else read as the user's, and a template that fails with
+//! tools is tried again with bare function definitions.
+//!
 //! A chat with a picture, a sound or any other non-text part is not
 //! rendered: its tokens depend on the model's processor.
 
@@ -33,12 +43,34 @@ use serde_json::{Map, Value};
 
 use crate::body::Chat;
 
-/// A chat template, with what vLLM reads of its source.
+/// Whose OpenAI server a model's chats are rendered as.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Engine {
+    #[default]
+    Vllm,
+    Sglang,
+}
+
+/// A rendered chat.
+#[derive(Debug, PartialEq)]
+pub struct Rendered {
+    /// The text to tokenize without special tokens.
+    pub text: String,
+    /// SGLang continuing the final assistant message: its text, tokenized
+    /// on its own (a leading BOS dropped) and appended.
+    pub continued: Option<String>,
+}
+
+/// A chat template, with what vLLM and SGLang read of its source.
 pub struct Template {
     env: Environment<'static>,
     /// The template loops over a message's content: vLLM then hands it
     /// every content as a list of parts.
     parts: bool,
+    /// SGLang's reading of the same: a loop over `message.content` (or
+    /// `msg`'s, or `m`'s), or any mention of images, audio, video or
+    /// vision.
+    sglang_parts: bool,
     /// The template names the `developer` role.
     developer: bool,
     /// The names the template reads but does not set: the only
@@ -93,6 +125,10 @@ impl Template {
     /// Compiles `source`.
     pub fn new(source: String) -> Result<Template, minijinja::Error> {
         let parts = crate::template::loops_over_content(&source);
+        let sglang_parts = ["image", "audio", "video", "vision"]
+            .iter()
+            .any(|k| source.contains(k))
+            || crate::template::loops_over_content_of(&source, &["message", "msg", "m"]);
         let developer = source.contains("\"developer\"") || source.contains("'developer'");
         let names_content = source.contains("content");
         let env = crate::template::environment(source)?;
@@ -104,6 +140,7 @@ impl Template {
         Ok(Template {
             env,
             parts,
+            sglang_parts,
             developer,
             variables,
             names_content,
@@ -115,8 +152,25 @@ impl Template {
         self.parts
     }
 
-    /// The text `chat` renders to, with `bos` and `eos` as the tokenizer's
-    /// special tokens.
+    /// `chat` rendered as `engine`'s OpenAI server renders it.
+    pub fn render_for(
+        &self,
+        engine: Engine,
+        chat: &Chat,
+        bos: &str,
+        eos: &str,
+    ) -> Result<Rendered, RenderError> {
+        match engine {
+            Engine::Vllm => Ok(Rendered {
+                text: self.render(chat, bos, eos)?,
+                continued: None,
+            }),
+            Engine::Sglang => self.render_sglang(chat, bos, eos),
+        }
+    }
+
+    /// The text `chat` renders to as vLLM renders it, with `bos` and `eos`
+    /// as the tokenizer's special tokens.
     pub fn render(&self, chat: &Chat, bos: &str, eos: &str) -> Result<String, RenderError> {
         let mut messages = chat
             .messages
@@ -200,6 +254,90 @@ impl Template {
             Some(text) => cut_at_tag(rendered, &text),
             None => Ok(rendered),
         }
+    }
+
+    fn render_sglang(&self, chat: &Chat, bos: &str, eos: &str) -> Result<Rendered, RenderError> {
+        let mut messages = chat
+            .messages
+            .iter()
+            .map(|m| sglang::message(m, self.sglang_parts))
+            .collect::<Result<Vec<_>, _>>()?;
+        // The final assistant message, when its content is a string, is
+        // continued or read as the user's: SGLang always adds the
+        // generation prompt.
+        let mut continued = None;
+        if let Some(last) = messages.last()
+            && role(last) == "assistant"
+            && let Some(Value::String(text)) = last.get("content")
+        {
+            let text = text.clone();
+            if chat.continue_final_message {
+                messages.pop();
+                continued = Some(text);
+            } else {
+                let mut user = Map::new();
+                user.insert("role".into(), "user".into());
+                user.insert("content".into(), text.into());
+                *messages.last_mut().unwrap_or(&mut Value::Null) = Value::Object(user);
+            }
+        }
+        let tools = sglang::tools(chat);
+        let mut context = Map::new();
+        context.insert("bos_token".into(), bos.into());
+        context.insert("eos_token".into(), eos.into());
+        if let Some(effort) = &chat.reasoning_effort {
+            context.insert("reasoning_effort".into(), effort.as_str().into());
+        }
+        let mut documents = Value::Null;
+        for (k, v) in &chat.kwargs {
+            match k.as_str() {
+                // Given to `apply_chat_template` twice: Python refuses.
+                "tokenize" | "add_generation_prompt" | "tools" | "return_dict" | "conversation" => {
+                    return Err(RenderError::Failed(format!(
+                        "chat_template_kwargs may not set `{k}`"
+                    )));
+                }
+                "chat_template" => {
+                    return Err(RenderError::Unsupported(
+                        "a chat template sent with the request".into(),
+                    ));
+                }
+                "documents" => documents = v.clone(),
+                k if CONSUMED.contains(&k) => {}
+                _ => {
+                    context.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        context.insert("messages".into(), Value::Array(messages));
+        context.insert("documents".into(), documents);
+        context.insert("add_generation_prompt".into(), true.into());
+        let template = self
+            .env
+            .get_template("chat")
+            .map_err(|e| RenderError::Failed(e.to_string()))?;
+        let render = |tools: Value| {
+            let mut context = context.clone();
+            context.insert("tools".into(), tools);
+            template.render(minijinja::Value::from_serialize(&context))
+        };
+        let text = match render(tools.clone()) {
+            Ok(text) => text,
+            // Tried again with the bare function definitions, which some
+            // templates expect.
+            Err(first) => match tools {
+                Value::Array(list) => {
+                    let bare = list
+                        .into_iter()
+                        .map(|t| t.get("function").cloned().unwrap_or(t))
+                        .collect();
+                    render(Value::Array(bare))
+                        .map_err(|e| RenderError::Failed(template_error(&e)))?
+                }
+                _ => return Err(RenderError::Failed(template_error(&first))),
+            },
+        };
+        Ok(Rendered { text, continued })
     }
 
     /// Marks the last message's text with [`CONTINUE_TAG`], as
@@ -564,6 +702,252 @@ fn tools(tools: &Value) -> Value {
     )
 }
 
+/// SGLang's preparation of a chat request.
+mod sglang {
+    use serde_json::{Map, Value};
+
+    use super::RenderError;
+    use crate::body::Chat;
+
+    /// The roles SGLang's generic message takes (lower-cased); `user` has
+    /// its own.
+    const ROLES: [&str; 7] = [
+        "system",
+        "assistant",
+        "tool",
+        "function",
+        "developer",
+        "latest_reminder",
+        "root",
+    ];
+
+    /// The generic message's fields, in its order.
+    const FIELDS: [&str; 9] = [
+        "role",
+        "content",
+        "tool_call_id",
+        "name",
+        "phase",
+        "reasoning_content",
+        "tool_calls",
+        "tools",
+        "prefix",
+    ];
+
+    fn failed(what: &str) -> RenderError {
+        RenderError::Failed(what.into())
+    }
+
+    /// One message as SGLang hands it to the template: its request
+    /// model's fields in their order, those without a value dropped.
+    pub(super) fn message(m: &Value, parts: bool) -> Result<Value, RenderError> {
+        let raw = m.get("role").and_then(Value::as_str).unwrap_or("");
+        let role = if raw == "user" {
+            "user".to_owned()
+        } else {
+            let lower = raw.to_lowercase();
+            if !ROLES.contains(&lower.as_str()) {
+                return Err(failed("'role' is not one SGLang takes"));
+            }
+            lower
+        };
+        let fields: &[&str] = if role == "user" {
+            &FIELDS[..2]
+        } else {
+            &FIELDS
+        };
+        let mut out = Map::new();
+        for &field in fields {
+            let value = match field {
+                "role" => Value::String(role.clone()),
+                "content" => content(m.get("content"), parts, &role)?,
+                "tool_calls" => match m.get("tool_calls") {
+                    Some(Value::Array(calls)) => Value::Array(
+                        calls
+                            .iter()
+                            .map(|c| tool_call(c, role == "assistant"))
+                            .collect::<Result<_, _>>()?,
+                    ),
+                    None | Some(Value::Null) => Value::Null,
+                    Some(_) => return Err(failed("`tool_calls` must be a list")),
+                },
+                "tools" => match m.get("tools") {
+                    Some(Value::Array(list)) => Value::Array(list.iter().map(tool).collect()),
+                    _ => Value::Null,
+                },
+                _ => m.get(field).cloned().unwrap_or(Value::Null),
+            };
+            if !value.is_null() {
+                out.insert(field.into(), value);
+            }
+        }
+        Ok(Value::Object(out))
+    }
+
+    fn content(c: Option<&Value>, parts: bool, role: &str) -> Result<Value, RenderError> {
+        let items = match c {
+            None | Some(Value::Null) if role != "user" => return Ok(Value::String(String::new())),
+            Some(Value::String(s)) => return Ok(Value::String(s.clone())),
+            Some(Value::Array(items)) => items,
+            _ => return Err(failed("`content` must be a string or a list of parts")),
+        };
+        let mut texts = Vec::new();
+        let mut kept = Vec::new();
+        for item in items {
+            let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
+            match kind {
+                "text" | "input_text" => {
+                    let Some(text) = item.get("text").and_then(Value::as_str) else {
+                        return Err(failed("a text part needs a string `text`"));
+                    };
+                    texts.push(text.to_owned());
+                    let mut p = Map::new();
+                    p.insert("type".into(), "text".into());
+                    p.insert("text".into(), text.into());
+                    kept.push(Value::Object(p));
+                }
+                "tool_reference" if parts => kept.push(item.clone()),
+                "thinking" | "reasoning" | "tool_reference" => {}
+                other => {
+                    return Err(RenderError::Unsupported(format!(
+                        "a content part of type {other} is rendered by the model's processor"
+                    )));
+                }
+            }
+        }
+        if !parts {
+            return Ok(Value::String(texts.join(" ")));
+        }
+        // A tool's result of text parts only is one string.
+        if role == "tool"
+            && kept
+                .iter()
+                .all(|p| p.get("type").and_then(Value::as_str) == Some("text"))
+        {
+            return Ok(Value::String(texts.join(" ")));
+        }
+        Ok(Value::Array(kept))
+    }
+
+    /// A tool call as SGLang's model dumps it (`{id, index, type,
+    /// function: {name, arguments}}`, absent values as `null`), an
+    /// assistant's `arguments` string parsed into the object it must be.
+    fn tool_call(c: &Value, assistant: bool) -> Result<Value, RenderError> {
+        let Some(function) = c.get("function").and_then(Value::as_object) else {
+            return Err(failed("a tool call needs a `function`"));
+        };
+        let mut arguments = function.get("arguments").cloned().unwrap_or(Value::Null);
+        if assistant && let Value::String(s) = &arguments {
+            match serde_json::from_str::<Value>(s) {
+                Ok(v @ Value::Object(_)) => arguments = v,
+                Ok(_) => {
+                    return Err(failed(
+                        "Assistant tool call function.arguments must be a JSON object.",
+                    ));
+                }
+                Err(_) => {
+                    return Err(failed(
+                        "Assistant tool call function.arguments must be valid JSON.",
+                    ));
+                }
+            }
+        }
+        let mut f = Map::new();
+        f.insert(
+            "name".into(),
+            function.get("name").cloned().unwrap_or(Value::Null),
+        );
+        f.insert("arguments".into(), arguments);
+        let mut out = Map::new();
+        out.insert("id".into(), c.get("id").cloned().unwrap_or(Value::Null));
+        out.insert(
+            "index".into(),
+            c.get("index").cloned().unwrap_or(Value::Null),
+        );
+        out.insert("type".into(), "function".into());
+        out.insert("function".into(), Value::Object(f));
+        Ok(Value::Object(out))
+    }
+
+    /// A tool as SGLang's model dumps it: `{type, function, defer_loading}`,
+    /// the function's fields in the client's order (absent ones after,
+    /// `strict` and `defer_loading` only when set).
+    fn tool(t: &Value) -> Value {
+        let empty = Map::new();
+        let f = t
+            .get("function")
+            .and_then(Value::as_object)
+            .unwrap_or(&empty);
+        let defer = t.get("defer_loading").cloned().unwrap_or(Value::Null);
+        let mut data: Vec<(&str, Value)> = vec![
+            (
+                "description",
+                f.get("description").cloned().unwrap_or(Value::Null),
+            ),
+            ("name", f.get("name").cloned().unwrap_or(Value::Null)),
+            (
+                "parameters",
+                f.get("parameters").cloned().unwrap_or(Value::Null),
+            ),
+        ];
+        if let Some(s) = f.get("strict").filter(|v| !v.is_null()) {
+            data.push(("strict", s.clone()));
+        }
+        match f.get("defer_loading").filter(|v| !v.is_null()) {
+            Some(d) => data.push(("defer_loading", d.clone())),
+            None if !defer.is_null() => data.push(("defer_loading", defer.clone())),
+            None => {}
+        }
+        let mut function = Map::new();
+        for key in f.keys() {
+            if let Some((k, v)) = data.iter().find(|(k, _)| k == key) {
+                function.insert((*k).into(), v.clone());
+            }
+        }
+        for (k, v) in data {
+            if !function.contains_key(k) {
+                function.insert(k.into(), v);
+            }
+        }
+        let mut out = Map::new();
+        out.insert(
+            "type".into(),
+            t.get("type").cloned().unwrap_or_else(|| "function".into()),
+        );
+        out.insert("function".into(), Value::Object(function));
+        out.insert("defer_loading".into(), defer);
+        Value::Object(out)
+    }
+
+    /// The tools the template is given: none when `tool_choice` is
+    /// `"none"`, only the named one when it names one.
+    pub(super) fn tools(chat: &Chat) -> Value {
+        let Some(Value::Array(list)) = &chat.tools else {
+            return Value::Null;
+        };
+        if list.is_empty() {
+            return Value::Null;
+        }
+        match &chat.tool_choice {
+            Some(Value::String(s)) if s == "none" => Value::Null,
+            Some(Value::Object(choice)) => {
+                let name = choice.get("function").and_then(|f| f.get("name"));
+                let named: Vec<Value> = list
+                    .iter()
+                    .filter(|t| t.get("function").and_then(|f| f.get("name")) == name)
+                    .map(tool)
+                    .collect();
+                if named.is_empty() {
+                    Value::Null
+                } else {
+                    Value::Array(named)
+                }
+            }
+            _ => Value::Array(list.iter().map(tool).collect()),
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -658,6 +1042,34 @@ mod tests {
             render(source, chat).unwrap(),
             "<user>hi</s>\n<assistant>Hello, wor"
         );
+    }
+
+    #[test]
+    fn sglang_prepares_a_chat_its_own_way() {
+        let template = Template::new(
+            "{% for m in messages %}{{ m.role }}:{{ m.content }};{% endfor %}\
+             {% if tools %}{{ tools | tojson }}{% endif %}{% if add_generation_prompt %}>{% endif %}"
+                .into(),
+        )
+        .unwrap();
+        let mut chat = Chat::of(vec![
+            json!({"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}),
+            json!({"role": "assistant", "content": "so far"}),
+        ]);
+        chat.add_generation_prompt = false;
+        chat.tools = Some(json!([{"function": {"parameters": {}, "name": "f"}}]));
+        let sglang = |chat: &Chat| template.render_for(Engine::Sglang, chat, "", "").unwrap();
+        // Parts joined with a space, the last assistant message read as the
+        // user's, tools in the client's order, the generation prompt added.
+        assert_eq!(
+            sglang(&chat).text,
+            r#"user:a b;user:so far;[{"type": "function", "function": {"parameters": {}, "name": "f", "description": null}, "defer_loading": null}]>"#
+        );
+        chat.tool_choice = Some(json!("none"));
+        chat.continue_final_message = true;
+        let continued = sglang(&chat);
+        assert_eq!(continued.text, "user:a b;>");
+        assert_eq!(continued.continued.as_deref(), Some("so far"));
     }
 
     #[test]

@@ -900,6 +900,7 @@ mod tests {
 
     fn models() -> Models {
         Models::load(&[ModelSpec {
+            engine: Default::default(),
             name: "m".into(),
             tokenizer: None,
             chat_template: None,

@@ -207,6 +207,20 @@ pub fn loops_over_content(source: &str) -> bool {
     })
 }
 
+/// Whether a loop runs over `v.content` (or `v['content']`, sliced or
+/// filtered) for a variable `v` named one of `names`: SGLang's reading.
+pub fn loops_over_content_of(source: &str, names: &[&str]) -> bool {
+    statements(source).iter().any(|t| {
+        t.text
+            .strip_prefix("for ")
+            .and_then(|r| r.split_once(" in "))
+            .is_some_and(|(_, iter)| {
+                access(loop_iter(iter))
+                    .is_some_and(|(v, key)| key == Some("content") && names.contains(&v))
+            })
+    })
+}
+
 /// One `{% ... %}` tag's statement, whitespace control and runs of spaces
 /// removed, and the macro it stands in.
 struct Statement {

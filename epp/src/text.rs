@@ -722,6 +722,7 @@ mod tests {
         ));
         t.save(&path, false).unwrap();
         let spec = ModelSpec {
+            engine: Default::default(),
             name: "m".into(),
             tokenizer: Some(path.clone()),
             chat_template: None,

@@ -79,6 +79,9 @@ pub struct ModelSpec {
     /// Rendered as `bos_token` / `eos_token` in the template.
     pub bos_token: String,
     pub eos_token: String,
+    /// Whose OpenAI server serves the model, which decides how a chat is
+    /// prepared for the template.
+    pub engine: crate::chat::Engine,
 }
 
 struct Model {
@@ -86,6 +89,7 @@ struct Model {
     template: Option<crate::chat::Template>,
     bos_token: String,
     eos_token: String,
+    engine: crate::chat::Engine,
     /// Where rendered chats may be cut, when the tokenizer has special
     /// tokens and the cache is on.
     cuts: Option<Cuts>,
@@ -216,6 +220,7 @@ impl Models {
                     template,
                     bos_token: s.bos_token.clone(),
                     eos_token: s.eos_token.clone(),
+                    engine: s.engine,
                     cuts,
                     splitter,
                     cache: Mutex::new(PrefixCache::new(prefix_bytes)),
@@ -294,30 +299,39 @@ impl Models {
             },
             Prompt::Messages(chat) => match (&m.tokenizer, &m.template) {
                 (Some(t), Some(template)) => {
-                    let text = match template.render(&chat, &m.bos_token, &m.eos_token) {
-                        Ok(text) => text,
-                        Err(crate::chat::RenderError::Failed(e)) => {
-                            return Err(PromptError::Template(e));
-                        }
-                        Err(crate::chat::RenderError::Unsupported(_)) => {
-                            self.template_fallbacks.fetch_add(1, Ordering::Relaxed);
-                            return Ok(Tokens::Text(plain_text(&chat.messages)));
-                        }
+                    let rendered =
+                        match template.render_for(m.engine, &chat, &m.bos_token, &m.eos_token) {
+                            Ok(r) => r,
+                            Err(crate::chat::RenderError::Failed(e)) => {
+                                return Err(PromptError::Template(e));
+                            }
+                            Err(crate::chat::RenderError::Unsupported(_)) => {
+                                self.template_fallbacks.fetch_add(1, Ordering::Relaxed);
+                                return Ok(Tokens::Text(plain_text(&chat.messages)));
+                            }
+                        };
+                    let text = &rendered.text;
+                    let mut ids = match &m.cuts {
+                        Some(cuts) => crate::prefix::encode_with(
+                            t,
+                            cuts,
+                            m.splitter.as_ref(),
+                            &m.cache,
+                            &self.prefix,
+                            text,
+                        )
+                        .map_err(PromptError::Tokenize)?,
+                        None => encode(t, text, false)?,
                     };
-                    match &m.cuts {
-                        Some(cuts) => Tokens::Ids(
-                            crate::prefix::encode_with(
-                                t,
-                                cuts,
-                                m.splitter.as_ref(),
-                                &m.cache,
-                                &self.prefix,
-                                &text,
-                            )
-                            .map_err(PromptError::Tokenize)?,
-                        ),
-                        None => Tokens::Ids(encode(t, &text, false)?),
+                    if let Some(continued) = &rendered.continued {
+                        // As SGLang appends it: encoded with the special
+                        // tokens the tokenizer adds, less a leading BOS.
+                        let more = encode(t, continued, true)?;
+                        let bos = t.token_to_id(&m.bos_token);
+                        let skip = usize::from(more.first().is_some_and(|id| Some(*id) == bos));
+                        ids.extend_from_slice(&more[skip..]);
                     }
+                    Tokens::Ids(ids)
                 }
                 _ => Tokens::Text(plain_text(&chat.messages)),
             },

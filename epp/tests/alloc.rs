@@ -23,6 +23,7 @@ const BOUND: u64 = 48;
 
 fn models() -> Models {
     Models::load(&[ModelSpec {
+        engine: Default::default(),
         name: "m".into(),
         tokenizer: None,
         chat_template: None,

@@ -289,6 +289,7 @@ fn kvedge_renders_and_tokenizes_model_templates_as_vllm_hands_them_to_transforme
     for (name, kind, bos, eos) in FAMILIES {
         let template = PathBuf::from(format!("{MODELS}/{name}.jinja"));
         let models = Models::load(&[ModelSpec {
+            engine: Default::default(),
             name: "m".into(),
             tokenizer: Some(tokenizer(kind)),
             chat_template: Some(template.clone()),

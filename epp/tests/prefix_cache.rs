@@ -101,6 +101,7 @@ fn templates() -> Vec<(String, PathBuf)> {
 fn models(tokenizer: &Path, template: &Path, cache_bytes: usize) -> Models {
     Models::load_with(
         &[ModelSpec {
+            engine: Default::default(),
             name: "m".into(),
             tokenizer: Some(tokenizer.into()),
             chat_template: Some(template.into()),

@@ -118,6 +118,7 @@ pub fn load_models(
     eos_token: &str,
 ) -> Result<Models, String> {
     Models::load(&[ModelSpec {
+        engine: Default::default(),
         name: model.to_owned(),
         tokenizer: tokenizer.map(Path::to_path_buf),
         chat_template: chat_template.map(Path::to_path_buf),

@@ -51,6 +51,7 @@ pub(super) fn read(body: &[u8], want: Want) -> Option<Body<PromptField>> {
     let mut add_generation_prompt: Option<Option<Value>> = None;
     let mut continue_final_message: Option<Option<Value>> = None;
     let mut reasoning_effort: Option<Option<Value>> = None;
+    let mut tool_choice: Option<Option<Value>> = None;
     s.ws();
     s.eat(b'{')?;
     s.ws();
@@ -72,6 +73,7 @@ pub(super) fn read(body: &[u8], want: Want) -> Option<Body<PromptField>> {
                 b"add_generation_prompt" => once(&mut add_generation_prompt, s.serde()?)?,
                 b"continue_final_message" => once(&mut continue_final_message, s.serde()?)?,
                 b"reasoning_effort" => once(&mut reasoning_effort, s.serde()?)?,
+                b"tool_choice" => once(&mut tool_choice, s.nested()?)?,
                 _ => {
                     s.serde::<IgnoredAny>()?;
                 }
@@ -98,6 +100,7 @@ pub(super) fn read(body: &[u8], want: Want) -> Option<Body<PromptField>> {
         add_generation_prompt: add_generation_prompt.flatten(),
         continue_final_message: continue_final_message.flatten(),
         reasoning_effort: reasoning_effort.flatten(),
+        tool_choice: tool_choice.flatten(),
     })
 }
 
