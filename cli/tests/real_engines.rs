@@ -394,6 +394,24 @@ fn conversation(system_seed: u64, turns: usize) -> Value {
     Value::Array(m)
 }
 
+/// The tiny model's tokenizer with `template`, its chats prepared as
+/// `engine`'s server prepares them.
+fn tiny_models(
+    env: &EnginesEnv,
+    template: &Path,
+    engine: kvedge_epp::chat::Engine,
+) -> kvedge_epp::tokenize::Models {
+    kvedge_epp::tokenize::Models::load(&[kvedge_epp::tokenize::ModelSpec {
+        engine,
+        name: "tiny".into(),
+        tokenizer: Some(env.model.join("tokenizer.json")),
+        chat_template: Some(template.to_owned()),
+        bos_token: "<|begin_of_text|>".into(),
+        eos_token: "<|end_of_text|>".into(),
+    }])
+    .unwrap()
+}
+
 /// The chat-template corpus's files.
 fn corpus_templates() -> Vec<PathBuf> {
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/chat-templates/models");
@@ -438,7 +456,7 @@ fn corpus_requests() -> Vec<Value> {
 #[test]
 fn chat_templates_tokenize_as_sglang_tokenizes_them() {
     use kvedge_epp::body::{self, Route};
-    use kvedge_epp::tokenize::{ModelSpec, Models, Tokens};
+    use kvedge_epp::tokenize::Tokens;
     let Some(env) = engines_env("chat_templates_sglang") else {
         return;
     };
@@ -452,15 +470,7 @@ fn chat_templates_tokenize_as_sglang_tokenizes_them() {
     let mut from = BufReader::new(script.stdout.take().unwrap());
     let (mut agreed, mut compared, mut failures) = (0, 0, Vec::new());
     for template in corpus_templates() {
-        let models = Models::load(&[ModelSpec {
-            engine: kvedge_epp::chat::Engine::Sglang,
-            name: "tiny".into(),
-            tokenizer: Some(env.model.join("tokenizer.json")),
-            chat_template: Some(template.clone()),
-            bos_token: "<|begin_of_text|>".into(),
-            eos_token: "<|end_of_text|>".into(),
-        }])
-        .unwrap();
+        let models = tiny_models(&env, &template, kvedge_epp::chat::Engine::Sglang);
         for mut request in corpus_requests() {
             request["model"] = json!("tiny");
             let body = request.to_string();
@@ -521,22 +531,14 @@ fn chat_templates_tokenize_as_sglang_tokenizes_them() {
 /// `/tokenize` gives for the same request, or both refuse it.
 fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Server) {
     use kvedge_epp::body::{self, Route};
-    use kvedge_epp::tokenize::{ModelSpec, Models, Tokens};
+    use kvedge_epp::tokenize::Tokens;
     let requests = corpus_requests();
     let mut compared = 0;
     let mut agreed = 0;
     let mut failures = Vec::new();
     let templates = corpus_templates();
     for template in &templates {
-        let models = Models::load(&[ModelSpec {
-            engine: Default::default(),
-            name: "tiny".into(),
-            tokenizer: Some(env.model.join("tokenizer.json")),
-            chat_template: Some(template.clone()),
-            bos_token: "<|begin_of_text|>".into(),
-            eos_token: "<|end_of_text|>".into(),
-        }])
-        .unwrap();
+        let models = tiny_models(env, template, kvedge_epp::chat::Engine::Vllm);
         let source = std::fs::read_to_string(template).unwrap();
         for request in &requests {
             let mut ours_body = request.clone();

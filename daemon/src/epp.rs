@@ -142,6 +142,9 @@ impl Loaded {
 /// its size limit). Called before the daemon binds any socket: a daemon
 /// that cannot serve does not listen.
 pub fn load(section: &EppSection) -> io::Result<Loaded> {
+    for w in template_warnings(Some(section)) {
+        tracing::warn!("{w}");
+    }
     let specs: Vec<ModelSpec> = section
         .models
         .iter()

@@ -23,6 +23,19 @@ pub fn environment(source: String) -> Result<Environment<'static>, Error> {
         strftime(&format, now_utc())
     });
     env.add_filter("tojson", tojson);
+    // Python prints a list or a dict as its repr (`{'a': True}`), where
+    // minijinja would write JSON.
+    env.set_formatter(|out, state, value| match python_repr(value) {
+        Some(text) => out.write_str(&text).map_err(Error::from),
+        None => minijinja::escape_formatter(out, state, value),
+    });
+    env.add_filter("string", |value: Value| -> Value {
+        match python_repr(&value) {
+            Some(text) => Value::from(text),
+            None if value.is_undefined() => Value::from(""),
+            None => Value::from(value.to_string()),
+        }
+    });
     env.add_template_owned("chat", without_generation_tags(&source))?;
     Ok(env)
 }
@@ -552,6 +565,96 @@ fn write_string(out: &mut String, s: &str, ascii: bool) {
     out.push('"');
 }
 
+/// `repr()` of a list or a dict, as Python prints one; `None` for any
+/// other value (printed as minijinja prints it).
+fn python_repr(value: &Value) -> Option<String> {
+    use minijinja::value::ValueKind;
+    if !matches!(value.kind(), ValueKind::Seq | ValueKind::Map) {
+        return None;
+    }
+    let json = serde_json::to_value(value).ok()?;
+    let mut out = String::new();
+    write_repr(&mut out, &json);
+    Some(out)
+}
+
+fn write_repr(out: &mut String, v: &serde_json::Value) {
+    use serde_json::Value as J;
+    match v {
+        J::Null => out.push_str("None"),
+        J::Bool(b) => out.push_str(if *b { "True" } else { "False" }),
+        J::Number(n) => out.push_str(&python_number(n)),
+        J::String(s) => write_str_repr(out, s),
+        J::Array(items) => {
+            out.push('[');
+            for (i, item) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_repr(out, item);
+            }
+            out.push(']');
+        }
+        J::Object(map) => {
+            out.push('{');
+            for (i, (k, item)) in map.iter().enumerate() {
+                if i > 0 {
+                    out.push_str(", ");
+                }
+                write_str_repr(out, k);
+                out.push_str(": ");
+                write_repr(out, item);
+            }
+            out.push('}');
+        }
+    }
+}
+
+/// Python's `repr()` of a string: single quotes unless the text has one
+/// and no double quote, and escapes for what Python does not print.
+fn write_str_repr(out: &mut String, s: &str) {
+    let quote = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
+    out.push(quote);
+    for c in s.chars() {
+        match c {
+            '\\' => out.push_str("\\\\"),
+            '\n' => out.push_str("\\n"),
+            '\r' => out.push_str("\\r"),
+            '\t' => out.push_str("\\t"),
+            c if c == quote => {
+                out.push('\\');
+                out.push(c);
+            }
+            c if !python_printable(c) => {
+                let n = c as u32;
+                if n < 0x100 {
+                    out.push_str(&format!("\\x{n:02x}"));
+                } else if n < 0x10000 {
+                    out.push_str(&format!("\\u{n:04x}"));
+                } else {
+                    out.push_str(&format!("\\U{n:08x}"));
+                }
+            }
+            c => out.push(c),
+        }
+    }
+    out.push(quote);
+}
+
+/// Python's `str.isprintable()` for one character: not a control or
+/// format character, and no separator but the space.
+fn python_printable(c: char) -> bool {
+    !(c.is_control()
+        || matches!(c as u32,
+            0xa0 | 0xad | 0x1680 | 0x2000..=0x200f | 0x2028..=0x202f | 0x205f..=0x2064
+            | 0x2066..=0x206f | 0x3000 | 0xfeff | 0xfff9..=0xfffb | 0xe000..=0xf8ff
+            | 0xd800..=0xdfff))
+}
+
 /// Seconds since the epoch, UTC, split into a civil date and time.
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Civil {
@@ -669,6 +772,20 @@ fn strftime(format: &str, t: Civil) -> Result<String, Error> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn lists_and_dicts_print_as_python_prints_them() {
+        let env = environment("{{ v }}|{{ v | string }}|{{ v.a }}".into()).unwrap();
+        let v =
+            serde_json::json!({"a": "it's", "b": [1, 2.5, null, true, "q\"'\n\u{a0}"], "c": {}});
+        let out = env
+            .get_template("chat")
+            .unwrap()
+            .render(minijinja::context! { v => v })
+            .unwrap();
+        let repr = r#"{'a': "it's", 'b': [1, 2.5, None, True, 'q"\'\n\xa0'], 'c': {}}"#;
+        assert_eq!(out, format!("{repr}|{repr}|it's"));
+    }
 
     #[test]
     fn constructs_kvedge_cannot_render_are_named_once() {

@@ -1,6 +1,8 @@
 //! The chat templates of widely served model families
-//! (`testdata/chat-templates/models/`, where each came from in its README)
-//! rendered by kvedge from a client's request body, and by transformers'
+//! (`testdata/chat-templates/models/`, where each came from in its README),
+//! and three of this repository's own in the shapes they take
+//! (`chat_templates/*.jinja`: Python methods, tools, loop controls,
+//! `raise_exception`), rendered by kvedge from a client's request body, and by transformers'
 //! `apply_chat_template` from the chat as vLLM's OpenAI server hands it
 //! over (`chat_templates/corpus.py`): the same text and the same token
 //! ids, under a byte-level BPE or a SentencePiece-style tokenizer as the
@@ -31,6 +33,7 @@ const SCRIPT: &str = concat!(
     env!("CARGO_MANIFEST_DIR"),
     "/tests/chat_templates/corpus.py"
 );
+const OWN: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/chat_templates");
 
 #[derive(Clone, Copy, PartialEq)]
 enum Kind {
@@ -75,6 +78,30 @@ const FAMILIES: [(&str, Kind, &str, &str); 14] = [
     ("gpt-oss", Kind::ByteLevel, "<|startoftext|>", "<|return|>"),
     ("tinyllama-zephyr", Kind::SentencePiece, "<s>", "</s>"),
 ];
+
+/// Every template: the families', then this repository's own.
+fn templates() -> Vec<(PathBuf, Kind, &'static str, &'static str)> {
+    let mut all: Vec<_> = FAMILIES
+        .iter()
+        .map(|&(name, kind, bos, eos)| {
+            (
+                PathBuf::from(format!("{MODELS}/{name}.jinja")),
+                kind,
+                bos,
+                eos,
+            )
+        })
+        .collect();
+    for name in ["multiline", "tools", "python_methods"] {
+        all.push((
+            PathBuf::from(format!("{OWN}/{name}.jinja")),
+            Kind::ByteLevel,
+            "<s>",
+            "</s>",
+        ));
+    }
+    all
+}
 
 /// The families' special tokens, all of them in both tokenizers.
 const SPECIALS: &[&str] = &[
@@ -165,6 +192,12 @@ fn requests() -> Vec<Value> {
             {"role": "assistant", "content": "Read."},
             {"role": "user", "content": "And now?"},
         ]}),
+        json!({"messages": [
+            {"role": "system", "content": "  Padded, with a newline.\n"},
+            {"role": "user", "content": "# a comment turn"},
+            {"role": "user", "content": "  padded  ", "name": "alice"},
+            {"role": "assistant", "content": "ok"},
+        ]}),
         json!({"chat_template_kwargs": {"enable_thinking": false, "unrelated": 1},
             "messages": [{"role": "user", "content": "No thinking, please."}]}),
     ];
@@ -253,8 +286,8 @@ impl Drop for Reference {
 /// What the tokenizers are trained on: the templates and the chats.
 fn training_text() -> String {
     let mut text = String::new();
-    for (name, ..) in FAMILIES {
-        text.push_str(&std::fs::read_to_string(format!("{MODELS}/{name}.jinja")).unwrap());
+    for (path, ..) in templates() {
+        text.push_str(&std::fs::read_to_string(path).unwrap());
     }
     for r in requests() {
         text.push_str(&r.to_string());
@@ -286,8 +319,8 @@ fn kvedge_renders_and_tokenizes_model_templates_as_vllm_hands_them_to_transforme
 
     let mut failures = Vec::new();
     let mut compared = 0;
-    for (name, kind, bos, eos) in FAMILIES {
-        let template = PathBuf::from(format!("{MODELS}/{name}.jinja"));
+    for (template, kind, bos, eos) in templates() {
+        let name = template.file_stem().unwrap().to_string_lossy().into_owned();
         let models = Models::load(&[ModelSpec {
             engine: Default::default(),
             name: "m".into(),
