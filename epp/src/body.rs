@@ -61,7 +61,7 @@ impl Prompt {
 /// A chat request's fields that reach the chat template, as the client
 /// sent them: the engine's OpenAI server turns them into the template's
 /// context ([`crate::chat`]).
-#[derive(Debug, Default, PartialEq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Chat {
     /// Each an object with a string `role`.
     pub messages: Vec<Value>,

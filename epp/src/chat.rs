@@ -153,16 +153,23 @@ impl Template {
     }
 
     /// `chat` rendered as `engine`'s OpenAI server renders it.
+    ///
+    /// The messages' contents are moved into the template's context, not
+    /// copied: `chat` keeps them only when the answer is
+    /// [`RenderError::Unsupported`] (for the caller to route on them).
     pub fn render_for(
         &self,
         engine: Engine,
-        chat: &Chat,
+        chat: &mut Chat,
         bos: &str,
         eos: &str,
     ) -> Result<Rendered, RenderError> {
+        if let Some(why) = unsupported(chat, engine) {
+            return Err(RenderError::Unsupported(why));
+        }
         match engine {
             Engine::Vllm => Ok(Rendered {
-                text: self.render(chat, bos, eos)?,
+                text: self.render_vllm(chat, bos, eos)?,
                 continued: None,
             }),
             Engine::Sglang => self.render_sglang(chat, bos, eos),
@@ -172,83 +179,80 @@ impl Template {
     /// The text `chat` renders to as vLLM renders it, with `bos` and `eos`
     /// as the tokenizer's special tokens.
     pub fn render(&self, chat: &Chat, bos: &str, eos: &str) -> Result<String, RenderError> {
+        if let Some(why) = unsupported(chat, Engine::Vllm) {
+            return Err(RenderError::Unsupported(why));
+        }
+        self.render_vllm(&mut chat.clone(), bos, eos)
+    }
+
+    fn render_vllm(&self, chat: &mut Chat, bos: &str, eos: &str) -> Result<String, RenderError> {
         let mut messages = chat
             .messages
-            .iter()
+            .iter_mut()
             .map(|m| message(m, self.parts))
             .collect::<Result<Vec<_>, _>>()?;
         if !self.developer && messages.iter().any(|m| role(m) == "developer") {
             messages = developer_as_system(messages);
         }
-        let tools = chat.tools.as_ref().map(tools);
-
-        // The keywords as vLLM merges them: the request's tools, then the
-        // client's kwargs (`null` and "auto" leave a value unset), then the
-        // request's own fields.
-        let mut kwargs = Map::new();
-        if let Some(t) = &tools {
-            kwargs.insert("tools".into(), t.clone());
-        }
-        for (k, v) in &chat.kwargs {
-            if !v.is_null() && v.as_str() != Some("auto") {
-                kwargs.insert(k.clone(), v.clone());
-            }
-        }
-        kwargs.insert(
-            "add_generation_prompt".into(),
-            chat.add_generation_prompt.into(),
-        );
-        kwargs.insert(
-            "continue_final_message".into(),
-            chat.continue_final_message.into(),
-        );
-        if let Some(d) = &chat.documents {
-            kwargs.insert("documents".into(), d.clone());
-        }
-        if let Some(effort) = &chat.reasoning_effort {
-            kwargs.insert("reasoning_effort".into(), effort.as_str().into());
-            if !chat.kwargs.contains_key("enable_thinking") {
-                kwargs.insert("enable_thinking".into(), (effort != "none").into());
-            }
-        }
-        kwargs.retain(|k, _| {
-            self.variables.contains(k)
-                || CONSUMED.contains(&k.as_str())
-                || ["tools", "documents", "add_generation_prompt"].contains(&k.as_str())
-        });
-
-        // The template's context: the special tokens, overridden by the
-        // keywords it reads, then the four it is always given.
-        let mut context = Map::new();
-        context.insert("bos_token".into(), bos.into());
-        context.insert("eos_token".into(), eos.into());
-        let tools = kwargs.remove("tools").unwrap_or(Value::Null);
-        let documents = kwargs.remove("documents").unwrap_or(Value::Null);
-        let add_generation_prompt = kwargs
-            .remove("add_generation_prompt")
-            .unwrap_or(Value::Bool(false));
-        for (k, v) in kwargs {
-            if !CONSUMED.contains(&k.as_str()) {
-                context.insert(k, v);
-            }
-        }
-        let continuing = chat.continue_final_message;
-        let final_text = if continuing {
+        let final_text = if chat.continue_final_message {
             Some(self.mark_final(&mut messages)?)
         } else {
             None
         };
-        context.insert("messages".into(), Value::Array(messages));
-        context.insert("tools".into(), tools);
-        context.insert("documents".into(), documents);
-        context.insert("add_generation_prompt".into(), add_generation_prompt);
+
+        // The keywords as vLLM merges them: the request's tools, then the
+        // client's kwargs (`null` and "auto" leave a value unset; only
+        // those the template reads, or `apply_chat_template` takes, pass),
+        // then the request's own fields. The template's context is the
+        // special tokens, overridden by those keywords, then the four it is
+        // always given (later entries win).
+        use minijinja::Value as J;
+        let reads = |k: &str| self.variables.contains(k);
+        let mut tools_value = chat.tools.as_ref().map(tools);
+        let mut documents = None;
+        let mut context: Vec<(J, J)> = vec![
+            (J::from("bos_token"), J::from(bos)),
+            (J::from("eos_token"), J::from(eos)),
+        ];
+        for (k, v) in &chat.kwargs {
+            if v.is_null() || v.as_str() == Some("auto") {
+                continue;
+            }
+            match k.as_str() {
+                "tools" => tools_value = Some(v.clone()),
+                "documents" => documents = Some(v.clone()),
+                "add_generation_prompt" => {}
+                k if CONSUMED.contains(&k) => {}
+                k if reads(k) => context.push((J::from(k), J::from_serialize(v))),
+                _ => {}
+            }
+        }
+        if let Some(d) = &chat.documents {
+            documents = Some(d.clone());
+        }
+        if let Some(effort) = &chat.reasoning_effort {
+            if reads("reasoning_effort") {
+                context.push((J::from("reasoning_effort"), J::from(effort.as_str())));
+            }
+            if reads("enable_thinking") && !chat.kwargs.contains_key("enable_thinking") {
+                context.push((J::from("enable_thinking"), J::from(effort != "none")));
+            }
+        }
+        let or_none = |v: Option<Value>| v.map_or(J::from(()), |v| J::from_serialize(&v));
+        context.push((J::from("messages"), J::from_serialize(&messages)));
+        context.push((J::from("tools"), or_none(tools_value)));
+        context.push((J::from("documents"), or_none(documents)));
+        context.push((
+            J::from("add_generation_prompt"),
+            J::from(chat.add_generation_prompt),
+        ));
 
         let template = self
             .env
             .get_template("chat")
             .map_err(|e| RenderError::Failed(e.to_string()))?;
         let rendered = template
-            .render(minijinja::Value::from_serialize(&context))
+            .render(J::from_iter(context))
             .map_err(|e| RenderError::Failed(template_error(&e)))?;
         match final_text {
             Some(text) => cut_at_tag(rendered, &text),
@@ -256,10 +260,15 @@ impl Template {
         }
     }
 
-    fn render_sglang(&self, chat: &Chat, bos: &str, eos: &str) -> Result<Rendered, RenderError> {
+    fn render_sglang(
+        &self,
+        chat: &mut Chat,
+        bos: &str,
+        eos: &str,
+    ) -> Result<Rendered, RenderError> {
         let mut messages = chat
             .messages
-            .iter()
+            .iter_mut()
             .map(|m| sglang::message(m, self.sglang_parts))
             .collect::<Result<Vec<_>, _>>()?;
         // The final assistant message, when its content is a string, is
@@ -414,27 +423,49 @@ fn role(m: &Value) -> &str {
     m.get("role").and_then(Value::as_str).unwrap_or("")
 }
 
-/// Part types whose text vLLM reads, and the field it reads it from.
-fn part_text(part: &Map<String, Value>) -> Result<Option<String>, RenderError> {
-    let kind = part.get("type").and_then(Value::as_str);
-    let field = match kind {
-        Some("text" | "input_text" | "output_text") => "text",
-        Some("refusal") => "refusal",
-        Some("thinking") => "thinking",
-        _ => {
-            return Err(RenderError::Unsupported(format!(
-                "a content part of type {} is rendered by the model's processor",
-                kind.unwrap_or("(none)")
-            )));
-        }
+/// The first content part `engine` does not read as text (a picture, a
+/// sound), said as a reason; such a chat's tokens depend on the model's
+/// processor.
+fn unsupported(chat: &Chat, engine: Engine) -> Option<String> {
+    let text_types: &[&str] = match engine {
+        Engine::Vllm => &["text", "input_text", "output_text", "refusal", "thinking"],
+        Engine::Sglang => &[
+            "text",
+            "input_text",
+            "thinking",
+            "reasoning",
+            "tool_reference",
+        ],
     };
-    match part.get(field) {
-        Some(Value::String(s)) => Ok(Some(s.clone())),
+    chat.messages
+        .iter()
+        .filter_map(|m| m.get("content").and_then(Value::as_array))
+        .flatten()
+        .filter(|p| p.is_object())
+        .map(|p| p.get("type").and_then(Value::as_str).unwrap_or("(none)"))
+        .find(|kind| !text_types.contains(kind))
+        .map(|kind| format!("a content part of type {kind} is rendered by the model's processor"))
+}
+
+/// A text part's text, taken out of it: from `text`, `refusal` or
+/// `thinking` as vLLM reads each type.
+fn part_text(part: &mut Map<String, Value>) -> Result<Option<String>, RenderError> {
+    let kind = part
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_owned();
+    let field = match kind.as_str() {
+        "refusal" => "refusal",
+        "thinking" => "thinking",
+        _ => "text",
+    };
+    match part.get_mut(field).map(Value::take) {
+        Some(Value::String(s)) => Ok(Some(s)),
         // vLLM skips a text or refusal part without one.
         None | Some(Value::Null) if field != "thinking" => Ok(None),
         _ => Err(RenderError::Failed(format!(
-            "a `{}` content part needs a string `{field}`",
-            kind.unwrap_or_default()
+            "a `{kind}` content part needs a string `{field}`"
         ))),
     }
 }
@@ -442,24 +473,38 @@ fn part_text(part: &Map<String, Value>) -> Result<Option<String>, RenderError> {
 /// The fields of a text part vLLM copies beside `type` and `text`.
 const PART_FIELDS: [&str; 5] = ["type", "text", "refusal", "thinking", "uuid"];
 
-/// One message as vLLM hands it to the template.
-fn message(m: &Value, parts: bool) -> Result<Value, RenderError> {
+/// One message as vLLM hands it to the template, its content taken out
+/// of `m`.
+fn message(m: &mut Value, parts: bool) -> Result<Value, RenderError> {
+    // Nearly every message is `{role, content}` with a string content,
+    // which vLLM hands over as it is (unless the template takes parts).
+    if let Value::Object(map) = m
+        && map.len() == 2
+        && let Some((("role", Value::String(role)), ("content", Value::String(_)))) = map
+            .iter()
+            .next()
+            .zip(map.iter().nth(1))
+            .map(|((a, x), (b, y))| ((a.as_str(), x), (b.as_str(), y)))
+        && !(parts && role != "tool")
+        && role != "developer"
+    {
+        return Ok(m.take());
+    }
     let role = role(m).to_owned();
     // The content as a list of text parts (with the fields vLLM keeps).
     let mut texts: Vec<(String, Map<String, Value>)> = Vec::new();
-    match m.get("content") {
+    match m.get_mut("content").map(Value::take) {
         None | Some(Value::Null) => {}
-        Some(Value::String(s)) => texts.push((s.clone(), Map::new())),
+        Some(Value::String(s)) => texts.push((s, Map::new())),
         Some(Value::Array(items)) => {
             for item in items {
                 match item {
-                    Value::String(s) => texts.push((s.clone(), Map::new())),
-                    Value::Object(part) => {
-                        if let Some(text) = part_text(part)? {
+                    Value::String(s) => texts.push((s, Map::new())),
+                    Value::Object(mut part) => {
+                        if let Some(text) = part_text(&mut part)? {
                             let extra = part
-                                .iter()
+                                .into_iter()
                                 .filter(|(k, _)| !PART_FIELDS.contains(&k.as_str()))
-                                .map(|(k, v)| (k.clone(), v.clone()))
                                 .collect();
                             texts.push((text, extra));
                         }
@@ -478,7 +523,23 @@ fn message(m: &Value, parts: bool) -> Result<Value, RenderError> {
             ));
         }
     }
-    let joined = || {
+    let content = if parts && role != "tool" {
+        Value::Array(
+            texts
+                .into_iter()
+                .map(|(t, extra)| {
+                    let mut p = Map::new();
+                    p.insert("type".into(), "text".into());
+                    p.insert("text".into(), t.into());
+                    p.extend(extra);
+                    Value::Object(p)
+                })
+                .collect(),
+        )
+    } else if texts.len() == 1 {
+        // A tool's result is one string whatever the format.
+        Value::String(texts.pop().map(|(t, _)| t).unwrap_or_default())
+    } else {
         Value::String(
             texts
                 .iter()
@@ -486,23 +547,6 @@ fn message(m: &Value, parts: bool) -> Result<Value, RenderError> {
                 .collect::<Vec<_>>()
                 .join("\n"),
         )
-    };
-    let content = if parts && role != "tool" {
-        Value::Array(
-            texts
-                .iter()
-                .map(|(t, extra)| {
-                    let mut p = Map::new();
-                    p.insert("type".into(), "text".into());
-                    p.insert("text".into(), t.as_str().into());
-                    p.extend(extra.clone());
-                    Value::Object(p)
-                })
-                .collect(),
-        )
-    } else {
-        // A tool's result is one string whatever the format.
-        joined()
     };
     let mut out = Map::new();
     out.insert("role".into(), role.as_str().into());
@@ -740,7 +784,7 @@ mod sglang {
 
     /// One message as SGLang hands it to the template: its request
     /// model's fields in their order, those without a value dropped.
-    pub(super) fn message(m: &Value, parts: bool) -> Result<Value, RenderError> {
+    pub(super) fn message(m: &mut Value, parts: bool) -> Result<Value, RenderError> {
         let raw = m.get("role").and_then(Value::as_str).unwrap_or("");
         let role = if raw == "user" {
             "user".to_owned()
@@ -760,7 +804,7 @@ mod sglang {
         for &field in fields {
             let value = match field {
                 "role" => Value::String(role.clone()),
-                "content" => content(m.get("content"), parts, &role)?,
+                "content" => content(m.get_mut("content").map(Value::take), parts, &role)?,
                 "tool_calls" => match m.get("tool_calls") {
                     Some(Value::Array(calls)) => Value::Array(
                         calls
@@ -784,29 +828,31 @@ mod sglang {
         Ok(Value::Object(out))
     }
 
-    fn content(c: Option<&Value>, parts: bool, role: &str) -> Result<Value, RenderError> {
+    fn content(c: Option<Value>, parts: bool, role: &str) -> Result<Value, RenderError> {
         let items = match c {
             None | Some(Value::Null) if role != "user" => return Ok(Value::String(String::new())),
-            Some(Value::String(s)) => return Ok(Value::String(s.clone())),
+            Some(Value::String(s)) => return Ok(Value::String(s)),
             Some(Value::Array(items)) => items,
             _ => return Err(failed("`content` must be a string or a list of parts")),
         };
         let mut texts = Vec::new();
         let mut kept = Vec::new();
-        for item in items {
+        for mut item in items {
             let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
             match kind {
                 "text" | "input_text" => {
-                    let Some(text) = item.get("text").and_then(Value::as_str) else {
+                    let Some(Value::String(text)) = item.get_mut("text").map(Value::take) else {
                         return Err(failed("a text part needs a string `text`"));
                     };
-                    texts.push(text.to_owned());
-                    let mut p = Map::new();
-                    p.insert("type".into(), "text".into());
-                    p.insert("text".into(), text.into());
-                    kept.push(Value::Object(p));
+                    if parts {
+                        let mut p = Map::new();
+                        p.insert("type".into(), "text".into());
+                        p.insert("text".into(), text.as_str().into());
+                        kept.push(Value::Object(p));
+                    }
+                    texts.push(text);
                 }
-                "tool_reference" if parts => kept.push(item.clone()),
+                "tool_reference" if parts => kept.push(item),
                 "thinking" | "reasoning" | "tool_reference" => {}
                 other => {
                     return Err(RenderError::Unsupported(format!(
@@ -1058,7 +1104,11 @@ mod tests {
         ]);
         chat.add_generation_prompt = false;
         chat.tools = Some(json!([{"function": {"parameters": {}, "name": "f"}}]));
-        let sglang = |chat: &Chat| template.render_for(Engine::Sglang, chat, "", "").unwrap();
+        let sglang = |chat: &Chat| {
+            template
+                .render_for(Engine::Sglang, &mut chat.clone(), "", "")
+                .unwrap()
+        };
         // Parts joined with a space, the last assistant message read as the
         // user's, tools in the client's order, the generation prompt added.
         assert_eq!(

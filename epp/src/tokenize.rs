@@ -297,19 +297,23 @@ impl Models {
                 }
                 None => Tokens::Text(text),
             },
-            Prompt::Messages(chat) => match (&m.tokenizer, &m.template) {
+            Prompt::Messages(mut chat) => match (&m.tokenizer, &m.template) {
                 (Some(t), Some(template)) => {
-                    let rendered =
-                        match template.render_for(m.engine, &chat, &m.bos_token, &m.eos_token) {
-                            Ok(r) => r,
-                            Err(crate::chat::RenderError::Failed(e)) => {
-                                return Err(PromptError::Template(e));
-                            }
-                            Err(crate::chat::RenderError::Unsupported(_)) => {
-                                self.template_fallbacks.fetch_add(1, Ordering::Relaxed);
-                                return Ok(Tokens::Text(plain_text(&chat.messages)));
-                            }
-                        };
+                    let rendered = match template.render_for(
+                        m.engine,
+                        &mut chat,
+                        &m.bos_token,
+                        &m.eos_token,
+                    ) {
+                        Ok(r) => r,
+                        Err(crate::chat::RenderError::Failed(e)) => {
+                            return Err(PromptError::Template(e));
+                        }
+                        Err(crate::chat::RenderError::Unsupported(_)) => {
+                            self.template_fallbacks.fetch_add(1, Ordering::Relaxed);
+                            return Ok(Tokens::Text(plain_text(&chat.messages)));
+                        }
+                    };
                     let text = &rendered.text;
                     let mut ids = match &m.cuts {
                         Some(cuts) => crate::prefix::encode_with(
