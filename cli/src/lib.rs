@@ -296,7 +296,7 @@ fn explain(
     let Some(section) = config.epp.as_ref() else {
         return fail("the configuration has no `epp:` section: the endpoint picker is off".into());
     };
-    let loaded = match kvedge_daemon::epp::load(section) {
+    let loaded = match kvedge_daemon::epp::load(section, &config.engines) {
         Ok(l) => l,
         Err(e) => return fail(e.to_string()),
     };

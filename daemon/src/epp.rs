@@ -138,10 +138,38 @@ impl Loaded {
     }
 }
 
+/// Whose server's way `model`'s chats are prepared: its `engine:`, else
+/// SGLang's when every engine of the `engines:` section that serves it is
+/// an SGLang engine, else vLLM's.
+fn chat_engine(
+    model: &kvedge_config::EppModel,
+    engines: &[kvedge_config::EngineSpec],
+) -> kvedge_epp::chat::Engine {
+    use kvedge_epp::chat::Engine;
+    match model.engine.as_deref() {
+        Some("sglang") => Engine::Sglang,
+        Some(_) => Engine::Vllm,
+        None => {
+            let mut serving = engines.iter().filter(|e| e.model == model.name).peekable();
+            if serving.peek().is_some()
+                && serving.all(|e| e.kind == kvedge_config::EngineKind::Sglang)
+            {
+                Engine::Sglang
+            } else {
+                Engine::Vllm
+            }
+        }
+    }
+}
+
 /// Loads the models' tokenizers and templates (each a regular file under
 /// its size limit). Called before the daemon binds any socket: a daemon
 /// that cannot serve does not listen.
-pub fn load(section: &EppSection) -> io::Result<Loaded> {
+///
+/// A model without `engine:` is prepared as SGLang prepares chats when
+/// every engine of the `engines:` section that serves it is an SGLang
+/// engine, else as vLLM does.
+pub fn load(section: &EppSection, engines: &[kvedge_config::EngineSpec]) -> io::Result<Loaded> {
     for w in template_warnings(Some(section)) {
         tracing::warn!("{w}");
     }
@@ -149,10 +177,7 @@ pub fn load(section: &EppSection) -> io::Result<Loaded> {
         .models
         .iter()
         .map(|m| ModelSpec {
-            engine: match m.engine.as_deref() {
-                Some("sglang") => kvedge_epp::chat::Engine::Sglang,
-                _ => kvedge_epp::chat::Engine::Vllm,
-            },
+            engine: chat_engine(m, engines),
             name: m.name.clone(),
             tokenizer: m.tokenizer.as_ref().map(Into::into),
             chat_template: m.chat_template.as_ref().map(Into::into),
@@ -383,6 +408,33 @@ pub fn template_warnings(epp: Option<&kvedge_config::EppSection>) -> Vec<String>
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn chats_are_prepared_as_the_engines_serving_the_model_prepare_them() {
+        use kvedge_epp::chat::Engine;
+        let engine = |kind: &str, model: &str| -> kvedge_config::EngineSpec {
+            serde_json::from_value(serde_json::json!({"kind": kind, "model": model,
+                "worker_id": 1, "block_size": 16, "endpoint": "http://127.0.0.1:1",
+                "events": "tcp://127.0.0.1:2"}))
+            .unwrap()
+        };
+        let model = |engine: Option<&str>| -> kvedge_config::EppModel {
+            serde_json::from_value(serde_json::json!({"name": "m", "engine": engine})).unwrap()
+        };
+        let sglang = [engine("sglang", "m"), engine("vllm", "other")];
+        assert_eq!(super::chat_engine(&model(None), &sglang), Engine::Sglang);
+        assert_eq!(
+            super::chat_engine(&model(Some("vllm")), &sglang),
+            Engine::Vllm
+        );
+        let mixed = [engine("sglang", "m"), engine("vllm", "m")];
+        assert_eq!(super::chat_engine(&model(None), &mixed), Engine::Vllm);
+        assert_eq!(super::chat_engine(&model(None), &[]), Engine::Vllm);
+        assert_eq!(
+            super::chat_engine(&model(Some("sglang")), &[]),
+            Engine::Sglang
+        );
+    }
+
     #[test]
     fn the_configuration_checks_model_files_against_the_readers_limits() {
         use kvedge_config::epp as config;

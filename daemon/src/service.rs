@@ -116,7 +116,7 @@ fn load(
     let picker = config
         .epp
         .as_ref()
-        .map(crate::epp::load)
+        .map(|s| crate::epp::load(s, &config.engines))
         .transpose()
         .map_err(|e| format!("epp: {e}"))?;
     let drivers = Drivers {

@@ -60,7 +60,7 @@ impl Bound {
         let picker = config
             .epp
             .as_ref()
-            .map(|s| kvedge_daemon::epp::load(s).unwrap());
+            .map(|s| kvedge_daemon::epp::load(s, &config.engines).unwrap());
         let runtime = RuntimeDir { dir };
         let mut server = Server::bind(config, &runtime).unwrap();
         if let Some(picker) = picker {
