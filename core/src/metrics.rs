@@ -331,7 +331,7 @@ fn render_picker(r: &mut Registry, p: &PickerStats) {
     );
     r.register(
         "epp_template_fallbacks",
-        "Chats routed on their text, not their token ids, because the chat template could not be rendered as the engine renders it (a picture or other non-text part in a message)",
+        "Chats routed on their text, not their token ids, because the chat template could not be rendered as the engine renders it (a picture or other non-text part in a message, or a template calling a filter, test or method kvedge's Jinja lacks)",
         counter(p.template_fallbacks),
     );
     r.register(

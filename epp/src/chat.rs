@@ -251,9 +251,17 @@ impl Template {
             .env
             .get_template("chat")
             .map_err(|e| RenderError::Failed(e.to_string()))?;
-        let rendered = template
-            .render(J::from_iter(context))
-            .map_err(|e| RenderError::Failed(template_error(&e)))?;
+        let rendered = match template.render(J::from_iter(context)) {
+            Ok(text) => text,
+            Err(e) => {
+                let e = render_error(&e);
+                // Routed on its text: the contents go back to the chat.
+                if matches!(e, RenderError::Unsupported(_)) {
+                    chat.messages = messages;
+                }
+                return Err(e);
+            }
+        };
         match final_text {
             Some(text) => cut_at_tag(rendered, &text),
             None => Ok(rendered),
@@ -291,60 +299,68 @@ impl Template {
             }
         }
         let tools = sglang::tools(chat);
-        let mut context = Map::new();
-        context.insert("bos_token".into(), bos.into());
-        context.insert("eos_token".into(), eos.into());
+        use minijinja::Value as J;
+        let mut context: Vec<(J, J)> = vec![
+            (J::from("bos_token"), J::from(bos)),
+            (J::from("eos_token"), J::from(eos)),
+        ];
         if let Some(effort) = &chat.reasoning_effort {
-            context.insert("reasoning_effort".into(), effort.as_str().into());
+            context.push((J::from("reasoning_effort"), J::from(effort.as_str())));
         }
-        let mut documents = Value::Null;
+        let mut documents = J::from(());
         for (k, v) in &chat.kwargs {
             match k.as_str() {
                 // Given to `apply_chat_template` twice: Python refuses.
-                "tokenize" | "add_generation_prompt" | "tools" | "return_dict" | "conversation" => {
+                "tokenize"
+                | "add_generation_prompt"
+                | "tools"
+                | "return_dict"
+                | "conversation"
+                | "chat_template" => {
                     return Err(RenderError::Failed(format!(
                         "chat_template_kwargs may not set `{k}`"
                     )));
                 }
-                "chat_template" => {
-                    return Err(RenderError::Unsupported(
-                        "a chat template sent with the request".into(),
-                    ));
-                }
-                "documents" => documents = v.clone(),
+                "documents" => documents = J::from_serialize(v),
                 k if CONSUMED.contains(&k) => {}
-                _ => {
-                    context.insert(k.clone(), v.clone());
-                }
+                _ => context.push((J::from(k.as_str()), J::from_serialize(v))),
             }
         }
-        context.insert("messages".into(), Value::Array(messages));
-        context.insert("documents".into(), documents);
-        context.insert("add_generation_prompt".into(), true.into());
+        context.push((J::from("messages"), J::from_serialize(&messages)));
+        context.push((J::from("documents"), documents));
+        context.push((J::from("add_generation_prompt"), J::from(true)));
         let template = self
             .env
             .get_template("chat")
             .map_err(|e| RenderError::Failed(e.to_string()))?;
-        let render = |tools: Value| {
+        let render = |tools: &Value| {
             let mut context = context.clone();
-            context.insert("tools".into(), tools);
-            template.render(minijinja::Value::from_serialize(&context))
+            context.push((J::from("tools"), J::from_serialize(tools)));
+            template.render(J::from_iter(context))
         };
-        let text = match render(tools.clone()) {
-            Ok(text) => text,
+        let rendered = match render(&tools) {
             // Tried again with the bare function definitions, which some
             // templates expect.
-            Err(first) => match tools {
-                Value::Array(list) => {
-                    let bare = list
-                        .into_iter()
-                        .map(|t| t.get("function").cloned().unwrap_or(t))
-                        .collect();
-                    render(Value::Array(bare))
-                        .map_err(|e| RenderError::Failed(template_error(&e)))?
+            Err(_) if tools.is_array() => {
+                let bare: Vec<Value> = tools
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|t| t.get("function").cloned().unwrap_or_else(|| t.clone()))
+                    .collect();
+                render(&Value::Array(bare))
+            }
+            other => other,
+        };
+        let text = match rendered {
+            Ok(text) => text,
+            Err(e) => {
+                let e = render_error(&e);
+                if matches!(e, RenderError::Unsupported(_)) {
+                    chat.messages = messages;
                 }
-                _ => return Err(RenderError::Failed(template_error(&first))),
-            },
+                return Err(e);
+            }
         };
         Ok(Rendered { text, continued })
     }
@@ -408,6 +424,19 @@ fn cut_at_tag(rendered: String, final_text: &str) -> Result<String, RenderError>
         out.truncate(kept);
     }
     Ok(out)
+}
+
+/// A render's failure: a filter, test, function or method kvedge's Jinja
+/// does not have cannot be rendered as the engine renders it (the chat
+/// is routed on its text); any other error is the engine's too.
+fn render_error(e: &minijinja::Error) -> RenderError {
+    use minijinja::ErrorKind as K;
+    match e.kind() {
+        K::UnknownFilter | K::UnknownTest | K::UnknownFunction | K::UnknownMethod => {
+            RenderError::Unsupported(format!("the chat template uses what kvedge lacks: {e}"))
+        }
+        _ => RenderError::Failed(template_error(e)),
+    }
 }
 
 /// A template error's message without minijinja's location noise: a
@@ -1120,6 +1149,17 @@ mod tests {
         let continued = sglang(&chat);
         assert_eq!(continued.text, "user:a b;>");
         assert_eq!(continued.continued.as_deref(), Some("so far"));
+    }
+
+    #[test]
+    fn a_template_calling_what_kvedge_lacks_is_unsupported_and_keeps_the_chat() {
+        let template = Template::new("{{ messages[0].content | wordwrap }}".into()).unwrap();
+        let mut chat = Chat::of(vec![json!({"role": "user", "content": "kept"})]);
+        assert!(matches!(
+            template.render_for(Engine::Vllm, &mut chat, "", ""),
+            Err(RenderError::Unsupported(_))
+        ));
+        assert_eq!(chat.messages[0]["content"], "kept");
     }
 
     #[test]

@@ -237,3 +237,37 @@ fn a_small_cache_evicts_within_its_bound_and_stays_right() {
     // evicted and tokenizes them whole again.
     assert!(c.misses > 40, "{c:?}");
 }
+
+/// A chat kvedge cannot render as the engine does (a template using a
+/// filter kvedge's Jinja lacks, a picture in a message) is routed on its
+/// text and counted, not refused and not routed on wrong token ids.
+#[test]
+fn chats_kvedge_cannot_render_fall_back_to_their_text_and_are_counted() {
+    let (_, tokenizer) = tokenizers().remove(0);
+    let template = dir().join("wordwrap.jinja");
+    std::fs::write(
+        &template,
+        "{% for m in messages %}<|im_start|>{{ m.content | wordwrap(20) }}<|im_end|>{% endfor %}",
+    )
+    .unwrap();
+    let m = models(&tokenizer, &template, 1 << 20);
+    let chat = vec![serde_json::json!({"role": "user", "content": "some words to wrap"})];
+    match m.tokens("m", Prompt::chat(chat), 1 << 20).unwrap() {
+        Tokens::Text(text) => assert_eq!(text, "user\nsome words to wrap\n"),
+        Tokens::Ids(_) => panic!("rendered without the filter"),
+    }
+    let (_, chatml) = templates()
+        .into_iter()
+        .find(|(n, _)| n == "chatml")
+        .unwrap();
+    let m2 = models(&tokenizer, &chatml, 1 << 20);
+    let picture = vec![serde_json::json!({"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]})];
+    assert!(matches!(
+        m2.tokens("m", Prompt::chat(picture), 1 << 20).unwrap(),
+        Tokens::Text(t) if t == "user\nwhat is this?\n"
+    ));
+    assert_eq!(m.prefix_counts().template_fallbacks, 1);
+    assert_eq!(m2.prefix_counts().template_fallbacks, 1);
+}
