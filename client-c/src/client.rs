@@ -204,8 +204,8 @@ pub unsafe extern "C" fn kvedge_client_set_timeout_ms(
 
 /// Moves this client's requests onto a query channel: a request ring and a
 /// reply ring in shared memory, created by the daemon. A select then costs
-/// no system call while the daemon is busy (a 128-hash select took about
-/// 1 µs, against about 9 µs for a blocking socket client, on our test VM).
+/// no system call while the daemon is busy (a fraction of a blocking socket
+/// client's round trip: BENCHMARKS.md, "C library" and "Daemon").
 /// While waiting for a reply the calling thread polls for up to 50 µs,
 /// then sleeps. It holds its CPU while it polls, except when its request
 /// woke the sleeping daemon or the daemon runs on the same CPU: then it

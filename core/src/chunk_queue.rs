@@ -1,7 +1,7 @@
 //! A first-in, first-out queue of `u64`s kept in fixed-size chunks: the KV
 //! index's store-order queues. A `VecDeque` doubles by copying every
-//! entry into a new array, and a queue of 16 million hashes held the
-//! routing thread for 45-110 ms each time it did; here growing adds a
+//! entry into a new array, and a queue of millions of hashes held the
+//! routing thread for a long pause each time it did; here growing adds a
 //! chunk, and only the small list of chunks is ever copied.
 
 use std::collections::VecDeque;

@@ -13,16 +13,15 @@
 //!   (see `mask_table`), so a lookup reads at most two known cache lines.
 //!   Keys are hashed with a fast seeded hash (foldhash), not by identity:
 //!   keys come from engines, and sequential or crafted ones would otherwise
-//!   crowd a few buckets (with an open-addressing table, 500,000
-//!   sequential hashes once made an unrelated lookup cost 5 µs);
+//!   crowd a few buckets (with an open-addressing table, sequential
+//!   hashes once made unrelated lookups thousands of times slower);
 //! - nothing per entry besides: per worker and tier a count, and which
 //!   shards it stored into since it was last cleared, so `Cleared` and a
 //!   worker's death clear its bit in those shards only. A worker holding
 //!   few blocks also keeps their list (up to [`LISTED`] per tier), and its
 //!   `Cleared` costs O(its blocks); a larger one's sweeps its shards, which
-//!   is O(the tier): 25 ms for one of 64 workers in a 10-million-entry
-//!   index, where per-worker hash sets took 15 ms but cost 25 bytes an
-//!   entry.
+//!   is O(the tier): somewhat slower than per-worker hash sets, which
+//!   would cost 25 bytes an entry.
 //!
 //! Capacity is counted in (block, worker, tier) entries. When a store would
 //! exceed it, room is made by evicting entries of the worker that holds the
@@ -242,8 +241,8 @@ const WALK_AT_ONCE: usize = 4096;
 
 /// The walk over the tables, a few buckets per stored hash, that queues
 /// the entries held when the index first reached half full (building those
-/// queues at once held the routing thread for 134-185 ms at 8 million
-/// entries). Its place is table `shard` of tier `tier`, bucket `bucket` of
+/// queues at once held the routing thread for too long in a large index).
+/// Its place is table `shard` of tier `tier`, bucket `bucket` of
 /// the `size` the table had when the walk reached it.
 ///
 /// Keys the tables move meanwhile may be read twice (a second copy in a

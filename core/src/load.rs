@@ -128,8 +128,7 @@ const RESERVED: usize = 4096;
 
 /// The id map, empty, with room for [`RESERVED`] reservations and its
 /// memory written once. A fresh allocation is only reserved address space:
-/// the first write to each page takes a page fault (1.3-1.9 µs on the VM in
-/// BENCHMARKS.md), and the map's writes land on random pages, so about one
+/// the first write to each page takes a page fault, and the map's writes land on random pages, so about one
 /// reserve in four took one during a new daemon's first few hundred
 /// selects. Filling every slot and clearing the map takes them here.
 fn prefaulted_index() -> HashMap<u64, usize> {

@@ -58,13 +58,12 @@ pub const MAX_STREAMS_PER_CONNECTION: u32 = 4096;
 /// thread (a millisecond or two); a larger one goes to the pool.
 pub const INLINE_PROMPT_BYTES: usize = 8 << 10;
 /// The same for an ASCII body when every model reads ASCII quickly
-/// ([`Models::quick_on_ascii`]): a text never seen costs about 11 ns a
-/// byte there (under 0.4 ms at this size), a seen one a third of that,
-/// less than the two thread hand-offs the pool costs.
+/// ([`Models::quick_on_ascii`]): such a text is read on the serving thread
+/// in less time than the two thread hand-offs the pool costs.
 pub const INLINE_ASCII_PROMPT_BYTES: usize = 32 << 10;
 /// The same for a completion whose prompt is a list of token ids, read at
-/// about a nanosecond a byte (no template or tokenizer): at most about
-/// 65 µs here, against two thread hand-offs to the pool and back. A body
+/// a byte loop (no template or tokenizer), well within two thread
+/// hand-offs to the pool and back. A body
 /// of this size that turns out to hold anything else is given up as soon
 /// as its prompt is seen, and goes to the pool.
 pub const INLINE_ID_PROMPT_BYTES: usize = 64 << 10;
@@ -75,9 +74,9 @@ pub const FIRST_BYTES_TIMEOUT: Duration = Duration::from_secs(10);
 /// How long the serving thread checks for the routing core's reply,
 /// yielding its CPU between checks, before it parks until the reply wakes
 /// it. The core answers a select within microseconds of waking, and a
-/// parked serving thread paid a wake-up of its own for each reply: the
-/// round trip to the core took 24-25 µs at the median parked and 10-11
-/// checking (BENCHMARKS.md, "Endpoint picker"). A reply that takes longer
+/// parked serving thread paid a wake-up of its own for each reply, which
+/// more than doubled the round trip to the core (BENCHMARKS.md, "Endpoint
+/// picker"). A reply that takes longer
 /// costs the thread no more than this. The query clients wait the same way.
 pub const REPLY_WAIT: Duration = Duration::from_micros(50);
 

@@ -118,8 +118,7 @@ type Map = HashMap<u128, Binding, foldhash::fast::RandomState>;
 
 /// An empty map with room for `capacity` bindings, its memory written
 /// once: a fresh allocation is only reserved address space, and the first
-/// write to each of its pages takes a page fault (1.3-1.9 µs on the VM in
-/// BENCHMARKS.md). Filling every slot and clearing the map takes those
+/// write to each of its pages takes a page fault. Filling every slot and clearing the map takes those
 /// faults here, not one in each bind of a new session until the whole
 /// table has been used (about ten of its capacities of new sessions).
 fn prefaulted_map(capacity: usize) -> Map {

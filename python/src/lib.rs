@@ -415,8 +415,8 @@ enum Release {
 }
 
 /// A prompt's block hashes held natively: `select(hashes=...)` reads them
-/// without converting a Python list element by element (about 10 ns per
-/// hash), the way a C caller passes its array.
+/// without converting a Python list element by element, the way a C
+/// caller passes its array.
 #[pyclass(module = "kvedge._kvedge", frozen, sequence)]
 pub struct BlockHashes {
     hashes: Vec<u64>,

@@ -121,7 +121,7 @@ impl Segment {
             .map_err(|e| SegmentError::os("mmap", e))?;
         if capacity > 0 {
             // Map every page, writable, now: each side's first write or
-            // read of a page would otherwise take a page fault (1-2 µs), in
+            // read of a page would otherwise take a page fault, in
             // a publish or an ingest, all through the first pass over the
             // ring. Best effort: kernels before 5.14 refuse the advice, and
             // then the pages are mapped as they are first touched.

@@ -1,8 +1,8 @@
 //! A request body read in one pass without serde_json's per-element path
 //! through a token-id prompt. serde_json asks the visitor for each of a
-//! 2,000-id list's elements in turn, about 11 ns apiece (23 µs for the
-//! list, most of a front door's decision with token ids); a byte loop
-//! reads the same list in about a third of that.
+//! long list's elements in turn, which was most of a front door's decision
+//! with token ids; a byte loop reads the same list several times faster
+//! (BENCHMARKS.md, "Endpoint picker").
 //!
 //! The body's top-level object is cut into its members here. A `prompt`
 //! that is a list of plainly written `u32`s is read by the loop; every
