@@ -8,6 +8,7 @@
 #![forbid(unsafe_code)]
 
 pub mod engine_args;
+mod metrics_page;
 pub mod mock_engine;
 pub mod openai;
 pub mod publish;

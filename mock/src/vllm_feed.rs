@@ -188,7 +188,7 @@ impl VllmFeed {
         }
         let page = Arc::new(Mutex::new(String::new()));
         if let Some(addr) = sockets.metrics {
-            kvedge_daemon::metrics_http::serve_http(addr, Arc::clone(&page))
+            crate::metrics_page::serve(&rt, addr, Arc::clone(&page))
                 .map_err(|e| format!("--vllm-metrics {addr}: {e}"))?;
         }
         let feed = VllmFeed {
