@@ -412,6 +412,23 @@ fn tiny_models(
     .unwrap()
 }
 
+/// `request`'s token ids as the picker computes them from its body
+/// (served as model `tiny`).
+fn tiny_tokens(
+    models: &kvedge_epp::tokenize::Models,
+    request: &Value,
+) -> Result<kvedge_epp::tokenize::Tokens, kvedge_epp::tokenize::PromptError> {
+    use kvedge_epp::body::{self, Route};
+    let mut request = request.clone();
+    request["model"] = json!("tiny");
+    let body = request.to_string();
+    models.tokens(
+        "tiny",
+        body::parse(Route::Chat, body.as_bytes()).unwrap().prompt,
+        1 << 20,
+    )
+}
+
 /// The chat-template corpus's files.
 fn corpus_templates() -> Vec<PathBuf> {
     let corpus = Path::new(env!("CARGO_MANIFEST_DIR")).join("../testdata/chat-templates/models");
@@ -455,7 +472,6 @@ fn corpus_requests() -> Vec<Value> {
 /// the same token ids, or both refuse.
 #[test]
 fn chat_templates_tokenize_as_sglang_tokenizes_them() {
-    use kvedge_epp::body::{self, Route};
     use kvedge_epp::tokenize::Tokens;
     let Some(env) = engines_env("chat_templates_sglang") else {
         return;
@@ -472,13 +488,8 @@ fn chat_templates_tokenize_as_sglang_tokenizes_them() {
     for template in corpus_templates() {
         let models = tiny_models(&env, &template, kvedge_epp::chat::Engine::Sglang);
         for mut request in corpus_requests() {
+            let ours = tiny_tokens(&models, &request);
             request["model"] = json!("tiny");
-            let body = request.to_string();
-            let ours = models.tokens(
-                "tiny",
-                body::parse(Route::Chat, body.as_bytes()).unwrap().prompt,
-                1 << 20,
-            );
             writeln!(
                 to,
                 "{}",
@@ -530,7 +541,6 @@ fn chat_templates_tokenize_as_sglang_tokenizes_them() {
 /// (the picker's whole path, from the request body) are those vLLM's own
 /// `/tokenize` gives for the same request, or both refuse it.
 fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Server) {
-    use kvedge_epp::body::{self, Route};
     use kvedge_epp::tokenize::Tokens;
     let requests = corpus_requests();
     let mut compared = 0;
@@ -541,15 +551,9 @@ fn chat_templates_tokenize_as_vllm_tokenizes_them(env: &EnginesEnv, server: &Ser
         let models = tiny_models(env, template, kvedge_epp::chat::Engine::Vllm);
         let source = std::fs::read_to_string(template).unwrap();
         for request in &requests {
-            let mut ours_body = request.clone();
-            ours_body["model"] = json!("tiny");
-            let body = ours_body.to_string();
-            let ours = models.tokens(
-                "tiny",
-                body::parse(Route::Chat, body.as_bytes()).unwrap().prompt,
-                1 << 20,
-            );
-            let mut theirs_body = ours_body.clone();
+            let ours = tiny_tokens(&models, request);
+            let mut theirs_body = request.clone();
+            theirs_body["model"] = json!("tiny");
             theirs_body["chat_template"] = json!(source);
             let (status, _, answer) = http(
                 server.http,

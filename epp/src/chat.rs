@@ -164,7 +164,7 @@ impl Template {
         bos: &str,
         eos: &str,
     ) -> Result<Rendered, RenderError> {
-        if let Some(why) = unsupported(chat, engine) {
+        if let Some(why) = non_text_part(chat, engine) {
             return Err(RenderError::Unsupported(why));
         }
         match engine {
@@ -179,10 +179,8 @@ impl Template {
     /// The text `chat` renders to as vLLM renders it, with `bos` and `eos`
     /// as the tokenizer's special tokens.
     pub fn render(&self, chat: &Chat, bos: &str, eos: &str) -> Result<String, RenderError> {
-        if let Some(why) = unsupported(chat, Engine::Vllm) {
-            return Err(RenderError::Unsupported(why));
-        }
-        self.render_vllm(&mut chat.clone(), bos, eos)
+        self.render_for(Engine::Vllm, &mut chat.clone(), bos, eos)
+            .map(|r| r.text)
     }
 
     fn render_vllm(&self, chat: &mut Chat, bos: &str, eos: &str) -> Result<String, RenderError> {
@@ -253,14 +251,7 @@ impl Template {
             .map_err(|e| RenderError::Failed(e.to_string()))?;
         let rendered = match template.render(J::from_iter(context)) {
             Ok(text) => text,
-            Err(e) => {
-                let e = render_error(&e);
-                // Routed on its text: the contents go back to the chat.
-                if matches!(e, RenderError::Unsupported(_)) {
-                    chat.messages = messages;
-                }
-                return Err(e);
-            }
+            Err(e) => return Err(render_failed(&e, chat, messages)),
         };
         match final_text {
             Some(text) => cut_at_tag(rendered, &text),
@@ -354,13 +345,7 @@ impl Template {
         };
         let text = match rendered {
             Ok(text) => text,
-            Err(e) => {
-                let e = render_error(&e);
-                if matches!(e, RenderError::Unsupported(_)) {
-                    chat.messages = messages;
-                }
-                return Err(e);
-            }
+            Err(e) => return Err(render_failed(&e, chat, messages)),
         };
         Ok(Rendered { text, continued })
     }
@@ -415,24 +400,26 @@ fn cut_at_tag(rendered: String, final_text: &str) -> Result<String, RenderError>
         ));
     }
     let at = rendered.rfind(tag).unwrap_or(rendered.len());
+    // The tag with its space: the template kept the text's end as it was;
+    // without, it trimmed whitespace there, and so does the cut.
+    let kept_spacing = rendered[at..].starts_with(CONTINUE_TAG);
     let mut out = rendered;
-    if out[at..].starts_with(CONTINUE_TAG) {
-        out.truncate(at);
-    } else {
-        out.truncate(at);
-        let kept = out.trim_end().len();
-        out.truncate(kept);
+    out.truncate(at);
+    if !kept_spacing {
+        out.truncate(out.trim_end().len());
     }
     Ok(out)
 }
 
 /// A render's failure: a filter, test, function or method kvedge's Jinja
-/// does not have cannot be rendered as the engine renders it (the chat
-/// is routed on its text); any other error is the engine's too.
-fn render_error(e: &minijinja::Error) -> RenderError {
+/// does not have cannot be rendered as the engine renders it, and the
+/// prepared `messages` go back into `chat` for the caller to route on
+/// their text; any other error is the engine's too.
+fn render_failed(e: &minijinja::Error, chat: &mut Chat, messages: Vec<Value>) -> RenderError {
     use minijinja::ErrorKind as K;
     match e.kind() {
         K::UnknownFilter | K::UnknownTest | K::UnknownFunction | K::UnknownMethod => {
+            chat.messages = messages;
             RenderError::Unsupported(format!("the chat template uses what kvedge lacks: {e}"))
         }
         _ => RenderError::Failed(template_error(e)),
@@ -455,7 +442,7 @@ fn role(m: &Value) -> &str {
 /// The first content part `engine` does not read as text (a picture, a
 /// sound), said as a reason; such a chat's tokens depend on the model's
 /// processor.
-fn unsupported(chat: &Chat, engine: Engine) -> Option<String> {
+fn non_text_part(chat: &Chat, engine: Engine) -> Option<String> {
     let text_types: &[&str] = match engine {
         Engine::Vllm => &["text", "input_text", "output_text", "refusal", "thinking"],
         Engine::Sglang => &[
@@ -630,26 +617,22 @@ fn tool_call(call: &Value) -> Result<Value, RenderError> {
         .get("type")
         .and_then(Value::as_str)
         .unwrap_or("function");
-    let Some(function) = obj.get("function").and_then(Value::as_object) else {
+    let Some(function) = obj
+        .get("function")
+        .and_then(Value::as_object)
+        .filter(|_| kind == "function")
+    else {
         return Err(RenderError::Failed(
             "chat completions only support assistant tool_calls of type 'function'".into(),
         ));
     };
-    if kind != "function" {
-        return Err(RenderError::Failed(
-            "chat completions only support assistant tool_calls of type 'function'".into(),
-        ));
-    }
+    // Anything but an object, or a string holding one, is an empty object:
+    // vLLM goes on with it, so that a conversation is not stuck on an old
+    // turn's malformed call.
     let arguments = match function.get("arguments") {
-        Some(Value::Object(o)) if !o.is_empty() => Value::Object(o.clone()),
-        Some(Value::String(s)) if !s.is_empty() => match serde_json::from_str::<Value>(s) {
+        Some(Value::Object(o)) => Value::Object(o.clone()),
+        Some(Value::String(s)) => match serde_json::from_str::<Value>(s) {
             Ok(Value::Object(o)) => Value::Object(o),
-            // Not an object, or not JSON: vLLM goes on with an empty one,
-            // so that the conversation is not stuck on an old turn.
-            _ => Value::Object(Map::new()),
-        },
-        Some(v) if truthy(v) => match v {
-            Value::Object(o) => Value::Object(o.clone()),
             _ => Value::Object(Map::new()),
         },
         _ => Value::Object(Map::new()),
@@ -669,18 +652,6 @@ fn tool_call(call: &Value) -> Result<Value, RenderError> {
     out.insert("function".into(), Value::Object(f));
     out.insert("type".into(), kind.into());
     Ok(Value::Object(out))
-}
-
-/// Python's truth of a JSON value.
-fn truthy(v: &Value) -> bool {
-    match v {
-        Value::Null => false,
-        Value::Bool(b) => *b,
-        Value::Number(n) => n.as_f64().is_some_and(|f| f != 0.0),
-        Value::String(s) => !s.is_empty(),
-        Value::Array(a) => !a.is_empty(),
-        Value::Object(o) => !o.is_empty(),
-    }
 }
 
 /// `developer` messages as `system` ones, and every system message merged
@@ -753,12 +724,14 @@ fn tools(tools: &Value) -> Value {
                 if !strict.is_null() {
                     function.insert("strict".into(), strict);
                 }
-                let defer = match t.get("defer_loading").filter(|v| !v.is_null()) {
-                    Some(d) => Some(d.clone()),
-                    None => Some(field("defer_loading")).filter(|v| !v.is_null()),
-                };
-                if let Some(d) = &defer {
-                    function.insert("defer_loading".into(), d.clone());
+                // The function's own, else the tool's (which vLLM copies
+                // into the function when the function has none).
+                let tool_defer = t.get("defer_loading").filter(|v| !v.is_null());
+                let defer = Some(field("defer_loading"))
+                    .filter(|v| !v.is_null())
+                    .or_else(|| tool_defer.cloned());
+                if let Some(d) = defer {
+                    function.insert("defer_loading".into(), d);
                 }
                 let mut tool = Map::new();
                 tool.insert(
@@ -766,7 +739,7 @@ fn tools(tools: &Value) -> Value {
                     t.get("type").cloned().unwrap_or_else(|| "function".into()),
                 );
                 tool.insert("function".into(), Value::Object(function));
-                if let Some(d) = t.get("defer_loading").filter(|v| !v.is_null()) {
+                if let Some(d) = tool_defer {
                     tool.insert("defer_loading".into(), d.clone());
                 }
                 Value::Object(tool)
@@ -1072,6 +1045,19 @@ mod tests {
         assert_eq!(
             render("{{ messages[0].tool_calls[0] | tojson }}", chat).unwrap(),
             r#"{"id": "c1", "function": {"arguments": {}, "name": "f"}, "type": "function"}"#
+        );
+    }
+
+    #[test]
+    fn a_functions_own_defer_loading_wins_over_its_tools() {
+        let mut chat = Chat::of(vec![json!({"role": "user", "content": "hi"})]);
+        chat.tools = Some(json!([
+            {"type": "function", "defer_loading": true, "function": {"name": "f", "defer_loading": false}},
+            {"type": "function", "defer_loading": true, "function": {"name": "g"}}]));
+        assert_eq!(
+            render("{% for t in tools %}{{ t.function.defer_loading }}{{ t.defer_loading }};{% endfor %}", chat)
+                .unwrap(),
+            "FalseTrue;TrueTrue;"
         );
     }
 
