@@ -713,6 +713,57 @@ mod tests {
     }
 
     #[test]
+    fn a_chats_template_fields_are_read_and_checked() {
+        let chat = |extra: &str| {
+            let body =
+                format!(r#"{{"model":"m","messages":[{{"role":"user","content":"x"}}]{extra}}}"#);
+            match parse(Route::Chat, body.as_bytes()) {
+                Ok(Parsed {
+                    prompt: Prompt::Messages(c),
+                    ..
+                }) => Ok(*c),
+                Ok(other) => panic!("{other:?}"),
+                Err(e) => Err(e),
+            }
+        };
+        let c = chat(
+            r#","tools":[{"type":"function","function":{"name":"f"}}],"documents":[{"title":"t"}],"chat_template_kwargs":{"enable_thinking":false},"add_generation_prompt":false,"reasoning_effort":"low","tool_choice":"none""#,
+        )
+        .unwrap();
+        assert!(c.tools.is_some() && c.documents.is_some());
+        assert_eq!(c.kwargs.get("enable_thinking"), Some(&Value::Bool(false)));
+        assert!(!c.add_generation_prompt && !c.continue_final_message);
+        assert_eq!(c.reasoning_effort.as_deref(), Some("low"));
+        assert_eq!(c.tool_choice, Some(Value::from("none")));
+        // `null` is the default.
+        assert!(
+            chat(r#","add_generation_prompt":null,"tools":null"#)
+                .unwrap()
+                .add_generation_prompt
+        );
+        for (extra, field) in [
+            (r#","tools":{"f":1}"#, "tools"),
+            (r#","documents":["x"]"#, "documents"),
+            (r#","chat_template_kwargs":[1]"#, "chat_template_kwargs"),
+            (r#","add_generation_prompt":"yes""#, "add_generation_prompt"),
+            (r#","reasoning_effort":3"#, "reasoning_effort"),
+            (
+                r#","continue_final_message":true"#,
+                "continue_final_message",
+            ),
+        ] {
+            match chat(extra) {
+                Err(BodyError::BadChatField { field: f, .. }) => assert_eq!(f, field, "{extra}"),
+                other => panic!("{extra}: {other:?}"),
+            }
+        }
+        assert_eq!(
+            chat(r#","chat_template_kwargs":{"chat_template":"{{ 1 }}"}"#),
+            Err(BodyError::ReservedKwarg("chat_template".into()))
+        );
+    }
+
+    #[test]
     fn routes_are_read_from_the_path() {
         assert_eq!(Route::of("/v1/completions"), Some(Route::Completions));
         assert_eq!(Route::of("/v1/chat/completions?x=1"), Some(Route::Chat));
